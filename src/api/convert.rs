@@ -1,0 +1,216 @@
+//! Conversions between protobuf messages and domain types, with the field names that
+//! error messages use.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::{
+    domain::{
+        AckId, DEFAULT_CONTENT_TYPE, Delivery, Event, NewEvent, PatternSet, StartPosition,
+        Subscription, SubscriptionName, SubscriptionSettings,
+    },
+    error::{Error, Result},
+    proto,
+};
+
+pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEvent> {
+    let field = |name: &str| format!("events[{index}].{name}");
+    let id =
+        if input.id.is_empty() {
+            None
+        } else {
+            Some(Uuid::parse_str(&input.id).map_err(|_| {
+                Error::invalid(field("id"), format!("{:?} is not a UUID", input.id))
+            })?)
+        };
+    let occurred_at = input
+        .occurred_at
+        .map(|timestamp| timestamp_to_datetime(&field("occurred_at"), timestamp))
+        .transpose()?;
+    Ok(NewEvent {
+        id,
+        aggregate_type: input.aggregate_type,
+        aggregate_id: input.aggregate_id,
+        aggregate_version: input.aggregate_version,
+        event_type: input.event_type,
+        payload: input.payload,
+        content_type: if input.content_type.is_empty() {
+            DEFAULT_CONTENT_TYPE.to_owned()
+        } else {
+            input.content_type
+        },
+        metadata: input.metadata.into_iter().collect(),
+        occurred_at,
+    })
+}
+
+pub(super) fn event(event: Event) -> proto::Event {
+    proto::Event {
+        id: event.id.to_string(),
+        aggregate_type: event.aggregate_type,
+        aggregate_id: event.aggregate_id,
+        aggregate_version: event.aggregate_version,
+        event_type: event.event_type,
+        payload: event.payload,
+        content_type: event.content_type,
+        metadata: event.metadata.into_iter().collect(),
+        occurred_at: Some(datetime_to_timestamp(event.occurred_at)),
+        created_at: Some(datetime_to_timestamp(event.created_at)),
+    }
+}
+
+pub(super) fn delivery(delivery: Delivery) -> proto::Delivery {
+    proto::Delivery {
+        ack_id: delivery.ack_id.to_string(),
+        attempt: delivery.attempt,
+        event: Some(event(delivery.event)),
+        ack_deadline: Some(datetime_to_timestamp(delivery.ack_deadline)),
+    }
+}
+
+pub(super) fn subscription_name(field: &str, name: &str) -> Result<SubscriptionName> {
+    SubscriptionName::parse(field, name)
+}
+
+pub(super) fn ack_ids(field: &str, ack_ids: &[String]) -> Result<Vec<AckId>> {
+    if ack_ids.is_empty() {
+        return Err(Error::invalid(field, "must contain at least one ack id"));
+    }
+    ack_ids
+        .iter()
+        .enumerate()
+        .map(|(index, text)| ack_id(&format!("{field}[{index}]"), text))
+        .collect()
+}
+
+pub(super) fn ack_id(field: &str, text: &str) -> Result<AckId> {
+    AckId::parse(text).ok_or_else(|| {
+        Error::invalid(
+            field,
+            format!("{text:?} is not an ack id from this gateway"),
+        )
+    })
+}
+
+/// A new subscription from its message: name, settings (defaults for unset fields) and
+/// start position.
+pub(super) fn new_subscription(
+    message: Option<proto::Subscription>,
+) -> Result<(SubscriptionName, SubscriptionSettings, StartPosition)> {
+    let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
+    let name = subscription_name("subscription.name", &message.name)?;
+    let defaults = SubscriptionSettings::default();
+    let settings = SubscriptionSettings {
+        event_types: patterns("subscription.event_types", &message.event_types)?,
+        aggregate_types: message.aggregate_types,
+        metadata_match: message
+            .metadata_match
+            .into_iter()
+            .collect::<BTreeMap<_, _>>(),
+        ack_deadline: optional_duration("subscription.ack_deadline", message.ack_deadline)?
+            .unwrap_or(defaults.ack_deadline),
+        max_attempts: message.max_attempts.unwrap_or(defaults.max_attempts),
+        retry_backoff_min: optional_duration(
+            "subscription.retry_backoff_min",
+            message.retry_backoff_min,
+        )?
+        .unwrap_or(defaults.retry_backoff_min),
+        retry_backoff_max: optional_duration(
+            "subscription.retry_backoff_max",
+            message.retry_backoff_max,
+        )?
+        .unwrap_or(defaults.retry_backoff_max),
+        ordered: message.ordered,
+        persistent_event_types: patterns(
+            "subscription.persistent_event_types",
+            &message.persistent_event_types,
+        )?,
+    };
+    let start = start_position("subscription.start", message.start)?;
+    Ok((name, settings, start))
+}
+
+pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
+    let settings = subscription.settings;
+    proto::Subscription {
+        name: subscription.name.as_str().to_owned(),
+        event_types: settings.event_types.to_strings(),
+        aggregate_types: settings.aggregate_types,
+        metadata_match: settings.metadata_match.into_iter().collect(),
+        start: None,
+        ack_deadline: Some(duration_to_proto(settings.ack_deadline)),
+        max_attempts: Some(settings.max_attempts),
+        retry_backoff_min: Some(duration_to_proto(settings.retry_backoff_min)),
+        retry_backoff_max: Some(duration_to_proto(settings.retry_backoff_max)),
+        ordered: settings.ordered,
+        persistent_event_types: settings.persistent_event_types.to_strings(),
+        created_at: Some(datetime_to_timestamp(subscription.created_at)),
+    }
+}
+
+fn patterns(field: &str, patterns: &[String]) -> Result<PatternSet> {
+    PatternSet::parse(patterns)
+        .map_err(|(index, message)| Error::invalid(format!("{field}[{index}]"), message))
+}
+
+pub(super) fn start_position(
+    field: &str,
+    start: Option<proto::StartPosition>,
+) -> Result<StartPosition> {
+    use proto::start_position::Position;
+    match start.and_then(|start| start.position) {
+        None => Ok(StartPosition::Latest),
+        Some(Position::Boundary(boundary)) => match proto::Boundary::try_from(boundary) {
+            Ok(proto::Boundary::Unspecified | proto::Boundary::Latest) => Ok(StartPosition::Latest),
+            Ok(proto::Boundary::Earliest) => Ok(StartPosition::Earliest),
+            Err(_) => Err(Error::invalid(
+                format!("{field}.boundary"),
+                format!("{boundary} is not a known boundary"),
+            )),
+        },
+        Some(Position::Time(timestamp)) => Ok(StartPosition::Time(timestamp_to_datetime(
+            &format!("{field}.time"),
+            timestamp,
+        )?)),
+    }
+}
+
+/// A non-negative protobuf duration, or `None` when unset.
+pub(super) fn optional_duration(
+    field: &str,
+    duration: Option<prost_types::Duration>,
+) -> Result<Option<Duration>> {
+    duration
+        .map(|duration| {
+            Duration::try_from(duration)
+                .map_err(|_| Error::invalid(field, "must be a non-negative duration"))
+        })
+        .transpose()
+}
+
+fn duration_to_proto(duration: Duration) -> prost_types::Duration {
+    prost_types::Duration::try_from(duration).unwrap_or(prost_types::Duration {
+        seconds: i64::MAX,
+        nanos: 0,
+    })
+}
+
+/// Truncated to microseconds, PostgreSQL's precision, so a stored time compares equal to
+/// the one that was sent.
+fn timestamp_to_datetime(field: &str, timestamp: prost_types::Timestamp) -> Result<DateTime<Utc>> {
+    let nanos = u32::try_from(timestamp.nanos)
+        .ok()
+        .filter(|n| *n < 1_000_000_000);
+    nanos
+        .and_then(|nanos| DateTime::from_timestamp(timestamp.seconds, nanos / 1000 * 1000))
+        .ok_or_else(|| Error::invalid(field, "is not a valid timestamp"))
+}
+
+pub(super) fn datetime_to_timestamp(datetime: DateTime<Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: datetime.timestamp(),
+        nanos: datetime.timestamp_subsec_nanos() as i32,
+    }
+}

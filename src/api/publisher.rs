@@ -1,0 +1,46 @@
+//! `outbox.v1.Publisher`.
+
+use tonic::{Request, Response, Status};
+
+use super::convert;
+use crate::{
+    proto::{self, publisher_server::Publisher as PublisherService},
+    publish::Publisher,
+};
+
+pub struct PublisherApi {
+    publisher: Publisher,
+}
+
+impl PublisherApi {
+    pub fn new(publisher: Publisher) -> Self {
+        PublisherApi { publisher }
+    }
+}
+
+#[tonic::async_trait]
+impl PublisherService for PublisherApi {
+    #[tracing::instrument(skip_all, fields(batch_size = request.get_ref().events.len()))]
+    async fn publish(
+        &self,
+        request: Request<proto::PublishRequest>,
+    ) -> Result<Response<proto::PublishResponse>, Status> {
+        let events = request
+            .into_inner()
+            .events
+            .into_iter()
+            .enumerate()
+            .map(|(index, input)| convert::new_event(index, input))
+            .collect::<Result<Vec<_>, _>>()?;
+        let results = self.publisher.publish(events).await?;
+        Ok(Response::new(proto::PublishResponse {
+            results: results
+                .into_iter()
+                .map(|published| proto::PublishResult {
+                    id: published.id.to_string(),
+                    duplicate: published.duplicate,
+                })
+                .collect(),
+        }))
+    }
+}

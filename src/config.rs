@@ -1,0 +1,336 @@
+//! Gateway configuration: command-line flags, then environment variables, then an
+//! optional TOML file, then defaults. [`Settings`] is the raw, layered form (every field
+//! optional, one definition serving clap and serde); [`Config`] the validated result.
+//! `docs/configuration.md` is the reference for every setting.
+
+use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
+
+use serde::Deserialize;
+
+use crate::{delivery::DeliveryConfig, domain::PublishLimits};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
+
+/// Settings of `outbox-gateway serve`. Each is a flag, an environment variable and a
+/// key of the configuration file.
+#[derive(Debug, Default, Clone, clap::Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// TOML file with any of these settings (keys are the flag names with `_`).
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// PostgreSQL connection URL. The database is created when missing.
+    /// [default: postgres://postgres@127.0.0.1:5432/outbox]
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+
+    /// Address the gRPC server listens on. [default: 127.0.0.1:50051]
+    #[arg(long, env = "OUTBOX_LISTEN")]
+    pub listen: Option<SocketAddr>,
+
+    /// Do not apply pending schema migrations at start.
+    #[arg(long, env = "OUTBOX_NO_MIGRATE", num_args = 0..=1, default_missing_value = "true")]
+    pub no_migrate: Option<bool>,
+
+    /// Most database connections in the pool. [default: 10]
+    #[arg(long, env = "OUTBOX_DB_MAX_CONNECTIONS")]
+    pub db_max_connections: Option<u32>,
+
+    /// How long a request waits for a database connection before UNAVAILABLE. [default: 5s]
+    #[arg(long, env = "OUTBOX_DB_ACQUIRE_TIMEOUT")]
+    pub db_acquire_timeout: Option<DurationSetting>,
+
+    /// Most events in one Publish call. [default: 1000]
+    #[arg(long, env = "OUTBOX_MAX_BATCH_EVENTS")]
+    pub max_batch_events: Option<usize>,
+
+    /// Largest event payload, in bytes. [default: 1048576]
+    #[arg(long, env = "OUTBOX_MAX_PAYLOAD_BYTES")]
+    pub max_payload_bytes: Option<usize>,
+
+    /// Most metadata entries of one event. [default: 64]
+    #[arg(long, env = "OUTBOX_MAX_METADATA_ENTRIES")]
+    pub max_metadata_entries: Option<usize>,
+
+    /// Most bytes of metadata keys and values of one event. [default: 16384]
+    #[arg(long, env = "OUTBOX_MAX_METADATA_BYTES")]
+    pub max_metadata_bytes: Option<usize>,
+
+    /// Safety-net poll of the relay when no wake-up arrives. [default: 1s]
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL")]
+    pub poll_interval: Option<DurationSetting>,
+
+    /// max_in_flight of a Subscribe call that leaves it 0. [default: 100]
+    #[arg(long, env = "OUTBOX_DEFAULT_MAX_IN_FLIGHT")]
+    pub default_max_in_flight: Option<u32>,
+
+    /// Largest max_in_flight a Subscribe call may ask for. [default: 10000]
+    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT_LIMIT")]
+    pub max_in_flight_limit: Option<u32>,
+
+    /// Most deliveries one claim leases. [default: 500]
+    #[arg(long, env = "OUTBOX_CLAIM_BATCH_SIZE")]
+    pub claim_batch_size: Option<usize>,
+
+    /// How long in-flight calls may take to finish at shutdown. [default: 10s]
+    #[arg(long, env = "OUTBOX_SHUTDOWN_GRACE")]
+    pub shutdown_grace: Option<DurationSetting>,
+
+    /// How often the health service checks the database. [default: 1s]
+    #[arg(long, env = "OUTBOX_HEALTH_CHECK_INTERVAL")]
+    pub health_check_interval: Option<DurationSetting>,
+
+    /// Log format: text or json. [default: text]
+    #[arg(long, env = "OUTBOX_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter in RUST_LOG syntax; RUST_LOG itself wins. [default: info]
+    #[arg(long, env = "OUTBOX_LOG_LEVEL")]
+    pub log_level: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// A duration written like `500ms`, `1s` or `2m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DurationSetting(pub Duration);
+
+impl FromStr for DurationSetting {
+    type Err = humantime::DurationError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        humantime::parse_duration(text).map(DurationSetting)
+    }
+}
+
+impl<'de> Deserialize<'de> for DurationSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The validated configuration `run` needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub database_url: String,
+    pub listen: SocketAddr,
+    pub migrate: bool,
+    pub db_max_connections: u32,
+    pub db_acquire_timeout: Duration,
+    pub limits: PublishLimits,
+    pub delivery: DeliveryConfig,
+    pub shutdown_grace: Duration,
+    pub health_check_interval: Duration,
+    pub log_format: LogFormat,
+    pub log_level: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read configuration file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid configuration file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid setting {setting}: {message}")]
+    Invalid {
+        setting: &'static str,
+        message: String,
+    },
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::from_settings(Settings::default()).expect("defaults are valid")
+    }
+}
+
+impl Config {
+    /// Layers flags and environment (`cli`, as clap parsed them) over the file they name.
+    pub fn load(cli: Settings) -> Result<Config, ConfigError> {
+        let file = match &cli.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source: Box::new(source),
+                })?
+            }
+            None => Settings::default(),
+        };
+        Config::from_settings(cli.over(file))
+    }
+
+    pub fn from_settings(settings: Settings) -> Result<Config, ConfigError> {
+        let delivery_defaults = DeliveryConfig::default();
+        let limit_defaults = PublishLimits::default();
+        let duration =
+            |setting: Option<DurationSetting>, default: Duration| setting.map_or(default, |d| d.0);
+        let config = Config {
+            database_url: settings
+                .database_url
+                .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
+            listen: settings
+                .listen
+                .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            migrate: !settings.no_migrate.unwrap_or(false),
+            db_max_connections: settings.db_max_connections.unwrap_or(10),
+            db_acquire_timeout: duration(settings.db_acquire_timeout, Duration::from_secs(5)),
+            limits: PublishLimits {
+                max_batch_events: settings
+                    .max_batch_events
+                    .unwrap_or(limit_defaults.max_batch_events),
+                max_payload_bytes: settings
+                    .max_payload_bytes
+                    .unwrap_or(limit_defaults.max_payload_bytes),
+                max_metadata_entries: settings
+                    .max_metadata_entries
+                    .unwrap_or(limit_defaults.max_metadata_entries),
+                max_metadata_bytes: settings
+                    .max_metadata_bytes
+                    .unwrap_or(limit_defaults.max_metadata_bytes),
+            },
+            delivery: DeliveryConfig {
+                poll_interval: duration(settings.poll_interval, delivery_defaults.poll_interval),
+                default_max_in_flight: settings
+                    .default_max_in_flight
+                    .unwrap_or(delivery_defaults.default_max_in_flight),
+                max_in_flight_limit: settings
+                    .max_in_flight_limit
+                    .unwrap_or(delivery_defaults.max_in_flight_limit),
+                claim_batch_size: settings
+                    .claim_batch_size
+                    .unwrap_or(delivery_defaults.claim_batch_size),
+            },
+            shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
+            health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),
+            log_format: settings.log_format.unwrap_or_default(),
+            log_level: settings.log_level.unwrap_or_else(|| "info".to_owned()),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting, message: &str| {
+            Err(ConfigError::Invalid {
+                setting,
+                message: message.to_owned(),
+            })
+        };
+        if self.db_max_connections < 2 {
+            // One connection is held by the NOTIFY listener.
+            return invalid("db_max_connections", "must be at least 2");
+        }
+        if self.limits.max_batch_events == 0 {
+            return invalid("max_batch_events", "must be at least 1");
+        }
+        if self.limits.max_metadata_bytes > 60 * 1024 {
+            return invalid(
+                "max_metadata_bytes",
+                "must be at most 61440 (the table allows 64 KiB of JSON)",
+            );
+        }
+        let delivery = &self.delivery;
+        if delivery.default_max_in_flight == 0
+            || delivery.default_max_in_flight > delivery.max_in_flight_limit
+        {
+            return invalid(
+                "default_max_in_flight",
+                "must be between 1 and max_in_flight_limit",
+            );
+        }
+        if delivery.claim_batch_size == 0 {
+            return invalid("claim_batch_size", "must be at least 1");
+        }
+        if delivery.poll_interval < Duration::from_millis(10) {
+            return invalid("poll_interval", "must be at least 10ms");
+        }
+        Ok(())
+    }
+}
+
+impl Settings {
+    /// These settings, falling back to `lower` for each one left unset.
+    fn over(self, lower: Settings) -> Settings {
+        macro_rules! layered {
+            ($($field:ident),* $(,)?) => {
+                Settings { $($field: self.$field.or(lower.$field)),* }
+            };
+        }
+        layered!(
+            config,
+            database_url,
+            listen,
+            no_migrate,
+            db_max_connections,
+            db_acquire_timeout,
+            max_batch_events,
+            max_payload_bytes,
+            max_metadata_entries,
+            max_metadata_bytes,
+            poll_interval,
+            default_max_in_flight,
+            max_in_flight_limit,
+            claim_batch_size,
+            shutdown_grace,
+            health_check_interval,
+            log_format,
+            log_level,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_the_file_and_defaults_fill_the_rest() {
+        let cli = Settings {
+            poll_interval: Some("250ms".parse().unwrap()),
+            ..Default::default()
+        };
+        let file: Settings =
+            toml::from_str("poll_interval = \"5s\"\nmax_batch_events = 7\n").unwrap();
+        let config = Config::from_settings(cli.over(file)).unwrap();
+        assert_eq!(config.delivery.poll_interval, Duration::from_millis(250));
+        assert_eq!(config.limits.max_batch_events, 7);
+        assert_eq!(config.database_url, DEFAULT_DATABASE_URL);
+        assert!(config.migrate);
+    }
+
+    #[test]
+    fn rejects_unknown_file_keys_and_bad_values() {
+        assert!(toml::from_str::<Settings>("pole_interval = \"1s\"").is_err());
+        let settings = Settings {
+            claim_batch_size: Some(0),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Config::from_settings(settings),
+            Err(ConfigError::Invalid {
+                setting: "claim_batch_size",
+                ..
+            })
+        ));
+    }
+}

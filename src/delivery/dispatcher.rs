@@ -1,0 +1,458 @@
+//! One subscription's dispatcher in this process: claims deliveries for the streams
+//! attached here, spreads them over those streams, and keeps the lease bookkeeping that
+//! flow control needs (how many unsettled deliveries each stream holds).
+
+use std::{
+    collections::HashMap,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{Notify, mpsc};
+use tokio_stream::Stream;
+use tokio_util::task::TaskTracker;
+
+use super::Relay;
+use crate::{
+    domain::{AckId, Delivery, Subscription},
+    error::Error,
+    storage::Store,
+};
+
+/// How long a full dispatcher waits for local acks before asking the database which of
+/// its leases were settled elsewhere (acks may reach another gateway process).
+const LEASE_REFRESH_INTERVAL: Duration = Duration::from_millis(250);
+/// First retry delay after a failed claim; doubles up to the poll interval.
+const FIRST_RETRY_DELAY: Duration = Duration::from_millis(1);
+
+pub(super) struct Dispatcher {
+    store: Store,
+    /// Tracks lease releases so shutdown waits for them.
+    tasks: TaskTracker,
+    subscription_id: i64,
+    /// Names this dispatcher's leases in the database and in every ack id it hands out.
+    lease_token: i64,
+    /// Latest settings seen; refreshed by every claim.
+    subscription: Mutex<Subscription>,
+    state: Mutex<State>,
+    /// Room was freed, a stream came or went, or a retry was scheduled.
+    changed: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    streams: Vec<StreamSlot>,
+    leases: HashMap<i64, Lease>,
+    next_stream_id: u64,
+    /// Next stream to offer a delivery to, so a batch spreads evenly.
+    round_robin: usize,
+    /// Earliest retry this process scheduled through a nack.
+    retry_at: Option<DateTime<Utc>>,
+    last_settled: Option<Instant>,
+    /// Set when the dispatcher stops; later streams need a new dispatcher.
+    closed: bool,
+}
+
+struct StreamSlot {
+    id: u64,
+    max_in_flight: usize,
+    in_flight: usize,
+    sender: mpsc::Sender<Result<Delivery, Error>>,
+}
+
+struct Lease {
+    stream_id: u64,
+    deadline: DateTime<Utc>,
+}
+
+impl Dispatcher {
+    pub(super) fn new(
+        store: Store,
+        tasks: TaskTracker,
+        subscription: Subscription,
+    ) -> Arc<Dispatcher> {
+        Arc::new(Dispatcher {
+            store,
+            tasks,
+            subscription_id: subscription.id,
+            lease_token: rand::random::<i64>(),
+            subscription: Mutex::new(subscription),
+            state: Mutex::new(State::default()),
+            changed: Notify::new(),
+        })
+    }
+
+    pub(super) fn subscription_id(&self) -> i64 {
+        self.subscription_id
+    }
+
+    pub(super) fn subscription(&self) -> Subscription {
+        self.subscription.lock().expect("subscription lock").clone()
+    }
+
+    /// Adds a stream; `None` when this dispatcher is already stopping.
+    pub(super) fn attach(self: &Arc<Self>, max_in_flight: usize) -> Option<DeliveryStream> {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        if state.closed {
+            return None;
+        }
+        // The channel never fills: a stream is only sent what its room allows.
+        let (sender, receiver) = mpsc::channel(max_in_flight);
+        let id = state.next_stream_id;
+        state.next_stream_id += 1;
+        state.streams.push(StreamSlot {
+            id,
+            max_in_flight,
+            in_flight: 0,
+            sender,
+        });
+        drop(state);
+        self.changed.notify_one();
+        Some(DeliveryStream {
+            receiver,
+            dispatcher: self.clone(),
+            stream_id: id,
+        })
+    }
+
+    /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry.
+    pub(super) fn settled(&self, acks: &[AckId], retry_at: Option<DateTime<Utc>>) {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        for ack in acks
+            .iter()
+            .filter(|ack| ack.lease_token == self.lease_token)
+        {
+            state.forget_lease(ack.position);
+        }
+        if let Some(retry_at) = retry_at {
+            state.retry_at = Some(state.retry_at.map_or(retry_at, |at| at.min(retry_at)));
+        }
+        state.last_settled = Some(Instant::now());
+        drop(state);
+        self.changed.notify_one();
+    }
+
+    pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<i64, DateTime<Utc>>) {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        for ack in acks
+            .iter()
+            .filter(|ack| ack.lease_token == self.lease_token)
+        {
+            if let (Some(lease), Some(deadline)) = (
+                state.leases.get_mut(&ack.position),
+                deadlines.get(&ack.position),
+            ) {
+                lease.deadline = *deadline;
+            }
+        }
+    }
+
+    fn detach(&self, stream_id: u64) {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        state.streams.retain(|slot| slot.id != stream_id);
+        let orphaned: Vec<i64> = state
+            .leases
+            .iter()
+            .filter(|(_, lease)| lease.stream_id == stream_id)
+            .map(|(position, _)| *position)
+            .collect();
+        for position in &orphaned {
+            state.leases.remove(position);
+        }
+        drop(state);
+        if !orphaned.is_empty() {
+            self.release_in_background(orphaned);
+        }
+        self.changed.notify_one();
+    }
+
+    /// Gives leases back so other streams get them at once rather than at their deadline.
+    fn release_in_background(&self, positions: Vec<i64>) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let store = self.store.clone();
+        let (subscription_id, lease_token) = (self.subscription_id, self.lease_token);
+        self.tasks.spawn(async move {
+            if let Err(error) = store
+                .release_leases(subscription_id, &positions, lease_token)
+                .await
+            {
+                tracing::warn!(subscription_id, %error, "could not release leases; they expire at their deadline");
+            }
+        });
+    }
+
+    /// Hands claimed deliveries to streams with room; returns those no stream could take.
+    fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<i64> {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        let mut undelivered = Vec::new();
+        'deliveries: for mut delivery in deliveries {
+            let (position, deadline) = (delivery.ack_id.position, delivery.ack_deadline);
+            let stream_count = state.streams.len();
+            for offset in 0..stream_count {
+                let index = (state.round_robin + offset) % stream_count;
+                let slot = &mut state.streams[index];
+                if slot.in_flight >= slot.max_in_flight {
+                    continue;
+                }
+                match slot.sender.try_send(Ok(delivery)) {
+                    Ok(()) => {
+                        slot.in_flight += 1;
+                        let stream_id = slot.id;
+                        state.leases.insert(
+                            position,
+                            Lease {
+                                stream_id,
+                                deadline,
+                            },
+                        );
+                        state.round_robin = index + 1;
+                        continue 'deliveries;
+                    }
+                    Err(mpsc::error::TrySendError::Full(returned))
+                    | Err(mpsc::error::TrySendError::Closed(returned)) => {
+                        delivery = returned.expect("only deliveries are sent here");
+                    }
+                }
+            }
+            undelivered.push(position);
+        }
+        undelivered
+    }
+}
+
+impl State {
+    fn forget_lease(&mut self, position: i64) {
+        if let Some(lease) = self.leases.remove(&position)
+            && let Some(slot) = self.streams.iter_mut().find(|s| s.id == lease.stream_id)
+        {
+            slot.in_flight = slot.in_flight.saturating_sub(1);
+        }
+    }
+
+    fn room(&self) -> usize {
+        self.streams
+            .iter()
+            .filter(|slot| !slot.sender.is_closed())
+            .map(|slot| slot.max_in_flight.saturating_sub(slot.in_flight))
+            .sum()
+    }
+}
+
+/// The dispatcher's loop: claim while there is room and work, otherwise sleep until a
+/// wake-up, a lease deadline, a scheduled retry or the poll interval.
+pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
+    let config = relay.inner.config.clone();
+    let mut new_events = relay.inner.new_events.subscribe();
+    let shutdown = relay.inner.shutdown.clone();
+    let mut retry_delay: Option<Duration> = None;
+    let mut last_refresh = Instant::now();
+
+    loop {
+        let now = Utc::now();
+        let (room, next_deadline) = {
+            let mut state = dispatcher.state.lock().expect("dispatcher lock");
+            expire_leases(&mut state, now);
+            if state.streams.is_empty() {
+                drop(state);
+                if retire(&dispatcher, &relay) {
+                    return;
+                }
+                continue;
+            }
+            let next_deadline = state.leases.values().map(|lease| lease.deadline).min();
+            (state.room(), next_deadline)
+        };
+
+        let mut claimed_full_batch = false;
+        if room > 0 {
+            let limit = room.min(config.claim_batch_size);
+            match dispatcher
+                .store
+                .claim(dispatcher.subscription_id, dispatcher.lease_token, limit)
+                .await
+            {
+                Ok(None) => {
+                    end_streams(&dispatcher, &relay, || {
+                        Error::NotFound("the subscription was deleted".into())
+                    });
+                    return;
+                }
+                Ok(Some(claim)) => {
+                    claimed_full_batch = claim.deliveries.len() == limit;
+                    retry_delay = claim.held_back.then(|| {
+                        retry_delay.map_or(FIRST_RETRY_DELAY, |d| (d * 2).min(config.poll_interval))
+                    });
+                    dispatcher
+                        .subscription
+                        .lock()
+                        .expect("subscription lock")
+                        .settings = claim.settings;
+                    let undelivered = dispatcher.distribute(claim.deliveries);
+                    if !undelivered.is_empty() {
+                        dispatcher.release_in_background(undelivered);
+                    }
+                }
+                Err(error) => {
+                    let delay = retry_delay.map_or(FIRST_RETRY_DELAY * 100, |d| {
+                        (d * 2).min(config.poll_interval)
+                    });
+                    tracing::warn!(subscription_id = dispatcher.subscription_id, %error, retry_in = ?delay, "claim failed");
+                    retry_delay = Some(delay);
+                }
+            }
+        } else if last_refresh.elapsed() >= LEASE_REFRESH_INTERVAL && settled_long_ago(&dispatcher)
+        {
+            refresh_leases(&dispatcher).await;
+            last_refresh = Instant::now();
+            continue;
+        }
+        if claimed_full_batch {
+            tokio::task::yield_now().await;
+            continue;
+        }
+
+        let mut sleep_for = retry_delay.unwrap_or(config.poll_interval);
+        let retry_at = dispatcher.state.lock().expect("dispatcher lock").retry_at;
+        for at in [next_deadline, retry_at].into_iter().flatten() {
+            let until = (at - Utc::now()).to_std().unwrap_or_default();
+            sleep_for = sleep_for.min(until + Duration::from_millis(1));
+        }
+        if room == 0 {
+            sleep_for = sleep_for.min(LEASE_REFRESH_INTERVAL);
+        }
+        tokio::select! {
+            changed = new_events.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            _ = dispatcher.changed.notified() => {}
+            _ = tokio::time::sleep(sleep_for) => {
+                let mut state = dispatcher.state.lock().expect("dispatcher lock");
+                if state.retry_at.is_some_and(|at| at <= Utc::now()) {
+                    state.retry_at = None;
+                }
+            }
+            _ = shutdown.cancelled() => {
+                end_streams(&dispatcher, &relay, || Error::ShuttingDown);
+                return;
+            }
+        }
+    }
+}
+
+fn settled_long_ago(dispatcher: &Dispatcher) -> bool {
+    let state = dispatcher.state.lock().expect("dispatcher lock");
+    !state.leases.is_empty()
+        && state
+            .last_settled
+            .is_none_or(|at| at.elapsed() >= LEASE_REFRESH_INTERVAL)
+}
+
+/// Drops leases whose deadline passed: they are no longer this process's to count.
+fn expire_leases(state: &mut State, now: DateTime<Utc>) {
+    let expired: Vec<i64> = state
+        .leases
+        .iter()
+        .filter(|(_, lease)| lease.deadline <= now)
+        .map(|(position, _)| *position)
+        .collect();
+    for position in expired {
+        state.forget_lease(position);
+    }
+}
+
+/// Asks the database which leases are still held: acks and extensions that reached
+/// another gateway process are only visible there.
+async fn refresh_leases(dispatcher: &Dispatcher) {
+    let positions: Vec<i64> = {
+        let state = dispatcher.state.lock().expect("dispatcher lock");
+        state.leases.keys().copied().collect()
+    };
+    match dispatcher
+        .store
+        .live_leases(
+            dispatcher.subscription_id,
+            &positions,
+            dispatcher.lease_token,
+        )
+        .await
+    {
+        Ok(live) => {
+            let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
+            let mut state = dispatcher.state.lock().expect("dispatcher lock");
+            for position in positions {
+                match live.get(&position) {
+                    Some(deadline) => {
+                        if let Some(lease) = state.leases.get_mut(&position) {
+                            lease.deadline = *deadline;
+                        }
+                    }
+                    None => state.forget_lease(position),
+                }
+            }
+            state.last_settled = Some(Instant::now());
+        }
+        Err(error) => {
+            tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "lease refresh failed")
+        }
+    }
+}
+
+/// Removes a dispatcher that has no streams left; false when a stream attached meanwhile.
+fn retire(dispatcher: &Arc<Dispatcher>, relay: &Relay) -> bool {
+    let mut dispatchers = relay.inner.dispatchers.lock().expect("dispatchers lock");
+    let mut state = dispatcher.state.lock().expect("dispatcher lock");
+    if !state.streams.is_empty() {
+        return false;
+    }
+    state.closed = true;
+    dispatchers.remove(&dispatcher.subscription_id);
+    true
+}
+
+/// Ends every stream with the error `reason` makes and gives all leases back.
+fn end_streams(dispatcher: &Arc<Dispatcher>, relay: &Relay, reason: fn() -> Error) {
+    let (streams, positions) = {
+        let mut dispatchers = relay.inner.dispatchers.lock().expect("dispatchers lock");
+        let mut state = dispatcher.state.lock().expect("dispatcher lock");
+        state.closed = true;
+        dispatchers.remove(&dispatcher.subscription_id);
+        let positions: Vec<i64> = state.leases.drain().map(|(position, _)| position).collect();
+        (std::mem::take(&mut state.streams), positions)
+    };
+    for slot in &streams {
+        // The channel may be full of unsent deliveries; those leases are given back too.
+        let _ = slot.sender.try_send(Err(reason()));
+    }
+    if !positions.is_empty() {
+        dispatcher.release_in_background(positions);
+    }
+}
+
+/// The stream a Subscribe call returns. Dropping it (the client went away) gives its
+/// unsettled deliveries back for redelivery at once.
+pub struct DeliveryStream {
+    receiver: mpsc::Receiver<Result<Delivery, Error>>,
+    dispatcher: Arc<Dispatcher>,
+    stream_id: u64,
+}
+
+impl Stream for DeliveryStream {
+    type Item = Result<Delivery, Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.receiver.poll_recv(cx)
+    }
+}
+
+impl Drop for DeliveryStream {
+    fn drop(&mut self) {
+        self.dispatcher.detach(self.stream_id);
+    }
+}

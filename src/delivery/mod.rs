@@ -1,0 +1,259 @@
+//! The relay: hands committed events to Subscribe streams and settles their deliveries.
+//!
+//! Each gateway process runs one [`dispatcher`] per subscription that has streams
+//! attached here. The dispatcher claims work for all of them at once (batched claims
+//! sized by their free room) and spreads it over them; several processes compete for
+//! the same subscription through the database, never through memory. Wake-ups come from
+//! this process's own Publish calls, from PostgreSQL NOTIFY (direct writers and other
+//! gateways, see [`wake`]) and from a periodic poll, the safety net.
+
+mod dispatcher;
+mod wake;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::watch;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+pub use dispatcher::DeliveryStream;
+use dispatcher::Dispatcher;
+
+use crate::{
+    domain::{AckId, Subscription, SubscriptionName},
+    error::{Error, Result},
+    storage::{NackOutcome, Store},
+};
+
+/// Relay settings; see the configuration reference.
+#[derive(Debug, Clone)]
+pub struct DeliveryConfig {
+    /// Safety-net poll when no wake-up arrives.
+    pub poll_interval: Duration,
+    /// `max_in_flight` of a Subscribe call that leaves it 0.
+    pub default_max_in_flight: u32,
+    /// Largest `max_in_flight` a Subscribe call may ask for.
+    pub max_in_flight_limit: u32,
+    /// Most deliveries one claim leases.
+    pub claim_batch_size: usize,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        DeliveryConfig {
+            poll_interval: Duration::from_secs(1),
+            default_max_in_flight: 100,
+            max_in_flight_limit: 10_000,
+            claim_batch_size: 500,
+        }
+    }
+}
+
+/// Longest lease extension a consumer may ask for.
+pub const MAX_EXTENSION: Duration = crate::domain::MAX_ACK_DEADLINE;
+
+/// Handle to the relay; cheap to clone.
+#[derive(Clone)]
+pub struct Relay {
+    inner: Arc<RelayInner>,
+}
+
+struct RelayInner {
+    store: Store,
+    config: DeliveryConfig,
+    /// Bumped whenever new events may have committed.
+    new_events: watch::Sender<u64>,
+    /// Dispatchers of this process by subscription id.
+    dispatchers: Mutex<HashMap<i64, Arc<Dispatcher>>>,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    peer_notifier: wake::PeerNotifier,
+}
+
+impl Relay {
+    /// Starts the relay's background tasks: the NOTIFY listener and the notifier that
+    /// tells other gateways about this one's publishes.
+    pub fn start(store: Store, config: DeliveryConfig) -> Relay {
+        let (new_events, _) = watch::channel(0);
+        let shutdown = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let peer_notifier = wake::PeerNotifier::start(store.clone(), &tasks, shutdown.clone());
+        let relay = Relay {
+            inner: Arc::new(RelayInner {
+                store,
+                config,
+                new_events,
+                dispatchers: Mutex::new(HashMap::new()),
+                shutdown,
+                tasks,
+                peer_notifier,
+            }),
+        };
+        wake::spawn_listener(
+            relay.inner.store.clone(),
+            relay.inner.new_events.clone(),
+            &relay.inner.tasks,
+            relay.inner.shutdown.clone(),
+        );
+        relay
+    }
+
+    /// Events were committed by this process: wake local dispatchers now and tell the
+    /// other gateways with one coalesced notification.
+    pub fn events_committed(&self) {
+        self.wake_all();
+        self.inner.peer_notifier.request();
+    }
+
+    /// Makes every local dispatcher look for work.
+    pub fn wake_all(&self) {
+        self.inner
+            .new_events
+            .send_modify(|generation| *generation += 1);
+    }
+
+    /// Opens a delivery stream on the subscription.
+    pub async fn subscribe(
+        &self,
+        name: &SubscriptionName,
+        max_in_flight: u32,
+    ) -> Result<DeliveryStream> {
+        let config = &self.inner.config;
+        let max_in_flight = match max_in_flight {
+            0 => config.default_max_in_flight,
+            n if n > config.max_in_flight_limit => {
+                return Err(Error::invalid(
+                    "max_in_flight",
+                    format!("must be at most {}, got {n}", config.max_in_flight_limit),
+                ));
+            }
+            n => n,
+        };
+        if self.inner.shutdown.is_cancelled() {
+            return Err(Error::ShuttingDown);
+        }
+        let subscription = self.find_subscription(name).await?;
+        let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
+        if let Some(dispatcher) = dispatchers.get(&subscription.id)
+            && let Some(stream) = dispatcher.attach(max_in_flight as usize)
+        {
+            return Ok(stream);
+        }
+        let dispatcher = Dispatcher::new(
+            self.inner.store.clone(),
+            self.inner.tasks.clone(),
+            subscription,
+        );
+        let stream = dispatcher
+            .attach(max_in_flight as usize)
+            .expect("a new dispatcher accepts streams");
+        dispatchers.insert(dispatcher.subscription_id(), dispatcher.clone());
+        self.inner
+            .tasks
+            .spawn(dispatcher::run(dispatcher, self.clone()));
+        Ok(stream)
+    }
+
+    /// Acks deliveries; returns the ack ids that were stale.
+    pub async fn ack(&self, name: &SubscriptionName, acks: &[AckId]) -> Result<Vec<AckId>> {
+        let subscription = self.find_subscription(name).await?;
+        let acked = self.inner.store.ack(&subscription, acks).await?;
+        let acked: std::collections::HashSet<i64> = acked.into_iter().collect();
+        let (settled, stale): (Vec<AckId>, Vec<AckId>) =
+            acks.iter().partition(|ack| acked.contains(&ack.position));
+        if let Some(dispatcher) = self.dispatcher(subscription.id) {
+            dispatcher.settled(&settled, None);
+        }
+        Ok(stale)
+    }
+
+    /// Nacks one delivery; `None` when its lease is stale.
+    pub async fn nack(
+        &self,
+        name: &SubscriptionName,
+        ack: AckId,
+        reason: &str,
+        retry_after: Option<Duration>,
+        dead_letter: bool,
+    ) -> Result<Option<NackOutcome>> {
+        let subscription = self.find_subscription(name).await?;
+        let delay = retry_after.unwrap_or_else(|| {
+            subscription
+                .settings
+                .backoff(u32::try_from(ack.attempt).unwrap_or(1))
+        });
+        let outcome = self
+            .inner
+            .store
+            .nack(&subscription, ack, reason, delay, dead_letter)
+            .await?;
+        if let (Some(outcome), Some(dispatcher)) = (outcome, self.dispatcher(subscription.id)) {
+            dispatcher.settled(&[ack], outcome.retry_at);
+        }
+        Ok(outcome)
+    }
+
+    /// Extends leases to `extension` from now; returns the stale ack ids.
+    pub async fn extend(
+        &self,
+        name: &SubscriptionName,
+        acks: &[AckId],
+        extension: Duration,
+    ) -> Result<Vec<AckId>> {
+        let subscription = self.find_subscription(name).await?;
+        let extended = self
+            .inner
+            .store
+            .extend_leases(subscription.id, acks, extension)
+            .await?;
+        let deadlines: HashMap<i64, DateTime<Utc>> = extended.into_iter().collect();
+        if let Some(dispatcher) = self.dispatcher(subscription.id) {
+            dispatcher.extended(acks, &deadlines);
+        }
+        Ok(acks
+            .iter()
+            .filter(|ack| !deadlines.contains_key(&ack.position))
+            .copied()
+            .collect())
+    }
+
+    /// Ends every stream, gives their leases back and waits for the relay's tasks.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+
+    /// The subscription as this process's dispatcher last saw it, or from the database.
+    async fn find_subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
+        let cached = self
+            .inner
+            .dispatchers
+            .lock()
+            .expect("dispatchers lock")
+            .values()
+            .map(|dispatcher| dispatcher.subscription())
+            .find(|subscription| &subscription.name == name);
+        if let Some(subscription) = cached {
+            return Ok(subscription);
+        }
+        self.inner
+            .store
+            .subscription(name)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("subscription {name:?} does not exist")))
+    }
+
+    fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {
+        self.inner
+            .dispatchers
+            .lock()
+            .expect("dispatchers lock")
+            .get(&subscription_id)
+            .cloned()
+    }
+}

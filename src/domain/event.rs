@@ -1,0 +1,300 @@
+//! Events as producers send them (`NewEvent`) and as the outbox stores them (`Event`).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+
+/// Longest aggregate type, aggregate id, event type or content type, in bytes.
+const MAX_IDENTIFIER_BYTES: usize = 255;
+/// Longest metadata key, in bytes; the database enforces the same bound.
+const MAX_METADATA_KEY_BYTES: usize = 128;
+pub const DEFAULT_CONTENT_TYPE: &str = "application/json";
+
+/// Limits on what one Publish call may carry; configurable.
+#[derive(Debug, Clone)]
+pub struct PublishLimits {
+    pub max_batch_events: usize,
+    pub max_payload_bytes: usize,
+    pub max_metadata_entries: usize,
+    /// Sum of the lengths of all metadata keys and values of one event.
+    pub max_metadata_bytes: usize,
+}
+
+impl Default for PublishLimits {
+    fn default() -> Self {
+        PublishLimits {
+            max_batch_events: 1000,
+            max_payload_bytes: 1024 * 1024,
+            max_metadata_entries: 64,
+            max_metadata_bytes: 16 * 1024,
+        }
+    }
+}
+
+/// An event to publish. `id` and `occurred_at` are `None` when the producer left them to
+/// the gateway; an omitted field is not compared when deciding whether a re-publish is
+/// identical.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub id: Option<Uuid>,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub aggregate_version: Option<i64>,
+    pub event_type: String,
+    pub payload: Vec<u8>,
+    pub content_type: String,
+    pub metadata: BTreeMap<String, String>,
+    pub occurred_at: Option<DateTime<Utc>>,
+}
+
+impl NewEvent {
+    /// Checks every rule the outbox table's constraints also enforce, so bad input is
+    /// answered with the field's name instead of a constraint violation.
+    pub fn validate(&self, index: usize, limits: &PublishLimits) -> Result<()> {
+        let field = |name: &str| format!("events[{index}].{name}");
+        check_identifier(&self.aggregate_type, || field("aggregate_type"))?;
+        check_identifier(&self.aggregate_id, || field("aggregate_id"))?;
+        check_event_type(&self.event_type)
+            .map_err(|message| Error::invalid(field("event_type"), message))?;
+        if let Some(version) = self.aggregate_version
+            && version < 1
+        {
+            return Err(Error::invalid(
+                field("aggregate_version"),
+                format!("must be at least 1, got {version}"),
+            ));
+        }
+        if self.content_type.is_empty() || self.content_type.len() > MAX_IDENTIFIER_BYTES {
+            return Err(Error::invalid(
+                field("content_type"),
+                format!("must be 1 to {MAX_IDENTIFIER_BYTES} bytes"),
+            ));
+        }
+        if self.payload.len() > limits.max_payload_bytes {
+            return Err(Error::invalid(
+                field("payload"),
+                format!(
+                    "is {} bytes, more than the limit of {} bytes",
+                    self.payload.len(),
+                    limits.max_payload_bytes
+                ),
+            ));
+        }
+        if is_json_content_type(&self.content_type)
+            && let Err(error) = serde_json::from_slice::<serde::de::IgnoredAny>(&self.payload)
+        {
+            return Err(Error::invalid(
+                field("payload"),
+                format!(
+                    "is not valid JSON for content type {:?}: {error}",
+                    self.content_type
+                ),
+            ));
+        }
+        self.validate_metadata(limits, &field("metadata"))
+    }
+
+    fn validate_metadata(&self, limits: &PublishLimits, field: &str) -> Result<()> {
+        if self.metadata.len() > limits.max_metadata_entries {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "has {} entries, more than the limit of {}",
+                    self.metadata.len(),
+                    limits.max_metadata_entries
+                ),
+            ));
+        }
+        let mut total_bytes = 0;
+        for (key, value) in &self.metadata {
+            if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
+                return Err(Error::invalid(
+                    field,
+                    format!("key {key:?} must be 1 to {MAX_METADATA_KEY_BYTES} bytes"),
+                ));
+            }
+            total_bytes += key.len() + value.len();
+        }
+        if total_bytes > limits.max_metadata_bytes {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "keys and values total {total_bytes} bytes, more than the limit of {}",
+                    limits.max_metadata_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// True when `stored` is this event re-published: every field the producer gave is
+    /// equal.
+    pub fn matches_stored(&self, stored: &Event) -> bool {
+        self.id.is_none_or(|id| id == stored.id)
+            && self.aggregate_type == stored.aggregate_type
+            && self.aggregate_id == stored.aggregate_id
+            && self.aggregate_version == stored.aggregate_version
+            && self.event_type == stored.event_type
+            && self.payload == stored.payload
+            && self.content_type == stored.content_type
+            && self.metadata == stored.metadata
+            && self
+                .occurred_at
+                .is_none_or(|occurred_at| occurred_at == stored.occurred_at)
+    }
+}
+
+/// An event as stored in the outbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub aggregate_version: Option<i64>,
+    pub event_type: String,
+    pub payload: Vec<u8>,
+    pub content_type: String,
+    pub metadata: BTreeMap<String, String>,
+    pub occurred_at: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// `application/json` and `application/*+json`, parameters ignored; the same rule as the
+/// database function `outbox_is_json_content_type`.
+pub fn is_json_content_type(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let Some(subtype) = essence.strip_prefix("application/") else {
+        return false;
+    };
+    if subtype == "json" {
+        return true;
+    }
+    subtype.strip_suffix("+json").is_some_and(|prefix| {
+        !prefix.is_empty()
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._+-".contains(&b))
+    })
+}
+
+fn check_identifier(value: &str, field: impl Fn() -> String) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::invalid(field(), "must not be empty"));
+    }
+    if value.len() > MAX_IDENTIFIER_BYTES {
+        return Err(Error::invalid(
+            field(),
+            format!("is {} bytes, more than {MAX_IDENTIFIER_BYTES}", value.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Event types are dot-separated segments of `[A-Za-z0-9_-]`, at most 255 bytes.
+pub(crate) fn check_event_type(event_type: &str) -> std::result::Result<(), String> {
+    if event_type.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if event_type.len() > MAX_IDENTIFIER_BYTES {
+        return Err(format!(
+            "is {} bytes, more than {MAX_IDENTIFIER_BYTES}",
+            event_type.len()
+        ));
+    }
+    let segment_ok = |segment: &str| {
+        !segment.is_empty()
+            && segment
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    if !event_type.split('.').all(segment_ok) {
+        return Err(format!(
+            "{event_type:?} must be dot-separated segments of [A-Za-z0-9_-]"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> NewEvent {
+        NewEvent {
+            id: None,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            aggregate_version: Some(1),
+            event_type: "order.created".into(),
+            payload: br#"{"total": 10}"#.to_vec(),
+            content_type: DEFAULT_CONTENT_TYPE.into(),
+            metadata: BTreeMap::from([("tenant".into(), "acme".into())]),
+            occurred_at: None,
+        }
+    }
+
+    fn field_of(result: Result<()>) -> String {
+        match result {
+            Err(Error::InvalidArgument { field, .. }) => field,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn accepts_a_well_formed_event() {
+        event().validate(0, &PublishLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn names_the_field_and_index_of_bad_input() {
+        let limits = PublishLimits::default();
+        let mut bad = event();
+        bad.event_type = "order..created".into();
+        assert_eq!(field_of(bad.validate(3, &limits)), "events[3].event_type");
+
+        let mut bad = event();
+        bad.aggregate_id = "x".repeat(256);
+        assert_eq!(field_of(bad.validate(0, &limits)), "events[0].aggregate_id");
+
+        let mut bad = event();
+        bad.payload = b"{not json".to_vec();
+        assert_eq!(field_of(bad.validate(1, &limits)), "events[1].payload");
+
+        let mut bad = event();
+        bad.aggregate_version = Some(0);
+        assert_eq!(
+            field_of(bad.validate(0, &limits)),
+            "events[0].aggregate_version"
+        );
+
+        let mut bad = event();
+        bad.metadata.insert(String::new(), "v".into());
+        assert_eq!(field_of(bad.validate(0, &limits)), "events[0].metadata");
+    }
+
+    #[test]
+    fn non_json_payloads_are_not_parsed() {
+        let mut binary = event();
+        binary.content_type = "application/octet-stream".into();
+        binary.payload = vec![0xff, 0x00];
+        binary.validate(0, &PublishLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn recognises_json_content_types() {
+        assert!(is_json_content_type("application/json"));
+        assert!(is_json_content_type("Application/JSON; charset=utf-8"));
+        assert!(is_json_content_type("application/vnd.acme.order+json"));
+        assert!(!is_json_content_type("application/+json"));
+        assert!(!is_json_content_type("text/json"));
+        assert!(!is_json_content_type("application/jsonx"));
+    }
+}

@@ -1,0 +1,195 @@
+//! Subscriptions: a name, filters over the outbox, and the delivery policy.
+
+use std::{collections::BTreeMap, fmt, time::Duration};
+
+use chrono::{DateTime, Utc};
+
+use super::pattern::PatternSet;
+use crate::error::{Error, Result};
+
+pub const MIN_ACK_DEADLINE: Duration = Duration::from_secs(1);
+pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
+/// Longest retry backoff a subscription may set.
+const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// A validated subscription name: `[a-z0-9][a-z0-9._-]{0,127}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SubscriptionName(String);
+
+impl SubscriptionName {
+    pub fn parse(field: &str, name: &str) -> Result<Self> {
+        let mut bytes = name.bytes();
+        let first_ok = bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        let rest_ok = bytes.all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'_' || b == b'-'
+        });
+        if !first_ok || !rest_ok || name.len() > 128 {
+            return Err(Error::invalid(
+                field,
+                format!("{name:?} is not a valid subscription name: [a-z0-9][a-z0-9._-]{{0,127}}"),
+            ));
+        }
+        Ok(SubscriptionName(name.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SubscriptionName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Where a subscription starts reading, or where a seek moves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartPosition {
+    Latest,
+    Earliest,
+    /// Events written at or after this time.
+    Time(DateTime<Utc>),
+}
+
+/// What a subscription selects and how it delivers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubscriptionSettings {
+    pub event_types: PatternSet,
+    pub aggregate_types: Vec<String>,
+    pub metadata_match: BTreeMap<String, String>,
+    pub ack_deadline: Duration,
+    /// 0 retries forever.
+    pub max_attempts: u32,
+    pub retry_backoff_min: Duration,
+    pub retry_backoff_max: Duration,
+    pub ordered: bool,
+    pub persistent_event_types: PatternSet,
+}
+
+impl Default for SubscriptionSettings {
+    fn default() -> Self {
+        SubscriptionSettings {
+            event_types: PatternSet::default(),
+            aggregate_types: Vec::new(),
+            metadata_match: BTreeMap::new(),
+            ack_deadline: Duration::from_secs(30),
+            max_attempts: 10,
+            retry_backoff_min: Duration::from_secs(1),
+            retry_backoff_max: Duration::from_secs(15 * 60),
+            ordered: false,
+            persistent_event_types: PatternSet::default(),
+        }
+    }
+}
+
+impl SubscriptionSettings {
+    /// Checks the rules that parsing alone cannot; `prefix` is the request field holding
+    /// the settings (`subscription`).
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        let field = |name: &str| format!("{prefix}.{name}");
+        if !(MIN_ACK_DEADLINE..=MAX_ACK_DEADLINE).contains(&self.ack_deadline) {
+            return Err(Error::invalid(
+                field("ack_deadline"),
+                format!(
+                    "must be between {} and {}",
+                    humantime::format_duration(MIN_ACK_DEADLINE),
+                    humantime::format_duration(MAX_ACK_DEADLINE)
+                ),
+            ));
+        }
+        if self.retry_backoff_max > MAX_BACKOFF {
+            return Err(Error::invalid(
+                field("retry_backoff_max"),
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_BACKOFF)
+                ),
+            ));
+        }
+        if self.retry_backoff_min > self.retry_backoff_max {
+            return Err(Error::invalid(
+                field("retry_backoff_min"),
+                "must not exceed retry_backoff_max",
+            ));
+        }
+        for (index, aggregate_type) in self.aggregate_types.iter().enumerate() {
+            if aggregate_type.is_empty() || aggregate_type.len() > 255 {
+                return Err(Error::invalid(
+                    format!("{prefix}.aggregate_types[{index}]"),
+                    "must be 1 to 255 bytes",
+                ));
+            }
+        }
+        if self
+            .metadata_match
+            .keys()
+            .any(|key| key.is_empty() || key.len() > 128)
+        {
+            return Err(Error::invalid(
+                field("metadata_match"),
+                "keys must be 1 to 128 bytes",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Delay before retry number `attempt + 1` after delivery `attempt` failed:
+    /// min × 2^(attempt−1), capped at max.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let factor = 2f64.powi(attempt.saturating_sub(1).min(64) as i32);
+        Duration::try_from_secs_f64(self.retry_backoff_min.as_secs_f64() * factor)
+            .unwrap_or(Duration::MAX)
+            .min(self.retry_backoff_max)
+    }
+}
+
+/// A stored subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Subscription {
+    pub id: i64,
+    pub name: SubscriptionName,
+    pub settings: SubscriptionSettings,
+    pub created_at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_documented_shape() {
+        for good in ["orders", "0-billing.v2_eu", &"a".repeat(128)] {
+            SubscriptionName::parse("name", good).unwrap();
+        }
+        for bad in ["", "Orders", "-orders", "orders!", &"a".repeat(129)] {
+            assert!(SubscriptionName::parse("name", bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let settings = SubscriptionSettings::default();
+        assert_eq!(settings.backoff(1), Duration::from_secs(1));
+        assert_eq!(settings.backoff(2), Duration::from_secs(2));
+        assert_eq!(settings.backoff(5), Duration::from_secs(16));
+        assert_eq!(settings.backoff(11), Duration::from_secs(15 * 60));
+        assert_eq!(settings.backoff(u32::MAX), Duration::from_secs(15 * 60));
+    }
+
+    #[test]
+    fn rejects_inverted_backoff_and_out_of_range_deadline() {
+        let mut settings = SubscriptionSettings {
+            retry_backoff_min: Duration::from_secs(10),
+            retry_backoff_max: Duration::from_secs(1),
+            ..Default::default()
+        };
+        assert!(settings.validate("subscription").is_err());
+        settings.retry_backoff_max = Duration::from_secs(10);
+        settings.validate("subscription").unwrap();
+        settings.ack_deadline = Duration::from_millis(10);
+        assert!(settings.validate("subscription").is_err());
+    }
+}

@@ -1,0 +1,49 @@
+//! The domain error: what can go wrong in publishing, subscriptions and delivery, in
+//! terms a client can act on. `api` maps each variant to one gRPC status code.
+
+use crate::storage::StoreError;
+
+/// Result alias of the domain layer.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed; `field` names the offending field (`events[3].event_type`).
+    #[error("{field}: {message}")]
+    InvalidArgument { field: String, message: String },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The database cannot be reached; the client may retry.
+    #[error("database unavailable")]
+    Unavailable(#[source] StoreError),
+    /// The gateway is stopping; the client should reconnect (to another instance).
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
+    /// A bug or an unexpected database answer. Logged in full, shown to clients as
+    /// generic text.
+    #[error("internal error")]
+    Internal(#[source] StoreError),
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<StoreError> for Error {
+    fn from(error: StoreError) -> Self {
+        if error.is_unavailable() {
+            Error::Unavailable(error)
+        } else {
+            Error::Internal(error)
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! outbox-gateway: a gRPC gateway for the transactional outbox pattern on PostgreSQL.
+//!
+//! Services publish events in the same transaction as their business change — through
+//! the `Publish` RPC or by inserting into the outbox table — and the gateway relays every
+//! committed event to durable, filtered subscriptions that consumers read over a
+//! server-streaming `Subscribe` RPC and settle with `Ack` / `Nack`.
+//!
+//! # Layout
+//! - [`config`]: layered settings (flags, environment, TOML file, defaults).
+//! - [`domain`]: events, subscriptions, patterns, ack ids and their validation.
+//! - [`publish`]: idempotent, atomic batch publishing.
+//! - [`subscriptions`]: creating, reading and deleting subscriptions.
+//! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
+//! - [`storage`]: every SQL statement, the pool and the migrations.
+//! - [`api`]: thin gRPC adapters and the one error-to-status mapping.
+//! - [`run`]: wires it all together and serves until shutdown.
+
+pub mod api;
+pub mod config;
+pub mod delivery;
+pub mod domain;
+pub mod error;
+pub mod publish;
+pub mod storage;
+pub mod subscriptions;
+
+use std::{future::Future, time::Duration};
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::{ServingStatus, server::HealthReporter};
+
+pub use config::Config;
+
+use crate::{
+    api::{AdminApi, PublisherApi, SubscriberApi},
+    delivery::Relay,
+    publish::Publisher,
+    storage::{Store, StoreConfig, StoreError},
+    subscriptions::Subscriptions,
+};
+
+/// Generated protobuf types and gRPC stubs of `outbox.v1`.
+pub mod proto {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("outbox.v1");
+
+    /// Encoded descriptors of `proto/`, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/outbox_descriptor.bin"));
+}
+
+/// Services the health endpoint reports on, besides the server as a whole ("").
+const SERVICE_NAMES: [&str; 3] = [
+    "outbox.v1.Publisher",
+    "outbox.v1.Subscriber",
+    "outbox.v1.Admin",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(
+        "cannot connect to PostgreSQL at {target}: {source}. Point the gateway at your database with --database-url or DATABASE_URL"
+    )]
+    Connect { target: String, source: StoreError },
+    #[error("cannot migrate the database schema: {0}")]
+    Migrate(#[source] StoreError),
+    #[error("gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// Connects to the database (migrating it unless configured not to) and serves gRPC
+/// on `listener` until `shutdown` completes; then reports NOT_SERVING, ends the
+/// Subscribe streams (giving their leases back), lets in-flight calls finish within the
+/// grace period and closes the pool.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RunError> {
+    let store = connect(&config).await?;
+    if config.migrate {
+        store.migrate().await.map_err(RunError::Migrate)?;
+    }
+    let relay = Relay::start(store.clone(), config.delivery.clone());
+    let publisher = Publisher::new(store.clone(), relay.clone(), config.limits.clone());
+    let subscriptions = Subscriptions::new(store.clone(), relay.clone());
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    set_health(&health_reporter, ServingStatus::NotServing).await;
+    let health_monitor = tokio::spawn(monitor_health(
+        store.clone(),
+        health_reporter.clone(),
+        config.health_check_interval,
+    ));
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("descriptor sets are valid");
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .expect("descriptor sets are valid");
+
+    let stop_serving = tokio_util::sync::CancellationToken::new();
+    let address = listener.local_addr().ok();
+    let server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(proto::publisher_server::PublisherServer::new(
+            PublisherApi::new(publisher),
+        ))
+        .add_service(proto::subscriber_server::SubscriberServer::new(
+            SubscriberApi::new(relay.clone()),
+        ))
+        .add_service(proto::admin_server::AdminServer::new(AdminApi::new(
+            subscriptions,
+        )))
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener),
+            stop_serving.clone().cancelled_owned(),
+        );
+    tracing::info!(address = ?address, "serving gRPC");
+
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => {
+            result?;
+        }
+        _ = shutdown => {
+            tracing::info!("shutting down");
+            health_monitor.abort();
+            set_health(&health_reporter, ServingStatus::NotServing).await;
+            relay.shutdown().await;
+            stop_serving.cancel();
+            match tokio::time::timeout(config.shutdown_grace, &mut server).await {
+                Ok(result) => result?,
+                Err(_) => tracing::warn!(grace = ?config.shutdown_grace, "calls still running after the grace period were cut"),
+            }
+        }
+    }
+    health_monitor.abort();
+    store.close().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn connect(config: &Config) -> Result<Store, RunError> {
+    let store_config = StoreConfig {
+        database_url: config.database_url.clone(),
+        max_connections: config.db_max_connections,
+        acquire_timeout: config.db_acquire_timeout,
+    };
+    Store::connect(&store_config)
+        .await
+        .map_err(|source| RunError::Connect {
+            target: storage::describe_target(&config.database_url),
+            source,
+        })
+}
+
+/// SERVING while the database answers and its schema is current, NOT_SERVING otherwise.
+async fn monitor_health(store: Store, reporter: HealthReporter, interval: Duration) {
+    let mut serving = None;
+    loop {
+        let healthy = match store.is_migrated().await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!("the database schema is not migrated; run `outbox-gateway migrate`");
+                false
+            }
+            Err(error) => {
+                tracing::warn!(%error, "database health check failed");
+                false
+            }
+        };
+        if serving != Some(healthy) {
+            let status = if healthy {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            tracing::info!(?status, "health changed");
+            set_health(&reporter, status).await;
+            serving = Some(healthy);
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+async fn set_health(reporter: &HealthReporter, status: ServingStatus) {
+    reporter.set_service_status("", status).await;
+    for name in SERVICE_NAMES {
+        reporter.set_service_status(name, status).await;
+    }
+}

@@ -1,0 +1,321 @@
+//! Delivery records: claiming events for a subscription, settling leases, releasing them.
+//!
+//! Everything that decides which event goes out next for a subscription (claims, and on
+//! ordered subscriptions the acks and dead letters that free an aggregate) runs under a
+//! transaction-scoped advisory lock on the subscription. An advisory lock, unlike a row
+//! lock, does not give the claiming transaction an id before its snapshot is taken, so
+//! claimers do not hold back each other's read horizon.
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, Row, postgres::PgRow};
+
+use super::{Result, Store, StoreError, events::event_from_row, subscriptions::millis};
+use crate::domain::{AckId, Delivery, Subscription, SubscriptionSettings};
+
+/// First key of the gateway's advisory locks; the second is the subscription id.
+const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
+
+/// What one claim produced.
+#[derive(Debug)]
+pub struct Claim {
+    /// Newly leased deliveries, in outbox order.
+    pub deliveries: Vec<Delivery>,
+    /// Committed events are waiting above the read horizon because an older
+    /// transaction is still open: claim again shortly.
+    pub held_back: bool,
+    /// The subscription's settings as of this claim.
+    pub settings: SubscriptionSettings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NackOutcome {
+    pub dead_lettered: bool,
+    pub retry_at: Option<DateTime<Utc>>,
+}
+
+impl Store {
+    /// Leases up to `limit` deliveries of the subscription to `lease_token`: first expired
+    /// leases and due retries, then new events past the cursor. `None` when the
+    /// subscription no longer exists.
+    pub async fn claim(
+        &self,
+        subscription_id: i64,
+        lease_token: i64,
+        limit: usize,
+    ) -> Result<Option<Claim>> {
+        let mut transaction = self.pool.begin().await?;
+        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
+        let row = sqlx::query(
+            "SELECT id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, \
+             max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
+             persistent_event_types, created_at, cursor_xact_id, cursor_position, not_before \
+             FROM outbox_subscriptions WHERE id = $1",
+        )
+        .bind(subscription_id)
+        .fetch_optional(&mut *transaction)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let subscription = super::subscriptions::subscription_from_row(&row)?;
+        let settings = &subscription.settings;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+
+        let due_rows = sqlx::query(include_str!("queries/claim_due.sql"))
+            .bind(subscription_id)
+            .bind(limit)
+            .bind(lease_token)
+            .bind(millis(settings.ack_deadline))
+            .bind(settings.max_attempts as i32)
+            .bind(settings.persistent_event_types.to_regex())
+            .fetch_all(&mut *transaction)
+            .await?;
+        let mut deliveries = Vec::with_capacity(due_rows.len());
+        let mut freed_keys = Vec::new();
+        for row in &due_rows {
+            let state: &str = row.try_get("state")?;
+            if state == "in_flight" {
+                deliveries.push(delivery_from_row(row, lease_token)?);
+            } else if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                freed_keys.push(key);
+            }
+        }
+        promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
+
+        let remaining = limit - deliveries.len() as i64;
+        let mut held_back = false;
+        if remaining > 0 {
+            let cursor_xact_id: i64 = row.try_get("cursor_xact_id")?;
+            let cursor_position: i64 = row.try_get("cursor_position")?;
+            let not_before: Option<DateTime<Utc>> = row.try_get("not_before")?;
+            let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
+                .bind(subscription_id)
+                .bind(cursor_xact_id)
+                .bind(cursor_position)
+                .bind(remaining)
+                .bind(settings.event_types.to_regex())
+                .bind(&settings.aggregate_types)
+                .bind(sqlx::types::Json(&settings.metadata_match))
+                .bind(not_before)
+                .bind(lease_token)
+                .bind(millis(settings.ack_deadline))
+                .bind(settings.ordered)
+                .fetch_all(&mut *transaction)
+                .await?;
+            for row in &new_rows {
+                deliveries.push(delivery_from_row(row, lease_token)?);
+            }
+            if (new_rows.len() as i64) < remaining {
+                held_back = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM outbox_events \
+                     WHERE xact_id >= pg_snapshot_xmin(pg_current_snapshot())::text::bigint)",
+                )
+                .fetch_one(&mut *transaction)
+                .await?;
+            }
+        }
+        transaction.commit().await?;
+        Ok(Some(Claim {
+            deliveries,
+            held_back,
+            settings: subscription.settings,
+        }))
+    }
+
+    /// Acks deliveries; returns the positions that were settled (the rest were stale).
+    pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<i64>> {
+        let (positions, attempts, tokens) = split_ack_ids(acks);
+        let statement = sqlx::query(include_str!("queries/ack.sql"))
+            .bind(subscription.id)
+            .bind(positions)
+            .bind(attempts)
+            .bind(tokens);
+        if !subscription.settings.ordered {
+            let rows = statement.fetch_all(&self.pool).await?;
+            return rows
+                .iter()
+                .map(|row| Ok(row.try_get("position")?))
+                .collect();
+        }
+        // An ack on an ordered subscription frees its aggregate for the next event.
+        let mut transaction = self.pool.begin().await?;
+        lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
+        let rows = statement.fetch_all(&mut *transaction).await?;
+        let mut acked = Vec::with_capacity(rows.len());
+        let mut freed_keys = Vec::new();
+        for row in &rows {
+            acked.push(row.try_get("position")?);
+            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                freed_keys.push(key);
+            }
+        }
+        promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
+        transaction.commit().await?;
+        Ok(acked)
+    }
+
+    /// Nacks one delivery; `None` when its lease is stale.
+    pub async fn nack(
+        &self,
+        subscription: &Subscription,
+        ack: AckId,
+        reason: &str,
+        retry_delay: std::time::Duration,
+        dead_letter: bool,
+    ) -> Result<Option<NackOutcome>> {
+        let settings = &subscription.settings;
+        let mut transaction = self.pool.begin().await?;
+        if settings.ordered {
+            lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
+        }
+        let row = sqlx::query(include_str!("queries/nack.sql"))
+            .bind(subscription.id)
+            .bind(ack.position)
+            .bind(ack.attempt)
+            .bind(ack.lease_token)
+            .bind(reason)
+            .bind(millis(retry_delay))
+            .bind(dead_letter)
+            .bind(settings.max_attempts as i32)
+            .bind(settings.persistent_event_types.to_regex())
+            .fetch_optional(&mut *transaction)
+            .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let dead_lettered: bool = row.try_get("to_dead")?;
+        if dead_lettered && let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+            promote_waiting(&mut transaction, subscription.id, &[key]).await?;
+        }
+        let retry_at = row.try_get("due_at")?;
+        transaction.commit().await?;
+        Ok(Some(NackOutcome {
+            dead_lettered,
+            retry_at,
+        }))
+    }
+
+    /// Moves the deadline of leased deliveries to `extension` from now; returns the
+    /// positions extended with their new deadline (the rest were stale).
+    pub async fn extend_leases(
+        &self,
+        subscription_id: i64,
+        acks: &[AckId],
+        extension: std::time::Duration,
+    ) -> Result<Vec<(i64, DateTime<Utc>)>> {
+        let (positions, attempts, tokens) = split_ack_ids(acks);
+        let rows = sqlx::query(include_str!("queries/extend.sql"))
+            .bind(subscription_id)
+            .bind(&positions)
+            .bind(&attempts)
+            .bind(&tokens)
+            .bind(millis(extension))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
+            .collect()
+    }
+
+    /// Makes the given leases deliverable again at once (their stream ended).
+    pub async fn release_leases(
+        &self,
+        subscription_id: i64,
+        positions: &[i64],
+        lease_token: i64,
+    ) -> Result<u64> {
+        let result = sqlx::query(include_str!("queries/release.sql"))
+            .bind(subscription_id)
+            .bind(positions)
+            .bind(lease_token)
+            .execute(&self.pool)
+            .await?;
+        Ok(result.rows_affected())
+    }
+
+    /// Which of the given positions are still leased to `lease_token`, with their
+    /// deadlines; acks and extensions may have reached another gateway process.
+    pub async fn live_leases(
+        &self,
+        subscription_id: i64,
+        positions: &[i64],
+        lease_token: i64,
+    ) -> Result<Vec<(i64, DateTime<Utc>)>> {
+        let rows = sqlx::query(
+            "SELECT position, due_at FROM outbox_deliveries \
+             WHERE subscription_id = $1 AND position = ANY ($2) AND lease_token = $3 \
+               AND state = 'in_flight' AND due_at > now()",
+        )
+        .bind(subscription_id)
+        .bind(positions)
+        .bind(lease_token)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(super) enum LockMode {
+    Exclusive,
+    Shared,
+}
+
+pub(super) async fn lock_subscription(
+    connection: &mut PgConnection,
+    subscription_id: i64,
+    mode: LockMode,
+) -> Result<()> {
+    let statement = match mode {
+        LockMode::Exclusive => "SELECT pg_advisory_xact_lock($1, $2::int)",
+        LockMode::Shared => "SELECT pg_advisory_xact_lock_shared($1, $2::int)",
+    };
+    sqlx::query(statement)
+        .bind(SUBSCRIPTION_LOCK_CLASS)
+        .bind(subscription_id)
+        .execute(connection)
+        .await?;
+    Ok(())
+}
+
+async fn promote_waiting(
+    connection: &mut PgConnection,
+    subscription_id: i64,
+    ordering_keys: &[i64],
+) -> Result<()> {
+    if ordering_keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(include_str!("queries/promote_waiting.sql"))
+        .bind(subscription_id)
+        .bind(ordering_keys)
+        .execute(connection)
+        .await?;
+    Ok(())
+}
+
+fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
+    let positions = acks.iter().map(|ack| ack.position).collect();
+    let attempts = acks.iter().map(|ack| ack.attempt).collect();
+    let tokens = acks.iter().map(|ack| ack.lease_token).collect();
+    (positions, attempts, tokens)
+}
+
+fn delivery_from_row(row: &PgRow, lease_token: i64) -> Result<Delivery> {
+    let position: i64 = row.try_get("position")?;
+    let attempt: i32 = row.try_get("attempt")?;
+    let ack_deadline: Option<DateTime<Utc>> = row.try_get("due_at")?;
+    Ok(Delivery {
+        ack_id: AckId {
+            position,
+            attempt,
+            lease_token,
+        },
+        attempt: attempt.max(0) as u32,
+        ack_deadline: ack_deadline
+            .ok_or_else(|| StoreError::Corrupt(format!("lease of {position} has no deadline")))?,
+        event: event_from_row(row)?,
+    })
+}

@@ -1,0 +1,212 @@
+//! The storage layer: every SQL statement of the gateway, the connection pool and the
+//! schema migrations. Nothing outside this module sees `sqlx`; callers get domain types
+//! and a [`StoreError`].
+
+mod deliveries;
+mod events;
+mod subscriptions;
+
+use std::{str::FromStr, time::Duration};
+
+use sqlx::{
+    Connection, Executor, PgConnection,
+    postgres::{PgConnectOptions, PgPool, PgPoolOptions},
+};
+
+pub use deliveries::{Claim, NackOutcome};
+pub use events::PublishTransaction;
+
+/// Result alias of the storage layer.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached (down, restarting, connections exhausted).
+    #[error("cannot reach PostgreSQL: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    /// A unique constraint refused a row.
+    #[error("unique constraint {constraint} violated")]
+    UniqueViolation { constraint: String },
+    #[error("database error: {0}")]
+    Database(#[source] sqlx::Error),
+    /// A stored value the gateway cannot read back, e.g. a pattern edited by hand.
+    #[error("stored data is malformed: {0}")]
+    Corrupt(String),
+    #[error("schema migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl StoreError {
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        let unavailable = match &error {
+            sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed => true,
+            sqlx::Error::Database(db) => {
+                let code = db.code().unwrap_or_default();
+                // Connection exceptions, shutdowns, "cannot connect now", too many clients.
+                code.starts_with("08") || code.starts_with("57P") || code == "53300"
+            }
+            _ => false,
+        };
+        if unavailable {
+            return StoreError::Unavailable(error);
+        }
+        if let sqlx::Error::Database(db) = &error
+            && db.code().as_deref() == Some("23505")
+        {
+            return StoreError::UniqueViolation {
+                constraint: db.constraint().unwrap_or_default().to_owned(),
+            };
+        }
+        StoreError::Database(error)
+    }
+}
+
+/// Where and how to connect.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub database_url: String,
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+/// Handle to the database; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+}
+
+impl Store {
+    /// Connects, creating the database first when it does not exist yet.
+    pub async fn connect(config: &StoreConfig) -> Result<Store> {
+        let options = PgConnectOptions::from_str(&config.database_url)
+            .map_err(StoreError::Database)?
+            .application_name("outbox-gateway")
+            // The gateway wakes its relay in process; its inserts must not NOTIFY.
+            .options([("outbox.suppress_notify", "on")]);
+        create_database_if_missing(&options).await?;
+        let pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.acquire_timeout)
+            .connect_with(options)
+            .await?;
+        Ok(Store { pool })
+    }
+
+    /// Applies pending migrations. Safe to run from several gateways at once: sqlx holds
+    /// an advisory lock meanwhile.
+    pub async fn migrate(&self) -> Result<()> {
+        sqlx::migrate!("./migrations").run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// True when every migration this build knows has been applied.
+    pub async fn is_migrated(&self) -> Result<bool> {
+        let latest = sqlx::migrate!("./migrations")
+            .iter()
+            .map(|migration| migration.version)
+            .max()
+            .unwrap_or_default();
+        let applied: Option<i64> =
+            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+                .fetch_one(&self.pool)
+                .await
+                .or_else(|error| match &error {
+                    // No migrations table yet.
+                    sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
+                    _ => Err(error),
+                })?;
+        Ok(applied.unwrap_or_default() >= latest)
+    }
+
+    pub async fn ping(&self) -> Result<()> {
+        self.pool.execute("SELECT 1").await?;
+        Ok(())
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Sends one wake-up to every gateway listening on this database.
+    pub async fn notify_listeners(&self) -> Result<()> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(NOTIFY_CHANNEL)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// A connection that receives the commit-time notifications of event writers.
+    pub async fn listen(&self) -> Result<EventListener> {
+        let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
+        listener.listen(NOTIFY_CHANNEL).await?;
+        Ok(EventListener { listener })
+    }
+}
+
+/// The channel `outbox_notify_insert()` notifies on.
+const NOTIFY_CHANNEL: &str = "outbox_events";
+
+/// A dedicated LISTEN connection.
+pub struct EventListener {
+    listener: sqlx::postgres::PgListener,
+}
+
+impl EventListener {
+    /// Waits for the next notification. `Ok(false)` means the connection was lost and
+    /// re-established: notifications may have been missed meanwhile.
+    pub async fn next(&mut self) -> Result<bool> {
+        Ok(self.listener.try_recv().await?.is_some())
+    }
+}
+
+/// Describes a connection target without its password, for messages.
+pub fn describe_target(database_url: &str) -> String {
+    match PgConnectOptions::from_str(database_url) {
+        Ok(options) => format!(
+            "{}:{} (database {:?}, user {:?})",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or("postgres"),
+            options.get_username()
+        ),
+        Err(_) => "an unparsable DATABASE_URL".to_owned(),
+    }
+}
+
+async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()> {
+    let Some(database) = options.get_database() else {
+        return Ok(());
+    };
+    match PgConnection::connect_with(options).await {
+        Ok(connection) => {
+            let _ = connection.close().await;
+            return Ok(());
+        }
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("3D000") => {}
+        Err(error) => return Err(error.into()),
+    }
+    let mut maintenance = PgConnection::connect_with(&options.clone().database("postgres")).await?;
+    let quoted = format!("\"{}\"", database.replace('"', "\"\""));
+    match maintenance
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
+        .await
+    {
+        Ok(_) => tracing::info!(database, "created database"),
+        // Another gateway created it meanwhile.
+        Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P04") => {}
+        Err(error) => return Err(error.into()),
+    }
+    let _ = maintenance.close().await;
+    Ok(())
+}

@@ -1,0 +1,14 @@
+-- One statement per Publish batch. Conflicting ids are skipped here and compared with the
+-- stored rows afterwards (an identical re-publish is a duplicate, anything else a conflict).
+INSERT INTO outbox_events (id, aggregate_type, aggregate_id, aggregate_version, event_type,
+                           payload, content_type, metadata, occurred_at)
+SELECT input.id, input.aggregate_type, input.aggregate_id, input.aggregate_version,
+       input.event_type, input.payload, input.content_type, input.metadata::jsonb,
+       coalesce(input.occurred_at, now())
+FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bytea[],
+            $7::text[], $8::text[], $9::timestamptz[])
+     WITH ORDINALITY AS input(id, aggregate_type, aggregate_id, aggregate_version, event_type,
+                              payload, content_type, metadata, occurred_at, ordinal)
+ORDER BY input.ordinal
+ON CONFLICT (id) DO NOTHING
+RETURNING id
