@@ -45,8 +45,10 @@ impl StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
         let unavailable = match &error {
+            // A connection cut mid-handshake surfaces as a protocol error.
             sqlx::Error::Io(_)
             | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::PoolClosed
             | sqlx::Error::WorkerCrashed => true,

@@ -1,0 +1,280 @@
+//! Shared helpers of the integration tests: a throw-away database per test, a real
+//! gateway served on 127.0.0.1:0, gRPC clients, and a TCP proxy that can cut the
+//! gateway off from PostgreSQL.
+#![allow(dead_code)]
+
+pub mod proxy;
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use outbox_gateway::{
+    Config,
+    proto::{
+        self, admin_client::AdminClient, publisher_client::PublisherClient,
+        subscriber_client::SubscriberClient,
+    },
+};
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tonic::transport::Channel;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+/// The server the tests create their databases on.
+pub fn server_url() -> String {
+    std::env::var("TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+}
+
+/// A database of its own for one test, dropped (with its connections) afterwards.
+pub struct TestDatabase {
+    pub name: String,
+}
+
+impl TestDatabase {
+    pub async fn create() -> Arc<TestDatabase> {
+        let name = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect(&format!("{}/postgres", server_url()))
+            .await
+            .expect("PostgreSQL must be running for the integration tests (see README)");
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .expect("create test database");
+        Arc::new(TestDatabase { name })
+    }
+
+    pub fn url(&self) -> String {
+        format!("{}/{}", server_url(), self.name)
+    }
+
+    /// A pool for writing and inspecting rows directly, like a producer service would.
+    pub async fn pool(&self) -> PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&self.url())
+            .await
+            .expect("connect to test database")
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        // Drop runs inside the test's runtime, which cannot be blocked on: use a thread.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                if let Ok(mut admin) =
+                    PgConnection::connect(&format!("{}/postgres", server_url())).await
+                {
+                    let _ = admin.execute(sqlx::AssertSqlSafe(statement)).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Configuration for a test gateway on `database_url`: quick health checks, and a poll
+/// interval long enough that a test passing by polling alone would stand out.
+pub fn test_config(database_url: String) -> Config {
+    let mut config = Config::default();
+    config.database_url = database_url;
+    config.health_check_interval = Duration::from_millis(100);
+    config.shutdown_grace = Duration::from_secs(2);
+    config.delivery.poll_interval = Duration::from_secs(5);
+    config.db_acquire_timeout = Duration::from_secs(2);
+    config
+}
+
+/// A real gateway serving on an ephemeral port.
+pub struct TestGateway {
+    pub address: SocketAddr,
+    pub database: Arc<TestDatabase>,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<Result<(), outbox_gateway::RunError>>>,
+}
+
+impl TestGateway {
+    pub async fn start(database: &Arc<TestDatabase>) -> TestGateway {
+        Self::start_with(database, test_config(database.url())).await
+    }
+
+    /// Starts a gateway with `config` and waits until it reports SERVING.
+    pub async fn start_with(database: &Arc<TestDatabase>, config: Config) -> TestGateway {
+        let gateway = Self::spawn(database, config).await;
+        gateway.wait_for_health(ServingStatus::Serving).await;
+        gateway
+    }
+
+    /// Starts a gateway without waiting for it to become healthy.
+    pub async fn spawn(database: &Arc<TestDatabase>, config: Config) -> TestGateway {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("local address");
+        let (shutdown, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(outbox_gateway::run(config, listener, async {
+            let _ = stopped.await;
+        }));
+        TestGateway {
+            address,
+            database: database.clone(),
+            shutdown: Some(shutdown),
+            server: Some(server),
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(self.endpoint())
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect to test gateway")
+    }
+
+    pub async fn publisher(&self) -> PublisherClient<Channel> {
+        PublisherClient::new(self.channel().await)
+    }
+
+    pub async fn subscriber(&self) -> SubscriberClient<Channel> {
+        SubscriberClient::new(self.channel().await)
+    }
+
+    pub async fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel().await)
+    }
+
+    pub async fn health(&self) -> Option<ServingStatus> {
+        let mut client = HealthClient::new(self.channel().await);
+        let response = client
+            .check(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .ok()?;
+        ServingStatus::try_from(response.into_inner().status).ok()
+    }
+
+    pub async fn wait_for_health(&self, expected: ServingStatus) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.health().await == Some(expected) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "gateway did not report {expected:?} in time"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Asks the gateway to shut down and returns how `run` ended.
+    pub async fn stop(mut self) -> Result<(), outbox_gateway::RunError> {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        self.server
+            .take()
+            .expect("running")
+            .await
+            .expect("server task")
+    }
+}
+
+impl Drop for TestGateway {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
+
+/// An event input with sensible defaults.
+pub fn event(aggregate_id: &str, event_type: &str) -> proto::EventInput {
+    proto::EventInput {
+        aggregate_type: "order".into(),
+        aggregate_id: aggregate_id.into(),
+        event_type: event_type.into(),
+        payload: format!(r#"{{"aggregate":"{aggregate_id}"}}"#).into_bytes(),
+        ..Default::default()
+    }
+}
+
+pub async fn publish(
+    gateway: &TestGateway,
+    events: Vec<proto::EventInput>,
+) -> Vec<proto::PublishResult> {
+    gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest { events })
+        .await
+        .expect("publish")
+        .into_inner()
+        .results
+}
+
+/// A subscription with defaults but the given name, starting at the earliest event.
+pub fn subscription(name: &str) -> proto::Subscription {
+    proto::Subscription {
+        name: name.into(),
+        start: Some(proto::StartPosition {
+            position: Some(proto::start_position::Position::Boundary(
+                proto::Boundary::Earliest as i32,
+            )),
+        }),
+        ..Default::default()
+    }
+}
+
+pub async fn create_subscription(
+    gateway: &TestGateway,
+    subscription: proto::Subscription,
+) -> proto::Subscription {
+    gateway
+        .admin()
+        .await
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription),
+        })
+        .await
+        .expect("create subscription")
+        .into_inner()
+}
+
+/// Asserts a call failed with `code` and that the message mentions `needle`.
+#[track_caller]
+pub fn assert_status<T: std::fmt::Debug>(
+    result: Result<T, tonic::Status>,
+    code: tonic::Code,
+    needle: &str,
+) {
+    match result {
+        Ok(value) => panic!("expected {code:?} mentioning {needle:?}, got Ok({value:?})"),
+        Err(status) => {
+            assert_eq!(status.code(), code, "unexpected status: {status:?}");
+            assert!(
+                status.message().contains(needle),
+                "message {:?} does not mention {needle:?}",
+                status.message()
+            );
+        }
+    }
+}
+
+/// Counts rows of the outbox table.
+pub async fn count_events(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+        .fetch_one(pool)
+        .await
+        .expect("count events")
+}
