@@ -83,12 +83,14 @@ impl Drop for TestDatabase {
 /// Configuration for a test gateway on `database_url`: quick health checks, and a poll
 /// interval long enough that a test passing by polling alone would stand out.
 pub fn test_config(database_url: String) -> Config {
-    let mut config = Config::default();
-    config.database_url = database_url;
-    config.health_check_interval = Duration::from_millis(100);
-    config.shutdown_grace = Duration::from_secs(2);
+    let mut config = Config {
+        database_url,
+        health_check_interval: Duration::from_millis(100),
+        shutdown_grace: Duration::from_secs(2),
+        db_acquire_timeout: Duration::from_secs(2),
+        ..Config::default()
+    };
     config.delivery.poll_interval = Duration::from_secs(5);
-    config.db_acquire_timeout = Duration::from_secs(2);
     config
 }
 
