@@ -254,7 +254,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
 
     loop {
         let now = Utc::now();
-        let (room, next_deadline) = {
+        let room = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             expire_leases(&mut state, now);
             if state.streams.is_empty() {
@@ -264,8 +264,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
                 continue;
             }
-            let next_deadline = state.leases.values().map(|lease| lease.deadline).min();
-            (state.room(), next_deadline)
+            state.room()
         };
 
         let mut claimed_full_batch = false;
@@ -317,7 +316,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
         }
 
         let mut sleep_for = retry_delay.unwrap_or(config.poll_interval);
-        let retry_at = dispatcher.state.lock().expect("dispatcher lock").retry_at;
+        let (next_deadline, retry_at) = {
+            let state = dispatcher.state.lock().expect("dispatcher lock");
+            (
+                state.leases.values().map(|lease| lease.deadline).min(),
+                state.retry_at,
+            )
+        };
         for at in [next_deadline, retry_at].into_iter().flatten() {
             let until = (at - Utc::now()).to_std().unwrap_or_default();
             sleep_for = sleep_for.min(until + Duration::from_millis(1));

@@ -280,3 +280,104 @@ pub async fn count_events(pool: &PgPool) -> i64 {
         .await
         .expect("count events")
 }
+
+/// One Subscribe stream, read with timeouts.
+pub struct Consumer {
+    stream: tonic::Streaming<proto::Delivery>,
+}
+
+impl Consumer {
+    pub async fn open(gateway: &TestGateway, subscription: &str, max_in_flight: u32) -> Consumer {
+        let stream = gateway
+            .subscriber()
+            .await
+            .subscribe(proto::SubscribeRequest {
+                subscription: subscription.into(),
+                max_in_flight,
+            })
+            .await
+            .expect("subscribe")
+            .into_inner();
+        Consumer { stream }
+    }
+
+    /// The next delivery, or `None` when none arrives within `wait`.
+    pub async fn next(&mut self, wait: Duration) -> Option<proto::Delivery> {
+        match tokio::time::timeout(wait, self.stream.message()).await {
+            Ok(Ok(Some(delivery))) => Some(delivery),
+            Ok(Ok(None)) => panic!("the delivery stream ended"),
+            Ok(Err(status)) => panic!("the delivery stream failed: {status:?}"),
+            Err(_) => None,
+        }
+    }
+
+    /// Exactly `count` deliveries, each within `wait` of the previous one.
+    pub async fn take(&mut self, count: usize, wait: Duration) -> Vec<proto::Delivery> {
+        let mut deliveries = Vec::with_capacity(count);
+        while deliveries.len() < count {
+            match self.next(wait).await {
+                Some(delivery) => deliveries.push(delivery),
+                None => panic!("got {} of {count} deliveries", deliveries.len()),
+            }
+        }
+        deliveries
+    }
+
+    /// How the stream ended, waiting at most `wait`.
+    pub async fn end(&mut self, wait: Duration) -> Option<tonic::Status> {
+        match tokio::time::timeout(wait, self.stream.message()).await {
+            Ok(Err(status)) => Some(status),
+            _ => None,
+        }
+    }
+}
+
+pub async fn ack(gateway: &TestGateway, subscription: &str, ack_ids: Vec<String>) -> Vec<String> {
+    gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: subscription.into(),
+            ack_ids,
+        })
+        .await
+        .expect("ack")
+        .into_inner()
+        .stale_ack_ids
+}
+
+pub async fn nack(gateway: &TestGateway, request: proto::NackRequest) -> proto::NackResponse {
+    gateway
+        .subscriber()
+        .await
+        .nack(request)
+        .await
+        .expect("nack")
+        .into_inner()
+}
+
+/// Aggregate id of a delivery's event.
+pub fn aggregate_of(delivery: &proto::Delivery) -> String {
+    delivery.event.as_ref().expect("event").aggregate_id.clone()
+}
+
+pub fn seconds(seconds: u64) -> Option<prost_types::Duration> {
+    Some(prost_types::Duration {
+        seconds: seconds as i64,
+        nanos: 0,
+    })
+}
+
+/// State and attempt of every delivery record of a subscription, by aggregate id.
+pub async fn delivery_records(pool: &PgPool, subscription: &str) -> Vec<(String, String, i32)> {
+    sqlx::query_as(
+        "SELECT e.aggregate_id, d.state, d.attempt FROM outbox_deliveries d \
+         JOIN outbox_subscriptions s ON s.id = d.subscription_id \
+         JOIN outbox_events e ON e.position = d.position \
+         WHERE s.name = $1 ORDER BY d.position",
+    )
+    .bind(subscription)
+    .fetch_all(pool)
+    .await
+    .expect("delivery records")
+}
