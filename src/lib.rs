@@ -13,9 +13,11 @@
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`api`]: thin gRPC adapters and the one error-to-status mapping.
+//! - [`cli`]: the binary's client subcommands (health checks, administration).
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
+pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod domain;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use outbox_gateway::{
-    Config,
+    Config, cli,
     config::{LogFormat, Settings},
     storage::{Store, StoreConfig},
 };
@@ -28,24 +28,41 @@ enum Command {
     Serve(Settings),
     /// Apply pending schema migrations and exit.
     Migrate(Settings),
+    /// Ask a running gateway whether it is healthy (exit 0 when SERVING).
+    Health(cli::Connection),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let (Command::Serve(settings) | Command::Migrate(settings)) = &cli.command;
-    let config = match Config::load(settings.clone()) {
-        Ok(config) => config,
+    let result = match Cli::parse().command {
+        Command::Serve(settings) => match load_config(settings) {
+            Ok(config) => serve(config).await,
+            Err(code) => return code,
+        },
+        Command::Migrate(settings) => match load_config(settings) {
+            Ok(config) => migrate(config).await,
+            Err(code) => return code,
+        },
+        Command::Health(connection) => cli::health(&connection).await,
+    };
+    exit_with(result)
+}
+
+/// The layered configuration, with logging set up from it; exit code 2 when invalid.
+fn load_config(settings: Settings) -> Result<Config, ExitCode> {
+    match Config::load(settings) {
+        Ok(config) => {
+            init_logging(&config);
+            Ok(config)
+        }
         Err(error) => {
             eprintln!("outbox-gateway: {error}");
-            return ExitCode::from(2);
+            Err(ExitCode::from(2))
         }
-    };
-    init_logging(&config);
-    let result = match cli.command {
-        Command::Serve(_) => serve(config).await,
-        Command::Migrate(_) => migrate(config).await,
-    };
+    }
+}
+
+fn exit_with(result: Result<(), String>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {

@@ -1,0 +1,24 @@
+# Multi-stage build: dependencies are compiled in their own layer, so a source change
+# only rebuilds the gateway itself.
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto proto
+RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+    && cargo build --release --locked --bin outbox-gateway \
+    && rm -rf src
+COPY src src
+COPY migrations migrations
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin outbox-gateway
+
+FROM debian:bookworm-slim
+RUN useradd --system --uid 10001 --no-create-home outbox
+COPY --from=build /src/target/release/outbox-gateway /usr/local/bin/outbox-gateway
+USER 10001
+# Inside a container the gateway must listen beyond loopback.
+ENV OUTBOX_LISTEN=0.0.0.0:50051
+EXPOSE 50051
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s \
+    CMD ["outbox-gateway", "health", "--endpoint", "http://127.0.0.1:50051", "--timeout", "2s"]
+ENTRYPOINT ["outbox-gateway"]
+CMD ["serve"]
