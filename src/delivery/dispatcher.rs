@@ -33,8 +33,10 @@ pub(super) struct Dispatcher {
     /// Tracks lease releases so shutdown waits for them.
     tasks: TaskTracker,
     subscription_id: i64,
-    /// Names this dispatcher's leases in the database and in every ack id it hands out.
-    lease_token: i64,
+    /// Lease tokens are `token_base + claim number`: unique per claim, so an ack id never
+    /// names two leases even when a requeue resets the attempt count.
+    token_base: i64,
+    claims: std::sync::atomic::AtomicI64,
     /// Latest settings seen; refreshed by every claim.
     subscription: Mutex<Subscription>,
     state: Mutex<State>,
@@ -65,6 +67,7 @@ struct StreamSlot {
 
 struct Lease {
     stream_id: u64,
+    token: i64,
     deadline: DateTime<Utc>,
 }
 
@@ -78,7 +81,8 @@ impl Dispatcher {
             store,
             tasks,
             subscription_id: subscription.id,
-            lease_token: rand::random::<i64>(),
+            token_base: rand::random::<i64>(),
+            claims: std::sync::atomic::AtomicI64::new(0),
             subscription: Mutex::new(subscription),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
@@ -121,11 +125,14 @@ impl Dispatcher {
     /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry.
     pub(super) fn settled(&self, acks: &[AckId], retry_at: Option<DateTime<Utc>>) {
         let mut state = self.state.lock().expect("dispatcher lock");
-        for ack in acks
-            .iter()
-            .filter(|ack| ack.lease_token == self.lease_token)
-        {
-            state.forget_lease(ack.position);
+        for ack in acks {
+            let holds_lease = state
+                .leases
+                .get(&ack.position)
+                .is_some_and(|lease| lease.token == ack.lease_token);
+            if holds_lease {
+                state.forget_lease(ack.position);
+            }
         }
         if let Some(retry_at) = retry_at {
             state.retry_at = Some(state.retry_at.map_or(retry_at, |at| at.min(retry_at)));
@@ -137,14 +144,12 @@ impl Dispatcher {
 
     pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<i64, DateTime<Utc>>) {
         let mut state = self.state.lock().expect("dispatcher lock");
-        for ack in acks
-            .iter()
-            .filter(|ack| ack.lease_token == self.lease_token)
-        {
+        for ack in acks {
             if let (Some(lease), Some(deadline)) = (
                 state.leases.get_mut(&ack.position),
                 deadlines.get(&ack.position),
-            ) {
+            ) && lease.token == ack.lease_token
+            {
                 lease.deadline = *deadline;
             }
         }
@@ -153,13 +158,13 @@ impl Dispatcher {
     fn detach(&self, stream_id: u64) {
         let mut state = self.state.lock().expect("dispatcher lock");
         state.streams.retain(|slot| slot.id != stream_id);
-        let orphaned: Vec<i64> = state
+        let orphaned: Vec<(i64, i64)> = state
             .leases
             .iter()
             .filter(|(_, lease)| lease.stream_id == stream_id)
-            .map(|(position, _)| *position)
+            .map(|(position, lease)| (*position, lease.token))
             .collect();
-        for position in &orphaned {
+        for (position, _) in &orphaned {
             state.leases.remove(position);
         }
         drop(state);
@@ -170,15 +175,15 @@ impl Dispatcher {
     }
 
     /// Gives leases back so other streams get them at once rather than at their deadline.
-    fn release_in_background(&self, positions: Vec<i64>) {
+    fn release_in_background(&self, leases: Vec<(i64, i64)>) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
         let store = self.store.clone();
-        let (subscription_id, lease_token) = (self.subscription_id, self.lease_token);
+        let subscription_id = self.subscription_id;
         self.tasks.spawn(async move {
             if let Err(error) = store
-                .release_leases(subscription_id, &positions, lease_token)
+                .release_leases(subscription_id, &leases)
                 .await
             {
                 tracing::warn!(subscription_id, %error, "could not release leases; they expire at their deadline");
@@ -186,12 +191,17 @@ impl Dispatcher {
         });
     }
 
-    /// Hands claimed deliveries to streams with room; returns those no stream could take.
-    fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<i64> {
+    /// Hands claimed deliveries to streams with room; returns the leases no stream could
+    /// take.
+    fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<(i64, i64)> {
         let mut state = self.state.lock().expect("dispatcher lock");
         let mut undelivered = Vec::new();
         'deliveries: for mut delivery in deliveries {
-            let (position, deadline) = (delivery.ack_id.position, delivery.ack_deadline);
+            let (position, token, deadline) = (
+                delivery.ack_id.position,
+                delivery.ack_id.lease_token,
+                delivery.ack_deadline,
+            );
             let stream_count = state.streams.len();
             for offset in 0..stream_count {
                 let index = (state.round_robin + offset) % stream_count;
@@ -207,6 +217,7 @@ impl Dispatcher {
                             position,
                             Lease {
                                 stream_id,
+                                token,
                                 deadline,
                             },
                         );
@@ -219,7 +230,7 @@ impl Dispatcher {
                     }
                 }
             }
-            undelivered.push(position);
+            undelivered.push((position, token));
         }
         undelivered
     }
@@ -270,9 +281,14 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
         let mut claimed_full_batch = false;
         if room > 0 {
             let limit = room.min(config.claim_batch_size);
+            let lease_token = dispatcher.token_base.wrapping_add(
+                dispatcher
+                    .claims
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            );
             match dispatcher
                 .store
-                .claim(dispatcher.subscription_id, dispatcher.lease_token, limit)
+                .claim(dispatcher.subscription_id, lease_token, limit)
                 .await
             {
                 Ok(None) => {
@@ -375,23 +391,23 @@ fn expire_leases(state: &mut State, now: DateTime<Utc>) {
 /// Asks the database which leases are still held: acks and extensions that reached
 /// another gateway process are only visible there.
 async fn refresh_leases(dispatcher: &Dispatcher) {
-    let positions: Vec<i64> = {
+    let leases: Vec<(i64, i64)> = {
         let state = dispatcher.state.lock().expect("dispatcher lock");
-        state.leases.keys().copied().collect()
+        state
+            .leases
+            .iter()
+            .map(|(position, lease)| (*position, lease.token))
+            .collect()
     };
     match dispatcher
         .store
-        .live_leases(
-            dispatcher.subscription_id,
-            &positions,
-            dispatcher.lease_token,
-        )
+        .live_leases(dispatcher.subscription_id, &leases)
         .await
     {
         Ok(live) => {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            for position in positions {
+            for (position, _) in leases {
                 match live.get(&position) {
                     Some(deadline) => {
                         if let Some(lease) = state.leases.get_mut(&position) {
@@ -423,20 +439,24 @@ fn retire(dispatcher: &Arc<Dispatcher>, relay: &Relay) -> bool {
 
 /// Ends every stream with the error `reason` makes and gives all leases back.
 fn end_streams(dispatcher: &Arc<Dispatcher>, relay: &Relay, reason: fn() -> Error) {
-    let (streams, positions) = {
+    let (streams, leases) = {
         let mut dispatchers = relay.inner.dispatchers.lock().expect("dispatchers lock");
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
         state.closed = true;
         dispatchers.remove(&dispatcher.subscription_id);
-        let positions: Vec<i64> = state.leases.drain().map(|(position, _)| position).collect();
-        (std::mem::take(&mut state.streams), positions)
+        let leases: Vec<(i64, i64)> = state
+            .leases
+            .drain()
+            .map(|(position, lease)| (position, lease.token))
+            .collect();
+        (std::mem::take(&mut state.streams), leases)
     };
     for slot in &streams {
         // The channel may be full of unsent deliveries; those leases are given back too.
         let _ = slot.sender.try_send(Err(reason()));
     }
-    if !positions.is_empty() {
-        dispatcher.release_in_background(positions);
+    if !leases.is_empty() {
+        dispatcher.release_in_background(leases);
     }
 }
 

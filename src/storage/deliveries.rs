@@ -217,38 +217,36 @@ impl Store {
             .collect()
     }
 
-    /// Makes the given leases deliverable again at once (their stream ended).
-    pub async fn release_leases(
-        &self,
-        subscription_id: i64,
-        positions: &[i64],
-        lease_token: i64,
-    ) -> Result<u64> {
+    /// Makes the given leases (position, lease token) deliverable again at once: their
+    /// stream ended.
+    pub async fn release_leases(&self, subscription_id: i64, leases: &[(i64, i64)]) -> Result<u64> {
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
         let result = sqlx::query(include_str!("queries/release.sql"))
             .bind(subscription_id)
             .bind(positions)
-            .bind(lease_token)
+            .bind(tokens)
             .execute(&self.pool)
             .await?;
         Ok(result.rows_affected())
     }
 
-    /// Which of the given positions are still leased to `lease_token`, with their
+    /// Which of the given leases (position, lease token) are still held, with their
     /// deadlines; acks and extensions may have reached another gateway process.
     pub async fn live_leases(
         &self,
         subscription_id: i64,
-        positions: &[i64],
-        lease_token: i64,
+        leases: &[(i64, i64)],
     ) -> Result<Vec<(i64, DateTime<Utc>)>> {
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
         let rows = sqlx::query(
-            "SELECT position, due_at FROM outbox_deliveries \
-             WHERE subscription_id = $1 AND position = ANY ($2) AND lease_token = $3 \
-               AND state = 'in_flight' AND due_at > now()",
+            "SELECT d.position, d.due_at FROM outbox_deliveries d \
+             JOIN UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token) \
+               ON d.position = l.position AND d.lease_token = l.lease_token \
+             WHERE d.subscription_id = $1 AND d.state = 'in_flight' AND d.due_at > now()",
         )
         .bind(subscription_id)
         .bind(positions)
-        .bind(lease_token)
+        .bind(tokens)
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
