@@ -7,7 +7,7 @@ use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
 use serde::Deserialize;
 
-use crate::{delivery::DeliveryConfig, domain::PublishLimits};
+use crate::{delivery::DeliveryConfig, domain::PublishLimits, maintenance::MaintenanceConfig};
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
@@ -83,6 +83,27 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_HEALTH_CHECK_INTERVAL")]
     pub health_check_interval: Option<DurationSetting>,
 
+    /// Do not run background maintenance (lease reclaim, retention) in this process.
+    #[arg(long, env = "OUTBOX_NO_MAINTENANCE", num_args = 0..=1, default_missing_value = "true")]
+    pub no_maintenance: Option<bool>,
+
+    /// How often maintenance runs. [default: 30s]
+    #[arg(long, env = "OUTBOX_MAINTENANCE_INTERVAL")]
+    pub maintenance_interval: Option<DurationSetting>,
+
+    /// Events older than this are deleted once no subscription needs them. [default: 72h]
+    #[arg(long, env = "OUTBOX_RETENTION")]
+    pub retention: Option<DurationSetting>,
+
+    /// Events older than this are deleted even when a subscription still needs them.
+    /// [default: off]
+    #[arg(long, env = "OUTBOX_MAX_RETENTION")]
+    pub max_retention: Option<DurationSetting>,
+
+    /// Most events one retention batch deletes. [default: 1000]
+    #[arg(long, env = "OUTBOX_RETENTION_BATCH_SIZE")]
+    pub retention_batch_size: Option<usize>,
+
     /// Log format: text or json. [default: text]
     #[arg(long, env = "OUTBOX_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -129,6 +150,7 @@ pub struct Config {
     pub db_acquire_timeout: Duration,
     pub limits: PublishLimits,
     pub delivery: DeliveryConfig,
+    pub maintenance: MaintenanceConfig,
     pub shutdown_grace: Duration,
     pub health_check_interval: Duration,
     pub log_format: LogFormat,
@@ -182,6 +204,7 @@ impl Config {
     pub fn from_settings(settings: Settings) -> Result<Config, ConfigError> {
         let delivery_defaults = DeliveryConfig::default();
         let limit_defaults = PublishLimits::default();
+        let maintenance_defaults = MaintenanceConfig::default();
         let duration =
             |setting: Option<DurationSetting>, default: Duration| setting.map_or(default, |d| d.0);
         let config = Config {
@@ -219,6 +242,15 @@ impl Config {
                 claim_batch_size: settings
                     .claim_batch_size
                     .unwrap_or(delivery_defaults.claim_batch_size),
+            },
+            maintenance: MaintenanceConfig {
+                enabled: !settings.no_maintenance.unwrap_or(false),
+                interval: duration(settings.maintenance_interval, maintenance_defaults.interval),
+                retention: duration(settings.retention, maintenance_defaults.retention),
+                max_retention: settings.max_retention.map(|d| d.0),
+                batch_size: settings
+                    .retention_batch_size
+                    .unwrap_or(maintenance_defaults.batch_size),
             },
             shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
             health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),
@@ -264,6 +296,19 @@ impl Config {
         if delivery.poll_interval < Duration::from_millis(10) {
             return invalid("poll_interval", "must be at least 10ms");
         }
+        let maintenance = &self.maintenance;
+        if maintenance.interval < Duration::from_millis(100) {
+            return invalid("maintenance_interval", "must be at least 100ms");
+        }
+        if maintenance.batch_size == 0 {
+            return invalid("retention_batch_size", "must be at least 1");
+        }
+        if maintenance
+            .max_retention
+            .is_some_and(|max| max < maintenance.retention)
+        {
+            return invalid("max_retention", "must not be shorter than retention");
+        }
         Ok(())
     }
 }
@@ -293,6 +338,11 @@ impl Settings {
             claim_batch_size,
             shutdown_grace,
             health_check_interval,
+            no_maintenance,
+            maintenance_interval,
+            retention,
+            max_retention,
+            retention_batch_size,
             log_format,
             log_level,
         )

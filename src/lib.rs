@@ -9,7 +9,9 @@
 //! - [`config`]: layered settings (flags, environment, TOML file, defaults).
 //! - [`domain`]: events, subscriptions, patterns, ack ids and their validation.
 //! - [`publish`]: idempotent, atomic batch publishing.
-//! - [`subscriptions`]: creating, reading and deleting subscriptions.
+//! - [`subscriptions`]: creating, changing, seeking and deleting subscriptions.
+//! - [`operations`]: requeues, dead-letter triage and delivery figures.
+//! - [`maintenance`]: lease reclaim and retention on a timer.
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`api`]: thin gRPC adapters and the one error-to-status mapping.
@@ -22,6 +24,8 @@ pub mod config;
 pub mod delivery;
 pub mod domain;
 pub mod error;
+pub mod maintenance;
+pub mod operations;
 pub mod publish;
 pub mod storage;
 pub mod subscriptions;
@@ -37,6 +41,7 @@ pub use config::Config;
 use crate::{
     api::{AdminApi, PublisherApi, SubscriberApi},
     delivery::Relay,
+    operations::Operations,
     publish::Publisher,
     storage::{Store, StoreConfig, StoreError},
     subscriptions::Subscriptions,
@@ -87,6 +92,14 @@ pub async fn run(
     let relay = Relay::start(store.clone(), config.delivery.clone());
     let publisher = Publisher::new(store.clone(), relay.clone(), config.limits.clone());
     let subscriptions = Subscriptions::new(store.clone(), relay.clone());
+    let operations = Operations::new(store.clone(), relay.clone());
+    let stop_maintenance = tokio_util::sync::CancellationToken::new();
+    let maintenance = tokio::spawn(maintenance::run(
+        store.clone(),
+        relay.clone(),
+        config.maintenance.clone(),
+        stop_maintenance.clone(),
+    ));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
@@ -120,6 +133,7 @@ pub async fn run(
         ))
         .add_service(proto::admin_server::AdminServer::new(AdminApi::new(
             subscriptions,
+            operations,
         )))
         .serve_with_incoming_shutdown(
             TcpListenerStream::new(listener),
@@ -136,6 +150,7 @@ pub async fn run(
             tracing::info!("shutting down");
             health_monitor.abort();
             set_health(&health_reporter, ServingStatus::NotServing).await;
+            stop_maintenance.cancel();
             relay.shutdown().await;
             stop_serving.cancel();
             match tokio::time::timeout(config.shutdown_grace, &mut server).await {
@@ -145,6 +160,8 @@ pub async fn run(
         }
     }
     health_monitor.abort();
+    stop_maintenance.cancel();
+    let _ = maintenance.await;
     store.close().await;
     tracing::info!("stopped");
     Ok(())

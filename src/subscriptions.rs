@@ -2,7 +2,9 @@
 
 use crate::{
     delivery::Relay,
-    domain::{StartPosition, Subscription, SubscriptionName, SubscriptionSettings},
+    domain::{
+        StartPosition, Subscription, SubscriptionName, SubscriptionPatch, SubscriptionSettings,
+    },
     error::{Error, Result},
     storage::{Store, StoreError},
 };
@@ -46,6 +48,33 @@ impl Subscriptions {
 
     pub async fn list(&self) -> Result<Vec<Subscription>> {
         Ok(self.store.subscriptions().await?)
+    }
+
+    /// Changes the settings the patch names; filters apply to events not yet handed out.
+    pub async fn update(
+        &self,
+        name: &SubscriptionName,
+        patch: SubscriptionPatch,
+    ) -> Result<Subscription> {
+        let mut subscription = self.get(name).await?;
+        patch.apply(&mut subscription.settings);
+        subscription.settings.validate("subscription")?;
+        let updated = self
+            .store
+            .update_subscription(&subscription)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.relay.wake_all();
+        Ok(updated)
+    }
+
+    /// Moves the subscription's read position (replay or skip ahead).
+    pub async fn seek(&self, name: &SubscriptionName, to: StartPosition) -> Result<()> {
+        if !self.store.seek(name, to).await? {
+            return Err(not_found(name));
+        }
+        self.relay.wake_all();
+        Ok(())
     }
 
     /// Deletes the subscription; its streams in this process end at once, elsewhere at

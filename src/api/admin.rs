@@ -4,17 +4,23 @@ use tonic::{Request, Response, Status};
 
 use super::convert;
 use crate::{
+    domain::DeadLetterSelection,
+    operations::{Operations, PageToken},
     proto::{self, admin_server::Admin as AdminService},
     subscriptions::Subscriptions,
 };
 
 pub struct AdminApi {
     subscriptions: Subscriptions,
+    operations: Operations,
 }
 
 impl AdminApi {
-    pub fn new(subscriptions: Subscriptions) -> Self {
-        AdminApi { subscriptions }
+    pub fn new(subscriptions: Subscriptions, operations: Operations) -> Self {
+        AdminApi {
+            subscriptions,
+            operations,
+        }
     }
 }
 
@@ -62,5 +68,158 @@ impl AdminService for AdminApi {
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         self.subscriptions.delete(&name).await?;
         Ok(Response::new(proto::DeleteSubscriptionResponse {}))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn update_subscription(
+        &self,
+        request: Request<proto::UpdateSubscriptionRequest>,
+    ) -> Result<Response<proto::Subscription>, Status> {
+        let request = request.into_inner();
+        let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
+        let subscription = self.subscriptions.update(&name, patch).await?;
+        Ok(Response::new(convert::subscription(subscription)))
+    }
+
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
+    async fn seek_subscription(
+        &self,
+        request: Request<proto::SeekSubscriptionRequest>,
+    ) -> Result<Response<proto::SeekSubscriptionResponse>, Status> {
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let to = request
+            .to
+            .ok_or_else(|| crate::error::Error::invalid("to", "is required"))?;
+        let to = convert::start_position("to", Some(to))?;
+        self.subscriptions.seek(&name, to).await?;
+        Ok(Response::new(proto::SeekSubscriptionResponse {}))
+    }
+
+    #[tracing::instrument(skip_all, fields(id = %request.get_ref().id))]
+    async fn requeue_event(
+        &self,
+        request: Request<proto::RequeueEventRequest>,
+    ) -> Result<Response<proto::RequeueResponse>, Status> {
+        let request = request.into_inner();
+        let id = convert::event_id("id", &request.id)?;
+        let subscription =
+            convert::optional_subscription_name("subscription", &request.subscription)?;
+        let requeued_count = self
+            .operations
+            .requeue_event(id, subscription.as_ref())
+            .await?;
+        Ok(Response::new(proto::RequeueResponse { requeued_count }))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn requeue_latest(
+        &self,
+        request: Request<proto::RequeueLatestRequest>,
+    ) -> Result<Response<proto::RequeueResponse>, Status> {
+        let request = request.into_inner();
+        let subscription =
+            convert::optional_subscription_name("subscription", &request.subscription)?;
+        let requeued_count = self
+            .operations
+            .requeue_latest(
+                &request.aggregate_type,
+                &request.aggregate_id,
+                &request.event_type,
+                subscription.as_ref(),
+            )
+            .await?;
+        Ok(Response::new(proto::RequeueResponse { requeued_count }))
+    }
+
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
+    async fn list_dead_letters(
+        &self,
+        request: Request<proto::ListDeadLettersRequest>,
+    ) -> Result<Response<proto::ListDeadLettersResponse>, Status> {
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let event_types = convert::event_type_patterns("event_types", &request.event_types)?;
+        let page = match request.page_token.as_str() {
+            "" => None,
+            token => Some(PageToken::decode("page_token", token)?),
+        };
+        let page = self
+            .operations
+            .list_dead_letters(
+                &name,
+                &event_types,
+                request.include_resolved,
+                request.page_size as usize,
+                page,
+            )
+            .await?;
+        Ok(Response::new(proto::ListDeadLettersResponse {
+            dead_letters: page
+                .dead_letters
+                .into_iter()
+                .map(convert::dead_letter)
+                .collect(),
+            next_page_token: page
+                .next_page
+                .map(|token| token.encode())
+                .unwrap_or_default(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
+    async fn requeue_dead_letters(
+        &self,
+        request: Request<proto::RequeueDeadLettersRequest>,
+    ) -> Result<Response<proto::RequeueResponse>, Status> {
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let ids = request
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(index, id)| convert::event_id(&format!("ids[{index}]"), id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let selection = DeadLetterSelection {
+            ids,
+            event_types: convert::event_type_patterns("event_types", &request.event_types)?,
+            dead_lettered_before: convert::optional_timestamp(
+                "dead_lettered_before",
+                request.dead_lettered_before,
+            )?,
+        };
+        let requeued_count = self
+            .operations
+            .requeue_dead_letters(&name, selection, request.all)
+            .await?;
+        Ok(Response::new(proto::RequeueResponse { requeued_count }))
+    }
+
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription, id = %request.get_ref().id))]
+    async fn resolve_dead_letter(
+        &self,
+        request: Request<proto::ResolveDeadLetterRequest>,
+    ) -> Result<Response<proto::DeadLetter>, Status> {
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let id = convert::event_id("id", &request.id)?;
+        let dead_letter = self
+            .operations
+            .resolve_dead_letter(&name, id, &request.resolved_by, &request.notes)
+            .await?;
+        Ok(Response::new(convert::dead_letter(dead_letter)))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn get_stats(
+        &self,
+        request: Request<proto::GetStatsRequest>,
+    ) -> Result<Response<proto::Stats>, Status> {
+        let name = convert::optional_subscription_name(
+            "subscription",
+            &request.into_inner().subscription,
+        )?;
+        let (subscriptions, outbox) = self.operations.stats(name.as_ref()).await?;
+        Ok(Response::new(convert::stats(subscriptions, outbox)))
     }
 }

@@ -8,8 +8,9 @@ use uuid::Uuid;
 
 use crate::{
     domain::{
-        AckId, DEFAULT_CONTENT_TYPE, Delivery, Event, NewEvent, PatternSet, StartPosition,
-        Subscription, SubscriptionName, SubscriptionSettings,
+        AckId, DEFAULT_CONTENT_TYPE, DeadLetter, Delivery, Event, NewEvent, OutboxStats,
+        PatternSet, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
+        SubscriptionSettings, SubscriptionStats,
     },
     error::{Error, Result},
     proto,
@@ -212,5 +213,152 @@ pub(super) fn datetime_to_timestamp(datetime: DateTime<Utc>) -> prost_types::Tim
     prost_types::Timestamp {
         seconds: datetime.timestamp(),
         nanos: datetime.timestamp_subsec_nanos() as i32,
+    }
+}
+
+/// An optional subscription name: empty means none.
+pub(super) fn optional_subscription_name(
+    field: &str,
+    name: &str,
+) -> Result<Option<SubscriptionName>> {
+    if name.is_empty() {
+        return Ok(None);
+    }
+    subscription_name(field, name).map(Some)
+}
+
+pub(super) fn event_id(field: &str, id: &str) -> Result<Uuid> {
+    Uuid::parse_str(id).map_err(|_| Error::invalid(field, format!("{id:?} is not a UUID")))
+}
+
+pub(super) fn event_type_patterns(field: &str, values: &[String]) -> Result<PatternSet> {
+    patterns(field, values)
+}
+
+pub(super) fn optional_timestamp(
+    field: &str,
+    timestamp: Option<prost_types::Timestamp>,
+) -> Result<Option<DateTime<Utc>>> {
+    timestamp
+        .map(|timestamp| timestamp_to_datetime(field, timestamp))
+        .transpose()
+}
+
+/// The subscription to change and the changes named by the field mask.
+pub(super) fn subscription_patch(
+    message: Option<proto::Subscription>,
+    mask: Option<prost_types::FieldMask>,
+) -> Result<(SubscriptionName, SubscriptionPatch)> {
+    let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
+    let name = subscription_name("subscription.name", &message.name)?;
+    let paths = mask.map(|mask| mask.paths).unwrap_or_default();
+    if paths.is_empty() {
+        return Err(Error::invalid(
+            "update_mask",
+            "must name at least one field to change",
+        ));
+    }
+    let mut patch = SubscriptionPatch::default();
+    for (index, path) in paths.iter().enumerate() {
+        let field = |name: &str| format!("subscription.{name}");
+        match path.as_str() {
+            "event_types" => {
+                patch.event_types = Some(patterns(&field(path), &message.event_types)?);
+            }
+            "aggregate_types" => patch.aggregate_types = Some(message.aggregate_types.clone()),
+            "metadata_match" => {
+                patch.metadata_match = Some(message.metadata_match.clone().into_iter().collect());
+            }
+            "ack_deadline" => {
+                patch.ack_deadline = Some(required_duration(&field(path), message.ack_deadline)?)
+            }
+            "max_attempts" => {
+                patch.max_attempts = Some(
+                    message
+                        .max_attempts
+                        .unwrap_or(SubscriptionSettings::default().max_attempts),
+                )
+            }
+            "retry_backoff_min" => {
+                patch.retry_backoff_min =
+                    Some(required_duration(&field(path), message.retry_backoff_min)?);
+            }
+            "retry_backoff_max" => {
+                patch.retry_backoff_max =
+                    Some(required_duration(&field(path), message.retry_backoff_max)?);
+            }
+            "persistent_event_types" => {
+                patch.persistent_event_types =
+                    Some(patterns(&field(path), &message.persistent_event_types)?);
+            }
+            "name" | "start" | "ordered" | "created_at" => {
+                return Err(Error::invalid(
+                    format!("update_mask.paths[{index}]"),
+                    format!("{path:?} cannot be changed"),
+                ));
+            }
+            _ => {
+                return Err(Error::invalid(
+                    format!("update_mask.paths[{index}]"),
+                    format!("{path:?} is not a field of Subscription"),
+                ));
+            }
+        }
+    }
+    Ok((name, patch))
+}
+
+fn required_duration(field: &str, duration: Option<prost_types::Duration>) -> Result<Duration> {
+    optional_duration(field, duration)?
+        .ok_or_else(|| Error::invalid(field, "is required by the update mask"))
+}
+
+pub(super) fn dead_letter(dead_letter: DeadLetter) -> proto::DeadLetter {
+    proto::DeadLetter {
+        subscription: dead_letter.subscription.as_str().to_owned(),
+        event: Some(event(dead_letter.event)),
+        attempts: dead_letter.attempts,
+        last_error: dead_letter.last_error.unwrap_or_default(),
+        dead_lettered_at: Some(datetime_to_timestamp(dead_letter.dead_lettered_at)),
+        resolved: dead_letter.resolved_at.is_some(),
+        resolved_at: dead_letter.resolved_at.map(datetime_to_timestamp),
+        resolved_by: dead_letter.resolved_by.unwrap_or_default(),
+        notes: dead_letter.notes.unwrap_or_default(),
+    }
+}
+
+pub(super) fn stats(subscriptions: Vec<SubscriptionStats>, outbox: OutboxStats) -> proto::Stats {
+    let now = Utc::now();
+    let age = |since: Option<DateTime<Utc>>, until: DateTime<Utc>| {
+        duration_to_proto(since.map_or(Duration::ZERO, |since| {
+            (until - since).to_std().unwrap_or_default()
+        }))
+    };
+    let newest = outbox.newest_event_at;
+    proto::Stats {
+        subscriptions: subscriptions
+            .into_iter()
+            .map(|stats| proto::SubscriptionStats {
+                name: stats.name.as_str().to_owned(),
+                pending: stats.pending,
+                in_flight: stats.in_flight,
+                awaiting_retry: stats.awaiting_retry,
+                dead_lettered: stats.dead_lettered,
+                oldest_unacked_age: Some(age(stats.oldest_unacked_at, now)),
+                lag_events: stats.lag_events(),
+                lag: Some(age(stats.oldest_unacked_at, newest.unwrap_or(now))),
+                delivered_total: stats.delivered_total,
+                acked_total: stats.acked_total,
+            })
+            .collect(),
+        outbox: Some(proto::OutboxStats {
+            events_stored: outbox.events_stored,
+            oldest_event_at: outbox.oldest_event_at.map(datetime_to_timestamp),
+            newest_event_at: newest.map(datetime_to_timestamp),
+            oldest_open_transaction_age: Some(duration_to_proto(
+                outbox.oldest_open_transaction_age,
+            )),
+            events_force_expired: outbox.events_force_expired,
+        }),
     }
 }

@@ -25,8 +25,13 @@ use crate::{
 /// How long a full dispatcher waits for local acks before asking the database which of
 /// its leases were settled elsewhere (acks may reach another gateway process).
 const LEASE_REFRESH_INTERVAL: Duration = Duration::from_millis(250);
+/// When committed events wait behind an older open transaction (anywhere in the
+/// cluster), nothing wakes the dispatcher as that transaction ends: it looks again after
+/// this delay, doubling up to `HELD_BACK_MAX_DELAY`.
+const HELD_BACK_FIRST_DELAY: Duration = Duration::from_millis(1);
+const HELD_BACK_MAX_DELAY: Duration = Duration::from_millis(100);
 /// First retry delay after a failed claim; doubles up to the poll interval.
-const FIRST_RETRY_DELAY: Duration = Duration::from_millis(1);
+const FAILED_CLAIM_FIRST_DELAY: Duration = Duration::from_millis(100);
 
 pub(super) struct Dispatcher {
     store: Store,
@@ -300,7 +305,9 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 Ok(Some(claim)) => {
                     claimed_full_batch = claim.deliveries.len() == limit;
                     retry_delay = claim.held_back.then(|| {
-                        retry_delay.map_or(FIRST_RETRY_DELAY, |d| (d * 2).min(config.poll_interval))
+                        retry_delay.map_or(HELD_BACK_FIRST_DELAY, |d| {
+                            (d * 2).min(HELD_BACK_MAX_DELAY).min(config.poll_interval)
+                        })
                     });
                     dispatcher
                         .subscription
@@ -313,7 +320,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     }
                 }
                 Err(error) => {
-                    let delay = retry_delay.map_or(FIRST_RETRY_DELAY * 100, |d| {
+                    let delay = retry_delay.map_or(FAILED_CLAIM_FIRST_DELAY, |d| {
                         (d * 2).min(config.poll_interval)
                     });
                     tracing::warn!(subscription_id = dispatcher.subscription_id, %error, retry_in = ?delay, "claim failed");

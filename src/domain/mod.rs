@@ -4,12 +4,16 @@
 mod ack;
 mod delivery;
 mod event;
+mod operations;
 mod pattern;
 mod subscription;
 
 pub use ack::AckId;
 pub use delivery::Delivery;
 pub use event::{DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, is_json_content_type};
+pub use operations::{
+    DeadLetter, DeadLetterSelection, OutboxStats, SubscriptionPatch, SubscriptionStats,
+};
 pub use pattern::{EventTypePattern, PatternSet};
 pub use subscription::{
     MAX_ACK_DEADLINE, MIN_ACK_DEADLINE, StartPosition, Subscription, SubscriptionName,

@@ -9,11 +9,15 @@
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
 
-use super::{Result, Store, StoreError, events::event_from_row, subscriptions::millis};
+use super::{
+    Result, Store, StoreError,
+    events::event_from_row,
+    subscriptions::{millis, subscription_with_cursor},
+};
 use crate::domain::{AckId, Delivery, Subscription, SubscriptionSettings};
 
 /// First key of the gateway's advisory locks; the second is the subscription id.
-const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
+pub(super) const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -45,19 +49,11 @@ impl Store {
     ) -> Result<Option<Claim>> {
         let mut transaction = self.pool.begin().await?;
         lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        let row = sqlx::query(
-            "SELECT id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, \
-             max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-             persistent_event_types, created_at, cursor_xact_id, cursor_position, not_before \
-             FROM outbox_subscriptions WHERE id = $1",
-        )
-        .bind(subscription_id)
-        .fetch_optional(&mut *transaction)
-        .await?;
-        let Some(row) = row else {
+        let Some((subscription, cursor)) =
+            subscription_with_cursor(&mut transaction, subscription_id).await?
+        else {
             return Ok(None);
         };
-        let subscription = super::subscriptions::subscription_from_row(&row)?;
         let settings = &subscription.settings;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
 
@@ -85,18 +81,15 @@ impl Store {
         let remaining = limit - deliveries.len() as i64;
         let mut held_back = false;
         if remaining > 0 {
-            let cursor_xact_id: i64 = row.try_get("cursor_xact_id")?;
-            let cursor_position: i64 = row.try_get("cursor_position")?;
-            let not_before: Option<DateTime<Utc>> = row.try_get("not_before")?;
             let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
                 .bind(subscription_id)
-                .bind(cursor_xact_id)
-                .bind(cursor_position)
+                .bind(cursor.xact_id)
+                .bind(cursor.position)
                 .bind(remaining)
                 .bind(settings.event_types.to_regex())
                 .bind(&settings.aggregate_types)
                 .bind(sqlx::types::Json(&settings.metadata_match))
-                .bind(not_before)
+                .bind(cursor.not_before)
                 .bind(lease_token)
                 .bind(millis(settings.ack_deadline))
                 .bind(settings.ordered)
@@ -114,6 +107,14 @@ impl Store {
                 .await?;
             }
         }
+        if !deliveries.is_empty() {
+            sqlx::query(include_str!("queries/count_deliveries.sql"))
+                .bind(subscription_id)
+                .bind(counter_shard())
+                .bind(deliveries.len() as i64)
+                .execute(&mut *transaction)
+                .await?;
+        }
         transaction.commit().await?;
         Ok(Some(Claim {
             deliveries,
@@ -129,7 +130,8 @@ impl Store {
             .bind(subscription.id)
             .bind(positions)
             .bind(attempts)
-            .bind(tokens);
+            .bind(tokens)
+            .bind(counter_shard());
         if !subscription.settings.ordered {
             let rows = statement.fetch_all(&self.pool).await?;
             return rows
@@ -278,7 +280,7 @@ pub(super) async fn lock_subscription(
     Ok(())
 }
 
-async fn promote_waiting(
+pub(super) async fn promote_waiting(
     connection: &mut PgConnection,
     subscription_id: i64,
     ordering_keys: &[i64],
@@ -292,6 +294,13 @@ async fn promote_waiting(
         .execute(connection)
         .await?;
     Ok(())
+}
+
+/// Counter rows per subscription; concurrent writers pick one at random.
+const COUNTER_SHARDS: i16 = 8;
+
+fn counter_shard() -> i16 {
+    rand::random_range(0..COUNTER_SHARDS)
 }
 
 fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {

@@ -76,11 +76,11 @@ impl PublishTransaction {
 
     /// Reads stored events by id, seeing rows committed by concurrent publishers.
     pub async fn find(&mut self, ids: &[Uuid]) -> Result<Vec<Event>> {
-        let rows = sqlx::query(
-            "SELECT id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, \
-             content_type, metadata, occurred_at, created_at \
-             FROM outbox_events WHERE id = ANY ($1)",
-        )
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            event_columns!(),
+            " FROM outbox_events WHERE id = ANY ($1)"
+        ))
         .bind(ids)
         .fetch_all(&mut *self.transaction)
         .await?;

@@ -2,8 +2,27 @@
 //! schema migrations. Nothing outside this module sees `sqlx`; callers get domain types
 //! and a [`StoreError`].
 
+/// The columns `subscriptions::subscription_from_row` reads; macros keep queries
+/// `&'static str`.
+macro_rules! subscription_columns {
+    () => {
+        "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
+         retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, created_at"
+    };
+}
+
+/// The columns `events::event_from_row` reads.
+macro_rules! event_columns {
+    () => {
+        "id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, content_type, \
+         metadata, occurred_at, created_at"
+    };
+}
+
 mod deliveries;
 mod events;
+mod maintenance;
+mod operations;
 mod subscriptions;
 
 use std::{str::FromStr, time::Duration};
@@ -15,6 +34,8 @@ use sqlx::{
 
 pub use deliveries::{Claim, NackOutcome};
 pub use events::PublishTransaction;
+pub use maintenance::ForceExpired;
+pub use operations::RequeueRefusal;
 
 /// Result alias of the storage layer.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;

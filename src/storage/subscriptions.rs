@@ -13,14 +13,6 @@ use crate::domain::{
     PatternSet, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
 };
 
-/// The columns `subscription_from_row` reads; a macro so queries stay `&'static str`.
-macro_rules! subscription_columns {
-    () => {
-        "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
-         retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, created_at"
-    };
-}
-
 impl Store {
     /// Creates a subscription positioned at `start`. A taken name is
     /// [`StoreError::UniqueViolation`].
@@ -94,10 +86,15 @@ impl Store {
         };
         // Wait for a running claim so it cannot leave records behind.
         lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
-        sqlx::query("DELETE FROM outbox_deliveries WHERE subscription_id = $1")
-            .bind(id)
-            .execute(&mut *transaction)
-            .await?;
+        for statement in [
+            "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
+            "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
+        ] {
+            sqlx::query(statement)
+                .bind(id)
+                .execute(&mut *transaction)
+                .await?;
+        }
         sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
             .bind(id)
             .execute(&mut *transaction)
@@ -107,8 +104,41 @@ impl Store {
     }
 }
 
+/// How far a subscription has read.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cursor {
+    pub xact_id: i64,
+    pub position: i64,
+    /// Events created before this are skipped.
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+/// A subscription with its cursor; `None` when it does not exist.
+pub(super) async fn subscription_with_cursor(
+    connection: &mut sqlx::PgConnection,
+    subscription_id: i64,
+) -> Result<Option<(Subscription, Cursor)>> {
+    let row = sqlx::query(concat!(
+        "SELECT ",
+        subscription_columns!(),
+        ", cursor_xact_id, cursor_position, not_before FROM outbox_subscriptions WHERE id = $1"
+    ))
+    .bind(subscription_id)
+    .fetch_optional(connection)
+    .await?;
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let cursor = Cursor {
+        xact_id: row.try_get("cursor_xact_id")?,
+        position: row.try_get("cursor_position")?,
+        not_before: row.try_get("not_before")?,
+    };
+    Ok(Some((subscription_from_row(&row)?, cursor)))
+}
+
 /// Whether the cursor starts at the read horizon, and the earliest creation time.
-fn start_columns(start: StartPosition) -> (bool, Option<DateTime<Utc>>) {
+pub(super) fn start_columns(start: StartPosition) -> (bool, Option<DateTime<Utc>>) {
     match start {
         StartPosition::Latest => (true, None),
         StartPosition::Earliest => (false, None),

@@ -1,0 +1,126 @@
+//! Background maintenance: reclaims expired leases and enforces retention on a timer.
+//! Safe with several gateways: each step is guarded by a database try-lock.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    delivery::Relay,
+    storage::{Store, StoreError},
+};
+
+/// Most batches one pass deletes, so a pass stays short; the next pass goes on.
+const MAX_BATCHES_PER_PASS: usize = 100;
+
+#[derive(Debug, Clone)]
+pub struct MaintenanceConfig {
+    pub enabled: bool,
+    pub interval: Duration,
+    /// Events older than this are deleted once no subscription needs them.
+    pub retention: Duration,
+    /// Events older than this are deleted whatever their state; `None`: never.
+    pub max_retention: Option<Duration>,
+    pub batch_size: usize,
+}
+
+impl Default for MaintenanceConfig {
+    fn default() -> Self {
+        MaintenanceConfig {
+            enabled: true,
+            interval: Duration::from_secs(30),
+            retention: Duration::from_secs(72 * 60 * 60),
+            max_retention: None,
+            batch_size: 1000,
+        }
+    }
+}
+
+/// Runs maintenance passes until `shutdown`.
+pub async fn run(
+    store: Store,
+    relay: Relay,
+    config: MaintenanceConfig,
+    shutdown: CancellationToken,
+) {
+    if !config.enabled {
+        return;
+    }
+    loop {
+        if let Err(error) = pass(&store, &relay, &config).await {
+            tracing::warn!(%error, "maintenance pass failed; retrying at the next interval");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(config.interval) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// One maintenance pass: reclaim expired leases, then retention.
+pub async fn pass(
+    store: &Store,
+    relay: &Relay,
+    config: &MaintenanceConfig,
+) -> Result<(), StoreError> {
+    let mut reclaimed = 0;
+    for subscription in store.subscriptions().await? {
+        reclaimed += store
+            .reclaim_expired_leases(&subscription)
+            .await?
+            .unwrap_or(0);
+    }
+    if reclaimed > 0 {
+        tracing::info!(reclaimed, "reclaimed expired leases");
+        relay.events_committed();
+    }
+
+    let mut deleted = 0;
+    for _ in 0..MAX_BATCHES_PER_PASS {
+        let Some(batch) = store
+            .delete_retired_events(config.retention, config.batch_size)
+            .await?
+        else {
+            break;
+        };
+        deleted += batch;
+        if batch < config.batch_size as u64 {
+            break;
+        }
+    }
+    if deleted > 0 {
+        tracing::info!(deleted, retention = ?config.retention, "deleted events past retention");
+    }
+
+    if let Some(max_retention) = config.max_retention {
+        let (mut deleted, mut still_needed) = (0, 0);
+        for _ in 0..MAX_BATCHES_PER_PASS {
+            let Some(batch) = store
+                .force_expire_events(max_retention, config.batch_size)
+                .await?
+            else {
+                break;
+            };
+            deleted += batch.deleted;
+            still_needed += batch.still_needed;
+            if batch.deleted < config.batch_size as u64 {
+                break;
+            }
+        }
+        if still_needed > 0 {
+            tracing::warn!(
+                deleted,
+                still_needed,
+                ?max_retention,
+                "maximum retention deleted events that subscriptions had not finished"
+            );
+        } else if deleted > 0 {
+            tracing::info!(
+                deleted,
+                ?max_retention,
+                "deleted events past the maximum retention"
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Background upkeep: reclaiming expired leases and deleting old events in bounded
+//! batches. Each step runs in its own short transaction behind a try-lock, so several
+//! gateways never do the same step at once and none waits for another.
+
+use std::time::Duration;
+
+use sqlx::Row;
+
+use super::{
+    Result, Store,
+    deliveries::{SUBSCRIPTION_LOCK_CLASS, promote_waiting},
+    subscriptions::millis,
+};
+use crate::domain::Subscription;
+
+/// Advisory lock keys of the maintenance steps (first key; the second is below).
+const MAINTENANCE_LOCK_CLASS: i32 = 0x6f62_7802;
+const RETENTION_LOCK: i32 = 1;
+
+/// What one force-expiry batch removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForceExpired {
+    pub deleted: u64,
+    /// Deleted events some subscription had not finished with.
+    pub still_needed: u64,
+}
+
+impl Store {
+    /// Turns the subscription's expired leases into retries (or dead letters); `None`
+    /// when a claim holds the subscription right now (the claim re-leases them itself).
+    pub async fn reclaim_expired_leases(&self, subscription: &Subscription) -> Result<Option<u64>> {
+        let mut transaction = self.pool.begin().await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2::int)")
+            .bind(SUBSCRIPTION_LOCK_CLASS)
+            .bind(subscription.id)
+            .fetch_one(&mut *transaction)
+            .await?;
+        if !locked {
+            return Ok(None);
+        }
+        let settings = &subscription.settings;
+        let rows = sqlx::query(include_str!("queries/reclaim_expired.sql"))
+            .bind(subscription.id)
+            .bind(settings.max_attempts as i32)
+            .bind(settings.persistent_event_types.to_regex())
+            .fetch_all(&mut *transaction)
+            .await?;
+        let mut freed_keys = Vec::new();
+        for row in &rows {
+            let state: &str = row.try_get("state")?;
+            if let (Some(key), "dead") = (row.try_get::<Option<i64>, _>("ordering_key")?, state) {
+                freed_keys.push(key);
+            }
+        }
+        promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
+        transaction.commit().await?;
+        Ok(Some(rows.len() as u64))
+    }
+
+    /// Deletes one batch of events past retention that no subscription needs; `None`
+    /// when another gateway is doing it.
+    pub async fn delete_retired_events(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<Option<u64>> {
+        let mut transaction = self.pool.begin().await?;
+        if !try_lock(&mut transaction, RETENTION_LOCK).await? {
+            return Ok(None);
+        }
+        let lowest_cursor: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
+             ORDER BY cursor_xact_id, cursor_position LIMIT 1",
+        )
+        .fetch_optional(&mut *transaction)
+        .await?;
+        let (cursor_xact_id, cursor_position) = lowest_cursor.unwrap_or((i64::MAX, i64::MAX));
+        let deleted = sqlx::query(include_str!("queries/retention.sql"))
+            .bind(millis(retention))
+            .bind(cursor_xact_id)
+            .bind(cursor_position)
+            .bind(batch_size as i64)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+        // A requeue racing this batch may have recreated a record for a deleted event.
+        sqlx::query(
+            "DELETE FROM outbox_deliveries d \
+             WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.position = d.position)",
+        )
+        .execute(&mut *transaction)
+        .await?;
+        transaction.commit().await?;
+        Ok(Some(deleted))
+    }
+
+    /// Hard maximum retention: deletes one batch of events older than `max_retention`
+    /// whatever their state; `None` when another gateway is doing it.
+    pub async fn force_expire_events(
+        &self,
+        max_retention: Duration,
+        batch_size: usize,
+    ) -> Result<Option<ForceExpired>> {
+        let mut transaction = self.pool.begin().await?;
+        if !try_lock(&mut transaction, RETENTION_LOCK).await? {
+            return Ok(None);
+        }
+        let lowest_cursor: Option<(i64, i64)> = sqlx::query_as(
+            "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
+             ORDER BY cursor_xact_id, cursor_position LIMIT 1",
+        )
+        .fetch_optional(&mut *transaction)
+        .await?;
+        let (cursor_xact_id, cursor_position) = lowest_cursor.unwrap_or((i64::MAX, i64::MAX));
+        let row = sqlx::query(include_str!("queries/force_expire.sql"))
+            .bind(millis(max_retention))
+            .bind(cursor_xact_id)
+            .bind(cursor_position)
+            .bind(batch_size as i64)
+            .fetch_one(&mut *transaction)
+            .await?;
+        transaction.commit().await?;
+        Ok(Some(ForceExpired {
+            deleted: row.try_get::<i64, _>("deleted")?.max(0) as u64,
+            still_needed: row.try_get::<i64, _>("still_needed")?.max(0) as u64,
+        }))
+    }
+}
+
+async fn try_lock(connection: &mut sqlx::PgConnection, key: i32) -> Result<bool> {
+    Ok(
+        sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2)")
+            .bind(MAINTENANCE_LOCK_CLASS)
+            .bind(key)
+            .fetch_one(connection)
+            .await?,
+    )
+}

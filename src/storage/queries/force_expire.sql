@@ -1,0 +1,33 @@
+-- Hard maximum retention: deletes one bounded batch of events older than the limit
+-- whatever their delivery state, with their delivery records, and counts the deleted
+-- events some subscription still needed (not yet handed out, or unfinished).
+-- $1 maximum retention in ms, $2/$3 the lowest subscription cursor, $4 batch size.
+WITH doomed AS (
+    SELECT e.position, (e.xact_id, e.position) > ($2, $3) AS not_handed_out
+    FROM outbox_events e
+    WHERE e.created_at < now() - $1 * interval '1 millisecond'
+    ORDER BY e.xact_id, e.position
+    LIMIT $4
+),
+records AS (
+    DELETE FROM outbox_deliveries d USING doomed WHERE d.position = doomed.position
+    RETURNING d.position, d.state, d.resolved_at
+),
+events AS (
+    DELETE FROM outbox_events e USING doomed WHERE e.position = doomed.position
+    RETURNING e.position
+),
+still_needed AS (
+    SELECT count(*) AS n
+    FROM doomed
+    WHERE doomed.not_handed_out
+       OR EXISTS (SELECT 1 FROM records r
+                  WHERE r.position = doomed.position
+                    AND NOT (r.state = 'dead' AND r.resolved_at IS NOT NULL))
+),
+counted AS (
+    INSERT INTO outbox_gateway_counters (name, value)
+    SELECT 'events_force_expired', n FROM still_needed WHERE n > 0
+    ON CONFLICT (name) DO UPDATE SET value = outbox_gateway_counters.value + EXCLUDED.value
+)
+SELECT (SELECT count(*) FROM events) AS deleted, (SELECT n FROM still_needed) AS still_needed

@@ -1,0 +1,33 @@
+-- Delivery figures of one subscription. The pending scan uses the same index range and
+-- filters as a claim. $1 subscription id, $2/$3 cursor, $4 event-type regex,
+-- $5 aggregate types, $6 metadata match, $7 not_before.
+WITH past_cursor AS (
+    SELECT e.created_at
+    FROM outbox_events e
+    WHERE (e.xact_id, e.position) > ($2, $3)
+      AND ($4::text IS NULL OR e.event_type ~ $4)
+      AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
+      AND e.metadata @> $6::jsonb
+      AND ($7::timestamptz IS NULL OR e.created_at >= $7)
+),
+records AS (
+    SELECT count(*) FILTER (WHERE d.state = 'in_flight' AND d.due_at > now()) AS in_flight,
+           count(*) FILTER (WHERE d.state = 'retry'
+                               OR (d.state = 'in_flight' AND d.due_at <= now())) AS awaiting_retry,
+           count(*) FILTER (WHERE d.state = 'waiting') AS waiting,
+           count(*) FILTER (WHERE d.state = 'dead' AND d.resolved_at IS NULL) AS dead_lettered,
+           min(e.created_at) FILTER (WHERE d.state <> 'dead') AS oldest_record
+    FROM outbox_deliveries d
+    JOIN outbox_events e ON e.position = d.position
+    WHERE d.subscription_id = $1
+),
+totals AS (
+    SELECT coalesce(sum(delivered), 0)::bigint AS delivered, coalesce(sum(acked), 0)::bigint AS acked
+    FROM outbox_subscription_counters
+    WHERE subscription_id = $1
+)
+SELECT (SELECT count(*) FROM past_cursor) + r.waiting AS pending,
+       r.in_flight, r.awaiting_retry, r.dead_lettered,
+       LEAST(r.oldest_record, (SELECT min(created_at) FROM past_cursor)) AS oldest_unacked,
+       t.delivered, t.acked
+FROM records r, totals t

@@ -1,0 +1,955 @@
+//! Operations: requeues, dead-letter triage, seeks, setting changes, stats, retention and
+//! lease reclaim.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_gateway::proto::{self, admin_client::AdminClient};
+use sqlx::PgPool;
+use tonic::{Code, transport::Channel};
+
+const WAIT: Duration = Duration::from_secs(5);
+const QUIET: Duration = Duration::from_millis(400);
+
+fn dead_letter_now(subscription: &str, ack_id: String) -> proto::NackRequest {
+    proto::NackRequest {
+        subscription: subscription.into(),
+        ack_id,
+        reason: "poison".into(),
+        dead_letter: true,
+        ..Default::default()
+    }
+}
+
+async fn list_dead_letters(
+    admin: &mut AdminClient<Channel>,
+    request: proto::ListDeadLettersRequest,
+) -> proto::ListDeadLettersResponse {
+    admin
+        .list_dead_letters(request)
+        .await
+        .expect("list dead letters")
+        .into_inner()
+}
+
+fn listing(subscription: &str) -> proto::ListDeadLettersRequest {
+    proto::ListDeadLettersRequest {
+        subscription: subscription.into(),
+        ..Default::default()
+    }
+}
+
+async fn stats(
+    admin: &mut AdminClient<Channel>,
+    subscription: &str,
+) -> (proto::SubscriptionStats, proto::OutboxStats) {
+    let stats = admin
+        .get_stats(proto::GetStatsRequest {
+            subscription: subscription.into(),
+        })
+        .await
+        .expect("stats")
+        .into_inner();
+    (
+        stats
+            .subscriptions
+            .into_iter()
+            .next()
+            .expect("one subscription"),
+        stats.outbox.expect("outbox stats"),
+    )
+}
+
+/// Polls `check` until it holds or `WAIT` passes.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn requeue_event_is_refused_in_flight_and_redelivers_after_ack() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    create_subscription(&gateway, subscription("billing")).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            event_types: vec!["invoice.*".into()],
+            ..subscription("invoices")
+        },
+    )
+    .await;
+    let id = publish(&gateway, vec![event("o-1", "order.created")]).await[0]
+        .id
+        .clone();
+    let mut admin = gateway.admin().await;
+    let requeue = |subscription: &str| proto::RequeueEventRequest {
+        id: id.clone(),
+        subscription: subscription.into(),
+    };
+
+    let mut orders = Consumer::open(&gateway, "orders", 0).await;
+    let first = orders.next(WAIT).await.unwrap();
+    assert_status(
+        admin.requeue_event(requeue("orders")).await,
+        Code::FailedPrecondition,
+        "in flight",
+    );
+    assert_status(
+        admin.requeue_event(requeue("")).await,
+        Code::FailedPrecondition,
+        "in flight",
+    );
+    assert!(
+        orders.next(QUIET).await.is_none(),
+        "a refused requeue changed nothing"
+    );
+
+    assert!(ack(&gateway, "orders", vec![first.ack_id]).await.is_empty());
+    let requeued = admin
+        .requeue_event(requeue("orders"))
+        .await
+        .unwrap()
+        .into_inner()
+        .requeued_count;
+    assert_eq!(requeued, 1);
+    let again = orders
+        .next(WAIT)
+        .await
+        .expect("requeued event delivered again");
+    assert_eq!((again.attempt, again.event.unwrap().id), (1, id.clone()));
+    assert!(ack(&gateway, "orders", vec![again.ack_id]).await.is_empty());
+
+    // Every matching subscription that handed it out: "billing" has not read it yet, so
+    // only "orders" counts; "invoices" does not match.
+    let mut billing = Consumer::open(&gateway, "billing", 0).await;
+    let billed = billing.next(WAIT).await.unwrap();
+    assert!(
+        ack(&gateway, "billing", vec![billed.ack_id])
+            .await
+            .is_empty()
+    );
+    let requeued = admin
+        .requeue_event(requeue(""))
+        .await
+        .unwrap()
+        .into_inner()
+        .requeued_count;
+    assert_eq!(requeued, 2);
+    assert_status(
+        admin.requeue_event(requeue("invoices")).await,
+        Code::FailedPrecondition,
+        "filters",
+    );
+
+    let unknown = proto::RequeueEventRequest {
+        id: uuid::Uuid::new_v4().to_string(),
+        subscription: String::new(),
+    };
+    assert_status(
+        admin.requeue_event(unknown).await,
+        Code::NotFound,
+        "does not exist",
+    );
+    assert_status(
+        admin
+            .requeue_event(proto::RequeueEventRequest {
+                id: "x".into(),
+                subscription: String::new(),
+            })
+            .await,
+        Code::InvalidArgument,
+        "id",
+    );
+    assert_status(
+        admin.requeue_event(requeue("missing")).await,
+        Code::NotFound,
+        "missing",
+    );
+}
+
+#[tokio::test]
+async fn requeue_latest_takes_the_newest_event_of_the_aggregate() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut first = event("o-1", "order.updated");
+    first.aggregate_version = Some(1);
+    let mut second = event("o-1", "order.updated");
+    second.aggregate_version = Some(2);
+    publish(&gateway, vec![first]).await;
+    publish(&gateway, vec![second, event("o-2", "order.updated")]).await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let deliveries = consumer.take(3, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "orders",
+            deliveries.into_iter().map(|d| d.ack_id).collect()
+        )
+        .await
+        .is_empty()
+    );
+
+    let mut admin = gateway.admin().await;
+    let request = |aggregate_id: &str| proto::RequeueLatestRequest {
+        aggregate_type: "order".into(),
+        aggregate_id: aggregate_id.into(),
+        event_type: "order.updated".into(),
+        subscription: String::new(),
+    };
+    assert_eq!(
+        admin
+            .requeue_latest(request("o-1"))
+            .await
+            .unwrap()
+            .into_inner()
+            .requeued_count,
+        1
+    );
+    let again = consumer.next(WAIT).await.unwrap();
+    assert_eq!(again.event.unwrap().aggregate_version, Some(2));
+    assert!(consumer.next(QUIET).await.is_none());
+
+    assert_status(
+        admin.requeue_latest(request("o-404")).await,
+        Code::NotFound,
+        "o-404",
+    );
+    let missing_key = proto::RequeueLatestRequest {
+        event_type: String::new(),
+        ..request("o-1")
+    };
+    assert_status(
+        admin.requeue_latest(missing_key).await,
+        Code::InvalidArgument,
+        "event_type",
+    );
+}
+
+#[tokio::test]
+async fn dead_letters_are_listed_paged_resolved_and_requeued_exactly() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let published = publish(
+        &gateway,
+        vec![
+            event("o-1", "order.created"),
+            event("o-2", "order.paid"),
+            event("o-3", "order.created"),
+            event("o-4", "order.created"),
+        ],
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let deliveries = consumer.take(4, WAIT).await;
+    for delivery in &deliveries[..3] {
+        assert!(
+            nack(&gateway, dead_letter_now("orders", delivery.ack_id.clone()))
+                .await
+                .dead_lettered
+        );
+    }
+    let mut admin = gateway.admin().await;
+
+    // Paging, oldest first.
+    let first_page = list_dead_letters(
+        &mut admin,
+        proto::ListDeadLettersRequest {
+            page_size: 2,
+            ..listing("orders")
+        },
+    )
+    .await;
+    assert_eq!(first_page.dead_letters.len(), 2);
+    assert!(!first_page.next_page_token.is_empty());
+    let second_page = list_dead_letters(
+        &mut admin,
+        proto::ListDeadLettersRequest {
+            page_size: 2,
+            page_token: first_page.next_page_token.clone(),
+            ..listing("orders")
+        },
+    )
+    .await;
+    assert_eq!(second_page.dead_letters.len(), 1);
+    assert!(second_page.next_page_token.is_empty());
+    let listed: Vec<String> = first_page
+        .dead_letters
+        .iter()
+        .chain(&second_page.dead_letters)
+        .map(|d| d.event.as_ref().unwrap().aggregate_id.clone())
+        .collect();
+    assert_eq!(listed, ["o-1", "o-2", "o-3"]);
+    let letter = &first_page.dead_letters[0];
+    assert_eq!(
+        (letter.attempts, letter.last_error.as_str(), letter.resolved),
+        (1, "poison", false)
+    );
+    let paid = list_dead_letters(
+        &mut admin,
+        proto::ListDeadLettersRequest {
+            event_types: vec!["order.paid".into()],
+            ..listing("orders")
+        },
+    )
+    .await;
+    assert_eq!(paid.dead_letters.len(), 1);
+
+    // Resolve o-1: gone from the default listing, kept with include_resolved.
+    let resolved = admin
+        .resolve_dead_letter(proto::ResolveDeadLetterRequest {
+            subscription: "orders".into(),
+            id: published[0].id.clone(),
+            resolved_by: "alice".into(),
+            notes: "refunded by hand".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(resolved.resolved && resolved.resolved_at.is_some());
+    assert_eq!(
+        list_dead_letters(&mut admin, listing("orders"))
+            .await
+            .dead_letters
+            .len(),
+        2
+    );
+    let everything = list_dead_letters(
+        &mut admin,
+        proto::ListDeadLettersRequest {
+            include_resolved: true,
+            ..listing("orders")
+        },
+    )
+    .await;
+    assert_eq!(everything.dead_letters.len(), 3);
+    assert_eq!(
+        (
+            everything.dead_letters[0].resolved_by.as_str(),
+            everything.dead_letters[0].notes.as_str()
+        ),
+        ("alice", "refunded by hand")
+    );
+    let unknown = proto::ResolveDeadLetterRequest {
+        subscription: "orders".into(),
+        id: published[3].id.clone(),
+        resolved_by: "alice".into(),
+        notes: String::new(),
+    };
+    assert_status(
+        admin.resolve_dead_letter(unknown).await,
+        Code::NotFound,
+        "not a dead letter",
+    );
+
+    // Requeue needs a selector; by event type takes exactly o-2.
+    let requeue = |selection: proto::RequeueDeadLettersRequest| proto::RequeueDeadLettersRequest {
+        subscription: "orders".into(),
+        ..selection
+    };
+    assert_status(
+        admin
+            .requeue_dead_letters(requeue(Default::default()))
+            .await,
+        Code::InvalidArgument,
+        "all",
+    );
+    let by_type = requeue(proto::RequeueDeadLettersRequest {
+        event_types: vec!["order.paid".into()],
+        ..Default::default()
+    });
+    assert_eq!(
+        admin
+            .requeue_dead_letters(by_type)
+            .await
+            .unwrap()
+            .into_inner()
+            .requeued_count,
+        1
+    );
+    let redelivered = consumer
+        .next(WAIT)
+        .await
+        .expect("requeued dead letter delivered");
+    assert_eq!(
+        (aggregate_of(&redelivered).as_str(), redelivered.attempt),
+        ("o-2", 1)
+    );
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "only the chosen dead letter came back"
+    );
+
+    // all = true takes the unresolved rest (o-3), not the resolved o-1.
+    let all = requeue(proto::RequeueDeadLettersRequest {
+        all: true,
+        ..Default::default()
+    });
+    assert_eq!(
+        admin
+            .requeue_dead_letters(all)
+            .await
+            .unwrap()
+            .into_inner()
+            .requeued_count,
+        1
+    );
+    assert_eq!(aggregate_of(&consumer.next(WAIT).await.unwrap()), "o-3");
+    // Chosen by id, a resolved dead letter does come back.
+    let by_id = requeue(proto::RequeueDeadLettersRequest {
+        ids: vec![published[0].id.clone()],
+        ..Default::default()
+    });
+    assert_eq!(
+        admin
+            .requeue_dead_letters(by_id)
+            .await
+            .unwrap()
+            .into_inner()
+            .requeued_count,
+        1
+    );
+    assert_eq!(aggregate_of(&consumer.next(WAIT).await.unwrap()), "o-1");
+    assert_status(
+        admin
+            .requeue_dead_letters(requeue(proto::RequeueDeadLettersRequest {
+                ids: vec!["nope".into()],
+                ..Default::default()
+            }))
+            .await,
+        Code::InvalidArgument,
+        "ids[0]",
+    );
+    assert_status(
+        admin
+            .list_dead_letters(proto::ListDeadLettersRequest {
+                page_token: "garbage".into(),
+                ..listing("orders")
+            })
+            .await,
+        Code::InvalidArgument,
+        "page_token",
+    );
+}
+
+#[tokio::test]
+async fn seek_replays_exactly_the_events_since_a_time_or_skips_ahead() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        vec![event("a", "order.created"), event("b", "order.created")],
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let since = std::time::SystemTime::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    publish(
+        &gateway,
+        vec![event("c", "order.created"), event("d", "order.created")],
+    )
+    .await;
+
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let all = consumer.take(4, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "orders",
+            all.into_iter().map(|d| d.ack_id).collect()
+        )
+        .await
+        .is_empty()
+    );
+
+    let mut admin = gateway.admin().await;
+    let seek = |position: proto::start_position::Position| proto::SeekSubscriptionRequest {
+        subscription: "orders".into(),
+        to: Some(proto::StartPosition {
+            position: Some(position),
+        }),
+    };
+    admin
+        .seek_subscription(seek(proto::start_position::Position::Time(since.into())))
+        .await
+        .unwrap();
+    let replayed: Vec<String> = consumer
+        .take(2, WAIT)
+        .await
+        .iter()
+        .map(aggregate_of)
+        .collect();
+    assert_eq!(replayed, ["c", "d"]);
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "nothing before the seek time"
+    );
+
+    // Skip ahead: what was replayed and not acked stays in flight; nothing new arrives.
+    admin
+        .seek_subscription(seek(proto::start_position::Position::Boundary(
+            proto::Boundary::Latest as i32,
+        )))
+        .await
+        .unwrap();
+    let (figures, _) = stats(&mut admin, "orders").await;
+    assert_eq!((figures.pending, figures.in_flight), (0, 2));
+
+    assert_status(
+        admin
+            .seek_subscription(proto::SeekSubscriptionRequest {
+                subscription: "orders".into(),
+                to: None,
+            })
+            .await,
+        Code::InvalidArgument,
+        "to",
+    );
+    let missing = proto::SeekSubscriptionRequest {
+        subscription: "missing".into(),
+        ..seek(proto::start_position::Position::Boundary(0))
+    };
+    assert_status(
+        admin.seek_subscription(missing).await,
+        Code::NotFound,
+        "missing",
+    );
+}
+
+#[tokio::test]
+async fn stats_match_a_known_scenario_exactly() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        (0..5)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 4).await;
+    let deliveries = consumer.take(4, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "orders",
+            vec![deliveries[0].ack_id.clone(), deliveries[1].ack_id.clone()]
+        )
+        .await
+        .is_empty()
+    );
+    nack(
+        &gateway,
+        dead_letter_now("orders", deliveries[2].ack_id.clone()),
+    )
+    .await;
+    // The dispatcher refills the freed room with the fifth event.
+    let fifth = consumer.next(WAIT).await.unwrap();
+
+    let mut admin = gateway.admin().await;
+    let (figures, outbox) = stats(&mut admin, "orders").await;
+    assert_eq!(figures.pending, 0);
+    assert_eq!(figures.in_flight, 2);
+    assert_eq!(figures.awaiting_retry, 0);
+    assert_eq!(figures.dead_lettered, 1);
+    assert_eq!(figures.lag_events, 2);
+    assert_eq!(figures.delivered_total, 5);
+    assert_eq!(figures.acked_total, 2);
+    assert!(figures.oldest_unacked_age.unwrap().seconds >= 0);
+    assert_eq!(outbox.events_stored, 5);
+    assert!(outbox.oldest_event_at.is_some() && outbox.newest_event_at.is_some());
+
+    nack(
+        &gateway,
+        proto::NackRequest {
+            subscription: "orders".into(),
+            ack_id: fifth.ack_id,
+            retry_after: seconds(60),
+            ..Default::default()
+        },
+    )
+    .await;
+    drop(consumer);
+    eventually("the closed stream's lease is released", || async {
+        let (figures, _) = stats(&mut gateway.admin().await, "orders").await;
+        figures.awaiting_retry == 2
+    })
+    .await;
+    // With no stream left, a new event stays pending.
+    publish(&gateway, vec![event("o-5", "order.created")]).await;
+    let (figures, outbox) = stats(&mut admin, "orders").await;
+    assert_eq!(
+        (
+            figures.pending,
+            figures.in_flight,
+            figures.awaiting_retry,
+            figures.dead_lettered
+        ),
+        (1, 0, 2, 1)
+    );
+    assert_eq!(figures.lag_events, 3);
+    assert_eq!(outbox.events_stored, 6);
+    let all = admin
+        .get_stats(proto::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(all.subscriptions.len(), 1);
+    assert_status(
+        admin
+            .get_stats(proto::GetStatsRequest {
+                subscription: "missing".into(),
+            })
+            .await,
+        Code::NotFound,
+        "missing",
+    );
+}
+
+#[tokio::test]
+async fn update_subscription_changes_filters_for_events_not_yet_delivered() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            event_types: vec!["order.created".into()],
+            ..subscription("orders")
+        },
+    )
+    .await;
+    let mut admin = gateway.admin().await;
+    let update = |changes: proto::Subscription, paths: &[&str]| proto::UpdateSubscriptionRequest {
+        subscription: Some(proto::Subscription {
+            name: "orders".into(),
+            ..changes
+        }),
+        update_mask: Some(prost_types::FieldMask {
+            paths: paths.iter().map(|p| p.to_string()).collect(),
+        }),
+    };
+    let updated = admin
+        .update_subscription(update(
+            proto::Subscription {
+                event_types: vec!["order.paid".into()],
+                ack_deadline: seconds(90),
+                ..Default::default()
+            },
+            &["event_types", "ack_deadline"],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            updated.event_types,
+            updated.ack_deadline,
+            updated.max_attempts
+        ),
+        (vec!["order.paid".to_string()], seconds(90), Some(10))
+    );
+
+    publish(
+        &gateway,
+        vec![event("o-1", "order.created"), event("o-1", "order.paid")],
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let delivery = consumer.next(WAIT).await.unwrap();
+    assert_eq!(delivery.event.unwrap().event_type, "order.paid");
+    assert!(consumer.next(QUIET).await.is_none());
+
+    assert_status(
+        admin
+            .update_subscription(update(Default::default(), &["ordered"]))
+            .await,
+        Code::InvalidArgument,
+        "update_mask.paths[0]",
+    );
+    assert_status(
+        admin
+            .update_subscription(update(Default::default(), &["colour"]))
+            .await,
+        Code::InvalidArgument,
+        "colour",
+    );
+    assert_status(
+        admin
+            .update_subscription(update(Default::default(), &[]))
+            .await,
+        Code::InvalidArgument,
+        "update_mask",
+    );
+    assert_status(
+        admin
+            .update_subscription(update(Default::default(), &["ack_deadline"]))
+            .await,
+        Code::InvalidArgument,
+        "ack_deadline",
+    );
+    let bad = update(
+        proto::Subscription {
+            retry_backoff_min: seconds(3600),
+            ..Default::default()
+        },
+        &["retry_backoff_min", "retry_backoff_max"],
+    );
+    assert_status(
+        admin.update_subscription(bad).await,
+        Code::InvalidArgument,
+        "retry_backoff",
+    );
+    let missing = proto::UpdateSubscriptionRequest {
+        subscription: Some(subscription("missing")),
+        ..update(Default::default(), &["event_types"])
+    };
+    assert_status(
+        admin.update_subscription(missing).await,
+        Code::NotFound,
+        "missing",
+    );
+    let unchanged = admin
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        unchanged.ack_deadline,
+        seconds(90),
+        "refused updates changed nothing"
+    );
+}
+
+async fn event_positions(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT aggregate_id FROM outbox_events ORDER BY position")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn retention_deletes_only_what_no_subscription_needs() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    config.maintenance.retention = Duration::from_millis(300);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("fast")).await;
+    create_subscription(&gateway, subscription("slow")).await;
+    create_subscription(&gateway, subscription("triage")).await;
+    publish(
+        &gateway,
+        (0..5)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+
+    // fast acks everything; slow reads only o-0 and o-1 and acks o-0 (o-1 stays in
+    // flight); triage dead-letters o-0 (unresolved) and o-1 (resolved), acks the rest.
+    let mut fast = Consumer::open(&gateway, "fast", 0).await;
+    let all = fast.take(5, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "fast",
+            all.into_iter().map(|d| d.ack_id).collect()
+        )
+        .await
+        .is_empty()
+    );
+    let mut slow = Consumer::open(&gateway, "slow", 2).await;
+    let slow_deliveries = slow.take(2, WAIT).await;
+    assert!(
+        ack(&gateway, "slow", vec![slow_deliveries[0].ack_id.clone()])
+            .await
+            .is_empty()
+    );
+    let mut triage = Consumer::open(&gateway, "triage", 0).await;
+    let triaged = triage.take(5, WAIT).await;
+    nack(
+        &gateway,
+        dead_letter_now("triage", triaged[0].ack_id.clone()),
+    )
+    .await;
+    nack(
+        &gateway,
+        dead_letter_now("triage", triaged[1].ack_id.clone()),
+    )
+    .await;
+    assert!(
+        ack(
+            &gateway,
+            "triage",
+            triaged[2..].iter().map(|d| d.ack_id.clone()).collect()
+        )
+        .await
+        .is_empty()
+    );
+    gateway
+        .admin()
+        .await
+        .resolve_dead_letter(proto::ResolveDeadLetterRequest {
+            subscription: "triage".into(),
+            id: triaged[1].event.as_ref().unwrap().id.clone(),
+            resolved_by: "ops".into(),
+            notes: String::new(),
+        })
+        .await
+        .unwrap();
+
+    // Kept: o-0 (unresolved dead letter), o-1 (in flight on slow), o-2..o-4 (slow's
+    // cursor has not passed them). Nothing is old enough to go while slow holds them.
+    let pool = database.pool().await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        event_positions(&pool).await,
+        ["o-0", "o-1", "o-2", "o-3", "o-4"]
+    );
+
+    // slow finishes o-1 and reads the rest; the triage dead letter o-0 still holds.
+    assert!(
+        ack(&gateway, "slow", vec![slow_deliveries[1].ack_id.clone()])
+            .await
+            .is_empty()
+    );
+    let rest = slow.take(2, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "slow",
+            rest.into_iter().map(|d| d.ack_id).collect()
+        )
+        .await
+        .is_empty()
+    );
+    let rest = slow.take(1, WAIT).await;
+    assert!(
+        ack(
+            &gateway,
+            "slow",
+            rest.into_iter().map(|d| d.ack_id).collect()
+        )
+        .await
+        .is_empty()
+    );
+    eventually("retention deletes every event nobody needs", || async {
+        event_positions(&pool).await == ["o-0"]
+    })
+    .await;
+    let resolved_records: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries WHERE resolved_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        resolved_records, 0,
+        "the resolved dead letter went with its event"
+    );
+}
+
+#[tokio::test]
+async fn maximum_retention_deletes_regardless_and_is_counted() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    config.maintenance.retention = Duration::from_secs(3600);
+    config.maintenance.max_retention = Some(Duration::from_secs(3600));
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let pool = database.pool().await;
+    // Two events written "two hours ago" (created_at is the writing transaction's start).
+    for aggregate in ["old-1", "old-2"] {
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+             VALUES ('order', $1, 'order.created', '{}', now() - interval '2 hours')",
+        )
+        .bind(aggregate)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    publish(&gateway, vec![event("new", "order.created")]).await;
+    eventually("the old events are force-expired", || async {
+        event_positions(&pool).await == ["new"]
+    })
+    .await;
+    let (_, outbox) = stats(&mut gateway.admin().await, "orders").await;
+    assert_eq!(
+        outbox.events_force_expired, 2,
+        "both were still needed by the subscription"
+    );
+}
+
+#[tokio::test]
+async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_attempts: Some(3),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(
+        &gateway,
+        vec![event("o-1", "order.created"), event("o-2", "order.created")],
+    )
+    .await;
+    let pool = database.pool().await;
+    // What a gateway that died mid-delivery leaves behind: expired leases, one of them on
+    // its last attempt.
+    sqlx::query(
+        "INSERT INTO outbox_deliveries (subscription_id, position, state, attempt, lease_token, due_at) \
+         SELECT s.id, e.position, 'in_flight', CASE e.aggregate_id WHEN 'o-1' THEN 1 ELSE 3 END, 42, \
+                now() - interval '1 minute' \
+         FROM outbox_subscriptions s, outbox_events e WHERE s.name = 'orders'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE outbox_subscriptions SET cursor_xact_id = 9223372036854775807")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    eventually("expired leases are reclaimed", || async {
+        delivery_records(&pool, "orders").await
+            == vec![
+                ("o-1".to_string(), "retry".to_string(), 1),
+                ("o-2".to_string(), "dead".to_string(), 3),
+            ]
+    })
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let delivery = consumer.next(WAIT).await.unwrap();
+    assert_eq!(
+        (aggregate_of(&delivery).as_str(), delivery.attempt),
+        ("o-1", 2)
+    );
+    let letters = list_dead_letters(&mut gateway.admin().await, listing("orders")).await;
+    assert_eq!(letters.dead_letters[0].last_error, "ack deadline exceeded");
+}
