@@ -28,8 +28,8 @@ enum Command {
     Serve(Settings),
     /// Apply pending schema migrations and exit.
     Migrate(Settings),
-    /// Ask a running gateway whether it is healthy (exit 0 when SERVING).
-    Health(cli::Connection),
+    #[command(flatten)]
+    Client(cli::ClientCommand),
 }
 
 #[tokio::main]
@@ -43,7 +43,7 @@ async fn main() -> ExitCode {
             Ok(config) => migrate(config).await,
             Err(code) => return code,
         },
-        Command::Health(connection) => cli::health(&connection).await,
+        Command::Client(command) => cli::run(command).await,
     };
     exit_with(result)
 }

@@ -264,10 +264,7 @@ impl Operations {
     }
 
     async fn subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
-        self.store
-            .subscription(name)
-            .await?
-            .ok_or_else(|| Error::NotFound(format!("subscription {name:?} does not exist")))
+        crate::subscriptions::find(&self.store, name).await
     }
 
     fn wake_if(&self, requeued: u64) {

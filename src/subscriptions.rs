@@ -40,10 +40,7 @@ impl Subscriptions {
     }
 
     pub async fn get(&self, name: &SubscriptionName) -> Result<Subscription> {
-        self.store
-            .subscription(name)
-            .await?
-            .ok_or_else(|| not_found(name))
+        find(&self.store, name).await
     }
 
     pub async fn list(&self) -> Result<Vec<Subscription>> {
@@ -86,6 +83,14 @@ impl Subscriptions {
         self.relay.wake_all();
         Ok(())
     }
+}
+
+/// The named subscription, or NOT_FOUND.
+pub(crate) async fn find(store: &Store, name: &SubscriptionName) -> Result<Subscription> {
+    store
+        .subscription(name)
+        .await?
+        .ok_or_else(|| not_found(name))
 }
 
 fn not_found(name: &SubscriptionName) -> Error {

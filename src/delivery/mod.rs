@@ -241,11 +241,7 @@ impl Relay {
         if let Some(subscription) = cached {
             return Ok(subscription);
         }
-        self.inner
-            .store
-            .subscription(name)
-            .await?
-            .ok_or_else(|| Error::NotFound(format!("subscription {name:?} does not exist")))
+        crate::subscriptions::find(&self.inner.store, name).await
     }
 
     fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {

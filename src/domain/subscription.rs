@@ -13,8 +13,15 @@ pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
 const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 
 /// A validated subscription name: `[a-z0-9][a-z0-9._-]{0,127}`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SubscriptionName(String);
+
+/// Shown as the quoted name, as messages name it.
+impl fmt::Debug for SubscriptionName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
 
 impl SubscriptionName {
     pub fn parse(field: &str, name: &str) -> Result<Self> {

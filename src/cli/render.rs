@@ -1,0 +1,204 @@
+//! How the CLI shows gateway answers: JSON values for `--json`, aligned text otherwise.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::{domain::is_json_content_type, proto};
+
+pub fn timestamp(timestamp: &Option<prost_types::Timestamp>) -> Value {
+    timestamp
+        .as_ref()
+        .and_then(|t| chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32))
+        .map_or(Value::Null, |t| {
+            json!(t.to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+        })
+}
+
+pub fn duration(duration: &Option<prost_types::Duration>) -> String {
+    duration
+        .and_then(|d| Duration::try_from(d).ok())
+        .map_or_else(
+            || "-".into(),
+            |d| humantime::format_duration(round_to_millis(d)).to_string(),
+        )
+}
+
+fn round_to_millis(duration: Duration) -> Duration {
+    Duration::from_millis(duration.as_millis() as u64)
+}
+
+/// A payload as JSON when its content type says JSON, as text when it is UTF-8, else as
+/// hex.
+fn payload(event: &proto::Event) -> (&'static str, Value) {
+    if is_json_content_type(&event.content_type)
+        && let Ok(value) = serde_json::from_slice::<Value>(&event.payload)
+    {
+        return ("payload", value);
+    }
+    match std::str::from_utf8(&event.payload) {
+        Ok(text) => ("payload_text", json!(text)),
+        Err(_) => (
+            "payload_hex",
+            json!(
+                event
+                    .payload
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>()
+            ),
+        ),
+    }
+}
+
+pub fn event(event: &proto::Event) -> Value {
+    let (payload_key, payload) = payload(event);
+    let mut value = json!({
+        "id": event.id,
+        "aggregate_type": event.aggregate_type,
+        "aggregate_id": event.aggregate_id,
+        "aggregate_version": event.aggregate_version,
+        "event_type": event.event_type,
+        "content_type": event.content_type,
+        "metadata": event.metadata,
+        "occurred_at": timestamp(&event.occurred_at),
+        "created_at": timestamp(&event.created_at),
+    });
+    value[payload_key] = payload;
+    value
+}
+
+pub fn delivery(delivery: &proto::Delivery) -> Value {
+    json!({
+        "ack_id": delivery.ack_id,
+        "attempt": delivery.attempt,
+        "ack_deadline": timestamp(&delivery.ack_deadline),
+        "event": delivery.event.as_ref().map(event),
+    })
+}
+
+pub fn subscription(subscription: &proto::Subscription) -> Value {
+    json!({
+        "name": subscription.name,
+        "event_types": subscription.event_types,
+        "aggregate_types": subscription.aggregate_types,
+        "metadata_match": subscription.metadata_match,
+        "ack_deadline": duration(&subscription.ack_deadline),
+        "max_attempts": subscription.max_attempts,
+        "retry_backoff_min": duration(&subscription.retry_backoff_min),
+        "retry_backoff_max": duration(&subscription.retry_backoff_max),
+        "ordered": subscription.ordered,
+        "persistent_event_types": subscription.persistent_event_types,
+        "created_at": timestamp(&subscription.created_at),
+    })
+}
+
+pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
+    json!({
+        "subscription": dead_letter.subscription,
+        "event": dead_letter.event.as_ref().map(event),
+        "attempts": dead_letter.attempts,
+        "last_error": dead_letter.last_error,
+        "dead_lettered_at": timestamp(&dead_letter.dead_lettered_at),
+        "resolved": dead_letter.resolved,
+        "resolved_at": timestamp(&dead_letter.resolved_at),
+        "resolved_by": dead_letter.resolved_by,
+        "notes": dead_letter.notes,
+    })
+}
+
+pub fn stats(stats: &proto::Stats) -> Value {
+    let outbox = stats.outbox.unwrap_or_default();
+    json!({
+        "subscriptions": stats.subscriptions.iter().map(|s| json!({
+            "name": s.name,
+            "pending": s.pending,
+            "in_flight": s.in_flight,
+            "awaiting_retry": s.awaiting_retry,
+            "dead_lettered": s.dead_lettered,
+            "lag_events": s.lag_events,
+            "lag_seconds": s.lag.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
+            "oldest_unacked_age_seconds": s.oldest_unacked_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
+            "delivered_total": s.delivered_total,
+            "acked_total": s.acked_total,
+        })).collect::<Vec<_>>(),
+        "outbox": {
+            "events_stored": outbox.events_stored,
+            "oldest_event_at": timestamp(&outbox.oldest_event_at),
+            "newest_event_at": timestamp(&outbox.newest_event_at),
+            "oldest_open_transaction_age_seconds": outbox.oldest_open_transaction_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
+            "events_force_expired": outbox.events_force_expired,
+        },
+    })
+}
+
+/// Prints rows as left-aligned columns under a header.
+pub fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for row in rows {
+        line(row.clone());
+    }
+}
+
+pub fn stats_table(stats: &proto::Stats) {
+    let rows: Vec<Vec<String>> = stats
+        .subscriptions
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                s.pending.to_string(),
+                s.in_flight.to_string(),
+                s.awaiting_retry.to_string(),
+                s.dead_lettered.to_string(),
+                s.lag_events.to_string(),
+                duration(&s.lag),
+                s.delivered_total.to_string(),
+                s.acked_total.to_string(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "SUBSCRIPTION",
+            "PENDING",
+            "IN FLIGHT",
+            "RETRY",
+            "DEAD",
+            "LAG",
+            "LAG TIME",
+            "DELIVERED",
+            "ACKED",
+        ],
+        &rows,
+    );
+    if let Some(outbox) = &stats.outbox {
+        println!();
+        println!(
+            "outbox: {} events stored, oldest {}, newest {}, oldest open transaction {}{}",
+            outbox.events_stored,
+            timestamp(&outbox.oldest_event_at).as_str().unwrap_or("-"),
+            timestamp(&outbox.newest_event_at).as_str().unwrap_or("-"),
+            duration(&outbox.oldest_open_transaction_age),
+            if outbox.events_force_expired > 0 {
+                format!(", {} events force-expired", outbox.events_force_expired)
+            } else {
+                String::new()
+            }
+        );
+    }
+}

@@ -1,0 +1,407 @@
+//! The admin CLI, run as the built binary against a live gateway.
+
+mod common;
+
+use std::process::Stdio;
+
+use common::*;
+use serde_json::Value;
+use tokio::{io::AsyncWriteExt, process::Command};
+
+/// Output of one CLI run.
+struct Run {
+    success: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        assert!(self.success, "command failed: {}", self.stderr);
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.stdout))
+    }
+
+    fn json_lines(&self) -> Vec<Value> {
+        assert!(self.success, "command failed: {}", self.stderr);
+        self.stdout
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("JSON line"))
+            .collect()
+    }
+}
+
+async fn cli(gateway: &TestGateway, args: &[&str]) -> Run {
+    cli_with_input(&gateway.endpoint(), args, None).await
+}
+
+async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> Run {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(args)
+        .env("OUTBOX_ENDPOINT", endpoint)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the CLI");
+    let mut stdin = child.stdin.take().expect("stdin");
+    if let Some(input) = input {
+        stdin
+            .write_all(input.as_bytes())
+            .await
+            .expect("write stdin");
+    }
+    drop(stdin);
+    let output = child.wait_with_output().await.expect("CLI output");
+    Run {
+        success: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+#[tokio::test]
+async fn subscriptions_are_managed_end_to_end() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+
+    let created = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "orders",
+            "--event-type",
+            "order.*",
+            "--metadata",
+            "tenant=acme",
+            "--ack-deadline",
+            "45s",
+            "--ordered",
+            "--start",
+            "earliest",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(created["name"], "orders");
+    assert_eq!(created["event_types"][0], "order.*");
+    assert_eq!(created["metadata_match"]["tenant"], "acme");
+    assert_eq!(
+        (
+            created["ack_deadline"].as_str(),
+            created["ordered"].as_bool()
+        ),
+        (Some("45s"), Some(true))
+    );
+
+    let updated = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "orders",
+            "--max-attempts",
+            "3",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(
+        (
+            updated["max_attempts"].as_u64(),
+            updated["ack_deadline"].as_str()
+        ),
+        (Some(3), Some("45s"))
+    );
+    let listed = cli(&gateway, &["subscriptions", "list", "--json"])
+        .await
+        .json();
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    let text = cli(&gateway, &["subscriptions", "list"]).await;
+    assert!(
+        text.stdout.starts_with("NAME") && text.stdout.contains("orders"),
+        "{}",
+        text.stdout
+    );
+    assert_eq!(
+        cli(&gateway, &["subscriptions", "get", "orders", "--json"])
+            .await
+            .json()["max_attempts"],
+        3
+    );
+    assert!(
+        cli(
+            &gateway,
+            &[
+                "subscriptions",
+                "seek",
+                "orders",
+                "--to",
+                "2026-01-01T00:00:00Z"
+            ]
+        )
+        .await
+        .success
+    );
+    assert!(
+        cli(&gateway, &["subscriptions", "delete", "orders"])
+            .await
+            .success
+    );
+
+    let missing = cli(&gateway, &["subscriptions", "get", "orders"]).await;
+    assert!(!missing.success);
+    assert!(
+        missing.stderr.contains("not found") && missing.stderr.contains("\"orders\""),
+        "{}",
+        missing.stderr
+    );
+    let invalid = cli(&gateway, &["subscriptions", "create", "Bad Name"]).await;
+    assert!(
+        !invalid.success
+            && invalid
+                .stderr
+                .contains("invalid argument: subscription.name"),
+        "{}",
+        invalid.stderr
+    );
+}
+
+#[tokio::test]
+async fn publish_tail_stats_and_dead_letters_work_from_the_command_line() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "orders",
+            "--start",
+            "earliest",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+
+    let published = cli(
+        &gateway,
+        &[
+            "publish",
+            "--aggregate-type",
+            "order",
+            "--aggregate-id",
+            "o-1",
+            "--event-type",
+            "order.created",
+            "--payload",
+            r#"{"total":5}"#,
+            "--metadata",
+            "tenant=acme",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(published["duplicate"], false);
+    let lines = "{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-2\",\"event_type\":\"order.paid\",\"payload\":{\"n\":[1,2]}}\n\
+                 {\"aggregate_type\":\"order\",\"aggregate_id\":\"o-3\",\"event_type\":\"order.paid\"}\n";
+    let from_stdin = cli_with_input(
+        &gateway.endpoint(),
+        &["publish", "--stdin", "--json"],
+        Some(lines),
+    )
+    .await
+    .json_lines();
+    assert_eq!(from_stdin.len(), 2);
+    let bad_line = cli_with_input(
+        &gateway.endpoint(),
+        &["publish", "--stdin"],
+        Some("{\"oops\": 1}\n"),
+    )
+    .await;
+    assert!(
+        !bad_line.success && bad_line.stderr.contains("line 1"),
+        "{}",
+        bad_line.stderr
+    );
+
+    // tail acks what it prints.
+    let tailed = cli(&gateway, &["tail", "orders", "--limit", "2"])
+        .await
+        .json_lines();
+    let aggregates: Vec<&str> = tailed
+        .iter()
+        .map(|d| d["event"]["aggregate_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(aggregates, ["o-1", "o-2"]);
+    assert_eq!(tailed[0]["event"]["payload"]["total"], 5);
+    assert_eq!(tailed[1]["event"]["payload"]["n"][1], 2);
+
+    // The third is dead-lettered by a consumer; triage it from the CLI.
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let third = consumer
+        .next(std::time::Duration::from_secs(5))
+        .await
+        .unwrap();
+    nack(
+        &gateway,
+        outbox_gateway::proto::NackRequest {
+            subscription: "orders".into(),
+            ack_id: third.ack_id,
+            dead_letter: true,
+            reason: "bad data".into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let stats = cli(&gateway, &["stats", "--subscription", "orders", "--json"])
+        .await
+        .json();
+    let figures = &stats["subscriptions"][0];
+    assert_eq!(
+        (
+            figures["acked_total"].as_u64(),
+            figures["dead_lettered"].as_u64(),
+            figures["delivered_total"].as_u64()
+        ),
+        (Some(2), Some(1), Some(3))
+    );
+    assert_eq!(stats["outbox"]["events_stored"], 3);
+    assert!(
+        cli(&gateway, &["stats"])
+            .await
+            .stdout
+            .contains("SUBSCRIPTION")
+    );
+
+    let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
+        .await
+        .json();
+    let letter = &letters["dead_letters"][0];
+    assert_eq!(
+        (
+            letter["last_error"].as_str(),
+            letter["event"]["aggregate_id"].as_str()
+        ),
+        (Some("bad data"), Some("o-3"))
+    );
+    let id = letter["event"]["id"].as_str().unwrap().to_owned();
+    assert!(
+        !cli(&gateway, &["dlq", "requeue", "orders"]).await.success,
+        "a selector is required"
+    );
+    let requeued = cli(
+        &gateway,
+        &["dlq", "requeue", "orders", "--id", &id, "--json"],
+    )
+    .await
+    .json();
+    assert_eq!(requeued["requeued_count"], 1);
+    let again = consumer
+        .next(std::time::Duration::from_secs(5))
+        .await
+        .expect("requeued");
+    assert_eq!(again.attempt, 1);
+    nack(
+        &gateway,
+        outbox_gateway::proto::NackRequest {
+            subscription: "orders".into(),
+            ack_id: again.ack_id,
+            dead_letter: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let resolved = cli(
+        &gateway,
+        &[
+            "dlq",
+            "resolve",
+            "orders",
+            &id,
+            "--by",
+            "ops",
+            "--notes",
+            "fixed upstream",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(
+        (
+            resolved["resolved"].as_bool(),
+            resolved["resolved_by"].as_str()
+        ),
+        (Some(true), Some("ops"))
+    );
+    assert_eq!(
+        cli(&gateway, &["dlq", "list", "orders", "--json"])
+            .await
+            .json()["dead_letters"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+
+    let requeue = cli(
+        &gateway,
+        &[
+            "requeue",
+            "--latest",
+            "--aggregate-type",
+            "order",
+            "--aggregate-id",
+            "o-1",
+            "--event-type",
+            "order.created",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(requeue["requeued_count"], 1);
+    let unknown = cli(
+        &gateway,
+        &["requeue", "--id", &uuid::Uuid::new_v4().to_string()],
+    )
+    .await;
+    assert!(
+        !unknown.success && unknown.stderr.contains("not found"),
+        "{}",
+        unknown.stderr
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_gateway_is_a_clear_failure() {
+    let run = cli_with_input("http://127.0.0.1:1", &["stats"], None).await;
+    assert!(!run.success);
+    assert!(
+        run.stderr
+            .contains("cannot reach the gateway at http://127.0.0.1:1"),
+        "{}",
+        run.stderr
+    );
+    let health = cli_with_input("http://127.0.0.1:1", &["health"], None).await;
+    assert!(!health.success);
+}
+
+#[tokio::test]
+async fn health_command_reports_a_serving_gateway() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let run = cli(&gateway, &["health"]).await;
+    assert!(
+        run.success && run.stdout.trim() == "SERVING",
+        "{} {}",
+        run.stdout,
+        run.stderr
+    );
+}
