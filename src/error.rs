@@ -20,6 +20,9 @@ pub enum Error {
     /// The database cannot be reached; the client may retry.
     #[error("database unavailable")]
     Unavailable(#[source] StoreError),
+    /// Too much work is waiting; the client should retry shortly.
+    #[error("{0}")]
+    Overloaded(String),
     /// The gateway is stopping; the client should reconnect (to another instance).
     #[error("the gateway is shutting down")]
     ShuttingDown,

@@ -1,15 +1,32 @@
 //! Publishing: validates a batch, stores it atomically and idempotently, wakes the relay.
+//!
+//! Concurrent Publish calls are coalesced into shared transactions (group commit): a
+//! few committer tasks each take every call waiting in the queue, store them with one
+//! INSERT, commit once, and answer each call only after that commit. One transaction
+//! per group instead of one per call is what lets many small publishes outrun
+//! PostgreSQL's one-row-per-transaction commit rate. Each call stays atomic and
+//! isolated: bad input is refused before queueing, and a call whose event id conflicts
+//! with stored content is taken out of its group, which is then retried without it.
 
-use std::collections::HashMap;
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
+use tokio::sync::{Mutex, mpsc, oneshot};
 use uuid::Uuid;
 
 use crate::{
     delivery::Relay,
     domain::{NewEvent, PublishLimits},
     error::{Error, Result},
-    storage::Store,
+    storage::{Store, StoreError},
 };
+
+/// Committer tasks: one can fill its next group while another commits.
+const COMMITTERS: usize = 2;
+/// Calls waiting for a committer before Publish answers UNAVAILABLE.
+const QUEUE_CAPACITY: usize = 4096;
 
 /// What became of one published event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,23 +38,99 @@ pub struct Published {
 
 #[derive(Clone)]
 pub struct Publisher {
-    store: Store,
-    relay: Relay,
     limits: PublishLimits,
+    queue: mpsc::Sender<Call>,
+}
+
+/// One validated Publish call waiting for a committer.
+struct Call {
+    /// Events with their ids resolved, one per distinct id.
+    events: Vec<NewEvent>,
+    reply: oneshot::Sender<Result<HashSet<Uuid>>>,
+}
+
+impl Call {
+    fn ids(&self) -> impl Iterator<Item = Uuid> + '_ {
+        self.events
+            .iter()
+            .map(|event| event.id.expect("ids are resolved before queueing"))
+    }
 }
 
 impl Publisher {
+    /// Starts the committer tasks; they stop when every `Publisher` clone is dropped.
     pub fn new(store: Store, relay: Relay, limits: PublishLimits) -> Self {
-        Publisher {
-            store,
-            relay,
-            limits,
+        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
+        let receiver = Arc::new(Mutex::new(receiver));
+        let max_group_events = limits.max_batch_events.max(1000);
+        for _ in 0..COMMITTERS {
+            tokio::spawn(commit_groups(
+                store.clone(),
+                relay.clone(),
+                receiver.clone(),
+                max_group_events,
+            ));
         }
+        Publisher { limits, queue }
     }
 
-    /// Stores the batch in one transaction: all of it, or nothing when any event is
-    /// invalid or conflicts with a stored event of the same id.
+    /// Stores the batch atomically: all of it, or nothing when any event is invalid or
+    /// conflicts with a stored event of the same id.
     pub async fn publish(&self, mut events: Vec<NewEvent>) -> Result<Vec<Published>> {
+        self.validate(&events)?;
+        for event in &mut events {
+            event.id = Some(event.id.unwrap_or_else(Uuid::now_v7));
+        }
+        let ids: Vec<Uuid> = events
+            .iter()
+            .map(|event| event.id.expect("resolved"))
+            .collect();
+
+        // The same id twice in one call: the later copy is a duplicate of the first when
+        // identical, a conflict otherwise.
+        let mut first_index: HashMap<Uuid, usize> = HashMap::with_capacity(ids.len());
+        let mut repeated = vec![false; ids.len()];
+        for (index, id) in ids.iter().enumerate() {
+            match first_index.get(id) {
+                Some(&first) if events[first] != events[index] => {
+                    return Err(Error::AlreadyExists(format!(
+                        "events[{index}].id: {id} is used by events[{first}] with different content"
+                    )));
+                }
+                Some(_) => repeated[index] = true,
+                None => {
+                    first_index.insert(*id, index);
+                }
+            }
+        }
+        let unique: Vec<NewEvent> = events
+            .into_iter()
+            .zip(&repeated)
+            .filter(|(_, repeated)| !**repeated)
+            .map(|(event, _)| event)
+            .collect();
+
+        let (reply, answer) = oneshot::channel();
+        self.queue
+            .try_send(Call {
+                events: unique,
+                reply,
+            })
+            .map_err(|_| {
+                Error::Overloaded("too many Publish calls are waiting; retry shortly".into())
+            })?;
+        let inserted = answer.await.map_err(|_| Error::ShuttingDown)??;
+        Ok(ids
+            .iter()
+            .zip(repeated)
+            .map(|(id, repeated)| Published {
+                id: *id,
+                duplicate: repeated || !inserted.contains(id),
+            })
+            .collect())
+    }
+
+    fn validate(&self, events: &[NewEvent]) -> Result<()> {
         if events.is_empty() {
             return Err(Error::invalid("events", "must contain at least one event"));
         }
@@ -54,65 +147,154 @@ impl Publisher {
         for (index, event) in events.iter().enumerate() {
             event.validate(index, &self.limits)?;
         }
-        let ids: Vec<Uuid> = events
-            .iter()
-            .map(|event| event.id.unwrap_or_else(Uuid::now_v7))
-            .collect();
-        for (event, id) in events.iter_mut().zip(&ids) {
-            event.id = event.id.or(Some(*id));
-        }
-
-        // The same id twice in one batch: the later copy is a duplicate of the first when
-        // identical, a conflict otherwise.
-        let mut first_index: HashMap<Uuid, usize> = HashMap::with_capacity(ids.len());
-        let mut repeated_in_batch = vec![false; ids.len()];
-        for (index, id) in ids.iter().enumerate() {
-            if let Some(&first) = first_index.get(id) {
-                if events[first] != events[index] {
-                    return Err(Error::AlreadyExists(format!(
-                        "events[{index}].id: {id} is used by events[{first}] with different content"
-                    )));
-                }
-                repeated_in_batch[index] = true;
-            } else {
-                first_index.insert(*id, index);
-            }
-        }
-        let unique: Vec<usize> = (0..ids.len()).filter(|&i| !repeated_in_batch[i]).collect();
-        let unique_ids: Vec<Uuid> = unique.iter().map(|&i| ids[i]).collect();
-        let unique_events: Vec<&NewEvent> = unique.iter().map(|&i| &events[i]).collect();
-
-        let mut transaction = self.store.begin_publish().await?;
-        let inserted = transaction.insert(&unique_ids, &unique_events).await?;
-        let inserted: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
-        if inserted.len() < unique_ids.len() {
-            let existing_ids: Vec<Uuid> = unique_ids
-                .iter()
-                .filter(|id| !inserted.contains(id))
-                .copied()
-                .collect();
-            let stored = transaction.find(&existing_ids).await?;
-            for stored_event in &stored {
-                let index = first_index[&stored_event.id];
-                if !events[index].matches_stored(stored_event) {
-                    return Err(Error::AlreadyExists(format!(
-                        "events[{index}].id: event {} already exists with different content",
-                        stored_event.id
-                    )));
-                }
-            }
-        }
-        transaction.commit().await?;
-        if !inserted.is_empty() {
-            self.relay.events_committed();
-        }
-        Ok(ids
-            .iter()
-            .enumerate()
-            .map(|(index, id)| Published {
-                id: *id,
-                duplicate: repeated_in_batch[index] || !inserted.contains(id),
-            })
-            .collect())
+        Ok(())
     }
+}
+
+/// A committer: takes every waiting call (up to `max_group_events` events), commits them
+/// together and answers each.
+async fn commit_groups(
+    store: Store,
+    relay: Relay,
+    queue: Arc<Mutex<mpsc::Receiver<Call>>>,
+    max_group_events: usize,
+) {
+    loop {
+        let group = {
+            let mut queue = queue.lock().await;
+            let Some(first) = queue.recv().await else {
+                return;
+            };
+            let mut size = first.events.len();
+            let mut group = vec![first];
+            while size < max_group_events {
+                match queue.try_recv() {
+                    Ok(call) => {
+                        size += call.events.len();
+                        group.push(call);
+                    }
+                    Err(_) => break,
+                }
+            }
+            group
+        };
+        if commit(&store, group).await {
+            relay.events_committed();
+        }
+    }
+}
+
+/// Commits a group and answers its calls; true when anything new was stored.
+async fn commit(store: &Store, mut group: Vec<Call>) -> bool {
+    // Calls reusing an id of an earlier call in the group go in a group of their own, so
+    // each call's duplicate flags and conflicts are judged against committed rows only.
+    let mut seen = HashSet::new();
+    let (mut now, mut later) = (Vec::with_capacity(group.len()), Vec::new());
+    for call in group.drain(..) {
+        if call.ids().all(|id| !seen.contains(&id)) {
+            seen.extend(call.ids());
+            now.push(call);
+        } else {
+            later.push(call);
+        }
+    }
+    let mut stored_any = false;
+    for group in std::iter::once(now).chain(later.into_iter().map(|call| vec![call])) {
+        stored_any |= commit_distinct(store, group).await;
+    }
+    stored_any
+}
+
+/// Commits calls whose ids are all distinct. A call conflicting with stored content is
+/// answered ALREADY_EXISTS and the rest are retried without it; if the database refuses
+/// the group for another reason, each call is tried alone so one cannot fail another.
+async fn commit_distinct(store: &Store, mut group: Vec<Call>) -> bool {
+    loop {
+        if group.is_empty() {
+            return false;
+        }
+        match try_commit(store, &group).await {
+            Ok(Attempt::Committed(inserted)) => {
+                let stored_any = !inserted.is_empty();
+                for call in group {
+                    let mine: HashSet<Uuid> =
+                        call.ids().filter(|id| inserted.contains(id)).collect();
+                    let _ = call.reply.send(Ok(mine));
+                }
+                return stored_any;
+            }
+            Ok(Attempt::Conflicts(conflicts)) => {
+                let (refused, rest): (Vec<Call>, Vec<Call>) = group
+                    .into_iter()
+                    .partition(|call| call.ids().any(|id| conflicts.contains(&id)));
+                for call in refused {
+                    let (index, id) = call
+                        .ids()
+                        .enumerate()
+                        .find(|(_, id)| conflicts.contains(id))
+                        .expect("partitioned on a conflicting id");
+                    let _ = call.reply.send(Err(Error::AlreadyExists(format!(
+                        "events[{index}].id: event {id} already exists with different content"
+                    ))));
+                }
+                group = rest;
+            }
+            Err(error) if group.len() > 1 && !error.is_unavailable() => {
+                let mut stored_any = false;
+                for call in group {
+                    stored_any |= Box::pin(commit_distinct(store, vec![call])).await;
+                }
+                return stored_any;
+            }
+            Err(error) => {
+                let error = Arc::new(error);
+                for call in group {
+                    let _ = call
+                        .reply
+                        .send(Err(StoreError::Shared(error.clone()).into()));
+                }
+                return false;
+            }
+        }
+    }
+}
+
+enum Attempt {
+    /// Committed; these ids were new.
+    Committed(HashSet<Uuid>),
+    /// Rolled back: these ids are stored with different content.
+    Conflicts(HashSet<Uuid>),
+}
+
+async fn try_commit(store: &Store, group: &[Call]) -> Result<Attempt, StoreError> {
+    let ids: Vec<Uuid> = group.iter().flat_map(Call::ids).collect();
+    let events: Vec<&NewEvent> = group.iter().flat_map(|call| call.events.iter()).collect();
+    let mut transaction = store.begin_publish().await?;
+    let inserted: HashSet<Uuid> = transaction
+        .insert(&ids, &events)
+        .await?
+        .into_iter()
+        .collect();
+    if inserted.len() < ids.len() {
+        let existing: Vec<Uuid> = ids
+            .iter()
+            .filter(|id| !inserted.contains(id))
+            .copied()
+            .collect();
+        let by_id: HashMap<Uuid, &NewEvent> =
+            ids.iter().copied().zip(events.iter().copied()).collect();
+        let conflicts: HashSet<Uuid> = transaction
+            .find(&existing)
+            .await?
+            .into_iter()
+            .filter(|stored| !by_id[&stored.id].matches_stored(stored))
+            .map(|stored| stored.id)
+            .collect();
+        if !conflicts.is_empty() {
+            // Dropping the transaction rolls it back.
+            return Ok(Attempt::Conflicts(conflicts));
+        }
+    }
+    transaction.commit().await?;
+    Ok(Attempt::Committed(inserted))
 }

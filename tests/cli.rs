@@ -208,6 +208,17 @@ async fn publish_tail_stats_and_dead_letters_work_from_the_command_line() {
     .await
     .json();
     assert_eq!(published["duplicate"], false);
+    // tail acks what it prints.
+    let tailed = cli(&gateway, &["tail", "orders", "--limit", "1"])
+        .await
+        .json_lines();
+    let aggregates: Vec<&str> = tailed
+        .iter()
+        .map(|d| d["event"]["aggregate_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(aggregates, ["o-1"]);
+    assert_eq!(tailed[0]["event"]["payload"]["total"], 5);
+
     let lines = "{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-2\",\"event_type\":\"order.paid\",\"payload\":{\"n\":[1,2]}}\n\
                  {\"aggregate_type\":\"order\",\"aggregate_id\":\"o-3\",\"event_type\":\"order.paid\"}\n";
     let from_stdin = cli_with_input(
@@ -230,24 +241,19 @@ async fn publish_tail_stats_and_dead_letters_work_from_the_command_line() {
         bad_line.stderr
     );
 
-    // tail acks what it prints.
-    let tailed = cli(&gateway, &["tail", "orders", "--limit", "2"])
-        .await
-        .json_lines();
-    let aggregates: Vec<&str> = tailed
-        .iter()
-        .map(|d| d["event"]["aggregate_id"].as_str().unwrap())
-        .collect();
-    assert_eq!(aggregates, ["o-1", "o-2"]);
-    assert_eq!(tailed[0]["event"]["payload"]["total"], 5);
-    assert_eq!(tailed[1]["event"]["payload"]["n"][1], 2);
-
-    // The third is dead-lettered by a consumer; triage it from the CLI.
+    // A consumer acks o-2 and dead-letters o-3; triage it from the CLI.
     let mut consumer = Consumer::open(&gateway, "orders", 0).await;
-    let third = consumer
-        .next(std::time::Duration::from_secs(5))
+    let [second, third]: [_; 2] = consumer
+        .take(2, std::time::Duration::from_secs(5))
         .await
+        .try_into()
         .unwrap();
+    assert_eq!(second.event.as_ref().unwrap().payload, br#"{"n":[1,2]}"#);
+    assert!(
+        ack(&gateway, "orders", vec![second.ack_id])
+            .await
+            .is_empty()
+    );
     nack(
         &gateway,
         outbox_gateway::proto::NackRequest {

@@ -438,3 +438,57 @@ async fn reflection_lists_the_services() {
         );
     }
 }
+
+#[tokio::test]
+async fn concurrent_calls_share_transactions_without_failing_each_other() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut stored = event("taken", "order.created");
+    stored.id = uuid::Uuid::new_v4().to_string();
+    publish(&gateway, vec![stored.clone()]).await;
+    let mut shared = event("shared", "order.created");
+    shared.id = uuid::Uuid::new_v4().to_string();
+
+    // 40 calls at once: one conflicts with a stored event, two publish the same new id.
+    let channel = gateway.channel().await;
+    let mut calls = Vec::new();
+    for i in 0..40 {
+        let mut client = proto::publisher_client::PublisherClient::new(channel.clone());
+        let events = match i {
+            7 => {
+                let mut conflicting = stored.clone();
+                conflicting.payload = br#"{"changed": true}"#.to_vec();
+                vec![event("c-7", "order.created"), conflicting]
+            }
+            11 | 12 => vec![shared.clone()],
+            _ => vec![event(&format!("c-{i}"), "order.created")],
+        };
+        calls.push(tokio::spawn(async move {
+            (i, client.publish(PublishRequest { events }).await)
+        }));
+    }
+    let mut shared_duplicates = Vec::new();
+    for call in calls {
+        let (i, result) = call.await.unwrap();
+        match i {
+            7 => assert_status(result, Code::AlreadyExists, &stored.id),
+            11 | 12 => shared_duplicates.push(result.unwrap().into_inner().results[0].duplicate),
+            _ => assert!(!result.unwrap().into_inner().results[0].duplicate),
+        }
+    }
+    shared_duplicates.sort();
+    assert_eq!(
+        shared_duplicates,
+        [false, true],
+        "one call stored the shared id, the other saw it"
+    );
+    let pool = database.pool().await;
+    // 1 stored before + 37 single calls + the shared one; nothing of call 7.
+    assert_eq!(count_events(&pool).await, 1 + 37 + 1);
+    let c7: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_events WHERE aggregate_id = 'c-7'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(c7, 0, "the refused call wrote nothing");
+}

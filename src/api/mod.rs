@@ -29,6 +29,7 @@ pub(crate) fn status_from(error: Error) -> Status {
             tracing::warn!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")
         }
+        Error::Overloaded(message) => Status::resource_exhausted(message),
         Error::ShuttingDown => Status::unavailable("the gateway is shutting down; reconnect"),
         Error::Internal(source) => {
             tracing::error!(error = %source, "internal error");

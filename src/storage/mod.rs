@@ -55,11 +55,18 @@ pub enum StoreError {
     Corrupt(String),
     #[error("schema migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
+    /// One failure reported to several callers (a group of coalesced calls).
+    #[error("{0}")]
+    Shared(std::sync::Arc<StoreError>),
 }
 
 impl StoreError {
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_))
+        match self {
+            StoreError::Unavailable(_) => true,
+            StoreError::Shared(inner) => inner.is_unavailable(),
+            _ => false,
+        }
     }
 }
 
