@@ -11,6 +11,7 @@ use crate::{delivery::DeliveryConfig, domain::PublishLimits, maintenance::Mainte
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 
 /// Settings of `outbox-gateway serve`. Each is a flag, an environment variable and a
 /// key of the configuration file.
@@ -104,6 +105,15 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_RETENTION_BATCH_SIZE")]
     pub retention_batch_size: Option<usize>,
 
+    /// Address of the Prometheus endpoint (`/metrics`), or `off`. [default: 127.0.0.1:9464]
+    #[arg(long, env = "OUTBOX_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+
+    /// How often per-subscription gauges (backlog, in flight, ...) are recomputed.
+    /// [default: 10s]
+    #[arg(long, env = "OUTBOX_METRICS_REFRESH_INTERVAL")]
+    pub metrics_refresh_interval: Option<DurationSetting>,
+
     /// Log format: text or json. [default: text]
     #[arg(long, env = "OUTBOX_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -153,6 +163,9 @@ pub struct Config {
     pub maintenance: MaintenanceConfig,
     pub shutdown_grace: Duration,
     pub health_check_interval: Duration,
+    /// `None`: no metrics endpoint.
+    pub metrics_listen: Option<SocketAddr>,
+    pub metrics_refresh_interval: Duration,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -254,6 +267,21 @@ impl Config {
             },
             shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
             health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),
+            metrics_listen: match settings
+                .metrics_listen
+                .as_deref()
+                .unwrap_or(DEFAULT_METRICS_LISTEN)
+            {
+                "off" => None,
+                address => Some(address.parse().map_err(|error| ConfigError::Invalid {
+                    setting: "metrics_listen",
+                    message: format!("{address:?} is neither an address nor \"off\": {error}"),
+                })?),
+            },
+            metrics_refresh_interval: duration(
+                settings.metrics_refresh_interval,
+                Duration::from_secs(10),
+            ),
             log_format: settings.log_format.unwrap_or_default(),
             log_level: settings.log_level.unwrap_or_else(|| "info".to_owned()),
         };
@@ -300,6 +328,9 @@ impl Config {
         if maintenance.interval < Duration::from_millis(100) {
             return invalid("maintenance_interval", "must be at least 100ms");
         }
+        if self.metrics_refresh_interval < Duration::from_millis(100) {
+            return invalid("metrics_refresh_interval", "must be at least 100ms");
+        }
         if maintenance.batch_size == 0 {
             return invalid("retention_batch_size", "must be at least 1");
         }
@@ -343,6 +374,8 @@ impl Settings {
             retention,
             max_retention,
             retention_batch_size,
+            metrics_listen,
+            metrics_refresh_interval,
             log_format,
             log_level,
         )

@@ -15,6 +15,8 @@
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`api`]: thin gRPC adapters and the one error-to-status mapping.
+//! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
+//! - [`metrics`]: Prometheus metric names and the exporter.
 //! - [`cli`]: the binary's client subcommands (health checks, administration).
 //! - [`run`]: wires it all together and serves until shutdown.
 
@@ -25,10 +27,12 @@ pub mod delivery;
 pub mod domain;
 pub mod error;
 pub mod maintenance;
+pub mod metrics;
 pub mod operations;
 pub mod publish;
 pub mod storage;
 pub mod subscriptions;
+pub mod telemetry;
 
 use std::{future::Future, time::Duration};
 
@@ -89,6 +93,13 @@ pub async fn run(
     if config.migrate {
         store.migrate().await.map_err(RunError::Migrate)?;
     }
+    if let Some(listen) = config.metrics_listen {
+        match metrics::install(listen, config.metrics_refresh_interval * 3) {
+            Ok(()) => tracing::info!(%listen, "serving metrics at /metrics"),
+            // Only the first gateway of a process can own the recorder (tests run many).
+            Err(error) => tracing::warn!(%error, "metrics disabled"),
+        }
+    }
     let relay = Relay::start(store.clone(), config.delivery.clone());
     let publisher = Publisher::new(store.clone(), relay.clone(), config.limits.clone());
     let subscriptions = Subscriptions::new(store.clone(), relay.clone());
@@ -103,6 +114,13 @@ pub async fn run(
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
+    let figures = config.metrics_listen.map(|_| {
+        tokio::spawn(refresh_figures(
+            store.clone(),
+            operations.clone(),
+            config.metrics_refresh_interval,
+        ))
+    });
     let health_monitor = tokio::spawn(monitor_health(
         store.clone(),
         health_reporter.clone(),
@@ -122,6 +140,7 @@ pub async fn run(
     let stop_serving = tokio_util::sync::CancellationToken::new();
     let address = listener.local_addr().ok();
     let server = tonic::transport::Server::builder()
+        .layer(telemetry::RpcLayer)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -160,6 +179,9 @@ pub async fn run(
         }
     }
     health_monitor.abort();
+    if let Some(figures) = figures {
+        figures.abort();
+    }
     stop_maintenance.cancel();
     let _ = maintenance.await;
     store.close().await;
@@ -206,6 +228,25 @@ async fn monitor_health(store: Store, reporter: HealthReporter, interval: Durati
             set_health(&reporter, status).await;
             serving = Some(healthy);
         }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// Recomputes the per-subscription gauges and the pool gauges.
+async fn refresh_figures(store: Store, operations: Operations, interval: Duration) {
+    loop {
+        match operations.stats(None).await {
+            Ok((subscriptions, outbox)) => {
+                let now = chrono::Utc::now();
+                for stats in &subscriptions {
+                    metrics::subscription_figures(stats, now);
+                }
+                metrics::outbox_figures(&outbox);
+            }
+            Err(error) => tracing::debug!(%error, "could not refresh metrics"),
+        }
+        let (size, idle) = store.pool_usage();
+        metrics::pool(size, idle);
         tokio::time::sleep(interval).await;
     }
 }

@@ -5,11 +5,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use outbox_gateway::{
     Config, cli,
-    config::{LogFormat, Settings},
+    config::Settings,
     storage::{Store, StoreConfig},
+    telemetry::Telemetry,
 };
 use tokio::net::TcpListener;
-use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
 #[command(
@@ -48,18 +48,12 @@ async fn main() -> ExitCode {
     exit_with(result)
 }
 
-/// The layered configuration, with logging set up from it; exit code 2 when invalid.
+/// The layered configuration; exit code 2 when invalid.
 fn load_config(settings: Settings) -> Result<Config, ExitCode> {
-    match Config::load(settings) {
-        Ok(config) => {
-            init_logging(&config);
-            Ok(config)
-        }
-        Err(error) => {
-            eprintln!("outbox-gateway: {error}");
-            Err(ExitCode::from(2))
-        }
-    }
+    Config::load(settings).map_err(|error| {
+        eprintln!("outbox-gateway: {error}");
+        ExitCode::from(2)
+    })
 }
 
 fn exit_with(result: Result<(), String>) -> ExitCode {
@@ -73,15 +67,19 @@ fn exit_with(result: Result<(), String>) -> ExitCode {
 }
 
 async fn serve(config: Config) -> Result<(), String> {
+    let telemetry = Telemetry::init(config.log_format, &config.log_level)?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|error| format!("cannot listen on {}: {error}", config.listen))?;
-    outbox_gateway::run(config, listener, shutdown_signal())
+    let result = outbox_gateway::run(config, listener, shutdown_signal())
         .await
-        .map_err(|error| error.to_string())
+        .map_err(|error| error.to_string());
+    telemetry.shutdown();
+    result
 }
 
 async fn migrate(config: Config) -> Result<(), String> {
+    Telemetry::init(config.log_format, &config.log_level)?;
     let target = outbox_gateway::storage::describe_target(&config.database_url);
     let store = Store::connect(&StoreConfig {
         database_url: config.database_url.clone(),
@@ -113,16 +111,4 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = interrupt.await;
-}
-
-fn init_logging(config: &Config) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&config.log_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match config.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
 }

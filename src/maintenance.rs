@@ -65,10 +65,14 @@ pub async fn pass(
 ) -> Result<(), StoreError> {
     let mut reclaimed = 0;
     for subscription in store.subscriptions().await? {
-        reclaimed += store
+        let outcome = store
             .reclaim_expired_leases(&subscription)
             .await?
-            .unwrap_or(0);
+            .unwrap_or_default();
+        reclaimed += outcome.leases;
+        if outcome.dead_lettered > 0 {
+            crate::metrics::dead_lettered(subscription.name.as_str(), outcome.dead_lettered);
+        }
     }
     if reclaimed > 0 {
         tracing::info!(reclaimed, "reclaimed expired leases");

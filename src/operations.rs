@@ -10,6 +10,7 @@ use crate::{
         SubscriptionName, SubscriptionStats,
     },
     error::{Error, Result},
+    metrics,
     storage::{RequeueRefusal, Store},
 };
 
@@ -135,7 +136,11 @@ impl Operations {
                 .collect(),
         };
         match self.store.requeue_event(&targets, position).await? {
-            Ok(requeued) => {
+            Ok(requeued_on) => {
+                for name in &requeued_on {
+                    metrics::requeued(name.as_str(), 1);
+                }
+                let requeued = requeued_on.len() as u64;
                 self.wake_if(requeued);
                 Ok(requeued)
             }

@@ -20,7 +20,9 @@ use crate::{
     delivery::Relay,
     domain::{NewEvent, PublishLimits},
     error::{Error, Result},
+    metrics,
     storage::{Store, StoreError},
+    telemetry::TraceHeaders,
 };
 
 /// Committer tasks: one can fill its next group while another commits.
@@ -75,8 +77,14 @@ impl Publisher {
     }
 
     /// Stores the batch atomically: all of it, or nothing when any event is invalid or
-    /// conflicts with a stored event of the same id.
-    pub async fn publish(&self, mut events: Vec<NewEvent>) -> Result<Vec<Published>> {
+    /// conflicts with a stored event of the same id. The caller's trace context is
+    /// stored in the metadata of each event that does not carry one already, so the
+    /// consumer can continue the producer's trace.
+    pub async fn publish(
+        &self,
+        mut events: Vec<NewEvent>,
+        trace: &TraceHeaders,
+    ) -> Result<Vec<Published>> {
         self.validate(&events)?;
         for event in &mut events {
             event.id = Some(event.id.unwrap_or_else(Uuid::now_v7));
@@ -103,11 +111,29 @@ impl Publisher {
                 }
             }
         }
-        let unique: Vec<NewEvent> = events
+        let mut unique: Vec<NewEvent> = events
             .into_iter()
             .zip(&repeated)
             .filter(|(_, repeated)| !**repeated)
             .map(|(event, _)| event)
+            .collect();
+        if let Some(traceparent) = &trace.traceparent {
+            for event in &mut unique {
+                if !event.metadata.contains_key("traceparent") {
+                    event
+                        .metadata
+                        .insert("traceparent".into(), traceparent.clone());
+                    if let Some(tracestate) = trace.tracestate.as_ref().filter(|t| t.len() <= 512) {
+                        event
+                            .metadata
+                            .insert("tracestate".into(), tracestate.clone());
+                    }
+                }
+            }
+        }
+        let event_types: Vec<(Uuid, String)> = unique
+            .iter()
+            .map(|event| (event.id.expect("resolved"), event.event_type.clone()))
             .collect();
 
         let (reply, answer) = oneshot::channel();
@@ -120,6 +146,12 @@ impl Publisher {
                 Error::Overloaded("too many Publish calls are waiting; retry shortly".into())
             })?;
         let inserted = answer.await.map_err(|_| Error::ShuttingDown)??;
+        metrics::published(
+            event_types
+                .iter()
+                .filter(|(id, _)| inserted.contains(id))
+                .map(|(_, event_type)| event_type.as_str()),
+        );
         Ok(ids
             .iter()
             .zip(repeated)

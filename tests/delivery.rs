@@ -12,7 +12,8 @@ use common::*;
 use outbox_gateway::proto::{self, SubscribeRequest};
 use tonic::Code;
 
-const WAIT: Duration = Duration::from_secs(5);
+/// Generous: a busy machine or a long transaction elsewhere in the cluster slows delivery.
+const WAIT: Duration = Duration::from_secs(15);
 const QUIET: Duration = Duration::from_millis(400);
 
 async fn insert_directly(
@@ -171,6 +172,21 @@ async fn latest_start_skips_history_and_earliest_replays_it() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start(&database).await;
     publish(&gateway, vec![event("before", "order.created")]).await;
+    // LATEST starts at the read horizon: an event is "before" once every transaction
+    // older than it has ended (other tests share the cluster and may hold it back).
+    let pool = database.pool().await;
+    loop {
+        let settled: bool = sqlx::query_scalar(
+            "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint > max(xact_id) FROM outbox_events",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if settled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     create_subscription(
         &gateway,
         proto::Subscription {

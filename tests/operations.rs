@@ -10,7 +10,8 @@ use outbox_gateway::proto::{self, admin_client::AdminClient};
 use sqlx::PgPool;
 use tonic::{Code, transport::Channel};
 
-const WAIT: Duration = Duration::from_secs(5);
+/// Generous: a busy machine or a long transaction elsewhere in the cluster slows delivery.
+const WAIT: Duration = Duration::from_secs(15);
 const QUIET: Duration = Duration::from_millis(400);
 
 fn dead_letter_now(subscription: &str, ack_id: String) -> proto::NackRequest {

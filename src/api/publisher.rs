@@ -6,6 +6,7 @@ use super::convert;
 use crate::{
     proto::{self, publisher_server::Publisher as PublisherService},
     publish::Publisher,
+    telemetry::TraceHeaders,
 };
 
 pub struct PublisherApi {
@@ -25,6 +26,7 @@ impl PublisherService for PublisherApi {
         &self,
         request: Request<proto::PublishRequest>,
     ) -> Result<Response<proto::PublishResponse>, Status> {
+        let trace = TraceHeaders::from_metadata(request.metadata());
         let events = request
             .into_inner()
             .events
@@ -32,7 +34,7 @@ impl PublisherService for PublisherApi {
             .enumerate()
             .map(|(index, input)| convert::new_event(index, input))
             .collect::<Result<Vec<_>, _>>()?;
-        let results = self.publisher.publish(events).await?;
+        let results = self.publisher.publish(events, &trace).await?;
         Ok(Response::new(proto::PublishResponse {
             results: results
                 .into_iter()

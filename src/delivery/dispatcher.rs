@@ -19,7 +19,9 @@ use super::Relay;
 use crate::{
     domain::{AckId, Delivery, Subscription},
     error::Error,
+    metrics,
     storage::Store,
+    telemetry,
 };
 
 /// How long a full dispatcher waits for local acks before asking the database which of
@@ -70,10 +72,22 @@ struct StreamSlot {
     sender: mpsc::Sender<Result<Delivery, Error>>,
 }
 
+/// How deliveries were settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Settlement {
+    Acked,
+    /// Nacked; `retry_at` is unset when dead-lettered.
+    Nacked {
+        retry_at: Option<DateTime<Utc>>,
+    },
+}
+
 struct Lease {
     stream_id: u64,
     token: i64,
     deadline: DateTime<Utc>,
+    /// When the delivery was handed to its stream; for the deliver-to-ack latency.
+    leased_at: Instant,
 }
 
 impl Dispatcher {
@@ -128,18 +142,26 @@ impl Dispatcher {
     }
 
     /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry.
-    pub(super) fn settled(&self, acks: &[AckId], retry_at: Option<DateTime<Utc>>) {
+    pub(super) fn settled(&self, acks: &[AckId], settlement: Settlement) {
+        let name = self.subscription().name;
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
-            let holds_lease = state
+            let leased_at = state
                 .leases
                 .get(&ack.position)
-                .is_some_and(|lease| lease.token == ack.lease_token);
-            if holds_lease {
+                .filter(|lease| lease.token == ack.lease_token)
+                .map(|lease| lease.leased_at);
+            if let Some(leased_at) = leased_at {
+                if settlement == Settlement::Acked {
+                    metrics::deliver_to_ack(name.as_str(), leased_at.elapsed());
+                }
                 state.forget_lease(ack.position);
             }
         }
-        if let Some(retry_at) = retry_at {
+        if let Settlement::Nacked {
+            retry_at: Some(retry_at),
+        } = settlement
+        {
             state.retry_at = Some(state.retry_at.map_or(retry_at, |at| at.min(retry_at)));
         }
         state.last_settled = Some(Instant::now());
@@ -199,6 +221,7 @@ impl Dispatcher {
     /// Hands claimed deliveries to streams with room; returns the leases no stream could
     /// take.
     fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<(i64, i64)> {
+        self.observe(&deliveries);
         let mut state = self.state.lock().expect("dispatcher lock");
         let mut undelivered = Vec::new();
         'deliveries: for mut delivery in deliveries {
@@ -224,6 +247,7 @@ impl Dispatcher {
                                 stream_id,
                                 token,
                                 deadline,
+                                leased_at: Instant::now(),
                             },
                         );
                         state.round_robin = index + 1;
@@ -238,6 +262,39 @@ impl Dispatcher {
             undelivered.push((position, token));
         }
         undelivered
+    }
+}
+
+impl Dispatcher {
+    /// Counts deliveries and, when traces are exported, gives each a span linked to the
+    /// trace of the call that published its event.
+    fn observe(&self, deliveries: &[Delivery]) {
+        if deliveries.is_empty() {
+            return;
+        }
+        let name = self.subscription().name;
+        let now = Utc::now();
+        let redelivered = deliveries.iter().filter(|d| d.attempt > 1).count() as u64;
+        metrics::delivered(name.as_str(), deliveries.len() as u64, redelivered);
+        for delivery in deliveries.iter().filter(|d| d.attempt == 1) {
+            let waited = (now - delivery.event.created_at)
+                .to_std()
+                .unwrap_or_default();
+            metrics::commit_to_delivery(name.as_str(), waited);
+        }
+        if telemetry::exporting() {
+            for delivery in deliveries {
+                let span = tracing::info_span!(
+                    "deliver",
+                    otel.kind = "producer",
+                    subscription = %name,
+                    event_id = %delivery.event.id,
+                    event_type = %delivery.event.event_type,
+                    attempt = delivery.attempt,
+                );
+                telemetry::link_to_producer(&span, &delivery.event.metadata);
+            }
+        }
     }
 }
 
@@ -304,6 +361,10 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
                 Ok(Some(claim)) => {
                     claimed_full_batch = claim.deliveries.len() == limit;
+                    if claim.dead_lettered > 0 {
+                        let name = dispatcher.subscription().name;
+                        metrics::dead_lettered(name.as_str(), claim.dead_lettered);
+                    }
                     retry_delay = claim.held_back.then(|| {
                         retry_delay.map_or(HELD_BACK_FIRST_DELAY, |d| {
                             (d * 2).min(HELD_BACK_MAX_DELAY).min(config.poll_interval)
@@ -361,6 +422,9 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
             _ = dispatcher.changed.notified() => {}
             _ = tokio::time::sleep(sleep_for) => {
+                if sleep_for == config.poll_interval {
+                    metrics::wakeup("poll");
+                }
                 let mut state = dispatcher.state.lock().expect("dispatcher lock");
                 if state.retry_at.is_some_and(|at| at <= Utc::now()) {
                     state.retry_at = None;

@@ -21,11 +21,12 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 pub use dispatcher::DeliveryStream;
-use dispatcher::Dispatcher;
+use dispatcher::{Dispatcher, Settlement};
 
 use crate::{
     domain::{AckId, Subscription, SubscriptionName},
     error::{Error, Result},
+    metrics,
     storage::{NackOutcome, Store},
 };
 
@@ -105,6 +106,7 @@ impl Relay {
     /// Events were committed by this process: wake local dispatchers now and tell the
     /// other gateways with one coalesced notification.
     pub fn events_committed(&self) {
+        metrics::wakeup("publish");
         self.wake_all();
         self.inner.peer_notifier.request();
     }
@@ -165,8 +167,9 @@ impl Relay {
         let acked: std::collections::HashSet<i64> = acked.into_iter().collect();
         let (settled, stale): (Vec<AckId>, Vec<AckId>) =
             acks.iter().partition(|ack| acked.contains(&ack.position));
+        metrics::acked(name.as_str(), settled.len() as u64);
         if let Some(dispatcher) = self.dispatcher(subscription.id) {
-            dispatcher.settled(&settled, None);
+            dispatcher.settled(&settled, Settlement::Acked);
         }
         Ok(stale)
     }
@@ -191,8 +194,19 @@ impl Relay {
             .store
             .nack(&subscription, ack, reason, delay, dead_letter)
             .await?;
-        if let (Some(outcome), Some(dispatcher)) = (outcome, self.dispatcher(subscription.id)) {
-            dispatcher.settled(&[ack], outcome.retry_at);
+        if let Some(outcome) = outcome {
+            metrics::nacked(name.as_str());
+            if outcome.dead_lettered {
+                metrics::dead_lettered(name.as_str(), 1);
+            }
+            if let Some(dispatcher) = self.dispatcher(subscription.id) {
+                dispatcher.settled(
+                    &[ack],
+                    Settlement::Nacked {
+                        retry_at: outcome.retry_at,
+                    },
+                );
+            }
         }
         Ok(outcome)
     }

@@ -81,7 +81,10 @@ pub(super) fn spawn_listener(
                     _ = shutdown.cancelled() => return,
                 };
                 match received {
-                    Ok(_) => wake(),
+                    Ok(_) => {
+                        crate::metrics::wakeup("notify");
+                        wake();
+                    }
                     Err(error) => {
                         tracing::warn!(%error, "outbox notification connection lost");
                         break;

@@ -12,6 +12,8 @@ const MAX_IDENTIFIER_BYTES: usize = 255;
 /// Longest metadata key, in bytes; the database enforces the same bound.
 const MAX_METADATA_KEY_BYTES: usize = 128;
 pub const DEFAULT_CONTENT_TYPE: &str = "application/json";
+/// Metadata keys carrying W3C trace context from producer to consumer.
+pub const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
 
 /// Limits on what one Publish call may carry; configurable.
 #[derive(Debug, Clone)]
@@ -131,8 +133,16 @@ impl NewEvent {
     }
 
     /// True when `stored` is this event re-published: every field the producer gave is
-    /// equal.
+    /// equal. Trace-context metadata is not part of an event's identity: a retry usually
+    /// travels in a new trace.
     pub fn matches_stored(&self, stored: &Event) -> bool {
+        let identity = |metadata: &BTreeMap<String, String>| {
+            metadata
+                .iter()
+                .filter(|(key, _)| !TRACE_CONTEXT_KEYS.contains(&key.as_str()))
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect::<BTreeMap<_, _>>()
+        };
         self.id.is_none_or(|id| id == stored.id)
             && self.aggregate_type == stored.aggregate_type
             && self.aggregate_id == stored.aggregate_id
@@ -140,7 +150,7 @@ impl NewEvent {
             && self.event_type == stored.event_type
             && self.payload == stored.payload
             && self.content_type == stored.content_type
-            && self.metadata == stored.metadata
+            && identity(&self.metadata) == identity(&stored.metadata)
             && self
                 .occurred_at
                 .is_none_or(|occurred_at| occurred_at == stored.occurred_at)

@@ -10,7 +10,9 @@ mod subscription;
 
 pub use ack::AckId;
 pub use delivery::Delivery;
-pub use event::{DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, is_json_content_type};
+pub use event::{
+    DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, is_json_content_type,
+};
 pub use operations::{
     DeadLetter, DeadLetterSelection, OutboxStats, SubscriptionPatch, SubscriptionStats,
 };

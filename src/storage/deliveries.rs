@@ -27,6 +27,8 @@ pub struct Claim {
     /// Committed events are waiting above the read horizon because an older
     /// transaction is still open: claim again shortly.
     pub held_back: bool,
+    /// Expired leases that used their last attempt and went to the dead-letter queue.
+    pub dead_lettered: u64,
     /// The subscription's settings as of this claim.
     pub settings: SubscriptionSettings,
 }
@@ -68,11 +70,15 @@ impl Store {
             .await?;
         let mut deliveries = Vec::with_capacity(due_rows.len());
         let mut freed_keys = Vec::new();
+        let mut dead_lettered = 0;
         for row in &due_rows {
             let state: &str = row.try_get("state")?;
             if state == "in_flight" {
                 deliveries.push(delivery_from_row(row, lease_token)?);
-            } else if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                continue;
+            }
+            dead_lettered += 1;
+            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
                 freed_keys.push(key);
             }
         }
@@ -119,6 +125,7 @@ impl Store {
         Ok(Some(Claim {
             deliveries,
             held_back,
+            dead_lettered,
             settings: subscription.settings,
         }))
     }

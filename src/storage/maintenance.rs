@@ -17,6 +17,14 @@ use crate::domain::Subscription;
 const MAINTENANCE_LOCK_CLASS: i32 = 0x6f62_7802;
 const RETENTION_LOCK: i32 = 1;
 
+/// What reclaiming a subscription's expired leases did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reclaimed {
+    pub leases: u64,
+    /// Of those, leases that had used their last attempt.
+    pub dead_lettered: u64,
+}
+
 /// What one force-expiry batch removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForceExpired {
@@ -28,7 +36,10 @@ pub struct ForceExpired {
 impl Store {
     /// Turns the subscription's expired leases into retries (or dead letters); `None`
     /// when a claim holds the subscription right now (the claim re-leases them itself).
-    pub async fn reclaim_expired_leases(&self, subscription: &Subscription) -> Result<Option<u64>> {
+    pub async fn reclaim_expired_leases(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Option<Reclaimed>> {
         let mut transaction = self.pool.begin().await?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2::int)")
             .bind(SUBSCRIPTION_LOCK_CLASS)
@@ -46,15 +57,22 @@ impl Store {
             .fetch_all(&mut *transaction)
             .await?;
         let mut freed_keys = Vec::new();
+        let mut dead_lettered = 0;
         for row in &rows {
             let state: &str = row.try_get("state")?;
-            if let (Some(key), "dead") = (row.try_get::<Option<i64>, _>("ordering_key")?, state) {
-                freed_keys.push(key);
+            if state == "dead" {
+                dead_lettered += 1;
+                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                    freed_keys.push(key);
+                }
             }
         }
         promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
         transaction.commit().await?;
-        Ok(Some(rows.len() as u64))
+        Ok(Some(Reclaimed {
+            leases: rows.len() as u64,
+            dead_lettered,
+        }))
     }
 
     /// Deletes one batch of events past retention that no subscription needs; `None`

@@ -34,7 +34,7 @@ use sqlx::{
 
 pub use deliveries::{Claim, NackOutcome};
 pub use events::PublishTransaction;
-pub use maintenance::ForceExpired;
+pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;
 
 /// Result alias of the storage layer.
@@ -161,6 +161,11 @@ impl Store {
     pub async fn ping(&self) -> Result<()> {
         self.pool.execute("SELECT 1").await?;
         Ok(())
+    }
+
+    /// Connections open and, of those, idle.
+    pub fn pool_usage(&self) -> (u32, usize) {
+        (self.pool.size(), self.pool.num_idle())
     }
 
     pub async fn close(&self) {

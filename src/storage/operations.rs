@@ -64,15 +64,15 @@ impl Store {
     }
 
     /// Makes one event deliverable again, attempts reset, on each given subscription
-    /// that has already handed it out. All or nothing: refused when the event is in
-    /// flight on any of them.
-    pub async fn requeue_event(
+    /// that has already handed it out; returns the subscriptions where it was requeued.
+    /// All or nothing: refused when the event is in flight on any of them.
+    pub async fn requeue_event<'a>(
         &self,
-        subscriptions: &[Subscription],
+        subscriptions: &'a [Subscription],
         position: i64,
-    ) -> Result<Result<u64, RequeueRefusal>> {
+    ) -> Result<Result<Vec<&'a SubscriptionName>, RequeueRefusal>> {
         let mut transaction = self.pool.begin().await?;
-        let mut requeued = 0;
+        let mut requeued = Vec::new();
         for subscription in subscriptions {
             lock_subscription(&mut transaction, subscription.id, LockMode::Exclusive).await?;
             let in_flight: bool = sqlx::query_scalar(
@@ -94,8 +94,10 @@ impl Store {
             else {
                 continue;
             };
-            if handed_out(&mut transaction, cursor, position).await? {
-                requeued += requeue_positions(&mut transaction, subscription, &[position]).await?;
+            if handed_out(&mut transaction, cursor, position).await?
+                && requeue_positions(&mut transaction, subscription, &[position]).await? > 0
+            {
+                requeued.push(&subscription.name);
             }
         }
         transaction.commit().await?;

@@ -88,6 +88,8 @@ pub fn test_config(database_url: String) -> Config {
         health_check_interval: Duration::from_millis(100),
         shutdown_grace: Duration::from_secs(2),
         db_acquire_timeout: Duration::from_secs(2),
+        // The metrics recorder is process-wide: in-process gateways go without.
+        metrics_listen: None,
         ..Config::default()
     };
     config.delivery.poll_interval = Duration::from_secs(5);

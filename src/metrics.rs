@@ -1,0 +1,138 @@
+//! Prometheus metrics: names, labels and the exporter. Label values stay bounded —
+//! subscription names, RPC methods, status codes and at most `MAX_EVENT_TYPE_LABELS`
+//! event types; never an event or aggregate id. Without an installed exporter every
+//! call here is a no-op.
+
+use std::{
+    collections::HashSet,
+    net::SocketAddr,
+    sync::{LazyLock, Mutex},
+    time::Duration,
+};
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_util::MetricKindMask;
+
+use crate::{domain::OutboxStats, domain::SubscriptionStats};
+
+/// Distinct event types given their own label; later ones count as "other".
+const MAX_EVENT_TYPE_LABELS: usize = 256;
+/// Latency buckets, in seconds.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Serves `/metrics` on `listen`. Gauges not refreshed for `stale_after` disappear (a
+/// deleted subscription's figures, for instance).
+pub fn install(listen: SocketAddr, stale_after: Duration) -> Result<(), String> {
+    PrometheusBuilder::new()
+        .with_http_listener(listen)
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+        .and_then(|builder| {
+            builder
+                .idle_timeout(MetricKindMask::GAUGE, Some(stale_after))
+                .install()
+        })
+        .map_err(|error| format!("cannot serve metrics on {listen}: {error}"))
+}
+
+pub fn rpc_finished(method: &str, code: tonic::Code, elapsed: Duration) {
+    let method = method.to_owned();
+    counter!("outbox_rpc_requests_total", "method" => method.clone(), "code" => format!("{code:?}"))
+        .increment(1);
+    histogram!("outbox_rpc_duration_seconds", "method" => method).record(elapsed.as_secs_f64());
+}
+
+static EVENT_TYPES: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
+
+fn event_type_label(event_type: &str) -> String {
+    let mut known = EVENT_TYPES.lock().expect("event type labels");
+    if known.contains(event_type) {
+        return event_type.to_owned();
+    }
+    if known.len() < MAX_EVENT_TYPE_LABELS {
+        known.insert(event_type.to_owned());
+        return event_type.to_owned();
+    }
+    "other".to_owned()
+}
+
+/// Newly stored events (duplicates not counted).
+pub fn published<'a>(event_types: impl Iterator<Item = &'a str>) {
+    for event_type in event_types {
+        counter!("outbox_events_published_total", "event_type" => event_type_label(event_type))
+            .increment(1);
+    }
+}
+
+/// Deliveries handed to streams; `redelivered` of them were not first attempts.
+pub fn delivered(subscription: &str, delivered: u64, redelivered: u64) {
+    counter!("outbox_deliveries_total", "subscription" => subscription.to_owned())
+        .increment(delivered);
+    if redelivered > 0 {
+        counter!("outbox_redeliveries_total", "subscription" => subscription.to_owned())
+            .increment(redelivered);
+    }
+}
+
+/// Time from an event's creation to its first delivery.
+pub fn commit_to_delivery(subscription: &str, elapsed: Duration) {
+    histogram!("outbox_commit_to_delivery_seconds", "subscription" => subscription.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
+pub fn acked(subscription: &str, acks: u64) {
+    counter!("outbox_acks_total", "subscription" => subscription.to_owned()).increment(acks);
+}
+
+/// Time from handing a delivery to a stream to its ack (acks reaching this process).
+pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
+    histogram!("outbox_deliver_to_ack_seconds", "subscription" => subscription.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
+pub fn nacked(subscription: &str) {
+    counter!("outbox_nacks_total", "subscription" => subscription.to_owned()).increment(1);
+}
+
+pub fn dead_lettered(subscription: &str, count: u64) {
+    counter!("outbox_dead_letters_total", "subscription" => subscription.to_owned())
+        .increment(count);
+}
+
+pub fn requeued(subscription: &str, count: u64) {
+    counter!("outbox_requeued_total", "subscription" => subscription.to_owned()).increment(count);
+}
+
+/// Why the relay looked for work: `publish` (this process), `notify` (LISTEN) or `poll`.
+pub fn wakeup(cause: &'static str) {
+    counter!("outbox_relay_wakeups_total", "cause" => cause).increment(1);
+}
+
+pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
+    let name = stats.name.as_str().to_owned();
+    gauge!("outbox_subscription_backlog", "subscription" => name.clone()).set(stats.pending as f64);
+    gauge!("outbox_subscription_in_flight", "subscription" => name.clone())
+        .set(stats.in_flight as f64);
+    gauge!("outbox_subscription_awaiting_retry", "subscription" => name.clone())
+        .set(stats.awaiting_retry as f64);
+    gauge!("outbox_subscription_dead_letters", "subscription" => name.clone())
+        .set(stats.dead_lettered as f64);
+    let age = stats
+        .oldest_unacked_at
+        .map_or(0.0, |at| (now - at).num_milliseconds().max(0) as f64 / 1e3);
+    gauge!("outbox_subscription_oldest_unacked_age_seconds", "subscription" => name).set(age);
+}
+
+pub fn outbox_figures(stats: &OutboxStats) {
+    gauge!("outbox_events_stored").set(stats.events_stored as f64);
+    gauge!("outbox_oldest_open_transaction_age_seconds")
+        .set(stats.oldest_open_transaction_age.as_secs_f64());
+}
+
+pub fn pool(size: u32, idle: usize) {
+    gauge!("outbox_db_pool_connections", "state" => "idle").set(idle as f64);
+    gauge!("outbox_db_pool_connections", "state" => "in_use")
+        .set(size.saturating_sub(idle as u32) as f64);
+}
