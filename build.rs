@@ -7,6 +7,8 @@ use prost::Message;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = ["outbox/v1/outbox.proto"];
     println!("cargo:rerun-if-changed=proto");
+    // sqlx::migrate! embeds migrations/ at compile time; new files must trigger a rebuild.
+    println!("cargo:rerun-if-changed=migrations");
 
     let descriptors = protox::compile(protos, ["proto"])?;
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);

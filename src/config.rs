@@ -7,7 +7,10 @@ use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
 use serde::Deserialize;
 
-use crate::{delivery::DeliveryConfig, domain::PublishLimits, maintenance::MaintenanceConfig};
+use crate::{
+    auth::TokenConfig, delivery::DeliveryConfig, domain::PublishLimits,
+    maintenance::MaintenanceConfig,
+};
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
@@ -31,6 +34,43 @@ pub struct Settings {
     /// Address the gRPC server listens on. [default: 127.0.0.1:50051]
     #[arg(long, env = "OUTBOX_LISTEN")]
     pub listen: Option<SocketAddr>,
+
+    /// Bearer tokens and their roles; configuration file only (`[[tokens]]` tables).
+    #[arg(skip)]
+    pub tokens: Option<Vec<TokenConfig>>,
+
+    /// Allow listening beyond loopback with no tokens configured: anyone who can reach
+    /// the port may publish, read and administer.
+    #[arg(long, env = "OUTBOX_INSECURE_NO_AUTH", num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_no_auth: Option<bool>,
+
+    /// PEM certificate chain for TLS; with --tls-key, the server speaks only TLS.
+    #[arg(long, env = "OUTBOX_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "OUTBOX_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "OUTBOX_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Largest gRPC message accepted, in bytes. [default: 16777216]
+    #[arg(long, env = "OUTBOX_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
+
+    /// Most concurrent calls (HTTP/2 streams) on one client connection. [default: 256]
+    #[arg(long, env = "OUTBOX_MAX_CONCURRENT_STREAMS")]
+    pub max_concurrent_streams: Option<u32>,
+
+    /// Most Subscribe streams open at once in this gateway. [default: 10000]
+    #[arg(long, env = "OUTBOX_MAX_SUBSCRIBE_STREAMS")]
+    pub max_subscribe_streams: Option<usize>,
+
+    /// Longest a unary call may take before DEADLINE_EXCEEDED. [default: 30s]
+    #[arg(long, env = "OUTBOX_RPC_TIMEOUT")]
+    pub rpc_timeout: Option<DurationSetting>,
 
     /// Do not apply pending schema migrations at start.
     #[arg(long, env = "OUTBOX_NO_MIGRATE", num_args = 0..=1, default_missing_value = "true")]
@@ -150,11 +190,26 @@ impl<'de> Deserialize<'de> for DurationSetting {
     }
 }
 
+/// Certificate, key and optional client CA, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
 /// The validated configuration `run` needs.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub database_url: String,
     pub listen: SocketAddr,
+    /// Empty: authentication is off (only allowed on loopback or when insecure).
+    pub tokens: Vec<TokenConfig>,
+    pub insecure_no_auth: bool,
+    pub tls: Option<TlsFiles>,
+    pub max_message_bytes: usize,
+    pub max_concurrent_streams: u32,
+    pub rpc_timeout: Duration,
     pub migrate: bool,
     pub db_max_connections: u32,
     pub db_acquire_timeout: Duration,
@@ -227,6 +282,25 @@ impl Config {
             listen: settings
                 .listen
                 .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            tokens: settings.tokens.unwrap_or_default(),
+            insecure_no_auth: settings.insecure_no_auth.unwrap_or(false),
+            tls: match (settings.tls_cert, settings.tls_key) {
+                (Some(cert), Some(key)) => Some(TlsFiles {
+                    cert,
+                    key,
+                    client_ca: settings.tls_client_ca,
+                }),
+                (None, None) if settings.tls_client_ca.is_none() => None,
+                _ => {
+                    return Err(ConfigError::Invalid {
+                        setting: "tls_cert",
+                        message: "TLS needs both --tls-cert and --tls-key (and they are required by --tls-client-ca)".into(),
+                    });
+                }
+            },
+            max_message_bytes: settings.max_message_bytes.unwrap_or(16 * 1024 * 1024),
+            max_concurrent_streams: settings.max_concurrent_streams.unwrap_or(256),
+            rpc_timeout: duration(settings.rpc_timeout, Duration::from_secs(30)),
             migrate: !settings.no_migrate.unwrap_or(false),
             db_max_connections: settings.db_max_connections.unwrap_or(10),
             db_acquire_timeout: duration(settings.db_acquire_timeout, Duration::from_secs(5)),
@@ -255,6 +329,9 @@ impl Config {
                 claim_batch_size: settings
                     .claim_batch_size
                     .unwrap_or(delivery_defaults.claim_batch_size),
+                max_streams: settings
+                    .max_subscribe_streams
+                    .unwrap_or(delivery_defaults.max_streams),
             },
             maintenance: MaintenanceConfig {
                 enabled: !settings.no_maintenance.unwrap_or(false),
@@ -296,6 +373,27 @@ impl Config {
                 message: message.to_owned(),
             })
         };
+        if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure_no_auth {
+            return Err(ConfigError::Invalid {
+                setting: "listen",
+                message: format!(
+                    "listening on {} without authentication would let anyone who reaches it publish, read and administer: configure [[tokens]] in the configuration file, listen on a loopback address, or pass --insecure-no-auth",
+                    self.listen
+                ),
+            });
+        }
+        if let Err(message) = crate::auth::Authenticator::new(&self.tokens) {
+            return Err(ConfigError::Invalid {
+                setting: "tokens",
+                message,
+            });
+        }
+        if self.max_message_bytes < 64 * 1024 {
+            return invalid("max_message_bytes", "must be at least 65536");
+        }
+        if self.max_concurrent_streams == 0 {
+            return invalid("max_concurrent_streams", "must be at least 1");
+        }
         if self.db_max_connections < 2 {
             // One connection is held by the NOTIFY listener.
             return invalid("db_max_connections", "must be at least 2");
@@ -356,6 +454,15 @@ impl Settings {
             config,
             database_url,
             listen,
+            tokens,
+            insecure_no_auth,
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            max_message_bytes,
+            max_concurrent_streams,
+            max_subscribe_streams,
+            rpc_timeout,
             no_migrate,
             db_max_connections,
             db_acquire_timeout,

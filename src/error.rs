@@ -17,6 +17,12 @@ pub enum Error {
     AlreadyExists(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// No valid credentials.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// Valid credentials that do not allow this call.
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The database cannot be reached; the client may retry.
     #[error("database unavailable")]
     Unavailable(#[source] StoreError),

@@ -14,13 +14,15 @@
 //! - [`maintenance`]: lease reclaim and retention on a timer.
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
-//! - [`api`]: thin gRPC adapters and the one error-to-status mapping.
+//! - [`auth`]: bearer tokens, roles and their scopes.
+//! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
 //! - [`cli`]: the binary's client subcommands (health checks, administration).
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod delivery;
@@ -78,6 +80,10 @@ pub enum RunError {
     Migrate(#[source] StoreError),
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("cannot set up TLS: {0}")]
+    Tls(String),
+    #[error("invalid tokens: {0}")]
+    Tokens(String),
 }
 
 /// Connects to the database (migrating it unless configured not to) and serves gRPC
@@ -139,21 +145,43 @@ pub async fn run(
 
     let stop_serving = tokio_util::sync::CancellationToken::new();
     let address = listener.local_addr().ok();
-    let server = tonic::transport::Server::builder()
-        .layer(telemetry::RpcLayer)
+    let authenticator = (!config.tokens.is_empty())
+        .then(|| auth::Authenticator::new(&config.tokens))
+        .transpose()
+        .map_err(RunError::Tokens)?;
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(config.max_concurrent_streams)
+        .timeout(config.rpc_timeout);
+    if let Some(tls) = &config.tls {
+        builder = builder
+            .tls_config(tls_config(tls).await?)
+            .map_err(|error| RunError::Tls(error.to_string()))?;
+    }
+    let max_message = config.max_message_bytes;
+    let server = builder
+        .layer(
+            tower::ServiceBuilder::new()
+                .layer(telemetry::RpcLayer)
+                .layer(api::MessageLimitLayer {
+                    max_message_bytes: max_message,
+                })
+                .layer(api::AuthLayer::new(authenticator)),
+        )
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(proto::publisher_server::PublisherServer::new(
-            PublisherApi::new(publisher),
-        ))
-        .add_service(proto::subscriber_server::SubscriberServer::new(
-            SubscriberApi::new(relay.clone()),
-        ))
-        .add_service(proto::admin_server::AdminServer::new(AdminApi::new(
-            subscriptions,
-            operations,
-        )))
+        .add_service(
+            proto::publisher_server::PublisherServer::new(PublisherApi::new(publisher))
+                .max_decoding_message_size(max_message),
+        )
+        .add_service(
+            proto::subscriber_server::SubscriberServer::new(SubscriberApi::new(relay.clone()))
+                .max_decoding_message_size(max_message),
+        )
+        .add_service(
+            proto::admin_server::AdminServer::new(AdminApi::new(subscriptions, operations))
+                .max_decoding_message_size(max_message),
+        )
         .serve_with_incoming_shutdown(
             TcpListenerStream::new(listener),
             stop_serving.clone().cancelled_owned(),
@@ -187,6 +215,27 @@ pub async fn run(
     store.close().await;
     tracing::info!("stopped");
     Ok(())
+}
+
+async fn tls_config(
+    files: &config::TlsFiles,
+) -> Result<tonic::transport::ServerTlsConfig, RunError> {
+    let read = |path: std::path::PathBuf| async move {
+        tokio::fs::read(&path)
+            .await
+            .map_err(|error| RunError::Tls(format!("cannot read {}: {error}", path.display())))
+    };
+    let identity = tonic::transport::Identity::from_pem(
+        read(files.cert.clone()).await?,
+        read(files.key.clone()).await?,
+    );
+    let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+    if let Some(client_ca) = &files.client_ca {
+        tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(
+            read(client_ca.clone()).await?,
+        ));
+    }
+    Ok(tls)
 }
 
 async fn connect(config: &Config) -> Result<Store, RunError> {

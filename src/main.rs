@@ -30,6 +30,9 @@ enum Command {
     Migrate(Settings),
     #[command(flatten)]
     Client(cli::ClientCommand),
+    /// Create or hash bearer tokens for the configuration file.
+    #[command(subcommand)]
+    Token(cli::TokenCommand),
 }
 
 #[tokio::main]
@@ -44,6 +47,7 @@ async fn main() -> ExitCode {
             Err(code) => return code,
         },
         Command::Client(command) => cli::run(command).await,
+        Command::Token(command) => cli::token(command),
     };
     exit_with(result)
 }

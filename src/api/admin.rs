@@ -2,7 +2,7 @@
 
 use tonic::{Request, Response, Status};
 
-use super::convert;
+use super::{auth, convert};
 use crate::{
     domain::DeadLetterSelection,
     operations::{Operations, PageToken},
@@ -31,6 +31,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::CreateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let (name, settings, start) = convert::new_subscription(request.into_inner().subscription)?;
         let subscription = self.subscriptions.create(name, settings, start).await?;
         Ok(Response::new(convert::subscription(subscription)))
@@ -41,6 +42,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         let subscription = self.subscriptions.get(&name).await?;
         Ok(Response::new(convert::subscription(subscription)))
@@ -49,8 +51,9 @@ impl AdminService for AdminApi {
     #[tracing::instrument(skip_all)]
     async fn list_subscriptions(
         &self,
-        _request: Request<proto::ListSubscriptionsRequest>,
+        request: Request<proto::ListSubscriptionsRequest>,
     ) -> Result<Response<proto::ListSubscriptionsResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let subscriptions = self.subscriptions.list().await?;
         Ok(Response::new(proto::ListSubscriptionsResponse {
             subscriptions: subscriptions
@@ -65,6 +68,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::DeleteSubscriptionRequest>,
     ) -> Result<Response<proto::DeleteSubscriptionResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         self.subscriptions.delete(&name).await?;
         Ok(Response::new(proto::DeleteSubscriptionResponse {}))
@@ -75,6 +79,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::UpdateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
         let subscription = self.subscriptions.update(&name, patch).await?;
@@ -86,6 +91,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::SeekSubscriptionRequest>,
     ) -> Result<Response<proto::SeekSubscriptionResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let to = request
@@ -101,6 +107,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueEventRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let id = convert::event_id("id", &request.id)?;
         let subscription =
@@ -117,6 +124,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueLatestRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let subscription =
             convert::optional_subscription_name("subscription", &request.subscription)?;
@@ -137,6 +145,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListDeadLettersRequest>,
     ) -> Result<Response<proto::ListDeadLettersResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let event_types = convert::event_type_patterns("event_types", &request.event_types)?;
@@ -172,6 +181,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueDeadLettersRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let ids = request
@@ -200,6 +210,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ResolveDeadLetterRequest>,
     ) -> Result<Response<proto::DeadLetter>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let id = convert::event_id("id", &request.id)?;
@@ -215,6 +226,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetStatsRequest>,
     ) -> Result<Response<proto::Stats>, Status> {
+        auth::principal(&request)?.check_admin()?;
         let name = convert::optional_subscription_name(
             "subscription",
             &request.into_inner().subscription,

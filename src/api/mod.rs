@@ -3,11 +3,15 @@
 //! ([`status_from`]); internal details are logged, never sent to clients.
 
 mod admin;
+mod auth;
 mod convert;
+mod limits;
 mod publisher;
 mod subscriber;
 
 pub use admin::AdminApi;
+pub use auth::AuthLayer;
+pub use limits::MessageLimitLayer;
 pub use publisher::PublisherApi;
 pub use subscriber::SubscriberApi;
 
@@ -25,6 +29,8 @@ pub(crate) fn status_from(error: Error) -> Status {
         Error::NotFound(message) => Status::not_found(message),
         Error::AlreadyExists(message) => Status::already_exists(message),
         Error::FailedPrecondition(message) => Status::failed_precondition(message),
+        Error::Unauthenticated(message) => Status::unauthenticated(message),
+        Error::PermissionDenied(message) => Status::permission_denied(message),
         Error::Unavailable(source) => {
             tracing::warn!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")

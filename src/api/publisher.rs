@@ -2,7 +2,7 @@
 
 use tonic::{Request, Response, Status};
 
-use super::convert;
+use super::{auth, convert};
 use crate::{
     proto::{self, publisher_server::Publisher as PublisherService},
     publish::Publisher,
@@ -26,6 +26,7 @@ impl PublisherService for PublisherApi {
         &self,
         request: Request<proto::PublishRequest>,
     ) -> Result<Response<proto::PublishResponse>, Status> {
+        let principal = auth::principal(&request)?.clone();
         let trace = TraceHeaders::from_metadata(request.metadata());
         let events = request
             .into_inner()
@@ -34,6 +35,7 @@ impl PublisherService for PublisherApi {
             .enumerate()
             .map(|(index, input)| convert::new_event(index, input))
             .collect::<Result<Vec<_>, _>>()?;
+        principal.check_publish(&events)?;
         let results = self.publisher.publish(events, &trace).await?;
         Ok(Response::new(proto::PublishResponse {
             results: results

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use super::convert;
+use super::{auth, convert};
 use crate::{
     delivery::{MAX_EXTENSION, Relay},
     domain::MIN_ACK_DEADLINE,
@@ -39,8 +39,10 @@ impl SubscriberService for SubscriberApi {
         &self,
         request: Request<proto::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
+        principal.check_subscription(&name)?;
         let stream = self.relay.subscribe(&name, request.max_in_flight).await?;
         let stream = stream.map(|item| item.map(convert::delivery).map_err(Status::from));
         Ok(Response::new(Box::pin(stream)))
@@ -51,8 +53,10 @@ impl SubscriberService for SubscriberApi {
         &self,
         request: Request<proto::AckRequest>,
     ) -> Result<Response<proto::AckResponse>, Status> {
+        let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
+        principal.check_subscription(&name)?;
         check_count(&request.ack_ids)?;
         let acks = convert::ack_ids("ack_ids", &request.ack_ids)?;
         let stale = self.relay.ack(&name, &acks).await?;
@@ -66,8 +70,10 @@ impl SubscriberService for SubscriberApi {
         &self,
         request: Request<proto::NackRequest>,
     ) -> Result<Response<proto::NackResponse>, Status> {
+        let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
+        principal.check_subscription(&name)?;
         let ack = convert::ack_id("ack_id", &request.ack_id)?;
         if request.reason.len() > MAX_REASON_BYTES {
             return Err(Error::invalid(
@@ -104,8 +110,10 @@ impl SubscriberService for SubscriberApi {
         &self,
         request: Request<proto::ExtendAckDeadlineRequest>,
     ) -> Result<Response<proto::ExtendAckDeadlineResponse>, Status> {
+        let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
+        principal.check_subscription(&name)?;
         check_count(&request.ack_ids)?;
         let acks = convert::ack_ids("ack_ids", &request.ack_ids)?;
         let extension = convert::optional_duration("extension", request.extension)?

@@ -9,7 +9,9 @@ use std::{collections::HashMap, io::BufRead, time::Duration};
 use serde_json::{Value, json};
 use tonic::{
     Code, Status,
-    transport::{Channel, Endpoint},
+    metadata::MetadataValue,
+    service::{Interceptor, interceptor::InterceptedService},
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
 };
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -37,25 +39,81 @@ pub struct Target {
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Bearer token for a gateway that requires authentication.
+    #[arg(long, env = "OUTBOX_TOKEN", global = true, hide_env_values = true)]
+    pub token: Option<String>,
+    /// PEM CA certificate that signed the gateway's certificate (TLS).
+    #[arg(long, env = "OUTBOX_CA", global = true)]
+    pub ca: Option<std::path::PathBuf>,
+    /// PEM client certificate, for gateways that require mutual TLS.
+    #[arg(long, env = "OUTBOX_CERT", global = true, requires = "key")]
+    pub cert: Option<std::path::PathBuf>,
+    /// PEM private key of --cert.
+    #[arg(long, env = "OUTBOX_KEY", global = true, requires = "cert")]
+    pub key: Option<std::path::PathBuf>,
+}
+
+/// A channel that sends the bearer token, if any, with every call.
+pub type AuthChannel = InterceptedService<Channel, BearerToken>;
+
+#[derive(Debug, Clone)]
+pub struct BearerToken(Option<MetadataValue<tonic::metadata::Ascii>>);
+
+impl Interceptor for BearerToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(token) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
 }
 
 impl Target {
-    async fn channel(&self, per_call_timeout: bool) -> Result<Channel, String> {
-        let endpoint = Endpoint::from_shared(self.endpoint.clone())
+    async fn channel(&self, per_call_timeout: bool) -> Result<AuthChannel, String> {
+        let mut endpoint = Endpoint::from_shared(self.endpoint.clone())
             .map_err(|error| format!("invalid --endpoint {:?}: {error}", self.endpoint))?
             .connect_timeout(self.timeout);
-        let endpoint = if per_call_timeout {
-            endpoint.timeout(self.timeout)
-        } else {
-            endpoint
-        };
-        endpoint
+        if per_call_timeout {
+            endpoint = endpoint.timeout(self.timeout);
+        }
+        if self.ca.is_some() || self.cert.is_some() || self.endpoint.starts_with("https://") {
+            endpoint = endpoint
+                .tls_config(self.tls()?)
+                .map_err(|error| format!("invalid TLS settings: {error}"))?;
+        }
+        let token = self
+            .token
+            .as_ref()
+            .map(|token| {
+                format!("Bearer {token}")
+                    .parse()
+                    .map_err(|_| "--token must be printable ASCII".to_owned())
+            })
+            .transpose()?;
+        let channel = endpoint
             .connect()
             .await
-            .map_err(|error| format!("cannot reach the gateway at {}: {error}", self.endpoint))
+            .map_err(|error| format!("cannot reach the gateway at {}: {error}", self.endpoint))?;
+        Ok(InterceptedService::new(channel, BearerToken(token)))
     }
 
-    async fn admin(&self) -> Result<AdminClient<Channel>, String> {
+    fn tls(&self) -> Result<ClientTlsConfig, String> {
+        let read = |path: &std::path::Path| {
+            std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
+        };
+        let mut tls = ClientTlsConfig::new();
+        if let Some(ca) = &self.ca {
+            tls = tls.ca_certificate(Certificate::from_pem(read(ca)?));
+        }
+        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        Ok(tls)
+    }
+
+    async fn admin(&self) -> Result<AdminClient<AuthChannel>, String> {
         Ok(AdminClient::new(self.channel(true).await?))
     }
 
@@ -821,7 +879,7 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
 }
 
 async fn stream_deliveries(
-    channel: Channel,
+    channel: AuthChannel,
     subscription: &str,
     max_in_flight: u32,
     ack: bool,
@@ -877,4 +935,44 @@ pub async fn health(target: &Target) -> Result<(), String> {
         Ok(status) => Err(format!("the gateway reports {}", status.as_str_name())),
         Err(_) => Err("the gateway sent an unknown health status".into()),
     }
+}
+
+/// Token management, offline.
+#[derive(Debug, clap::Subcommand)]
+pub enum TokenCommand {
+    /// Print a new random token and the SHA-256 to put in the configuration file.
+    Generate {
+        /// Name of the token holder, for the printed configuration snippet.
+        #[arg(long, default_value = "my-service")]
+        name: String,
+    },
+    /// Print the SHA-256 of a token read from standard input.
+    Hash,
+}
+
+pub fn token(command: TokenCommand) -> Result<(), String> {
+    match command {
+        TokenCommand::Generate { name } => {
+            let token: String = (0..32)
+                .map(|_| format!("{:02x}", rand::random::<u8>()))
+                .collect();
+            println!("token:  {token}");
+            println!();
+            println!("[[tokens]]");
+            println!("name = {name:?}");
+            println!("sha256 = \"{}\"", crate::auth::token_digest(&token));
+            println!("roles = [\"publisher\", \"subscriber\"]");
+        }
+        TokenCommand::Hash => {
+            let mut token = String::new();
+            std::io::stdin()
+                .read_line(&mut token)
+                .map_err(|error| format!("cannot read standard input: {error}"))?;
+            println!(
+                "{}",
+                crate::auth::token_digest(token.trim_end_matches(['\r', '\n']))
+            );
+        }
+    }
+    Ok(())
 }

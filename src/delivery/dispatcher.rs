@@ -11,7 +11,7 @@ use std::{
 };
 
 use chrono::{DateTime, Utc};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 use tokio_stream::Stream;
 use tokio_util::task::TaskTracker;
 
@@ -116,11 +116,16 @@ impl Dispatcher {
         self.subscription.lock().expect("subscription lock").clone()
     }
 
-    /// Adds a stream; `None` when this dispatcher is already stopping.
-    pub(super) fn attach(self: &Arc<Self>, max_in_flight: usize) -> Option<DeliveryStream> {
+    /// Adds a stream holding `permit`; gives the permit back when this dispatcher is
+    /// already stopping.
+    pub(super) fn attach(
+        self: &Arc<Self>,
+        max_in_flight: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<DeliveryStream, OwnedSemaphorePermit> {
         let mut state = self.state.lock().expect("dispatcher lock");
         if state.closed {
-            return None;
+            return Err(permit);
         }
         // The channel never fills: a stream is only sent what its room allows.
         let (sender, receiver) = mpsc::channel(max_in_flight);
@@ -134,10 +139,11 @@ impl Dispatcher {
         });
         drop(state);
         self.changed.notify_one();
-        Some(DeliveryStream {
+        Ok(DeliveryStream {
             receiver,
             dispatcher: self.clone(),
             stream_id: id,
+            _permit: permit,
         })
     }
 
@@ -537,6 +543,8 @@ pub struct DeliveryStream {
     receiver: mpsc::Receiver<Result<Delivery, Error>>,
     dispatcher: Arc<Dispatcher>,
     stream_id: u64,
+    /// Counts against the gateway's limit of open streams until dropped.
+    _permit: OwnedSemaphorePermit,
 }
 
 impl Stream for DeliveryStream {

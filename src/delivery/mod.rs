@@ -41,6 +41,8 @@ pub struct DeliveryConfig {
     pub max_in_flight_limit: u32,
     /// Most deliveries one claim leases.
     pub claim_batch_size: usize,
+    /// Most Subscribe streams open at once in this process.
+    pub max_streams: usize,
 }
 
 impl Default for DeliveryConfig {
@@ -50,6 +52,7 @@ impl Default for DeliveryConfig {
             default_max_in_flight: 100,
             max_in_flight_limit: 10_000,
             claim_batch_size: 500,
+            max_streams: 10_000,
         }
     }
 }
@@ -73,6 +76,8 @@ struct RelayInner {
     shutdown: CancellationToken,
     tasks: TaskTracker,
     peer_notifier: wake::PeerNotifier,
+    /// One permit per open Subscribe stream.
+    stream_permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl Relay {
@@ -86,12 +91,13 @@ impl Relay {
         let relay = Relay {
             inner: Arc::new(RelayInner {
                 store,
-                config,
                 new_events,
                 dispatchers: Mutex::new(HashMap::new()),
                 shutdown,
                 tasks,
                 peer_notifier,
+                stream_permits: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
+                config,
             }),
         };
         wake::spawn_listener(
@@ -138,21 +144,35 @@ impl Relay {
         if self.inner.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
         }
+        let permit = self
+            .inner
+            .stream_permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| {
+                Error::Overloaded(format!(
+                    "this gateway already serves {} Subscribe streams; retry later or use another instance",
+                    config.max_streams
+                ))
+            })?;
         let subscription = self.find_subscription(name).await?;
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
-        if let Some(dispatcher) = dispatchers.get(&subscription.id)
-            && let Some(stream) = dispatcher.attach(max_in_flight as usize)
-        {
-            return Ok(stream);
-        }
+        let permit = match dispatchers.get(&subscription.id) {
+            Some(dispatcher) => match dispatcher.attach(max_in_flight as usize, permit) {
+                Ok(stream) => return Ok(stream),
+                // That dispatcher is retiring: start a new one.
+                Err(permit) => permit,
+            },
+            None => permit,
+        };
         let dispatcher = Dispatcher::new(
             self.inner.store.clone(),
             self.inner.tasks.clone(),
             subscription,
         );
-        let stream = dispatcher
-            .attach(max_in_flight as usize)
-            .expect("a new dispatcher accepts streams");
+        let Ok(stream) = dispatcher.attach(max_in_flight as usize, permit) else {
+            unreachable!("a new dispatcher accepts streams");
+        };
         dispatchers.insert(dispatcher.subscription_id(), dispatcher.clone());
         self.inner
             .tasks

@@ -1,0 +1,130 @@
+//! Answers an oversized request with RESOURCE_EXHAUSTED naming the limit. tonic itself
+//! reports it as OUT_OF_RANGE, a code clients do not associate with a size limit, in the
+//! headers or, for calls that already answered, in the trailers.
+
+use std::{
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use http::{HeaderMap, HeaderValue};
+use http_body::Frame;
+
+#[derive(Debug, Clone, Copy)]
+pub struct MessageLimitLayer {
+    pub max_message_bytes: usize,
+}
+
+impl<S> tower::Layer<S> for MessageLimitLayer {
+    type Service = MessageLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MessageLimit {
+            inner,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct MessageLimit<S> {
+    inner: S,
+    max_message_bytes: usize,
+}
+
+impl<S, RequestBody, ResponseBody> tower::Service<http::Request<RequestBody>> for MessageLimit<S>
+where
+    S: tower::Service<http::Request<RequestBody>, Response = http::Response<ResponseBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<LimitBody<ResponseBody>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<RequestBody>) -> Self::Future {
+        let call = self.inner.call(request);
+        let limit = self.max_message_bytes;
+        Box::pin(async move {
+            let mut response = call.await?;
+            rewrite(response.headers_mut(), limit);
+            Ok(response.map(|inner| LimitBody { inner, limit }))
+        })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body whose trailers get the same rewrite.
+    pub struct LimitBody<B> {
+        #[pin]
+        inner: B,
+        limit: usize,
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for LimitBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let frame = ready!(this.inner.poll_frame(cx));
+        Poll::Ready(frame.map(|frame| {
+            frame.map(|frame| match frame.into_trailers() {
+                Ok(mut trailers) => {
+                    rewrite(&mut trailers, *this.limit);
+                    Frame::trailers(trailers)
+                }
+                Err(frame) => frame,
+            })
+        }))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Turns tonic's "decoded message length too large" (percent-encoded in the header) into
+/// RESOURCE_EXHAUSTED.
+fn rewrite(headers: &mut HeaderMap, limit: usize) {
+    let too_large = headers.get("grpc-status").is_some_and(|code| code == "11")
+        && headers
+            .get("grpc-message")
+            .and_then(|message| message.to_str().ok())
+            .is_some_and(|message| message.contains("message%20length%20too%20large"));
+    if !too_large {
+        return;
+    }
+    headers.insert("grpc-status", HeaderValue::from_static("8"));
+    let message = format!(
+        "the request is larger than the gateway's limit of {limit} bytes (max_message_bytes); send smaller batches"
+    );
+    if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
+        headers.insert("grpc-message", value);
+    }
+}
+
+/// gRPC percent-encodes messages outside printable ASCII and `%`.
+fn percent_encode(message: &str) -> String {
+    message
+        .bytes()
+        .map(|b| {
+            if (0x20..0x7f).contains(&b) && b != b'%' {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,291 @@
+//! Who may call what: bearer tokens (stored only as SHA-256 digests) with roles, and the
+//! authorization rules of each role. Transport-free: `api` reads the header and asks.
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::{
+    domain::{NewEvent, PatternSet, SubscriptionName},
+    error::{Error, Result},
+};
+
+/// One token of the configuration file.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    /// Who holds it; appears in logs, never the token itself.
+    pub name: String,
+    /// SHA-256 of the token, hex (`outbox-gateway token generate` prints both).
+    pub sha256: String,
+    pub roles: Vec<Role>,
+    /// Publisher scope: event-type patterns it may publish (empty: any).
+    #[serde(default)]
+    pub event_types: Vec<String>,
+    /// Publisher scope: aggregate types it may publish (empty: any).
+    #[serde(default)]
+    pub aggregate_types: Vec<String>,
+    /// Subscriber scope: subscription names it may read, `*` matching any run of
+    /// characters, e.g. `billing-*` (empty: any).
+    #[serde(default)]
+    pub subscriptions: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Publisher,
+    Subscriber,
+    Admin,
+}
+
+/// The authenticated caller and what it may do.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Principal {
+    pub name: String,
+    publisher: Option<PublishScope>,
+    subscriber: Option<Vec<String>>,
+    admin: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct PublishScope {
+    event_types: PatternSet,
+    aggregate_types: Vec<String>,
+}
+
+impl Principal {
+    /// Everything allowed: the caller when authentication is off.
+    pub fn anonymous() -> Principal {
+        Principal {
+            name: "anonymous".into(),
+            publisher: Some(PublishScope {
+                event_types: PatternSet::default(),
+                aggregate_types: Vec::new(),
+            }),
+            subscriber: Some(Vec::new()),
+            admin: true,
+        }
+    }
+
+    /// Every event must be within the publisher scope.
+    pub fn check_publish(&self, events: &[NewEvent]) -> Result<()> {
+        let Some(scope) = &self.publisher else {
+            return Err(self.denied("publish events (the publisher role)"));
+        };
+        for (index, event) in events.iter().enumerate() {
+            if !scope.event_types.is_empty() && !scope.event_types.matches(&event.event_type) {
+                return Err(Error::PermissionDenied(format!(
+                    "events[{index}].event_type: {:?} may not publish {:?}",
+                    self.name, event.event_type
+                )));
+            }
+            if !scope.aggregate_types.is_empty()
+                && !scope.aggregate_types.contains(&event.aggregate_type)
+            {
+                return Err(Error::PermissionDenied(format!(
+                    "events[{index}].aggregate_type: {:?} may not publish {:?} events",
+                    self.name, event.aggregate_type
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn check_subscription(&self, subscription: &SubscriptionName) -> Result<()> {
+        let Some(patterns) = &self.subscriber else {
+            return Err(self.denied("read subscriptions (the subscriber role)"));
+        };
+        if patterns.is_empty()
+            || patterns
+                .iter()
+                .any(|p| glob_matches(p, subscription.as_str()))
+        {
+            return Ok(());
+        }
+        Err(Error::PermissionDenied(format!(
+            "subscription: {:?} may not read {subscription:?}",
+            self.name
+        )))
+    }
+
+    pub fn check_admin(&self) -> Result<()> {
+        if self.admin {
+            Ok(())
+        } else {
+            Err(self.denied("administer the gateway (the admin role)"))
+        }
+    }
+
+    fn denied(&self, what: &str) -> Error {
+        Error::PermissionDenied(format!("{:?} may not {what}", self.name))
+    }
+}
+
+/// `*` matches any run of characters; everything else matches itself.
+fn glob_matches(pattern: &str, text: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == text,
+        Some((prefix, rest)) => {
+            let Some(remainder) = text.strip_prefix(prefix) else {
+                return false;
+            };
+            (0..=remainder.len())
+                .filter(|&i| remainder.is_char_boundary(i))
+                .any(|i| glob_matches(rest, &remainder[i..]))
+        }
+    }
+}
+
+/// Checks bearer tokens against the configured digests.
+#[derive(Debug, Clone)]
+pub struct Authenticator {
+    tokens: Vec<([u8; 32], Principal)>,
+}
+
+impl Authenticator {
+    /// Validates the configured tokens; the error names the offending entry.
+    pub fn new(tokens: &[TokenConfig]) -> std::result::Result<Authenticator, String> {
+        let mut entries = Vec::with_capacity(tokens.len());
+        for (index, token) in tokens.iter().enumerate() {
+            let field = format!("tokens[{index}] ({:?})", token.name);
+            let digest = decode_digest(&token.sha256)
+                .ok_or_else(|| format!("{field}: sha256 must be 64 hex digits"))?;
+            if token.roles.is_empty() {
+                return Err(format!("{field}: give at least one role"));
+            }
+            let event_types = PatternSet::parse(&token.event_types)
+                .map_err(|(i, error)| format!("{field}: event_types[{i}]: {error}"))?;
+            let has = |role| token.roles.contains(&role);
+            entries.push((
+                digest,
+                Principal {
+                    name: token.name.clone(),
+                    publisher: has(Role::Publisher).then(|| PublishScope {
+                        event_types,
+                        aggregate_types: token.aggregate_types.clone(),
+                    }),
+                    subscriber: has(Role::Subscriber).then(|| token.subscriptions.clone()),
+                    admin: has(Role::Admin),
+                },
+            ));
+        }
+        Ok(Authenticator { tokens: entries })
+    }
+
+    /// The principal of an `authorization: Bearer <token>` header value.
+    pub fn authenticate(&self, authorization: Option<&str>) -> Result<Principal> {
+        let token = authorization
+            .and_then(|value| {
+                value
+                    .strip_prefix("Bearer ")
+                    .or_else(|| value.strip_prefix("bearer "))
+            })
+            .map(str::trim)
+            .ok_or_else(|| {
+                Error::Unauthenticated("send a bearer token in the authorization metadata".into())
+            })?;
+        let presented: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        // Compare against every digest without stopping early, in constant time each.
+        let mut found = None;
+        for (digest, principal) in &self.tokens {
+            if constant_time_eq(digest, &presented) {
+                found = Some(principal);
+            }
+        }
+        found
+            .cloned()
+            .ok_or_else(|| Error::Unauthenticated("unknown token".into()))
+    }
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
+}
+
+fn decode_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut digest = [0u8; 32];
+    for (index, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(index * 2..index * 2 + 2)?, 16).ok()?;
+    }
+    Some(digest)
+}
+
+/// Hex SHA-256 of a token, as the configuration stores it.
+pub fn token_digest(token: &str) -> String {
+    Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(token: &str, roles: Vec<Role>) -> TokenConfig {
+        TokenConfig {
+            name: "svc".into(),
+            sha256: token_digest(token),
+            roles,
+            event_types: vec!["billing.**".into()],
+            aggregate_types: vec![],
+            subscriptions: vec!["billing-*".into()],
+        }
+    }
+
+    #[test]
+    fn authenticates_only_known_tokens() {
+        let auth = Authenticator::new(&[config("s3cret", vec![Role::Subscriber])]).unwrap();
+        assert_eq!(
+            auth.authenticate(Some("Bearer s3cret")).unwrap().name,
+            "svc"
+        );
+        assert!(matches!(
+            auth.authenticate(Some("Bearer nope")),
+            Err(Error::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            auth.authenticate(None),
+            Err(Error::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            auth.authenticate(Some("s3cret")),
+            Err(Error::Unauthenticated(_))
+        ));
+    }
+
+    #[test]
+    fn scopes_limit_what_a_role_allows() {
+        let auth = Authenticator::new(&[config("t", vec![Role::Subscriber])]).unwrap();
+        let principal = auth.authenticate(Some("Bearer t")).unwrap();
+        let name = |n: &str| SubscriptionName::parse("subscription", n).unwrap();
+        principal.check_subscription(&name("billing-eu")).unwrap();
+        assert!(principal.check_subscription(&name("orders")).is_err());
+        assert!(principal.check_admin().is_err());
+        assert!(principal.check_publish(&[]).is_err(), "no publisher role");
+    }
+
+    #[test]
+    fn globs_match_any_run_of_characters() {
+        assert!(glob_matches("billing-*", "billing-eu"));
+        assert!(glob_matches("*-eu", "billing-eu"));
+        assert!(glob_matches("a*b*c", "a-x-b-y-c"));
+        assert!(!glob_matches("billing-*", "orders"));
+        assert!(glob_matches("orders", "orders"));
+    }
+
+    #[test]
+    fn rejects_malformed_configuration() {
+        let mut bad = config("t", vec![Role::Admin]);
+        bad.sha256 = "xyz".into();
+        assert!(Authenticator::new(&[bad]).unwrap_err().contains("sha256"));
+        assert!(
+            Authenticator::new(&[config("t", vec![])])
+                .unwrap_err()
+                .contains("role")
+        );
+    }
+}

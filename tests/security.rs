@@ -1,0 +1,412 @@
+//! Security: token authentication and role scopes, TLS with client certificates,
+//! resource limits, and the least-privilege writer role.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_gateway::{
+    auth::{Role, TokenConfig, token_digest},
+    proto::{
+        self, admin_client::AdminClient, publisher_client::PublisherClient,
+        subscriber_client::SubscriberClient,
+    },
+};
+use sqlx::{Connection, Executor, PgConnection};
+use tonic::{
+    Code, Request,
+    transport::{Certificate, Channel, ClientTlsConfig, Identity},
+};
+
+fn token(name: &str, roles: Vec<Role>) -> TokenConfig {
+    TokenConfig {
+        name: name.into(),
+        sha256: token_digest(&format!("{name}-secret")),
+        roles,
+        event_types: Vec::new(),
+        aggregate_types: Vec::new(),
+        subscriptions: Vec::new(),
+    }
+}
+
+fn with_token<T>(message: T, name: &str) -> Request<T> {
+    let mut request = Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {name}-secret").parse().unwrap(),
+    );
+    request
+}
+
+fn publish_request(event_type: &str) -> proto::PublishRequest {
+    proto::PublishRequest {
+        events: vec![event("b-1", event_type)],
+    }
+}
+
+#[tokio::test]
+async fn tokens_authenticate_and_roles_with_scopes_authorize() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![
+        TokenConfig {
+            event_types: vec!["billing.**".into()],
+            aggregate_types: vec!["order".into()],
+            ..token("billing-publisher", vec![Role::Publisher])
+        },
+        TokenConfig {
+            subscriptions: vec!["billing-*".into()],
+            ..token("billing-reader", vec![Role::Subscriber])
+        },
+        token("operator", vec![Role::Admin]),
+    ];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let channel = gateway.channel().await;
+    let mut publisher = PublisherClient::new(channel.clone());
+    let mut subscriber = SubscriberClient::new(channel.clone());
+    let mut admin = AdminClient::new(channel);
+
+    // Health stays open; everything else needs a known token.
+    assert!(gateway.health().await.is_some());
+    assert_status(
+        publisher.publish(publish_request("billing.paid")).await,
+        Code::Unauthenticated,
+        "bearer token",
+    );
+    assert_status(
+        publisher
+            .publish(with_token(publish_request("billing.paid"), "stranger"))
+            .await,
+        Code::Unauthenticated,
+        "unknown token",
+    );
+
+    // The publisher's scope: billing.** events of order aggregates.
+    assert_status(
+        publisher
+            .publish(with_token(
+                publish_request("order.created"),
+                "billing-publisher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "events[0].event_type",
+    );
+    publisher
+        .publish(with_token(
+            publish_request("billing.paid"),
+            "billing-publisher",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        count_events(&database.pool().await).await,
+        1,
+        "the refused call wrote nothing"
+    );
+    assert_status(
+        publisher
+            .publish(with_token(
+                publish_request("billing.paid"),
+                "billing-reader",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "publisher role",
+    );
+
+    // Admin calls need the admin role.
+    let create = |name: &str| proto::CreateSubscriptionRequest {
+        subscription: Some(subscription(name)),
+    };
+    assert_status(
+        admin
+            .create_subscription(with_token(create("billing-eu"), "billing-publisher"))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    admin
+        .create_subscription(with_token(create("billing-eu"), "operator"))
+        .await
+        .unwrap();
+    admin
+        .create_subscription(with_token(create("orders"), "operator"))
+        .await
+        .unwrap();
+    assert_status(
+        admin
+            .list_subscriptions(with_token(
+                proto::ListSubscriptionsRequest {},
+                "billing-reader",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin",
+    );
+
+    // The subscriber's scope: subscriptions named billing-*.
+    let subscribe = |name: &str| proto::SubscribeRequest {
+        subscription: name.into(),
+        max_in_flight: 0,
+    };
+    assert_status(
+        subscriber
+            .subscribe(with_token(subscribe("orders"), "billing-reader"))
+            .await,
+        Code::PermissionDenied,
+        "\"orders\"",
+    );
+    let mut stream = subscriber
+        .subscribe(with_token(subscribe("billing-eu"), "billing-reader"))
+        .await
+        .unwrap()
+        .into_inner();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let ack = proto::AckRequest {
+        subscription: "billing-eu".into(),
+        ack_ids: vec![delivery.ack_id],
+    };
+    assert_status(
+        subscriber.ack(with_token(ack.clone(), "operator")).await,
+        Code::PermissionDenied,
+        "subscriber role",
+    );
+    assert!(
+        subscriber
+            .ack(with_token(ack, "billing-reader"))
+            .await
+            .unwrap()
+            .into_inner()
+            .stale_ack_ids
+            .is_empty()
+    );
+}
+
+#[test]
+fn listening_beyond_loopback_without_tokens_is_refused() {
+    use outbox_gateway::config::{Config, Settings};
+    let open = Settings {
+        listen: Some("0.0.0.0:50051".parse().unwrap()),
+        ..Default::default()
+    };
+    let error = Config::from_settings(open.clone()).unwrap_err().to_string();
+    assert!(error.contains("--insecure-no-auth"), "{error}");
+    Config::from_settings(Settings {
+        insecure_no_auth: Some(true),
+        ..open.clone()
+    })
+    .unwrap();
+    Config::from_settings(Settings {
+        tokens: Some(vec![token("svc", vec![Role::Admin])]),
+        ..open
+    })
+    .unwrap();
+}
+
+struct Pki {
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn pki() -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = CertificateParams::new(vec!["localhost".into()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = CertificateParams::new(vec!["billing-service".into()])
+        .unwrap()
+        .signed_by(&client_key, &issuer)
+        .unwrap();
+    Pki {
+        ca: ca_cert.pem(),
+        server_cert: server_cert.pem(),
+        server_key: server_key.serialize_pem(),
+        client_cert: client_cert.pem(),
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+#[tokio::test]
+async fn mutual_tls_admits_only_clients_with_a_trusted_certificate() {
+    let pki = pki();
+    let dir = std::env::temp_dir().join(format!("outbox-tls-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, pem: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        path
+    };
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tls = Some(outbox_gateway::config::TlsFiles {
+        cert: write("server.pem", &pki.server_cert),
+        key: write("server.key", &pki.server_key),
+        client_ca: Some(write("ca.pem", &pki.ca)),
+    });
+    let gateway = TestGateway::spawn(&database, config).await;
+    let endpoint = format!("https://localhost:{}", gateway.address.port());
+    let tls = ClientTlsConfig::new()
+        .domain_name("localhost")
+        .ca_certificate(Certificate::from_pem(&pki.ca));
+
+    // With a client certificate: served.
+    let channel = Channel::from_shared(endpoint.clone())
+        .unwrap()
+        .tls_config(
+            tls.clone()
+                .identity(Identity::from_pem(&pki.client_cert, &pki.client_key)),
+        )
+        .unwrap()
+        .connect_lazy();
+    let mut publisher = PublisherClient::new(channel);
+    let mut published = None;
+    for _ in 0..100 {
+        match publisher.publish(publish_request("order.created")).await {
+            Ok(response) => {
+                published = Some(response);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert!(published.is_some(), "a trusted client is served over TLS");
+
+    // Without a client certificate, or in plaintext: refused.
+    let anonymous = Channel::from_shared(endpoint)
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect_lazy();
+    assert!(
+        PublisherClient::new(anonymous)
+            .publish(publish_request("order.created"))
+            .await
+            .is_err()
+    );
+    let plaintext = Channel::from_shared(format!("http://127.0.0.1:{}", gateway.address.port()))
+        .unwrap()
+        .connect_lazy();
+    assert!(
+        PublisherClient::new(plaintext)
+            .publish(publish_request("order.created"))
+            .await
+            .is_err()
+    );
+    assert_eq!(count_events(&database.pool().await).await, 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn limits_are_answered_with_resource_exhausted() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.max_message_bytes = 64 * 1024;
+    config.limits.max_payload_bytes = 1024 * 1024;
+    config.delivery.max_streams = 1;
+    let gateway = TestGateway::start_with(&database, config).await;
+
+    let mut big = event("o-1", "order.created");
+    big.content_type = "application/octet-stream".into();
+    big.payload = vec![7; 100 * 1024];
+    let result = gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest { events: vec![big] })
+        .await;
+    assert_status(result, Code::ResourceExhausted, "message");
+
+    create_subscription(&gateway, subscription("orders")).await;
+    let _first = Consumer::open(&gateway, "orders", 0).await;
+    let second = gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            max_in_flight: 0,
+        })
+        .await;
+    assert_status(second, Code::ResourceExhausted, "Subscribe streams");
+}
+
+#[tokio::test]
+async fn the_writer_role_may_only_add_events() {
+    let database = TestDatabase::create().await;
+    let _gateway = TestGateway::start(&database).await;
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let (writer_role, login) = (
+        format!("outbox_writer_{suffix}"),
+        format!("outbox_service_{suffix}"),
+    );
+    let script = include_str!("../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
+    let mut owner = PgConnection::connect(&database.url()).await.unwrap();
+    owner
+        .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))
+        .await
+        .unwrap();
+    owner
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {login} LOGIN IN ROLE {writer_role}"
+        )))
+        .await
+        .unwrap();
+
+    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name);
+    let result = async move {
+        let mut service = PgConnection::connect(&url).await.unwrap();
+        service
+            .execute("INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'o-1', 'order.created', '{}')")
+            .await
+            .expect("a writer may insert events");
+        service
+            .execute("SELECT outbox_publish('order', 'o-2', 'order.created', '{}')")
+            .await
+            .expect("a writer may call the publish function");
+        for forbidden in [
+            "SELECT * FROM outbox_events",
+            "SELECT * FROM outbox_deliveries",
+            "SELECT * FROM outbox_subscriptions",
+            "UPDATE outbox_events SET payload = '{}'",
+            "DELETE FROM outbox_events",
+            "INSERT INTO outbox_events (xact_id, aggregate_type, aggregate_id, event_type, payload) VALUES (1, 'a', 'b', 'c', '{}')",
+        ] {
+            let error = service.execute(forbidden).await.expect_err(forbidden);
+            assert_eq!(
+                error.as_database_error().and_then(|e| e.code()).as_deref(),
+                Some("42501"),
+                "{forbidden}: {error}"
+            );
+        }
+        service.close().await.unwrap();
+    };
+    // Roles are cluster-wide: remove them whatever happened.
+    let outcome = tokio::spawn(result).await;
+    for role in [&login, &writer_role] {
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
+            .await
+            .unwrap();
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+            .await
+            .unwrap();
+    }
+    outcome.unwrap();
+    assert_eq!(count_events(&database.pool().await).await, 2);
+}
