@@ -18,12 +18,14 @@
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
+//! - [`client`]: a Rust client: idempotent publishing and a handler-driven subscriber.
 //! - [`cli`]: the binary's client subcommands (health checks, administration).
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
 pub mod auth;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod delivery;
 pub mod domain;

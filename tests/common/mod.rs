@@ -119,6 +119,11 @@ impl TestGateway {
     /// Starts a gateway without waiting for it to become healthy.
     pub async fn spawn(database: &Arc<TestDatabase>, config: Config) -> TestGateway {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        Self::spawn_on(database, config, listener).await
+    }
+
+    /// Starts a gateway on a given listener (to restart one on the same address).
+    pub async fn spawn_on(database: &Arc<TestDatabase>, config: Config, listener: TcpListener) -> TestGateway {
         let address = listener.local_addr().expect("local address");
         let (shutdown, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(outbox_gateway::run(config, listener, async {

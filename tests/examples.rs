@@ -1,0 +1,313 @@
+//! The Python and Node.js examples, run against a live gateway, and the generated API
+//! reference. The test installs what the examples need: a Python virtual environment
+//! under the target directory (reused while requirements.txt is unchanged) and
+//! `npm ci` in examples/node. A missing python3, pip, node or npm fails the test;
+//! `PYTHON` names another Python 3 to build the environment with.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    fs::File,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use common::*;
+use outbox_gateway::proto::{GetStatsRequest, ListDeadLettersRequest};
+use serde_json::Value;
+use tokio::process::Command;
+
+const INSTALL_TIME: Duration = Duration::from_secs(300);
+const RUN_TIME: Duration = Duration::from_secs(60);
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `command` to completion and returns its standard output. Panics, naming `what`
+/// and showing its output, when it cannot start, fails or outlives `limit`.
+async fn run(what: &str, command: &mut Command, limit: Duration) -> String {
+    command.stdin(Stdio::null()).kill_on_drop(true);
+    let output = tokio::time::timeout(limit, command.output())
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The examples' virtual environment, created under the target directory and rebuilt
+/// when requirements.txt changes. Returns its Python. A file lock keeps concurrent
+/// tests (and test processes) from building it twice.
+async fn python_env() -> PathBuf {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("examples");
+    std::fs::create_dir_all(&cache).expect("create the examples cache");
+    let lock = File::create(cache.join("venv.lock")).expect("create the venv lock");
+    let _lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
+        .await
+        .expect("lock task")
+        .expect("lock the venv");
+
+    let venv = cache.join("venv");
+    let python = venv.join("bin").join("python");
+    let requirements = repo().join("examples/python/requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements).expect("read requirements.txt");
+    let installed = venv.join("installed-requirements.txt");
+    if python.exists() && std::fs::read_to_string(&installed).ok().as_ref() == Some(&wanted) {
+        return python;
+    }
+
+    let _ = std::fs::remove_dir_all(&venv);
+    let system_python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    run(
+        &format!("`{system_python} -m venv` (Python 3 with venv is required for the examples)"),
+        Command::new(&system_python)
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv),
+        INSTALL_TIME,
+    )
+    .await;
+    run(
+        "`pip install -r examples/python/requirements.txt`",
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg("-r")
+            .arg(&requirements),
+        INSTALL_TIME,
+    )
+    .await;
+    std::fs::write(&installed, wanted).expect("record the installed requirements");
+    python
+}
+
+/// Installs the Node.js examples' dependencies exactly as package-lock.json pins them.
+async fn npm_ci() {
+    run(
+        "`npm ci` in examples/node (Node.js and npm are required for the examples)",
+        Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund"])
+            .current_dir(repo().join("examples/node")),
+        INSTALL_TIME,
+    )
+    .await;
+}
+
+/// One language's three example programs.
+struct Examples {
+    language: &'static str,
+    interpreter: PathBuf,
+    extension: &'static str,
+    subscription: &'static str,
+}
+
+impl Examples {
+    /// Runs program `name` against the gateway and its database, configured through the
+    /// environment variables the examples document.
+    async fn run(&self, gateway: &TestGateway, name: &str, args: &[&str]) -> String {
+        let script = format!("{name}.{}", self.extension);
+        run(
+            &format!("examples/{}/{script}", self.language),
+            Command::new(&self.interpreter)
+                .arg(&script)
+                .args(args)
+                .current_dir(repo().join("examples").join(self.language))
+                .env("OUTBOX_ENDPOINT", gateway.endpoint())
+                .env("DATABASE_URL", gateway.database.url()),
+            RUN_TIME,
+        )
+        .await
+    }
+}
+
+fn json_lines(output: &str) -> Vec<Value> {
+    output
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+        .collect()
+}
+
+fn text(value: &Value) -> String {
+    value.as_str().expect("a string").to_owned()
+}
+
+#[tokio::test]
+async fn python_and_node_examples_publish_and_consume_through_the_gateway() {
+    let (python, ()) = tokio::join!(python_env(), npm_ci());
+    run(
+        "examples/python/generate.sh",
+        Command::new("bash")
+            .arg(repo().join("examples/python/generate.sh"))
+            .env("PYTHON", &python),
+        RUN_TIME,
+    )
+    .await;
+
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let languages = [
+        Examples {
+            language: "python",
+            interpreter: python,
+            extension: "py",
+            subscription: "orders-python",
+        },
+        Examples {
+            language: "node",
+            interpreter: "node".into(),
+            extension: "js",
+            subscription: "orders-node",
+        },
+    ];
+
+    // Both languages publish over gRPC (the last event is the poison one) and from SQL.
+    let mut delivered = BTreeSet::new();
+    let mut poison = BTreeSet::new();
+    let mut rolled_back = Vec::new();
+    for examples in &languages {
+        let ids: Vec<String> = examples
+            .run(&gateway, "publish", &["--poison"])
+            .await
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(
+            ids.len(),
+            3,
+            "{} publish printed {ids:?}",
+            examples.language
+        );
+        poison.insert(ids[2].clone());
+        delivered.extend(ids);
+
+        for order in json_lines(&examples.run(&gateway, "transactional", &[]).await) {
+            if order["committed"] == true {
+                delivered.insert(text(&order["event_id"]));
+            } else {
+                rolled_back.push((text(&order["order_id"]), text(&order["event_id"])));
+            }
+        }
+    }
+    assert_eq!((delivered.len(), rolled_back.len()), (8, 2));
+
+    // Each consumer has its own subscription, so each gets every event of both languages.
+    let count = delivered.len().to_string();
+    for examples in &languages {
+        let output = examples
+            .run(
+                &gateway,
+                "consumer",
+                &["--max-deliveries", &count, "--timeout", "30"],
+            )
+            .await;
+        let deliveries = json_lines(&output);
+        let received: BTreeSet<String> = deliveries.iter().map(|d| text(&d["id"])).collect();
+        assert_eq!(
+            received, delivered,
+            "{} consumer:\n{output}",
+            examples.language
+        );
+        for delivery in &deliveries {
+            let expected = if poison.contains(&text(&delivery["id"])) {
+                "dead-lettered"
+            } else {
+                "acked"
+            };
+            assert_eq!(delivery["settled"], expected, "{delivery}");
+        }
+    }
+
+    let mut admin = gateway.admin().await;
+    for examples in &languages {
+        let subscription = examples.subscription.to_owned();
+        let letters = admin
+            .list_dead_letters(ListDeadLettersRequest {
+                subscription: subscription.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("list dead letters")
+            .into_inner()
+            .dead_letters;
+        let ids: BTreeSet<String> = letters
+            .iter()
+            .map(|letter| letter.event.as_ref().expect("event").id.clone())
+            .collect();
+        assert_eq!(ids, poison, "dead letters of {subscription}");
+        assert!(letters.iter().all(|l| l.last_error == "poison message"));
+
+        // Nothing else is on its way: the rolled-back events were not merely late.
+        let stats = admin
+            .get_stats(GetStatsRequest {
+                subscription: subscription.clone(),
+            })
+            .await
+            .expect("stats")
+            .into_inner()
+            .subscriptions;
+        assert_eq!(
+            (
+                stats[0].lag_events,
+                stats[0].delivered_total,
+                stats[0].acked_total
+            ),
+            (0, 8, 6),
+            "stats of {subscription}"
+        );
+    }
+
+    let pool = database.pool().await;
+    for (order, event) in rolled_back {
+        let stored: (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM orders WHERE id = $1), \
+                    (SELECT count(*) FROM outbox_events WHERE id = $2::uuid)",
+        )
+        .bind(&order)
+        .bind(&event)
+        .fetch_one(&pool)
+        .await
+        .expect("look up the rolled-back order");
+        assert_eq!(stored, (0, 0), "rolled-back order {order} / event {event}");
+    }
+}
+
+#[tokio::test]
+async fn api_reference_matches_the_proto_comments() {
+    let python = python_env().await;
+    let generated = run(
+        "scripts/gen-api-docs.py",
+        Command::new(&python)
+            .arg(repo().join("scripts/gen-api-docs.py"))
+            .arg("-"),
+        RUN_TIME,
+    )
+    .await;
+    let committed = std::fs::read_to_string(repo().join("docs/api.md")).expect("docs/api.md");
+    if generated != committed {
+        let line = generated
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| generated.lines().count().min(committed.lines().count()));
+        panic!(
+            "docs/api.md is stale (first difference at line {}): regenerate it with \
+             `{} scripts/gen-api-docs.py`",
+            line + 1,
+            python.display()
+        );
+    }
+}
