@@ -86,13 +86,7 @@ impl Store {
         if !try_lock(&mut transaction, RETENTION_LOCK).await? {
             return Ok(None);
         }
-        let lowest_cursor: Option<(i64, i64)> = sqlx::query_as(
-            "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
-             ORDER BY cursor_xact_id, cursor_position LIMIT 1",
-        )
-        .fetch_optional(&mut *transaction)
-        .await?;
-        let (cursor_xact_id, cursor_position) = lowest_cursor.unwrap_or((i64::MAX, i64::MAX));
+        let (cursor_xact_id, cursor_position) = lowest_cursor(&mut transaction).await?;
         let deleted = sqlx::query(include_str!("queries/retention.sql"))
             .bind(millis(retention))
             .bind(cursor_xact_id)
@@ -123,13 +117,7 @@ impl Store {
         if !try_lock(&mut transaction, RETENTION_LOCK).await? {
             return Ok(None);
         }
-        let lowest_cursor: Option<(i64, i64)> = sqlx::query_as(
-            "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
-             ORDER BY cursor_xact_id, cursor_position LIMIT 1",
-        )
-        .fetch_optional(&mut *transaction)
-        .await?;
-        let (cursor_xact_id, cursor_position) = lowest_cursor.unwrap_or((i64::MAX, i64::MAX));
+        let (cursor_xact_id, cursor_position) = lowest_cursor(&mut transaction).await?;
         let row = sqlx::query(include_str!("queries/force_expire.sql"))
             .bind(millis(max_retention))
             .bind(cursor_xact_id)
@@ -143,6 +131,18 @@ impl Store {
             still_needed: row.try_get::<i64, _>("still_needed")?.max(0) as u64,
         }))
     }
+}
+
+/// The cursor of the subscription that has read least; with no subscription, past
+/// every event.
+async fn lowest_cursor(connection: &mut sqlx::PgConnection) -> Result<(i64, i64)> {
+    let lowest: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
+         ORDER BY cursor_xact_id, cursor_position LIMIT 1",
+    )
+    .fetch_optional(connection)
+    .await?;
+    Ok(lowest.unwrap_or((i64::MAX, i64::MAX)))
 }
 
 async fn try_lock(connection: &mut sqlx::PgConnection, key: i32) -> Result<bool> {

@@ -11,7 +11,8 @@ use super::{
     deliveries::{LockMode, lock_subscription},
     events::event_from_row,
     subscriptions::{
-        Cursor, millis, start_columns, subscription_from_row, subscription_with_cursor,
+        Cursor, lock_by_name, millis, start_columns, subscription_from_row,
+        subscription_with_cursor,
     },
 };
 use crate::domain::{
@@ -192,15 +193,9 @@ impl Store {
     /// Moves a subscription's cursor; false when it does not exist.
     pub async fn seek(&self, name: &SubscriptionName, to: StartPosition) -> Result<bool> {
         let mut transaction = self.pool.begin().await?;
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
-                .bind(name.as_str())
-                .fetch_optional(&mut *transaction)
-                .await?;
-        let Some(id) = id else {
+        let Some(id) = lock_by_name(&mut transaction, name).await? else {
             return Ok(false);
         };
-        lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
         let (to_latest, not_before) = start_columns(to);
         sqlx::query(
             "UPDATE outbox_subscriptions \

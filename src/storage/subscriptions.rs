@@ -76,16 +76,10 @@ impl Store {
     /// Deletes a subscription and all its delivery records; false when it did not exist.
     pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<bool> {
         let mut transaction = self.pool.begin().await?;
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
-                .bind(name.as_str())
-                .fetch_optional(&mut *transaction)
-                .await?;
-        let Some(id) = id else {
+        // Waits for a running claim so it cannot leave records behind.
+        let Some(id) = lock_by_name(&mut transaction, name).await? else {
             return Ok(false);
         };
-        // Wait for a running claim so it cannot leave records behind.
-        lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
         for statement in [
             "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
             "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
@@ -102,6 +96,22 @@ impl Store {
         transaction.commit().await?;
         Ok(true)
     }
+}
+
+/// Takes the named subscription's exclusive lock (waiting for a running claim) and
+/// returns its id; `None` when it does not exist.
+pub(super) async fn lock_by_name(
+    connection: &mut sqlx::PgConnection,
+    name: &SubscriptionName,
+) -> Result<Option<i64>> {
+    let id: Option<i64> = sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
+        .bind(name.as_str())
+        .fetch_optional(&mut *connection)
+        .await?;
+    if let Some(id) = id {
+        lock_subscription(connection, id, LockMode::Exclusive).await?;
+    }
+    Ok(id)
 }
 
 /// How far a subscription has read.
