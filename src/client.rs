@@ -53,9 +53,7 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 
-use crate::proto::{
-    self, publisher_client::PublisherClient, subscriber_client::SubscriberClient,
-};
+use crate::proto::{self, publisher_client::PublisherClient, subscriber_client::SubscriberClient};
 
 const RETRY_FIRST_DELAY: Duration = Duration::from_millis(100);
 const RETRY_MAX_DELAY: Duration = Duration::from_secs(10);
@@ -107,7 +105,9 @@ struct AddToken(Option<MetadataValue<Ascii>>);
 impl Interceptor for AddToken {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         if let Some(token) = &self.0 {
-            request.metadata_mut().insert("authorization", token.clone());
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
         }
         Ok(request)
     }
@@ -251,7 +251,11 @@ impl Subscriber {
     /// and sends their acks. Reconnects with backoff when the stream or the gateway goes
     /// away; returns an error only for refusals that retrying cannot fix (an unknown
     /// subscription, a missing permission).
-    pub async fn run<H, F>(&self, handler: H, shutdown: CancellationToken) -> Result<(), ClientError>
+    pub async fn run<H, F>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), ClientError>
     where
         H: Fn(proto::Delivery) -> F + Send + Sync + 'static,
         F: Future<Output = Result<(), HandlerError>> + Send + 'static,

@@ -21,16 +21,26 @@ async fn publisher_assigns_ids_so_a_repeated_call_is_a_duplicate() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start(&database).await;
     let publisher = Publisher::new(Connection::new(gateway.endpoint()));
-    let first = publisher.publish(vec![event("o-1", "order.created")]).await.unwrap();
+    let first = publisher
+        .publish(vec![event("o-1", "order.created")])
+        .await
+        .unwrap();
     assert!(!first[0].duplicate);
     let mut again = event("o-1", "order.created");
     again.id = first[0].id.clone();
     assert!(publisher.publish(vec![again]).await.unwrap()[0].duplicate);
 
     let refused = publisher.publish(vec![event("o-1", "not valid")]).await;
-    assert!(matches!(refused, Err(ClientError::Refused(status)) if status.code() == tonic::Code::InvalidArgument));
+    assert!(
+        matches!(refused, Err(ClientError::Refused(status)) if status.code() == tonic::Code::InvalidArgument)
+    );
     let unreachable = Publisher::new(Connection::new("http://127.0.0.1:1")).max_attempts(2);
-    assert!(matches!(unreachable.publish(vec![event("o-2", "order.created")]).await, Err(ClientError::Unavailable(_))));
+    assert!(matches!(
+        unreachable
+            .publish(vec![event("o-2", "order.created")])
+            .await,
+        Err(ClientError::Unavailable(_))
+    ));
 }
 
 #[tokio::test]
@@ -38,11 +48,22 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start(&database).await;
     let address = gateway.address;
-    create_subscription(&gateway, proto::Subscription { retry_backoff_min: seconds(0), ..subscription("orders") }).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            retry_backoff_min: seconds(0),
+            ..subscription("orders")
+        },
+    )
+    .await;
     let connection = Connection::new(gateway.endpoint());
     let publisher = Publisher::new(connection.clone());
     publisher
-        .publish(vec![event("ok-1", "order.created"), event("flaky", "order.created"), event("poison", "order.created")])
+        .publish(vec![
+            event("ok-1", "order.created"),
+            event("flaky", "order.created"),
+            event("poison", "order.created"),
+        ])
         .await
         .unwrap();
 
@@ -60,7 +81,10 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
                         let handled = handled.clone();
                         async move {
                             let aggregate = delivery.event.as_ref().unwrap().aggregate_id.clone();
-                            handled.lock().unwrap().push((aggregate.clone(), delivery.attempt));
+                            handled
+                                .lock()
+                                .unwrap()
+                                .push((aggregate.clone(), delivery.attempt));
                             match (aggregate.as_str(), delivery.attempt) {
                                 ("poison", _) => Err(HandlerError::permanent("cannot parse")),
                                 ("flaky", 1) => Err(HandlerError::transient("try again")),
@@ -73,10 +97,19 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
                 .await
         })
     };
-    let seen = |handled: &Arc<Mutex<Vec<(String, u32)>>>| handled.lock().unwrap().iter().cloned().collect::<HashSet<_>>();
+    let seen = |handled: &Arc<Mutex<Vec<(String, u32)>>>| {
+        handled
+            .lock()
+            .unwrap()
+            .iter()
+            .cloned()
+            .collect::<HashSet<_>>()
+    };
     wait_until("the first events are handled", || {
         let seen = seen(&handled);
-        seen.contains(&("ok-1".into(), 1)) && seen.contains(&("flaky".into(), 2)) && seen.contains(&("poison".into(), 1))
+        seen.contains(&("ok-1".into(), 1))
+            && seen.contains(&("flaky".into(), 2))
+            && seen.contains(&("poison".into(), 1))
     })
     .await;
 
@@ -84,16 +117,33 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
     gateway.stop().await.unwrap();
     let listener = bind_again(address).await;
     let gateway = TestGateway::spawn_on(&database, test_config(database.url()), listener).await;
-    gateway.wait_for_health(tonic_health::pb::health_check_response::ServingStatus::Serving).await;
-    publisher.publish(vec![event("ok-2", "order.created")]).await.unwrap();
-    wait_until("an event published after the restart is handled", || seen(&handled).contains(&("ok-2".into(), 1))).await;
+    gateway
+        .wait_for_health(tonic_health::pb::health_check_response::ServingStatus::Serving)
+        .await;
+    publisher
+        .publish(vec![event("ok-2", "order.created")])
+        .await
+        .unwrap();
+    wait_until("an event published after the restart is handled", || {
+        seen(&handled).contains(&("ok-2".into(), 1))
+    })
+    .await;
 
     shutdown.cancel();
     subscriber.await.unwrap().unwrap();
     let pool = database.pool().await;
     let records = delivery_records(&pool, "orders").await;
-    assert_eq!(records, vec![("poison".into(), "dead".into(), 1)], "everything else was acked");
-    let poison_attempts = handled.lock().unwrap().iter().filter(|(a, _)| a == "poison").count();
+    assert_eq!(
+        records,
+        vec![("poison".into(), "dead".into(), 1)],
+        "everything else was acked"
+    );
+    let poison_attempts = handled
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(a, _)| a == "poison")
+        .count();
     assert_eq!(poison_attempts, 1, "a permanent failure is not retried");
 }
 
@@ -104,7 +154,9 @@ async fn subscriber_reports_an_unknown_subscription() {
     let result = Subscriber::new(Connection::new(gateway.endpoint()), "missing")
         .run(|_| async { Ok(()) }, CancellationToken::new())
         .await;
-    assert!(matches!(result, Err(ClientError::Refused(status)) if status.code() == tonic::Code::NotFound));
+    assert!(
+        matches!(result, Err(ClientError::Refused(status)) if status.code() == tonic::Code::NotFound)
+    );
 }
 
 async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
@@ -120,7 +172,10 @@ async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
 async fn wait_until(what: &str, check: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -123,7 +123,11 @@ impl TestGateway {
     }
 
     /// Starts a gateway on a given listener (to restart one on the same address).
-    pub async fn spawn_on(database: &Arc<TestDatabase>, config: Config, listener: TcpListener) -> TestGateway {
+    pub async fn spawn_on(
+        database: &Arc<TestDatabase>,
+        config: Config,
+        listener: TcpListener,
+    ) -> TestGateway {
         let address = listener.local_addr().expect("local address");
         let (shutdown, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(outbox_gateway::run(config, listener, async {

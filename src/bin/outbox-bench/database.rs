@@ -1,0 +1,331 @@
+//! The throw-away benchmark database: created on the PostgreSQL server named by
+//! `--postgres-url`, reset between scenarios, dropped at the end. Also the bulk work the
+//! scenarios do directly in SQL: filling a backlog, vacuuming, checkpointing, and the
+//! connection pools of the direct-SQL writers.
+
+use std::{str::FromStr, time::Duration};
+
+use anyhow::{Context, bail};
+use sqlx::{
+    Connection, Executor, PgConnection, PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::workload;
+
+/// Rows per backlog statement (and so per transaction).
+const BACKLOG_CHUNK: usize = 10_000;
+/// Connections filling a backlog in parallel.
+const BACKLOG_WRITERS: usize = 2;
+
+/// Whether a direct-SQL writer's transactions send the outbox NOTIFY.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notify {
+    /// Like the gateway's own connections (`outbox.suppress_notify=on`): the ceiling for
+    /// the throughput comparisons, since NOTIFY serializes commits.
+    Suppress,
+    /// Like any other direct writer: the trigger notifies once per transaction, which is
+    /// how a gateway hears about rows it did not write.
+    Send,
+}
+
+pub struct BenchDatabase {
+    name: String,
+    server: PgConnectOptions,
+    url: String,
+    /// Whether resets and fills end with a CHECKPOINT (off for smoke tests, where a
+    /// checkpoint after a TRUNCATE can take longer than the measurement).
+    checkpoints: bool,
+}
+
+impl BenchDatabase {
+    /// Creates `outbox_bench_<random>` on the server at `server_url`. Unless the URL
+    /// sets `sslmode`, every connection (the gateway's and the direct writers') uses
+    /// `sslmode=disable`: TLS protects nothing on loopback, and it splits statements
+    /// larger than one TLS record (16 KiB) into several writes, which sqlx (no
+    /// TCP_NODELAY) can leave waiting on a delayed ACK for ~40 ms.
+    pub async fn create(server_url: &str, checkpoints: bool) -> anyhow::Result<BenchDatabase> {
+        let server_url = &without_tls_unless_set(server_url);
+        let server = PgConnectOptions::from_str(server_url)
+            .with_context(|| format!("invalid --postgres-url {server_url:?}"))?
+            .application_name("outbox-bench");
+        let host = server.get_host();
+        if !is_local_host(host) {
+            bail!(
+                "--postgres-url names host {host:?}: outbox-bench drives load only against this \
+                 machine, so PostgreSQL must be on a loopback address (127.0.0.1, ::1, localhost) \
+                 or a Unix socket"
+            );
+        }
+        let name = format!("outbox_bench_{}", Uuid::new_v4().simple());
+        let mut admin = PgConnection::connect_with(&server.clone().database("postgres"))
+            .await
+            .with_context(|| {
+                format!(
+                    "cannot connect to PostgreSQL at {}:{} as {:?}; is it running? \
+                     (point --postgres-url at it)",
+                    server.get_host(),
+                    server.get_port(),
+                    server.get_username()
+                )
+            })?;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .with_context(|| format!("cannot create database {name}"))?;
+        let _ = admin.close().await;
+        let url = database_url(server_url, &name);
+        Ok(BenchDatabase {
+            name,
+            server,
+            url,
+            checkpoints,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connection URL of the benchmark database, for the gateway.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A pool of direct connections, like a producer service's, with every connection
+    /// open already (so no run pays for connecting).
+    pub async fn pool(&self, connections: u32, notify: Notify) -> anyhow::Result<PgPool> {
+        let mut options = self.server.clone().database(&self.name);
+        if notify == Notify::Suppress {
+            options = options.options([("outbox.suppress_notify", "on")]);
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(connections)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .with_context(|| format!("cannot connect to {}", self.name))?;
+        let mut open = Vec::with_capacity(connections as usize);
+        for _ in 0..connections {
+            open.push(
+                pool.acquire()
+                    .await
+                    .with_context(|| format!("cannot connect to {}", self.name))?,
+            );
+        }
+        drop(open);
+        Ok(pool)
+    }
+
+    /// Empties every outbox table: each scenario starts from an empty database.
+    pub async fn reset(&self) -> anyhow::Result<()> {
+        let mut connection = self.connect().await?;
+        connection
+            .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_subscriptions CASCADE")
+            .await
+            .context("cannot empty the outbox tables")?;
+        self.checkpoint(&mut connection).await;
+        Ok(())
+    }
+
+    /// Empties the outbox table only (between runs that publish into it).
+    pub async fn truncate_events(&self) -> anyhow::Result<()> {
+        let mut connection = self.connect().await?;
+        connection
+            .execute("TRUNCATE outbox_events")
+            .await
+            .context("cannot empty outbox_events")?;
+        self.checkpoint(&mut connection).await;
+        Ok(())
+    }
+
+    /// The server settings that most affect the figures, for the run's header.
+    pub async fn describe_server(&self) -> anyhow::Result<String> {
+        let mut connection = self.connect().await?;
+        let (version, shared_buffers, synchronous_commit, autovacuum): (
+            String,
+            String,
+            String,
+            String,
+        ) = sqlx::query_as(
+            "SELECT current_setting('server_version'), current_setting('shared_buffers'), \
+                 current_setting('synchronous_commit'), current_setting('autovacuum')",
+        )
+        .fetch_one(&mut connection)
+        .await?;
+        Ok(format!(
+            "PostgreSQL {version} (shared_buffers {shared_buffers}, synchronous_commit {synchronous_commit}, autovacuum {autovacuum})"
+        ))
+    }
+
+    pub async fn count_events(&self) -> anyhow::Result<u64> {
+        let mut connection = self.connect().await?;
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+            .fetch_one(&mut connection)
+            .await?;
+        Ok(count as u64)
+    }
+
+    /// Inserts `events` events straight into the outbox table, `BACKLOG_CHUNK` rows per
+    /// transaction over a few connections, then vacuums, analyzes and checkpoints, so
+    /// delivery starts from settled tables and fresh planner statistics.
+    pub async fn fill_backlog(&self, events: u64) -> anyhow::Result<()> {
+        let pool = self.pool(BACKLOG_WRITERS as u32, Notify::Suppress).await?;
+        let chunks = events.div_ceil(BACKLOG_CHUNK as u64);
+        let mut writers = JoinSet::new();
+        for writer in 0..BACKLOG_WRITERS as u64 {
+            let pool = pool.clone();
+            writers.spawn(async move {
+                let mut ids = Vec::with_capacity(BACKLOG_CHUNK);
+                for chunk in (writer..chunks).step_by(BACKLOG_WRITERS) {
+                    let rows = (events - chunk * BACKLOG_CHUNK as u64).min(BACKLOG_CHUNK as u64);
+                    ids.clear();
+                    ids.extend((0..rows).map(|_| Uuid::now_v7()));
+                    workload::insert_backlog_chunk(&pool, &ids).await?;
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(result) = writers.join_next().await {
+            result.context("a backlog writer panicked")??;
+        }
+        pool.close().await;
+        self.settle().await
+    }
+
+    /// Vacuums and analyzes the outbox tables and checkpoints: what autovacuum would have
+    /// done by the time a real backlog had built up, and no checkpoint left pending to
+    /// land in the middle of the next measurement.
+    pub async fn settle(&self) -> anyhow::Result<()> {
+        let mut connection = self.connect().await?;
+        connection
+            .execute("VACUUM (ANALYZE) outbox_events, outbox_deliveries, outbox_subscriptions")
+            .await
+            .context("cannot vacuum the outbox tables")?;
+        self.checkpoint(&mut connection).await;
+        Ok(())
+    }
+
+    /// Drops the database, cutting off any connection left.
+    pub async fn drop_database(&self) -> anyhow::Result<()> {
+        let mut admin = PgConnection::connect_with(&self.server.clone().database("postgres"))
+            .await
+            .context("cannot connect to PostgreSQL to drop the benchmark database")?;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            )))
+            .await
+            .with_context(|| format!("cannot drop database {}", self.name))?;
+        let _ = admin.close().await;
+        Ok(())
+    }
+
+    /// Flushes dirty buffers now rather than during the next measurement. Needs
+    /// superuser or pg_checkpoint; without them the benchmark goes on without it.
+    async fn checkpoint(&self, connection: &mut PgConnection) {
+        if !self.checkpoints {
+            return;
+        }
+        if let Err(error) = connection.execute("CHECKPOINT").await {
+            eprintln!("note: CHECKPOINT failed ({error}); figures may include checkpoint pauses");
+        }
+    }
+
+    async fn connect(&self) -> anyhow::Result<PgConnection> {
+        PgConnection::connect_with(&self.server.clone().database(&self.name))
+            .await
+            .with_context(|| format!("cannot connect to {}", self.name))
+    }
+}
+
+/// `server_url` with `sslmode=disable` added when it does not choose an sslmode.
+fn without_tls_unless_set(server_url: &str) -> String {
+    if server_url.contains("sslmode=") {
+        server_url.to_owned()
+    } else if server_url.contains('?') {
+        format!("{server_url}&sslmode=disable")
+    } else {
+        format!("{server_url}?sslmode=disable")
+    }
+}
+
+fn is_local_host(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host.starts_with('/')
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|address| address.is_loopback())
+}
+
+/// `server_url` with its database path replaced by `database` (query parameters kept).
+fn database_url(server_url: &str, database: &str) -> String {
+    let (base, query) = match server_url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (server_url, None),
+    };
+    let authority_start = base.find("://").map_or(0, |index| index + 3);
+    let path_start = base[authority_start..]
+        .find('/')
+        .map_or(base.len(), |index| authority_start + index);
+    let mut url = format!("{}/{database}", &base[..path_start]);
+    if let Some(query) = query {
+        url.push('?');
+        url.push_str(query);
+    }
+    url
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_the_database_of_a_url() {
+        assert_eq!(
+            database_url("postgres://postgres@127.0.0.1:5432", "b"),
+            "postgres://postgres@127.0.0.1:5432/b"
+        );
+        assert_eq!(
+            database_url("postgres://u:p@localhost/postgres?sslmode=disable", "b"),
+            "postgres://u:p@localhost/b?sslmode=disable"
+        );
+    }
+
+    #[test]
+    fn disables_tls_unless_the_url_chooses() {
+        assert_eq!(
+            without_tls_unless_set("postgres://postgres@127.0.0.1:5432"),
+            "postgres://postgres@127.0.0.1:5432?sslmode=disable"
+        );
+        assert_eq!(
+            without_tls_unless_set("postgres://h/db?application_name=x"),
+            "postgres://h/db?application_name=x&sslmode=disable"
+        );
+        assert_eq!(
+            without_tls_unless_set("postgres://h?sslmode=require"),
+            "postgres://h?sslmode=require"
+        );
+    }
+
+    #[test]
+    fn accepts_only_local_hosts() {
+        for host in [
+            "127.0.0.1",
+            "127.0.0.2",
+            "::1",
+            "[::1]",
+            "localhost",
+            "/run/postgresql",
+        ] {
+            assert!(is_local_host(host), "{host}");
+        }
+        for host in ["10.0.0.5", "db.example.com", "192.168.1.2"] {
+            assert!(!is_local_host(host), "{host}");
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! The gateway under test, run as a child process: started on a free loopback port against
+//! the benchmark database, health-checked over gRPC, reached through a pool of gRPC
+//! channels, sampled through /proc (resident memory, CPU seconds) and stopped with
+//! SIGTERM. Also reads the CPU time of PostgreSQL and of this process, for the cost
+//! figures.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use outbox_gateway::proto::{
+    self, admin_client::AdminClient, publisher_client::PublisherClient,
+    subscriber_client::SubscriberClient,
+};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+/// How long a starting gateway may take to report SERVING.
+const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
+/// How long a stopping gateway may take to exit after SIGTERM before it is killed.
+const EXIT_WITHIN: Duration = Duration::from_secs(15);
+
+/// Starts gateway processes for one benchmark database.
+pub struct GatewayLauncher {
+    binary: PathBuf,
+    database_url: String,
+    extra_args: Vec<String>,
+}
+
+impl GatewayLauncher {
+    pub fn new(binary: PathBuf, database_url: String, extra_args: Vec<String>) -> Self {
+        GatewayLauncher {
+            binary,
+            database_url,
+            extra_args,
+        }
+    }
+
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    /// Applies the schema with `outbox-gateway migrate`.
+    pub fn migrate(&self) -> anyhow::Result<()> {
+        let output = Command::new(&self.binary)
+            .args(["migrate", "--log-level", "warn", "--database-url"])
+            .arg(&self.database_url)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("cannot run {}", self.binary.display()))?;
+        if !output.status.success() {
+            bail!(
+                "`{} migrate` failed ({}): {}",
+                self.binary.display(),
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+
+    /// Starts a gateway on a free loopback port, waits until it reports SERVING and
+    /// connects `channels` gRPC channels to it.
+    pub async fn start(&self, channels: usize) -> anyhow::Result<Gateway> {
+        let address = free_loopback_address()?;
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("serve")
+            .arg("--listen")
+            .arg(address.to_string())
+            .arg("--database-url")
+            .arg(&self.database_url)
+            .args(["--log-level", "warn"])
+            .args(&self.extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        // SAFETY: prctl is async-signal-safe; it only asks the kernel to send SIGTERM to
+        // the gateway when the thread that started it (a runtime worker, alive as long as
+        // the benchmark) exits, so a killed benchmark leaves no gateway behind.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("cannot start the gateway {}", self.binary.display()))?;
+        let mut gateway = Gateway {
+            child,
+            address,
+            channels: Vec::new(),
+            next_channel: Arc::new(AtomicUsize::new(0)),
+        };
+        gateway.wait_until_serving().await?;
+        gateway.channels = connect_channels(address, channels.max(1)).await?;
+        Ok(gateway)
+    }
+}
+
+/// A running gateway process. Dropping it kills the process.
+pub struct Gateway {
+    child: Child,
+    address: SocketAddr,
+    channels: Vec<Channel>,
+    next_channel: Arc<AtomicUsize>,
+}
+
+impl Gateway {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The next channel of the pool, round-robin: callers and streams spread over the
+    /// pool's HTTP/2 connections.
+    pub fn channel(&self) -> Channel {
+        let index = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        self.channels[index % self.channels.len()].clone()
+    }
+
+    pub fn publisher(&self) -> PublisherClient<Channel> {
+        PublisherClient::new(self.channel())
+    }
+
+    pub fn subscriber(&self) -> SubscriberClient<Channel> {
+        SubscriberClient::new(self.channel())
+    }
+
+    pub fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::new(self.channel())
+    }
+
+    /// Creates a subscription to every event type, starting at the earliest retained
+    /// event (`earliest`) or at the latest.
+    pub async fn create_subscription(&self, name: &str, earliest: bool) -> anyhow::Result<()> {
+        let boundary = if earliest {
+            proto::Boundary::Earliest
+        } else {
+            proto::Boundary::Latest
+        };
+        self.admin()
+            .create_subscription(proto::CreateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    name: name.into(),
+                    start: Some(proto::StartPosition {
+                        position: Some(proto::start_position::Position::Boundary(boundary as i32)),
+                    }),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .with_context(|| format!("CreateSubscription {name:?} failed"))?;
+        Ok(())
+    }
+
+    pub async fn delete_subscription(&self, name: &str) -> anyhow::Result<()> {
+        self.admin()
+            .delete_subscription(proto::DeleteSubscriptionRequest { name: name.into() })
+            .await
+            .with_context(|| format!("DeleteSubscription {name:?} failed"))?;
+        Ok(())
+    }
+
+    /// Resident memory and CPU time of the gateway process now.
+    pub fn stats(&self) -> anyhow::Result<ProcessStats> {
+        ProcessStats::read(self.child.id())
+            .with_context(|| format!("cannot read /proc for the gateway (pid {})", self.pid()))
+    }
+
+    /// CPU seconds used so far by the gateway, PostgreSQL and this process.
+    pub fn cpu_snapshot(&self) -> CpuSnapshot {
+        CpuSnapshot {
+            gateway: self.stats().map(|s| s.cpu_seconds).unwrap_or(f64::NAN),
+            postgres: postgres_cpu_seconds(),
+            bench: ProcessStats::read(std::process::id())
+                .map(|s| s.cpu_seconds)
+                .unwrap_or(f64::NAN),
+        }
+    }
+
+    /// Fails when the gateway process has exited.
+    pub fn check_running(&mut self) -> anyhow::Result<()> {
+        match self.child.try_wait()? {
+            Some(status) => bail!("the gateway exited ({status}); its log is above"),
+            None => Ok(()),
+        }
+    }
+
+    /// Asks the gateway to shut down (SIGTERM) and waits for it to exit.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.channels.clear();
+        if self.child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        // SAFETY: kill(2) on the pid of a child this process has not reaped yet.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + EXIT_WITHIN;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                if !status.success() {
+                    bail!("the gateway exited with {status} after SIGTERM");
+                }
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.child.kill()?;
+        self.child.wait()?;
+        bail!(
+            "the gateway did not exit within {} s of SIGTERM and was killed",
+            EXIT_WITHIN.as_secs()
+        )
+    }
+
+    async fn wait_until_serving(&mut self) -> anyhow::Result<()> {
+        let endpoint = endpoint(self.address)?;
+        let deadline = Instant::now() + HEALTHY_WITHIN;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("the gateway exited ({status}) before it became healthy; its log is above");
+            }
+            if let Ok(channel) = endpoint.connect().await {
+                let response = HealthClient::new(channel)
+                    .check(HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .await;
+                if let Ok(response) = response
+                    && response.into_inner().status == ServingStatus::Serving as i32
+                {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the gateway at {} did not report SERVING within {} s",
+                    self.address,
+                    HEALTHY_WITHIN.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Opens `count` gRPC channels (HTTP/2 connections) to the gateway.
+pub async fn connect_channels(address: SocketAddr, count: usize) -> anyhow::Result<Vec<Channel>> {
+    let endpoint = endpoint(address)?;
+    let mut channels = Vec::with_capacity(count);
+    for _ in 0..count {
+        channels.push(
+            endpoint
+                .connect()
+                .await
+                .with_context(|| format!("cannot connect to the gateway at {address}"))?,
+        );
+    }
+    Ok(channels)
+}
+
+fn endpoint(address: SocketAddr) -> anyhow::Result<Endpoint> {
+    Ok(Endpoint::from_shared(format!("http://{address}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5)))
+}
+
+/// A loopback port nobody listens on right now.
+fn free_loopback_address() -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .context("cannot find a free port on 127.0.0.1")?;
+    Ok(listener.local_addr()?)
+}
+
+/// Resident memory and CPU time of one process, from /proc.
+#[derive(Debug, Clone, Copy)]
+pub struct ProcessStats {
+    /// VmRSS.
+    pub rss_bytes: u64,
+    /// VmHWM: the peak resident set size so far.
+    pub peak_rss_bytes: u64,
+    /// utime + stime.
+    pub cpu_seconds: f64,
+}
+
+impl ProcessStats {
+    pub fn read(pid: u32) -> anyhow::Result<ProcessStats> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let kilobytes = |key: &str| -> anyhow::Result<u64> {
+            let line = status
+                .lines()
+                .find(|line| line.starts_with(key))
+                .with_context(|| format!("no {key} in /proc/{pid}/status"))?;
+            let value = line[key.len()..]
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .with_context(|| format!("malformed {line:?} in /proc/{pid}/status"))?;
+            Ok(value * 1024)
+        };
+        Ok(ProcessStats {
+            rss_bytes: kilobytes("VmRSS:")?,
+            peak_rss_bytes: kilobytes("VmHWM:")?,
+            cpu_seconds: cpu_seconds(pid)?,
+        })
+    }
+
+    pub fn rss_mib(&self) -> f64 {
+        self.rss_bytes as f64 / (1024.0 * 1024.0)
+    }
+
+    pub fn peak_rss_mib(&self) -> f64 {
+        self.peak_rss_bytes as f64 / (1024.0 * 1024.0)
+    }
+}
+
+/// CPU seconds at one moment, for [`crate::measure::CpuUse`].
+#[derive(Debug, Clone, Copy)]
+pub struct CpuSnapshot {
+    pub gateway: f64,
+    pub postgres: f64,
+    pub bench: f64,
+}
+
+/// utime + stime of a process from /proc/<pid>/stat, in seconds.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) is in parentheses and may contain spaces: count fields
+    // after its closing parenthesis, where field 3 (state) comes first.
+    let after_name = stat
+        .rfind(')')
+        .map(|index| &stat[index + 1..])
+        .with_context(|| format!("malformed /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks = |field: usize| -> anyhow::Result<u64> {
+        fields
+            .get(field - 3)
+            .and_then(|value| value.parse().ok())
+            .with_context(|| format!("malformed field {field} of /proc/{pid}/stat"))
+    };
+    Ok((ticks(14)? + ticks(15)?) as f64 / clock_ticks_per_second())
+}
+
+/// CPU seconds of every process named `postgres` (the server and its backends) that is
+/// alive now. Backends that exited meanwhile drop out, so compare snapshots only over
+/// windows in which the connections stay open.
+fn postgres_cpu_seconds() -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return f64::NAN;
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|name| name.trim_end() == "postgres")
+        })
+        .filter_map(|pid| cpu_seconds(pid).ok())
+        .sum()
+}
+
+/// The kernel's clock tick rate (what `getconf CLK_TCK` prints), normally 100.
+fn clock_ticks_per_second() -> f64 {
+    static TICKS: OnceLock<f64> = OnceLock::new();
+    *TICKS.get_or_init(|| {
+        // SAFETY: sysconf only reads a configuration value.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if ticks > 0 { ticks as f64 } else { 100.0 }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_this_process() {
+        let stats = ProcessStats::read(std::process::id()).unwrap();
+        assert!(stats.rss_bytes > 0);
+        assert!(stats.peak_rss_bytes >= stats.rss_bytes);
+        assert!(stats.cpu_seconds >= 0.0);
+    }
+}

@@ -1,0 +1,239 @@
+//! deliver and fanout: a backlog inserted straight into the outbox table, then consumed
+//! through Subscribe streams that ack in batches. deliver drains it through one fresh
+//! subscription with 1 and then 4 streams; fanout through four subscriptions at once.
+
+use serde_json::json;
+
+use super::{Bench, DELIVER_BACKLOG, progress};
+use crate::{
+    consume::GroupOutcome,
+    gateway::Gateway,
+    measure::{CpuUse, round},
+    report::{Report, Table, Target, format_number},
+};
+
+const DELIVER_STREAMS: [usize; 2] = [1, 4];
+const FANOUT_SUBSCRIPTIONS: usize = 4;
+
+pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
+    let scenario = "deliver";
+    let backlog = bench.settings.events(DELIVER_BACKLOG);
+    progress(
+        scenario,
+        format!(
+            "inserting a backlog of {} events",
+            format_number(backlog as f64)
+        ),
+    );
+    bench.database.fill_backlog(backlog).await?;
+
+    let mut report = Report::new(
+        scenario,
+        format!(
+            "draining a backlog of {} events through one subscription, acks in batches of 100",
+            format_number(backlog as f64)
+        ),
+    );
+    let mut table = Table::new(
+        "delivered and acked",
+        &[
+            "streams",
+            "events",
+            "seconds",
+            "events/s",
+            "drained",
+            "gateway CPU s/M ev",
+        ],
+    );
+    let mut runs = Vec::new();
+    let mut series = Vec::new();
+    for streams in DELIVER_STREAMS {
+        let before = gateway.cpu_snapshot();
+        let outcome = bench
+            .deliver(
+                gateway,
+                &format!("deliver-{streams}s"),
+                1,
+                streams,
+                backlog,
+                bench.settings.deliver_limit,
+            )
+            .await?;
+        let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
+        progress(
+            scenario,
+            format!(
+                "{streams} stream(s): {} events/s",
+                format_number(outcome.per_second())
+            ),
+        );
+        table.row(vec![
+            streams.to_string(),
+            format_number(outcome.acked() as f64),
+            format!("{:.2}", outcome.seconds),
+            format_number(outcome.per_second()),
+            yes_no(outcome.completed()),
+            format!("{:.1}", cpu.gateway_per_million(outcome.acked())),
+        ]);
+        if !outcome.completed() {
+            report.notes.push(cut_off_note(&outcome, streams));
+        }
+        series.push(
+            outcome
+                .total_samples
+                .clone()
+                .labelled(format!("{streams} stream(s)")),
+        );
+        runs.push(json!({
+            "streams": streams,
+            "events": outcome.acked(),
+            "seconds": round(outcome.seconds, 3),
+            "events_per_s": round(outcome.per_second(), 1),
+            "drained": outcome.completed(),
+            "stale_acks": outcome.subscriptions.iter().map(|s| s.stale).sum::<u64>(),
+            "cpu_s": cpu.to_json(),
+            "gateway_cpu_s_per_million": round(cpu.gateway_per_million(outcome.acked()), 2),
+        }));
+        if streams == 4 {
+            report.targets.push(Target::at_least(
+                "4 streams",
+                outcome.per_second(),
+                25_000.0,
+                " events/s",
+            ));
+        }
+        // Vacuum the delivery records the acks deleted before the next run.
+        bench.database.settle().await?;
+    }
+    report.tables.push(table);
+    report.figure("backlog", backlog);
+    report.figure("runs", runs);
+    bench.time_chart(
+        &mut report,
+        "deliver-throughput.svg",
+        "deliver: acked events/s while draining the backlog",
+        "events/s",
+        &series,
+    )?;
+    Ok(report)
+}
+
+pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
+    let scenario = "fanout";
+    let backlog = bench.settings.events(DELIVER_BACKLOG);
+    progress(
+        scenario,
+        format!(
+            "inserting a backlog of {} events",
+            format_number(backlog as f64)
+        ),
+    );
+    bench.database.fill_backlog(backlog).await?;
+
+    let before = gateway.cpu_snapshot();
+    let outcome = bench
+        .deliver(
+            gateway,
+            "fanout",
+            FANOUT_SUBSCRIPTIONS,
+            1,
+            backlog,
+            bench.settings.deliver_limit,
+        )
+        .await?;
+    let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
+    progress(
+        scenario,
+        format!("{} events/s in total", format_number(outcome.per_second())),
+    );
+
+    let mut report = Report::new(
+        scenario,
+        format!(
+            "{FANOUT_SUBSCRIPTIONS} subscriptions (one stream each) draining the same backlog of {} events at once",
+            format_number(backlog as f64)
+        ),
+    );
+    let mut table = Table::new(
+        "delivered and acked",
+        &["subscription", "events", "seconds", "events/s", "drained"],
+    );
+    for subscription in &outcome.subscriptions {
+        table.row(vec![
+            subscription.name.clone(),
+            format_number(subscription.acked as f64),
+            format!("{:.2}", subscription.seconds),
+            format_number(subscription.per_second()),
+            yes_no(subscription.completed),
+        ]);
+    }
+    table.row(vec![
+        "total".into(),
+        format_number(outcome.acked() as f64),
+        format!("{:.2}", outcome.seconds),
+        format_number(outcome.per_second()),
+        yes_no(outcome.completed()),
+    ]);
+    report.tables.push(table);
+    if !outcome.completed() {
+        report.notes.push(cut_off_note(&outcome, 1));
+    }
+    report.figure("backlog", backlog);
+    report.figure(
+        "subscriptions",
+        outcome
+            .subscriptions
+            .iter()
+            .map(|s| {
+                json!({
+                    "name": s.name,
+                    "events": s.acked,
+                    "seconds": round(s.seconds, 3),
+                    "events_per_s": round(s.per_second(), 1),
+                    "drained": s.completed,
+                })
+            })
+            .collect::<Vec<_>>(),
+    );
+    report.figure("total_events", outcome.acked());
+    report.figure("total_seconds", round(outcome.seconds, 3));
+    report.figure("total_events_per_s", round(outcome.per_second(), 1));
+    report.figure("cpu_s", cpu.to_json());
+    report.figure(
+        "gateway_cpu_s_per_million",
+        round(cpu.gateway_per_million(outcome.acked()), 2),
+    );
+    report.targets.push(Target::at_least(
+        "total over 4 subscriptions",
+        outcome.per_second(),
+        20_000.0,
+        " events/s",
+    ));
+    let mut series: Vec<_> = outcome
+        .subscriptions
+        .iter()
+        .map(|s| s.samples.clone())
+        .collect();
+    series.push(outcome.total_samples.clone());
+    bench.time_chart(
+        &mut report,
+        "fanout-throughput.svg",
+        "fanout: acked events/s per subscription and in total",
+        "events/s",
+        &series,
+    )?;
+    Ok(report)
+}
+
+fn yes_no(value: bool) -> String {
+    if value { "yes" } else { "no" }.to_owned()
+}
+
+fn cut_off_note(outcome: &GroupOutcome, streams: usize) -> String {
+    format!(
+        "the run with {streams} stream(s) per subscription was cut off after {:.0} s with {} events acked; \
+         the rate covers that time",
+        outcome.seconds,
+        format_number(outcome.acked() as f64)
+    )
+}

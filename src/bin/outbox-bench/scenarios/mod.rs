@@ -1,0 +1,187 @@
+//! The scenarios of the benchmark, what they share (the run context, backlog delivery,
+//! chart output) and the order they run in. Each scenario gets a freshly started gateway
+//! and an empty database, so its figures do not depend on what ran before it.
+
+mod backlog;
+mod cost;
+mod deliver;
+mod latency;
+mod memory;
+mod publish;
+
+use std::{path::PathBuf, time::Duration};
+
+use crate::{
+    charts,
+    consume::{ConsumerConfig, ConsumerGroup, GroupOutcome, SubscriptionLoad},
+    database::BenchDatabase,
+    gateway::Gateway,
+    measure::{Series, Timing},
+    report::Report,
+};
+
+/// Base backlog of the deliver, fanout, memory and cost scenarios (scaled by `--scale`).
+pub const DELIVER_BACKLOG: u64 = 200_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    PublishBatch,
+    PublishSingle,
+    Deliver,
+    Fanout,
+    Latency,
+    BacklogScaling,
+    Memory,
+    Cost,
+}
+
+impl Scenario {
+    pub const ALL: [Scenario; 8] = [
+        Scenario::PublishBatch,
+        Scenario::PublishSingle,
+        Scenario::Deliver,
+        Scenario::Fanout,
+        Scenario::Latency,
+        Scenario::BacklogScaling,
+        Scenario::Memory,
+        Scenario::Cost,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::PublishBatch => "publish-batch",
+            Scenario::PublishSingle => "publish-single",
+            Scenario::Deliver => "deliver",
+            Scenario::Fanout => "fanout",
+            Scenario::Latency => "latency",
+            Scenario::BacklogScaling => "backlog-scaling",
+            Scenario::Memory => "memory",
+            Scenario::Cost => "cost",
+        }
+    }
+
+    /// Runs the scenario against `gateway` (started for it) and an empty database.
+    pub async fn run(self, bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
+        match self {
+            Scenario::PublishBatch => publish::batch(bench, gateway).await,
+            Scenario::PublishSingle => publish::single(bench, gateway).await,
+            Scenario::Deliver => deliver::deliver(bench, gateway).await,
+            Scenario::Fanout => deliver::fanout(bench, gateway).await,
+            Scenario::Latency => latency::run(bench, gateway).await,
+            Scenario::BacklogScaling => backlog::run(bench, gateway).await,
+            Scenario::Memory => memory::run(bench, gateway).await,
+            Scenario::Cost => cost::run(bench, gateway).await,
+        }
+    }
+}
+
+/// Sizes and durations of a run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub quick: bool,
+    /// Warm-up, measured window and sampling interval of every closed-loop timed run.
+    pub timing: Timing,
+    /// Multiplies every backlog size.
+    pub scale: f64,
+    /// Length of backlog-scaling's sustained deliver run.
+    pub sustain: Duration,
+    /// Longest a delivery run may take before it is cut off (and reported incomplete).
+    pub deliver_limit: Duration,
+    /// Pause before a memory reading, so the gateway settles.
+    pub settle: Duration,
+}
+
+impl Settings {
+    /// `base` events scaled by `--scale`.
+    pub fn events(&self, base: u64) -> u64 {
+        ((base as f64 * self.scale).round() as u64).max(100)
+    }
+}
+
+/// Everything a scenario needs besides its gateway.
+pub struct Bench {
+    pub settings: Settings,
+    pub database: BenchDatabase,
+    pub out_dir: PathBuf,
+}
+
+impl Bench {
+    /// Fills a backlog, creates `subscriptions` subscriptions starting at the earliest
+    /// event, consumes them with `streams` streams each until each has acked `target`
+    /// events (or the deliver limit passes), and deletes them again.
+    pub async fn deliver(
+        &self,
+        gateway: &Gateway,
+        name: &str,
+        subscriptions: usize,
+        streams: usize,
+        target: u64,
+        limit: Duration,
+    ) -> anyhow::Result<GroupOutcome> {
+        let names: Vec<String> = (1..=subscriptions)
+            .map(|index| format!("{name}-{index}"))
+            .collect();
+        for name in &names {
+            gateway.create_subscription(name, true).await?;
+        }
+        let loads: Vec<SubscriptionLoad> = names
+            .iter()
+            .map(|name| SubscriptionLoad {
+                name: name.clone(),
+                streams,
+                target,
+            })
+            .collect();
+        let group = ConsumerGroup::start(
+            gateway,
+            &loads,
+            ConsumerConfig::default(),
+            self.settings.timing.sample_interval,
+            |_| {},
+        )
+        .await?;
+        group.wait(limit).await;
+        let outcome = group.finish().await?;
+        for name in &names {
+            gateway.delete_subscription(name).await?;
+        }
+        Ok(outcome)
+    }
+
+    /// Where a chart file goes.
+    pub fn chart_path(&self, file: &str) -> PathBuf {
+        self.out_dir.join(file)
+    }
+
+    /// Draws a time chart into the output directory and lists it in the report.
+    pub fn time_chart(
+        &self,
+        report: &mut Report,
+        file: &str,
+        title: &str,
+        y_label: &str,
+        series: &[Series],
+    ) -> anyhow::Result<()> {
+        charts::time_chart(&self.chart_path(file), title, y_label, series)?;
+        report.charts.push(file.to_owned());
+        Ok(())
+    }
+
+    /// Draws a latency-distribution chart into the output directory and lists it.
+    pub fn latency_chart(
+        &self,
+        report: &mut Report,
+        file: &str,
+        title: &str,
+        curves: &[(String, &hdrhistogram::Histogram<u64>)],
+    ) -> anyhow::Result<()> {
+        charts::latency_chart(&self.chart_path(file), title, curves)?;
+        report.charts.push(file.to_owned());
+        Ok(())
+    }
+}
+
+/// Progress for the person watching (stderr, so stdout stays tables and JSON).
+pub fn progress(scenario: &str, message: impl std::fmt::Display) {
+    eprintln!("[{scenario}] {message}");
+}
