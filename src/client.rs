@@ -125,11 +125,17 @@ pub enum ClientError {
     Unavailable(Status),
 }
 
-/// Calls worth retrying: the gateway or its database may come back.
+/// Calls worth retrying: the gateway or its database may come back. A connection cut
+/// mid-call surfaces as UNKNOWN or CANCELLED too.
 fn is_transient(status: &Status) -> bool {
     matches!(
         status.code(),
-        Code::Unavailable | Code::ResourceExhausted | Code::DeadlineExceeded | Code::Aborted
+        Code::Unavailable
+            | Code::ResourceExhausted
+            | Code::DeadlineExceeded
+            | Code::Aborted
+            | Code::Unknown
+            | Code::Cancelled
     )
 }
 
@@ -137,14 +143,19 @@ fn is_transient(status: &Status) -> bool {
 /// each event once however often a call is retried.
 #[derive(Debug, Clone)]
 pub struct Publisher {
-    connection: Connection,
+    /// One connection for every call (created lazily, so `new` must run inside the Tokio
+    /// runtime); an invalid endpoint is reported by `publish`.
+    client: Result<PublisherClient<AuthenticatedChannel>, String>,
     max_attempts: u32,
 }
 
 impl Publisher {
     pub fn new(connection: Connection) -> Self {
         Publisher {
-            connection,
+            client: connection
+                .channel()
+                .map(PublisherClient::new)
+                .map_err(|error| error.to_string()),
             max_attempts: 5,
         }
     }
@@ -165,7 +176,7 @@ impl Publisher {
                 event.id = uuid::Uuid::now_v7().to_string();
             }
         }
-        let mut client = PublisherClient::new(self.connection.channel()?);
+        let mut client = self.client.clone().map_err(ClientError::Config)?;
         let mut delay = RETRY_FIRST_DELAY;
         let mut attempt = 1;
         loop {

@@ -25,8 +25,12 @@ use crate::{
     telemetry::TraceHeaders,
 };
 
-/// Committer tasks: one can fill its next group while another commits.
-const COMMITTERS: usize = 2;
+/// Committer tasks: several transactions in flight keep PostgreSQL's cores busy (and
+/// its group commit fed) while each gathers the calls that queued meanwhile.
+const COMMITTERS: usize = 4;
+/// A group stops growing at this many events: coalescing pays for small calls, while
+/// calls that are already large batches lose parallelism when merged.
+const MAX_GROUP_EVENTS: usize = 500;
 /// Calls waiting for a committer before Publish answers UNAVAILABLE.
 const QUEUE_CAPACITY: usize = 4096;
 
@@ -64,7 +68,7 @@ impl Publisher {
     pub fn new(store: Store, relay: Relay, limits: PublishLimits) -> Self {
         let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
         let receiver = Arc::new(Mutex::new(receiver));
-        let max_group_events = limits.max_batch_events.max(1000);
+        let max_group_events = MAX_GROUP_EVENTS;
         for _ in 0..COMMITTERS {
             tokio::spawn(commit_groups(
                 store.clone(),

@@ -191,6 +191,11 @@ impl Relay {
         if let Some(dispatcher) = self.dispatcher(subscription.id) {
             dispatcher.settled(&settled, Settlement::Acked);
         }
+        if subscription.settings.ordered && !settled.is_empty() {
+            // The acks may have released waiting events of their aggregates; the stream
+            // that gets them may be on another gateway.
+            self.events_committed();
+        }
         Ok(stale)
     }
 
@@ -218,6 +223,9 @@ impl Relay {
             metrics::nacked(name.as_str());
             if outcome.dead_lettered {
                 metrics::dead_lettered(name.as_str(), 1);
+                if subscription.settings.ordered {
+                    self.events_committed();
+                }
             }
             if let Some(dispatcher) = self.dispatcher(subscription.id) {
                 dispatcher.settled(

@@ -126,9 +126,14 @@ impl Store {
         if !config.database_url.contains("sslmode") && is_loopback(options.get_host()) {
             options = options.ssl_mode(PgSslMode::Disable);
         }
-        let options = options
+        let options = options.options([
             // The gateway wakes its relay in process; its inserts must not NOTIFY.
-            .options([("outbox.suppress_notify", "on")]);
+            ("outbox.suppress_notify", "on"),
+            // A generic plan of the claim cannot see the cursor and the batch limit, and
+            // bitmap-scans and sorts the whole backlog on every claim (130 ms instead of
+            // 0.5 ms for 500 of 50,000 events): always plan with the actual parameters.
+            ("plan_cache_mode", "force_custom_plan"),
+        ]);
         create_database_if_missing(&options).await?;
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)

@@ -1,0 +1,373 @@
+//! The gateways under test: `outbox-gateway serve` child processes, each on a loopback
+//! port of its own that it keeps across restarts, so one lazily connected gRPC channel
+//! per gateway serves for the whole run. Each process logs to `gateway-<n>.log`.
+
+use std::{
+    fs::{File, OpenOptions},
+    io::Write,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
+    os::unix::process::CommandExt,
+    path::PathBuf,
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::Mutex,
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+use crate::{chaos::ChaosCounters, check::Violation};
+
+/// How long a starting gateway may take to report SERVING.
+const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
+/// How long a gateway may take to exit after SIGTERM (its shutdown grace is 3 s).
+const EXIT_WITHIN: Duration = Duration::from_secs(15);
+
+/// Flags of every gateway: quick polls, health checks and maintenance, so that the
+/// faults are noticed and repaired within the run; no metrics endpoint.
+const GATEWAY_FLAGS: &[&str] = &[
+    "--no-migrate",
+    "--metrics-listen",
+    "off",
+    "--poll-interval",
+    "200ms",
+    "--maintenance-interval",
+    "1s",
+    "--health-check-interval",
+    "200ms",
+    "--shutdown-grace",
+    "3s",
+    "--db-acquire-timeout",
+    "2s",
+    "--db-max-connections",
+    "6",
+    "--rpc-timeout",
+    "10s",
+];
+
+pub struct Cluster {
+    binary: PathBuf,
+    database_url: String,
+    log_dir: PathBuf,
+    log_level: String,
+    slots: Vec<Mutex<Slot>>,
+    channels: Vec<Channel>,
+}
+
+struct Slot {
+    address: SocketAddr,
+    process: Option<Child>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(process) = &mut self.process {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+    }
+}
+
+impl Cluster {
+    /// Migrates the database once, then starts `count` gateways and waits until each
+    /// reports SERVING.
+    pub async fn start(
+        binary: PathBuf,
+        database_url: String,
+        log_dir: PathBuf,
+        log_level: String,
+        count: usize,
+    ) -> anyhow::Result<Cluster> {
+        migrate(&binary, &database_url)?;
+        let mut slots = Vec::with_capacity(count);
+        let mut channels = Vec::with_capacity(count);
+        for _ in 0..count {
+            let address = free_loopback_address()?;
+            let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+                .connect_timeout(Duration::from_secs(1))
+                .http2_keep_alive_interval(Duration::from_secs(1))
+                .keep_alive_timeout(Duration::from_secs(2))
+                .keep_alive_while_idle(true);
+            channels.push(endpoint.connect_lazy());
+            slots.push(Mutex::new(Slot {
+                address,
+                process: None,
+            }));
+        }
+        let cluster = Cluster {
+            binary,
+            database_url,
+            log_dir,
+            log_level,
+            slots,
+            channels,
+        };
+        for index in 0..count {
+            cluster.restart(index).await?;
+        }
+        Ok(cluster)
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// `http://address` of every gateway.
+    pub fn endpoints(&self) -> impl Iterator<Item = String> + '_ {
+        self.slots
+            .iter()
+            .map(|slot| format!("http://{}", slot.lock().expect("slot lock").address))
+    }
+
+    /// The channel to gateway `index`; it reconnects by itself after a restart.
+    pub fn channel(&self, index: usize) -> Channel {
+        self.channels[index % self.channels.len()].clone()
+    }
+
+    fn slot(&self, index: usize) -> std::sync::MutexGuard<'_, Slot> {
+        self.slots[index].lock().expect("slot lock")
+    }
+
+    pub fn is_running(&self, index: usize) -> bool {
+        let mut slot = self.slot(index);
+        match &mut slot.process {
+            Some(process) => matches!(process.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Starts gateway `index` (again) on its port and waits until it is SERVING.
+    pub async fn restart(&self, index: usize) -> anyhow::Result<()> {
+        let address = {
+            let mut slot = self.slot(index);
+            if slot.process.is_some() {
+                bail!("gateway {index} is still running");
+            }
+            let log = self.open_log(index)?;
+            let mut command = Command::new(&self.binary);
+            command
+                .arg("serve")
+                .arg("--listen")
+                .arg(slot.address.to_string())
+                .arg("--database-url")
+                .arg(&self.database_url)
+                .args(["--log-level", &self.log_level])
+                .args(GATEWAY_FLAGS)
+                .env_remove("RUST_LOG")
+                .env("NO_COLOR", "1")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone()?)
+                .stderr(log);
+            // SAFETY: prctl is async-signal-safe; it asks the kernel to kill the gateway
+            // when the runtime thread that started it exits, so a killed chaos run leaves
+            // no gateway behind.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            slot.process = Some(
+                command
+                    .spawn()
+                    .with_context(|| format!("cannot start {}", self.binary.display()))?,
+            );
+            slot.address
+        };
+        self.wait_until_serving(index, address).await
+    }
+
+    /// Appends to the gateway's log file, marking where this start begins.
+    fn open_log(&self, index: usize) -> anyhow::Result<File> {
+        let path = self.log_path(index);
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        writeln!(
+            file,
+            "===== outbox-chaos: starting gateway {index} at {} =====",
+            chrono::Utc::now().to_rfc3339()
+        )?;
+        Ok(file)
+    }
+
+    fn log_path(&self, index: usize) -> PathBuf {
+        self.log_dir.join(format!("gateway-{index}.log"))
+    }
+
+    async fn wait_until_serving(&self, index: usize, address: SocketAddr) -> anyhow::Result<()> {
+        let deadline = Instant::now() + HEALTHY_WITHIN;
+        while Instant::now() < deadline {
+            if !self.is_running(index) {
+                bail!(
+                    "gateway {index} exited while starting; see {}",
+                    self.log_path(index).display()
+                );
+            }
+            let mut health = HealthClient::new(self.channel(index));
+            let check = health.check(HealthCheckRequest {
+                service: String::new(),
+            });
+            if let Ok(Ok(response)) = tokio::time::timeout(Duration::from_secs(1), check).await
+                && response.into_inner().status == ServingStatus::Serving as i32
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!("gateway {index} on {address} did not report SERVING within {HEALTHY_WITHIN:?}")
+    }
+
+    /// `kill -9` gateway `index`; false when it was not running.
+    pub async fn kill(&self, index: usize) -> bool {
+        let Some(mut process) = self.slot(index).process.take() else {
+            return false;
+        };
+        let _ = process.kill();
+        let _ = wait_for_exit(&mut process, EXIT_WITHIN).await;
+        true
+    }
+
+    /// SIGTERM gateway `index` and waits for it to exit; an error describes a gateway
+    /// that did not exit in time (it is killed then) or exited with a failure.
+    pub async fn terminate(&self, index: usize) -> Result<(), String> {
+        let Some(mut process) = self.slot(index).process.take() else {
+            return Ok(());
+        };
+        send_sigterm(&process);
+        self.await_termination(index, &mut process).await
+    }
+
+    async fn await_termination(&self, index: usize, process: &mut Child) -> Result<(), String> {
+        let started = Instant::now();
+        match wait_for_exit(process, EXIT_WITHIN).await {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => Err(format!(
+                "gateway {index} exited with {status} after SIGTERM; see {}",
+                self.log_path(index).display()
+            )),
+            None => {
+                let _ = process.kill();
+                let _ = wait_for_exit(process, EXIT_WITHIN).await;
+                Err(format!(
+                    "gateway {index} had not exited {:?} after SIGTERM (shutdown grace 3s); killed it",
+                    started.elapsed()
+                ))
+            }
+        }
+    }
+
+    /// Restarts every gateway that is not running (one crashed on its own, or the
+    /// fault injector left it down).
+    pub async fn ensure_all_running(&self, counters: &ChaosCounters) {
+        for index in 0..self.len() {
+            if self.is_running(index) {
+                continue;
+            }
+            if self.slot(index).process.take().is_some() {
+                counters.violation(Violation::new(
+                    "gateway crash",
+                    format!(
+                        "gateway {index} exited on its own; see {}",
+                        self.log_path(index).display()
+                    ),
+                ));
+            }
+            if let Err(error) = self.restart(index).await {
+                counters.violation(Violation::new("gateway restart", format!("{error:#}")));
+            }
+        }
+    }
+
+    /// SIGTERM every gateway at once; reports those that did not stop cleanly.
+    pub async fn stop_all(&self) -> Vec<Violation> {
+        let stopping: Vec<(usize, Child)> = (0..self.len())
+            .filter_map(|index| self.slot(index).process.take().map(|p| (index, p)))
+            .collect();
+        stopping
+            .iter()
+            .for_each(|(_, process)| send_sigterm(process));
+        let mut violations = Vec::new();
+        for (index, mut process) in stopping {
+            if let Err(detail) = self.await_termination(index, &mut process).await {
+                violations.push(Violation::new("graceful shutdown", detail));
+            }
+        }
+        violations
+    }
+
+    /// Panics the gateways logged during the run.
+    pub fn panics(&self) -> Vec<Violation> {
+        (0..self.len())
+            .flat_map(|index| {
+                let path = self.log_path(index);
+                let log = std::fs::read_to_string(&path).unwrap_or_default();
+                log.lines()
+                    .filter(|line| line.contains("panicked at"))
+                    .map(|line| {
+                        Violation::new(
+                            "gateway panic",
+                            format!("gateway {index} ({}): {line}", path.display()),
+                        )
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+}
+
+fn send_sigterm(process: &Child) {
+    // SAFETY: plain kill(2) on the pid of a child this process has not reaped yet.
+    unsafe {
+        libc::kill(process.id() as libc::pid_t, libc::SIGTERM);
+    }
+}
+
+/// Polls for the exit of `process` for at most `within`.
+async fn wait_for_exit(process: &mut Child, within: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(Some(status)) = process.try_wait() {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn migrate(binary: &PathBuf, database_url: &str) -> anyhow::Result<()> {
+    let output = Command::new(binary)
+        .args([
+            "migrate",
+            "--log-level",
+            "warn",
+            "--database-url",
+            database_url,
+        ])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run {}", binary.display()))?;
+    if !output.status.success() {
+        bail!(
+            "`{} migrate` failed ({}): {}",
+            binary.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn free_loopback_address() -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(listener.local_addr()?)
+}

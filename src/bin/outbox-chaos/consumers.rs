@@ -1,0 +1,506 @@
+//! Consumers: several Subscribe streams per subscription, spread over the gateways and
+//! reconnecting to any live one, settling each delivery after a short random delay —
+//! mostly acks, sometimes a nack with a short `retry_after`, now and then nothing at all
+//! (the lease runs out). They use the raw gRPC stubs so that the [`Journal`] records
+//! exactly when each delivery arrived and how each ack and nack was answered.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::Context;
+use outbox_gateway::{
+    domain::PatternSet,
+    proto::{self, admin_client::AdminClient, subscriber_client::SubscriberClient},
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use tokio::{
+    sync::mpsc,
+    task::JoinSet,
+    time::{Instant, timeout},
+};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::{cluster::Cluster, database::Unsettled, ledger::Ledger};
+
+/// Longest an Ack or Nack call may take before it counts as failed.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Deliveries a stream may hold at once.
+const MAX_IN_FLIGHT: u32 = 16;
+/// Acks are sent in batches of at most this many, at least every `ACK_FLUSH`.
+const ACK_BATCH: usize = 50;
+const ACK_FLUSH: Duration = Duration::from_millis(15);
+
+/// A subscription of the run and how its consumers behave.
+#[derive(Debug, Clone)]
+pub struct SubscriptionSpec {
+    pub name: &'static str,
+    /// Event-type patterns; empty for every event.
+    pub event_types: &'static [&'static str],
+    pub ordered: bool,
+    /// Competing streams, spread over the gateways.
+    pub streams: usize,
+    pub ack_deadline: Duration,
+    /// Whether consumers sometimes leave a delivery unsettled until its lease expires.
+    pub forgets: bool,
+    patterns: PatternSet,
+}
+
+impl SubscriptionSpec {
+    pub fn all() -> Vec<SubscriptionSpec> {
+        let spec = |name, event_types: &'static [&'static str], ordered, streams, forgets| {
+            SubscriptionSpec {
+                name,
+                event_types,
+                ordered,
+                streams,
+                ack_deadline: Duration::from_secs(if ordered { 5 } else { 3 }),
+                forgets,
+                patterns: PatternSet::parse(event_types).expect("valid patterns"),
+            }
+        };
+        vec![
+            spec("chaos-all", &[], false, 6, true),
+            spec("chaos-ordered", &[], true, 3, false),
+            spec("chaos-orders", &["order.*"], false, 3, true),
+        ]
+    }
+
+    /// Whether an event of this type belongs to the subscription.
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.patterns.is_empty() || self.patterns.matches(event_type)
+    }
+
+    /// Creates the subscription (from the earliest event, retrying forever).
+    pub async fn create(&self, cluster: &Cluster) -> anyhow::Result<()> {
+        let subscription = proto::Subscription {
+            name: self.name.into(),
+            event_types: self.event_types.iter().map(|t| t.to_string()).collect(),
+            start: Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                )),
+            }),
+            ack_deadline: prost_types::Duration::try_from(self.ack_deadline).ok(),
+            max_attempts: Some(0),
+            retry_backoff_min: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 100_000_000,
+            }),
+            retry_backoff_max: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            ordered: self.ordered,
+            ..Default::default()
+        };
+        AdminClient::new(cluster.channel(0))
+            .create_subscription(proto::CreateSubscriptionRequest {
+                subscription: Some(subscription),
+            })
+            .await
+            .with_context(|| format!("cannot create subscription {}", self.name))?;
+        Ok(())
+    }
+}
+
+/// One delivery as a consumer received it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// Index into the journal's subscriptions.
+    pub subscription: usize,
+    pub event: Uuid,
+    /// `aggregate_type/aggregate_id`.
+    pub aggregate: String,
+    pub event_type: String,
+    pub version: Option<i64>,
+    pub attempt: u32,
+    pub ack_id: String,
+    pub at: Instant,
+    pub stream: u64,
+    pub gateway: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleKind {
+    Ack,
+    Nack,
+}
+
+/// How the gateway answered an ack or a nack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Answered OK and not stale: the lease was live when it was applied.
+    Applied,
+    /// Stale (`stale_ack_ids`, or FAILED_PRECONDITION for a nack): nothing changed.
+    Stale,
+    /// The call failed: it may or may not have been applied.
+    Failed(String),
+}
+
+/// One ack or nack of one delivery.
+#[derive(Debug, Clone)]
+pub struct Settlement {
+    pub kind: SettleKind,
+    /// The gateway the call went to.
+    pub gateway: usize,
+    pub sent: Instant,
+    pub answered: Instant,
+    pub answer: Answer,
+}
+
+/// Everything the consumers saw, for the checks.
+pub struct Journal {
+    pub specs: Vec<SubscriptionSpec>,
+    state: Mutex<JournalState>,
+    next_stream: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+pub struct JournalState {
+    /// In order of arrival.
+    pub received: Vec<Received>,
+    /// By ack id.
+    pub settlements: HashMap<String, Vec<Settlement>>,
+    /// `(subscription, event)` pairs with an ack answered OK.
+    pub acked: HashSet<(usize, Uuid)>,
+    /// Pairs with an ack whose call failed (it may have been applied).
+    pub ack_failed: HashSet<(usize, Uuid)>,
+    pub streams_opened: u64,
+    pub subscribe_failures: u64,
+    /// Streams that ended with an error, by gRPC code (or "closed").
+    pub stream_ends: HashMap<String, u64>,
+    pub forgotten: u64,
+}
+
+impl Journal {
+    pub fn new(specs: Vec<SubscriptionSpec>) -> Journal {
+        Journal {
+            specs,
+            state: Mutex::new(JournalState::default()),
+            next_stream: AtomicU64::new(0),
+        }
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, JournalState> {
+        self.state.lock().expect("journal lock")
+    }
+
+    fn record_settlement(&self, received: &Received, settlement: Settlement) {
+        let mut state = self.state();
+        let pair = (received.subscription, received.event);
+        if settlement.kind == SettleKind::Ack {
+            match settlement.answer {
+                Answer::Applied => {
+                    state.acked.insert(pair);
+                }
+                Answer::Failed(_) => {
+                    state.ack_failed.insert(pair);
+                }
+                Answer::Stale => {}
+            }
+        }
+        state
+            .settlements
+            .entry(received.ack_id.clone())
+            .or_default()
+            .push(settlement);
+    }
+
+    /// `(subscription, event)` pairs still to be acked: committed events matching a
+    /// subscription, neither acked OK nor, after an ack whose answer was lost, gone from
+    /// the delivery records.
+    /// Counted per subscription.
+    pub fn outstanding(&self, ledger: &Ledger, unsettled: &Unsettled) -> Vec<usize> {
+        let ledger = ledger.state();
+        let state = self.state();
+        let mut outstanding = vec![0; self.specs.len()];
+        for event in ledger.committed.values() {
+            for (index, spec) in self.specs.iter().enumerate() {
+                if spec.matches(&event.event_type)
+                    && !is_settled(&state, unsettled, index, spec.name, event.id)
+                {
+                    outstanding[index] += 1;
+                }
+            }
+        }
+        outstanding
+    }
+}
+
+/// Whether the pair is known acked: an ack answered OK, or an ack whose call failed and
+/// whose delivery record is gone (the ack was applied; nothing else removes a record
+/// while subscriptions never dead-letter).
+pub fn is_settled(
+    state: &JournalState,
+    unsettled: &Unsettled,
+    subscription: usize,
+    name: &str,
+    event: Uuid,
+) -> bool {
+    let pair = (subscription, event);
+    state.acked.contains(&pair)
+        || (state.ack_failed.contains(&pair) && !unsettled.contains_key(&(name.to_owned(), event)))
+}
+
+/// The running consumers.
+pub struct Consumers {
+    tasks: JoinSet<()>,
+}
+
+impl Consumers {
+    /// Waits for every stream to close and its last acks to be answered.
+    pub async fn join(mut self) {
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// Starts every consumer stream. `calm` makes them ack everything from then on (the
+/// drain); `stop` ends them.
+pub fn spawn_all(
+    cluster: Arc<Cluster>,
+    journal: Arc<Journal>,
+    stop: CancellationToken,
+    calm: CancellationToken,
+) -> Consumers {
+    let mut tasks = JoinSet::new();
+    for (subscription, spec) in journal.specs.iter().enumerate() {
+        for stream in 0..spec.streams {
+            let consumer = Consumer {
+                cluster: cluster.clone(),
+                journal: journal.clone(),
+                subscription,
+                home: stream % cluster.len(),
+                current: AtomicUsize::new(stream % cluster.len()),
+                stop: stop.clone(),
+                calm: calm.clone(),
+            };
+            tasks.spawn(consumer.run());
+        }
+    }
+    Consumers { tasks }
+}
+
+struct Consumer {
+    cluster: Arc<Cluster>,
+    journal: Arc<Journal>,
+    subscription: usize,
+    /// The gateway it connects to first.
+    home: usize,
+    /// The gateway of the current stream.
+    current: AtomicUsize,
+    stop: CancellationToken,
+    calm: CancellationToken,
+}
+
+impl Consumer {
+    fn spec(&self) -> &SubscriptionSpec {
+        &self.journal.specs[self.subscription]
+    }
+
+    async fn run(self) {
+        let this = Arc::new(self);
+        let (acks, ack_queue) = mpsc::channel(4096);
+        let acker = tokio::spawn(this.clone().send_acks(ack_queue));
+        let mut handlers = JoinSet::new();
+        let mut rng = StdRng::from_os_rng();
+        let mut gateway = this.home;
+        while !this.stop.is_cancelled() {
+            this.consume(gateway, &acks, &mut handlers).await;
+            while handlers.try_join_next().is_some() {}
+            if this.stop.is_cancelled() {
+                break;
+            }
+            // Reconnect to any gateway, the next one first.
+            gateway = (gateway + rng.random_range(1..=this.cluster.len())) % this.cluster.len();
+            let pause = Duration::from_millis(rng.random_range(50..300));
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = this.stop.cancelled() => {}
+            }
+        }
+        // Let running handlers settle what they hold, then flush the acks.
+        let _ = timeout(Duration::from_secs(10), async {
+            while handlers.join_next().await.is_some() {}
+        })
+        .await;
+        drop(acks);
+        let _ = timeout(Duration::from_secs(10), acker).await;
+    }
+
+    /// Reads one Subscribe stream on `gateway` until it ends or the consumer stops.
+    async fn consume(
+        self: &Arc<Self>,
+        gateway: usize,
+        acks: &mpsc::Sender<Received>,
+        handlers: &mut JoinSet<()>,
+    ) {
+        let mut client = SubscriberClient::new(self.cluster.channel(gateway));
+        let request = proto::SubscribeRequest {
+            subscription: self.spec().name.into(),
+            max_in_flight: MAX_IN_FLIGHT,
+        };
+        let opened = tokio::select! {
+            opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
+            _ = self.stop.cancelled() => return,
+        };
+        let mut stream = match opened {
+            Ok(Ok(response)) => response.into_inner(),
+            _ => {
+                self.journal.state().subscribe_failures += 1;
+                return;
+            }
+        };
+        self.journal.state().streams_opened += 1;
+        self.current.store(gateway, Ordering::Relaxed);
+        let stream_id = self.journal.next_stream.fetch_add(1, Ordering::Relaxed);
+        let end = loop {
+            let message = tokio::select! {
+                message = stream.message() => message,
+                _ = self.stop.cancelled() => break "stopped".to_owned(),
+            };
+            let delivery = match message {
+                Ok(Some(delivery)) => delivery,
+                Ok(None) => break "closed".to_owned(),
+                Err(status) => break format!("{:?}", status.code()),
+            };
+            let at = Instant::now();
+            let event = delivery.event.unwrap_or_default();
+            let received = Received {
+                subscription: self.subscription,
+                event: event.id.parse().unwrap_or_default(),
+                aggregate: format!("{}/{}", event.aggregate_type, event.aggregate_id),
+                event_type: event.event_type,
+                version: event.aggregate_version,
+                attempt: delivery.attempt,
+                ack_id: delivery.ack_id,
+                at,
+                stream: stream_id,
+                gateway,
+            };
+            self.journal.state().received.push(received.clone());
+            handlers.spawn(self.clone().handle(received, acks.clone()));
+        };
+        *self.journal.state().stream_ends.entry(end).or_default() += 1;
+    }
+
+    /// Settles one delivery after a short random delay.
+    async fn handle(self: Arc<Self>, received: Received, acks: mpsc::Sender<Received>) {
+        let (delay, choice) = {
+            let mut rng = rand::rng();
+            (rng.random_range(0..25), rng.random_range(0..100))
+        };
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        let calm = self.calm.is_cancelled();
+        if calm || choice < 88 {
+            let _ = acks.send(received).await;
+        } else if choice < 97 {
+            self.nack(&received).await;
+        } else if self.spec().forgets {
+            self.journal.state().forgotten += 1;
+        } else {
+            let _ = acks.send(received).await;
+        }
+    }
+
+    async fn nack(&self, received: &Received) {
+        let retry_after = rand::rng().random_range(50..300);
+        let request = proto::NackRequest {
+            subscription: self.spec().name.into(),
+            ack_id: received.ack_id.clone(),
+            reason: "chaos: simulated failure".into(),
+            retry_after: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: retry_after * 1_000_000,
+            }),
+            dead_letter: false,
+        };
+        let gateway = rand::rng().random_range(0..self.cluster.len());
+        let mut client = SubscriberClient::new(self.cluster.channel(gateway));
+        let sent = Instant::now();
+        let answer = match timeout(CALL_TIMEOUT, client.nack(request)).await {
+            Ok(Ok(_)) => Answer::Applied,
+            Ok(Err(status)) if status.code() == tonic::Code::FailedPrecondition => Answer::Stale,
+            Ok(Err(status)) => Answer::Failed(format!("{:?}", status.code())),
+            Err(_) => Answer::Failed("timeout".into()),
+        };
+        let settlement = Settlement {
+            kind: SettleKind::Nack,
+            gateway,
+            sent,
+            answered: Instant::now(),
+            answer,
+        };
+        self.journal.record_settlement(received, settlement);
+    }
+
+    /// Sends acks in batches, half of them to the gateway of the current stream and the
+    /// others to a random one; a failed batch is tried once more on another gateway.
+    async fn send_acks(self: Arc<Self>, mut queue: mpsc::Receiver<Received>) {
+        let mut rng = StdRng::from_os_rng();
+        loop {
+            let Some(first) = queue.recv().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            let flush_at = Instant::now() + ACK_FLUSH;
+            while batch.len() < ACK_BATCH {
+                match tokio::time::timeout_at(flush_at, queue.recv()).await {
+                    Ok(Some(received)) => batch.push(received),
+                    _ => break,
+                }
+            }
+            let gateway = if rng.random_bool(0.5) {
+                self.current.load(Ordering::Relaxed)
+            } else {
+                rng.random_range(0..self.cluster.len())
+            };
+            if !self.ack(gateway, &batch).await {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                self.ack((gateway + 1) % self.cluster.len(), &batch).await;
+            }
+        }
+    }
+
+    /// One Ack call; false when it failed (it may or may not have been applied).
+    async fn ack(&self, gateway: usize, batch: &[Received]) -> bool {
+        let request = proto::AckRequest {
+            subscription: self.spec().name.into(),
+            ack_ids: batch.iter().map(|r| r.ack_id.clone()).collect(),
+        };
+        let mut client = SubscriberClient::new(self.cluster.channel(gateway));
+        let sent = Instant::now();
+        let outcome = timeout(CALL_TIMEOUT, client.ack(request)).await;
+        let answered = Instant::now();
+        let (stale, failure): (HashSet<String>, Option<String>) = match outcome {
+            Ok(Ok(response)) => (
+                response.into_inner().stale_ack_ids.into_iter().collect(),
+                None,
+            ),
+            Ok(Err(status)) => (HashSet::new(), Some(format!("{:?}", status.code()))),
+            Err(_) => (HashSet::new(), Some("timeout".into())),
+        };
+        for received in batch {
+            let answer = match &failure {
+                Some(code) => Answer::Failed(code.clone()),
+                None if stale.contains(&received.ack_id) => Answer::Stale,
+                None => Answer::Applied,
+            };
+            let settlement = Settlement {
+                kind: SettleKind::Ack,
+                gateway,
+                sent,
+                answered,
+                answer,
+            };
+            self.journal.record_settlement(received, settlement);
+        }
+        failure.is_none()
+    }
+}

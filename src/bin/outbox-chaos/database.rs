@@ -1,0 +1,148 @@
+//! The throw-away database of a chaos run: created on the server given, reached by the
+//! SQL producers and the checks through a pool of its own (`application_name =
+//! outbox-chaos`, so cutting the gateways' connections spares it), dropped at the end.
+
+use std::collections::{HashMap, HashSet};
+
+use anyhow::Context;
+use sqlx::{
+    Connection, Executor, PgConnection, PgPool,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+use uuid::Uuid;
+
+/// `application_name` of the gateways' connections, which the fault injector cuts.
+const GATEWAY_APPLICATION: &str = "outbox-gateway";
+
+#[derive(Debug, Clone)]
+pub struct ChaosDatabase {
+    server_url: String,
+    name: String,
+    pool: PgPool,
+}
+
+/// Delivery records still in the database at the end: `(subscription, event id)` → state.
+pub type Unsettled = HashMap<(String, Uuid), String>;
+
+/// What the database holds once the consumers have stopped.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// Ids of every stored event.
+    pub stored: HashSet<Uuid>,
+    pub unsettled: Unsettled,
+}
+
+impl ChaosDatabase {
+    /// Creates `outbox_chaos_<random>` on `server_url` (a URL without a database name).
+    pub async fn create(server_url: &str) -> anyhow::Result<ChaosDatabase> {
+        let server_url = server_url.trim_end_matches('/').to_owned();
+        let name = format!("outbox_chaos_{}", Uuid::new_v4().simple());
+        let mut admin = admin_connection(&server_url).await?;
+        admin
+            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .with_context(|| format!("cannot create database {name}"))?;
+        let _ = admin.close().await;
+        let options: PgConnectOptions = format!("{server_url}/{name}")
+            .parse::<PgConnectOptions>()?
+            .application_name("outbox-chaos");
+        let pool = PgPoolOptions::new()
+            .max_connections(12)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("cannot connect to {name}"))?;
+        Ok(ChaosDatabase {
+            server_url,
+            name,
+            pool,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn url(&self) -> String {
+        format!("{}/{}", self.server_url, self.name)
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Terminates every connection a gateway holds to this database; returns how many.
+    pub async fn cut_gateway_connections(&self) -> anyhow::Result<u64> {
+        let cut: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = $2",
+        )
+        .bind(&self.name)
+        .bind(GATEWAY_APPLICATION)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(cut as u64)
+    }
+
+    /// Whether an event with this id is stored: settles a SQL commit whose answer was lost.
+    pub async fn is_stored(&self, id: Uuid) -> anyhow::Result<bool> {
+        Ok(
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_events WHERE id = $1)")
+                .bind(id)
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+
+    /// Delivery records that still exist (in flight, awaiting retry, waiting, dead).
+    pub async fn unsettled_records(&self) -> anyhow::Result<Unsettled> {
+        let rows: Vec<(String, Uuid, String)> = sqlx::query_as(
+            "SELECT s.name, e.id, d.state FROM outbox_deliveries d \
+             JOIN outbox_subscriptions s ON s.id = d.subscription_id \
+             JOIN outbox_events e ON e.position = d.position",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(subscription, id, state)| ((subscription, id), state))
+            .collect())
+    }
+
+    pub async fn final_state(&self) -> anyhow::Result<Snapshot> {
+        let stored: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(Snapshot {
+            stored: stored.into_iter().collect(),
+            unsettled: self.unsettled_records().await?,
+        })
+    }
+
+    /// Closes the pool, keeping the database.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Closes the pool and drops the database with whatever is still connected to it.
+    pub async fn drop_database(&self) {
+        self.pool.close().await;
+        let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        match admin_connection(&self.server_url).await {
+            Ok(mut admin) => {
+                if let Err(error) = admin.execute(sqlx::AssertSqlSafe(statement)).await {
+                    eprintln!("outbox-chaos: cannot drop database {}: {error}", self.name);
+                }
+            }
+            Err(error) => eprintln!(
+                "outbox-chaos: cannot drop database {}: {error:#}",
+                self.name
+            ),
+        }
+    }
+}
+
+async fn admin_connection(server_url: &str) -> anyhow::Result<PgConnection> {
+    PgConnection::connect(&format!("{server_url}/postgres"))
+        .await
+        .with_context(|| format!("cannot connect to PostgreSQL at {server_url}"))
+}

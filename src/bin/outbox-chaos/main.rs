@@ -1,0 +1,262 @@
+//! `outbox-chaos`: runs three gateway processes on a throw-away database, publishes
+//! through them (gRPC and direct SQL, with rollbacks) and consumes from several
+//! subscriptions while gateways are killed, restarted and cut off from PostgreSQL; then
+//! lets the consumers drain and checks every delivery guarantee against what the
+//! producers know they committed.
+//!
+//! Exits 0 when no guarantee was violated, 1 on a violation, 2 when the run itself could
+//! not be carried out (no database, no gateway binary).
+
+mod chaos;
+mod check;
+mod cluster;
+mod consumers;
+mod database;
+mod ledger;
+mod producers;
+mod report;
+
+use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use clap::Parser;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    chaos::ChaosCounters,
+    cluster::Cluster,
+    consumers::{Journal, SubscriptionSpec},
+    database::ChaosDatabase,
+    ledger::Ledger,
+    report::{Timing, Totals},
+};
+
+/// Chaos test of outbox-gateway: crash, restart and cut off gateways while events flow,
+/// then check that nothing was lost, duplicated after an ack, or reordered.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-chaos", version)]
+struct Args {
+    /// PostgreSQL server (without a database name); a database `outbox_chaos_<random>` is
+    /// created on it and dropped at the end.
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432")]
+    postgres_url: String,
+
+    /// The `outbox-gateway` binary. Default: the one beside this executable.
+    #[arg(long)]
+    gateway_bin: Option<PathBuf>,
+
+    /// Length of the chaos phase (producing while faults are injected), e.g. `60s`.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+
+    /// Longest wait for the consumers to drain once producing has stopped.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+
+    /// Producers publishing over gRPC.
+    #[arg(long, default_value_t = 3)]
+    rpc_producers: usize,
+
+    /// Producers inserting events with SQL in their own transactions.
+    #[arg(long, default_value_t = 2)]
+    sql_producers: usize,
+
+    /// Seed of the random choices of the fault injector (random when omitted).
+    #[arg(long)]
+    seed: Option<u64>,
+
+    /// Directory for the gateways' logs. Default: a new directory under the system's
+    /// temporary directory, removed after a run without violations.
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+
+    /// Log filter passed to the gateways (`--log-level`).
+    #[arg(long, default_value = "warn")]
+    gateway_log_level: String,
+
+    /// Keep the database after the run, for inspection.
+    #[arg(long)]
+    keep_database: bool,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(error) => {
+            eprintln!("outbox-chaos: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs the whole scenario; `Ok(true)` when every check passed.
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let gateway_bin = match &args.gateway_bin {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .context("cannot locate this executable")?
+            .with_file_name("outbox-gateway"),
+    };
+    anyhow::ensure!(
+        gateway_bin.is_file(),
+        "gateway binary {} not found: build it with `cargo build --bins` or pass --gateway-bin",
+        gateway_bin.display()
+    );
+    let database = ChaosDatabase::create(&args.postgres_url).await?;
+    eprintln!("outbox-chaos: database {}", database.name());
+    let log_dir = match &args.log_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::temp_dir().join(database.name()),
+    };
+    let outcome = run_on(&args, gateway_bin, &database, &log_dir).await;
+    // Logs of a clean run in a directory of our own are of no further use.
+    if matches!(outcome, Ok(true)) && args.log_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&log_dir);
+    }
+    if args.keep_database {
+        eprintln!("outbox-chaos: kept database {}", database.name());
+        database.close().await;
+    } else {
+        database.drop_database().await;
+    }
+    outcome
+}
+
+async fn run_on(
+    args: &Args,
+    gateway_bin: PathBuf,
+    database: &ChaosDatabase,
+    log_dir: &std::path::Path,
+) -> anyhow::Result<bool> {
+    std::fs::create_dir_all(log_dir)
+        .with_context(|| format!("cannot create {}", log_dir.display()))?;
+    let seed = args.seed.unwrap_or_else(rand::random);
+    eprintln!(
+        "outbox-chaos: seed {seed}, gateway logs in {}",
+        log_dir.display()
+    );
+
+    let cluster = Arc::new(
+        Cluster::start(
+            gateway_bin,
+            database.url(),
+            log_dir.to_path_buf(),
+            args.gateway_log_level.clone(),
+            3,
+        )
+        .await?,
+    );
+    let specs = SubscriptionSpec::all();
+    for spec in &specs {
+        spec.create(&cluster).await?;
+    }
+
+    let ledger = Arc::new(Ledger::default());
+    let journal = Arc::new(Journal::new(specs.clone()));
+    let counters = Arc::new(ChaosCounters::default());
+
+    let stop_consumers = CancellationToken::new();
+    let calm = CancellationToken::new();
+    let consumers = consumers::spawn_all(
+        cluster.clone(),
+        journal.clone(),
+        stop_consumers.clone(),
+        calm.clone(),
+    );
+
+    let started = Instant::now();
+    let stop_producing = CancellationToken::new();
+    let producers = producers::spawn_all(
+        cluster.clone(),
+        database,
+        ledger.clone(),
+        args.rpc_producers,
+        args.sql_producers,
+        stop_producing.clone(),
+    );
+    let chaos = tokio::spawn(chaos::run(
+        cluster.clone(),
+        database.clone(),
+        counters.clone(),
+        seed,
+        args.duration,
+    ));
+
+    tokio::time::sleep(args.duration).await;
+    stop_producing.cancel();
+    eprintln!("outbox-chaos: chaos phase over, waiting for producers and the fault injector");
+    let ((), chaos_result) = tokio::join!(producers.join(), chaos);
+    if let Err(error) = chaos_result {
+        anyhow::bail!("the fault injector failed: {error}");
+    }
+    cluster.ensure_all_running(&counters).await;
+
+    calm.cancel();
+    eprintln!("outbox-chaos: draining");
+    let drain_started = Instant::now();
+    let drained = drain(database, &ledger, &journal, args.drain_timeout).await?;
+    let drain_time = drain_started.elapsed();
+    stop_consumers.cancel();
+    consumers.join().await;
+
+    let snapshot = database.final_state().await?;
+    let shutdown_problems = cluster.stop_all().await;
+    let panics = cluster.panics();
+
+    let mut violations = check::run(&ledger, &journal, &snapshot, started);
+    violations.extend(ledger.state().violations.iter().cloned());
+    violations.extend(counters.violations());
+    violations.extend(shutdown_problems);
+    violations.extend(panics);
+
+    let timing = Timing {
+        run: started.elapsed(),
+        drain: drain_time,
+        drained,
+    };
+    let totals = Totals::gather(&ledger, &journal, &counters, &violations, timing, seed);
+    report::print(&totals, &violations);
+    Ok(violations.is_empty())
+}
+
+/// Waits until every committed event is known to be acked on every subscription that
+/// matches it, or `timeout` passes. Returns whether the consumers drained.
+async fn drain(
+    database: &ChaosDatabase,
+    ledger: &Ledger,
+    journal: &Journal,
+    timeout: Duration,
+) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    let mut next_progress = started;
+    loop {
+        let unsettled = database.unsettled_records().await.unwrap_or_default();
+        let outstanding = journal.outstanding(ledger, &unsettled);
+        if outstanding.iter().all(|&count| count == 0) {
+            return Ok(true);
+        }
+        let by_subscription: Vec<String> = (journal.specs.iter())
+            .zip(&outstanding)
+            .map(|(spec, count)| format!("{} {count}", spec.name))
+            .collect();
+        if started.elapsed() >= timeout {
+            eprintln!(
+                "outbox-chaos: drain timed out; still to ack: {}",
+                by_subscription.join(", ")
+            );
+            return Ok(false);
+        }
+        if Instant::now() >= next_progress {
+            eprintln!(
+                "outbox-chaos: draining, still to ack: {}",
+                by_subscription.join(", ")
+            );
+            next_progress += Duration::from_secs(5);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

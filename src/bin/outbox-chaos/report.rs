@@ -1,0 +1,359 @@
+//! The run's totals: a table for people and one JSON line (the last line of standard
+//! output) for programs, followed by the violations, if any.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::Duration,
+};
+
+use serde::Serialize;
+
+use crate::{
+    chaos::ChaosCounters,
+    check::{LOST_KINDS, Violation},
+    consumers::{Answer, Journal, JournalState, SettleKind},
+    ledger::{Ledger, LedgerState, Published, Route},
+};
+
+/// Violations printed in full; the rest are only counted.
+const SHOWN_VIOLATIONS: usize = 50;
+
+#[derive(Debug, Serialize)]
+pub struct Totals {
+    pub seed: u64,
+    pub run_seconds: f64,
+    pub drain_seconds: f64,
+    pub drained: bool,
+    pub published_rpc: usize,
+    pub published_sql: usize,
+    pub rolled_back: usize,
+    pub in_doubt: usize,
+    pub rpc_calls: u64,
+    pub rpc_retries: u64,
+    pub rpc_errors: BTreeMap<String, u64>,
+    pub sql_transactions: u64,
+    pub sql_commit_unknown: u64,
+    pub delivered: usize,
+    pub redelivered: usize,
+    pub acked: usize,
+    pub stale_acks: usize,
+    pub failed_acks: usize,
+    /// Failed Ack and Nack calls by gRPC code.
+    pub settle_errors: BTreeMap<String, usize>,
+    pub nacked: usize,
+    pub forgotten: u64,
+    pub streams_opened: u64,
+    pub subscribe_failures: u64,
+    pub stream_ends: BTreeMap<String, u64>,
+    pub gateway_kills: u64,
+    pub graceful_restarts: u64,
+    pub connection_cuts: u64,
+    pub connections_cut: u64,
+    pub subscriptions: Vec<SubscriptionTotals>,
+    /// On ordered subscriptions, from the ack of one event to the arrival of the next
+    /// event of its aggregate (already committed then), by where the ack went.
+    pub ordered_handoff_same_gateway: Latencies,
+    pub ordered_handoff_other_gateway: Latencies,
+    pub lost: usize,
+    pub violations: usize,
+    pub violation_kinds: BTreeMap<&'static str, usize>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SubscriptionTotals {
+    pub name: &'static str,
+    /// Committed events it selects.
+    pub expected: usize,
+    pub delivered: usize,
+    pub redelivered: usize,
+    pub acked: usize,
+}
+
+/// Median, 90th percentile and maximum of some delays, in milliseconds.
+#[derive(Debug, Default, Serialize)]
+pub struct Latencies {
+    pub count: usize,
+    pub p50_ms: u128,
+    pub p90_ms: u128,
+    pub max_ms: u128,
+}
+
+impl Latencies {
+    fn of(mut delays: Vec<Duration>) -> Latencies {
+        delays.sort();
+        let at = |quantile: f64| {
+            let index = ((delays.len() as f64 - 1.0) * quantile).round() as usize;
+            delays.get(index).map_or(0, Duration::as_millis)
+        };
+        Latencies {
+            count: delays.len(),
+            p50_ms: at(0.5),
+            p90_ms: at(0.9),
+            max_ms: at(1.0),
+        }
+    }
+}
+
+impl std::fmt::Display for Latencies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "p50 {} ms, p90 {} ms, max {} ms ({} handoffs)",
+            self.p50_ms, self.p90_ms, self.max_ms, self.count
+        )
+    }
+}
+
+/// Ack-to-next-arrival delays on ordered subscriptions: (ack to the stream's gateway,
+/// ack to another gateway).
+fn ordered_handoffs(
+    ledger: &LedgerState,
+    state: &JournalState,
+    journal: &Journal,
+) -> (Latencies, Latencies) {
+    let mut first_arrival = HashMap::new();
+    for received in &state.received {
+        if journal.specs[received.subscription].ordered {
+            first_arrival
+                .entry((received.subscription, received.event))
+                .or_insert(received);
+        }
+    }
+    let mut acked = HashMap::new();
+    for received in &state.received {
+        let applied = (state
+            .settlements
+            .get(&received.ack_id)
+            .into_iter()
+            .flatten())
+        .find(|s| s.kind == SettleKind::Ack && s.answer == Answer::Applied);
+        if let Some(settlement) = applied {
+            let same_gateway = settlement.gateway == received.gateway;
+            acked.insert(
+                (received.subscription, received.event),
+                (settlement.sent, same_gateway),
+            );
+        }
+    }
+    let mut by_aggregate: HashMap<&str, Vec<&Published>> = HashMap::new();
+    for event in ledger.committed.values() {
+        by_aggregate
+            .entry(&event.aggregate)
+            .or_default()
+            .push(event);
+    }
+    let (mut same, mut other) = (Vec::new(), Vec::new());
+    for events in by_aggregate.values_mut() {
+        events.sort_by_key(|event| event.version);
+        for pair in events.windows(2) {
+            for subscription in 0..journal.specs.len() {
+                let (Some((ack_sent, same_gateway)), Some(next), Some(committed)) = (
+                    acked.get(&(subscription, pair[0].id)),
+                    first_arrival.get(&(subscription, pair[1].id)),
+                    ledger.committed_at.get(&pair[1].id),
+                ) else {
+                    continue;
+                };
+                if committed < ack_sent && next.at > *ack_sent {
+                    let delay = next.at - *ack_sent;
+                    if *same_gateway { &mut same } else { &mut other }.push(delay);
+                }
+            }
+        }
+    }
+    (Latencies::of(same), Latencies::of(other))
+}
+
+/// How long the run took.
+pub struct Timing {
+    pub run: Duration,
+    pub drain: Duration,
+    pub drained: bool,
+}
+
+impl Totals {
+    pub fn gather(
+        ledger: &Ledger,
+        journal: &Journal,
+        counters: &ChaosCounters,
+        violations: &[Violation],
+        timing: Timing,
+        seed: u64,
+    ) -> Totals {
+        let ledger = ledger.state();
+        let state = journal.state();
+        let published = |route| {
+            (ledger.committed.values())
+                .filter(|event| event.route == route)
+                .count()
+        };
+        let settlements = |kind, answer: fn(&Answer) -> bool| {
+            (state.settlements.values())
+                .flatten()
+                .filter(|s| s.kind == kind && answer(&s.answer))
+                .count()
+        };
+        let subscriptions: Vec<SubscriptionTotals> = (journal.specs.iter().enumerate())
+            .map(|(index, spec)| {
+                let received = state.received.iter().filter(|r| r.subscription == index);
+                let delivered = received.clone().count();
+                let distinct = received
+                    .map(|r| r.event)
+                    .collect::<std::collections::HashSet<_>>()
+                    .len();
+                SubscriptionTotals {
+                    name: spec.name,
+                    expected: (ledger.committed.values())
+                        .filter(|event| spec.matches(&event.event_type))
+                        .count(),
+                    delivered,
+                    redelivered: delivered - distinct,
+                    acked: state.acked.iter().filter(|(s, _)| *s == index).count(),
+                }
+            })
+            .collect();
+        let mut settle_errors = BTreeMap::new();
+        for settlement in state.settlements.values().flatten() {
+            if let Answer::Failed(code) = &settlement.answer {
+                *settle_errors.entry(code.clone()).or_default() += 1;
+            }
+        }
+        let (ordered_handoff_same_gateway, ordered_handoff_other_gateway) =
+            ordered_handoffs(&ledger, &state, journal);
+        let mut violation_kinds = BTreeMap::new();
+        for violation in violations {
+            *violation_kinds.entry(violation.kind).or_default() += 1;
+        }
+        Totals {
+            seed,
+            run_seconds: timing.run.as_secs_f64(),
+            drain_seconds: timing.drain.as_secs_f64(),
+            drained: timing.drained,
+            published_rpc: published(Route::Rpc),
+            published_sql: published(Route::Sql),
+            rolled_back: ledger.rolled_back.len(),
+            in_doubt: ledger.in_doubt.len(),
+            rpc_calls: ledger.rpc_calls,
+            rpc_retries: ledger.rpc_retries,
+            rpc_errors: ledger.rpc_errors.clone(),
+            sql_transactions: ledger.sql_transactions,
+            sql_commit_unknown: ledger.sql_commit_unknown,
+            delivered: subscriptions.iter().map(|s| s.delivered).sum(),
+            redelivered: subscriptions.iter().map(|s| s.redelivered).sum(),
+            acked: state.acked.len(),
+            stale_acks: settlements(SettleKind::Ack, |a| *a == Answer::Stale),
+            failed_acks: settlements(SettleKind::Ack, |a| matches!(a, Answer::Failed(_))),
+            settle_errors,
+            nacked: settlements(SettleKind::Nack, |a| *a == Answer::Applied),
+            forgotten: state.forgotten,
+            streams_opened: state.streams_opened,
+            subscribe_failures: state.subscribe_failures,
+            stream_ends: state.stream_ends.clone().into_iter().collect(),
+            gateway_kills: ChaosCounters::get(&counters.kills),
+            graceful_restarts: ChaosCounters::get(&counters.graceful_restarts),
+            connection_cuts: ChaosCounters::get(&counters.connection_cuts),
+            connections_cut: ChaosCounters::get(&counters.connections_cut),
+            subscriptions,
+            ordered_handoff_same_gateway,
+            ordered_handoff_other_gateway,
+            lost: violations
+                .iter()
+                .filter(|v| LOST_KINDS.contains(&v.kind))
+                .count(),
+            violations: violations.len(),
+            violation_kinds,
+        }
+    }
+}
+
+/// Prints the table, the violations (to standard error) and the JSON line.
+pub fn print(totals: &Totals, violations: &[Violation]) {
+    let rows: Vec<(&str, String)> = vec![
+        ("seed", totals.seed.to_string()),
+        (
+            "run / drain",
+            format!(
+                "{:.1} s / {:.1} s{}",
+                totals.run_seconds,
+                totals.drain_seconds,
+                if totals.drained { "" } else { " (timed out)" }
+            ),
+        ),
+        ("published by RPC", totals.published_rpc.to_string()),
+        ("published by SQL", totals.published_sql.to_string()),
+        ("rolled back (SQL)", totals.rolled_back.to_string()),
+        ("in doubt", totals.in_doubt.to_string()),
+        (
+            "Publish calls / retries",
+            format!("{} / {}", totals.rpc_calls, totals.rpc_retries),
+        ),
+        ("Publish errors", format!("{:?}", totals.rpc_errors)),
+        (
+            "SQL transactions / commit unknown",
+            format!(
+                "{} / {}",
+                totals.sql_transactions, totals.sql_commit_unknown
+            ),
+        ),
+        ("delivered", totals.delivered.to_string()),
+        ("redelivered", totals.redelivered.to_string()),
+        ("acked (answered OK)", totals.acked.to_string()),
+        (
+            "acks stale / failed",
+            format!("{} / {}", totals.stale_acks, totals.failed_acks),
+        ),
+        ("Ack / Nack errors", format!("{:?}", totals.settle_errors)),
+        ("nacked", totals.nacked.to_string()),
+        ("left to expire", totals.forgotten.to_string()),
+        (
+            "streams opened / refused",
+            format!("{} / {}", totals.streams_opened, totals.subscribe_failures),
+        ),
+        ("stream ends", format!("{:?}", totals.stream_ends)),
+        ("gateway kills (-9)", totals.gateway_kills.to_string()),
+        ("graceful restarts", totals.graceful_restarts.to_string()),
+        (
+            "connection cuts (connections)",
+            format!("{} ({})", totals.connection_cuts, totals.connections_cut),
+        ),
+        (
+            "ordered handoff, ack to same gateway",
+            totals.ordered_handoff_same_gateway.to_string(),
+        ),
+        (
+            "ordered handoff, ack to other gateway",
+            totals.ordered_handoff_other_gateway.to_string(),
+        ),
+        ("lost", totals.lost.to_string()),
+        ("violations", totals.violations.to_string()),
+    ];
+    let width = rows.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
+    println!("outbox-chaos totals");
+    for (name, value) in &rows {
+        println!("  {name:<width$}  {value}");
+    }
+    println!(
+        "  {:<24} {:>8} {:>10} {:>12} {:>8}",
+        "subscription", "expected", "delivered", "redelivered", "acked"
+    );
+    for s in &totals.subscriptions {
+        println!(
+            "  {:<24} {:>8} {:>10} {:>12} {:>8}",
+            s.name, s.expected, s.delivered, s.redelivered, s.acked
+        );
+    }
+    for violation in violations.iter().take(SHOWN_VIOLATIONS) {
+        eprintln!("VIOLATION {violation}");
+    }
+    if violations.len() > SHOWN_VIOLATIONS {
+        eprintln!(
+            "... and {} more violations: {:?}",
+            violations.len() - SHOWN_VIOLATIONS,
+            totals.violation_kinds
+        );
+    }
+    println!(
+        "{}",
+        serde_json::to_string(totals).expect("totals serialize")
+    );
+}
