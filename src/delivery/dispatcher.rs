@@ -32,6 +32,8 @@ const LEASE_REFRESH_INTERVAL: Duration = Duration::from_millis(250);
 /// this delay, doubling up to `HELD_BACK_MAX_DELAY`.
 const HELD_BACK_FIRST_DELAY: Duration = Duration::from_millis(1);
 const HELD_BACK_MAX_DELAY: Duration = Duration::from_millis(100);
+/// How often a claim looks for due records when nothing here made one due.
+const DUE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// First retry delay after a failed claim; doubles up to the poll interval.
 const FAILED_CLAIM_FIRST_DELAY: Duration = Duration::from_millis(100);
 
@@ -61,6 +63,9 @@ struct State {
     /// Earliest retry this process scheduled through a nack.
     retry_at: Option<DateTime<Utc>>,
     last_settled: Option<Instant>,
+    /// Something here made a delivery due (a nack, a release, an expired lease, an ack
+    /// that may free an ordered aggregate): the next claim looks for due records.
+    due_pending: bool,
     /// Set when the dispatcher stops; later streams need a new dispatcher.
     closed: bool,
 }
@@ -149,7 +154,8 @@ impl Dispatcher {
 
     /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry.
     pub(super) fn settled(&self, acks: &[AckId], settlement: Settlement) {
-        let name = self.subscription().name;
+        let subscription = self.subscription();
+        let name = subscription.name;
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
             let leased_at = state
@@ -164,6 +170,10 @@ impl Dispatcher {
                 state.forget_lease(ack.position);
             }
         }
+        // A nack schedules a retry; an ack on an ordered subscription may release the
+        // next event of its aggregate.
+        state.due_pending |=
+            matches!(settlement, Settlement::Nacked { .. }) || subscription.settings.ordered;
         if let Settlement::Nacked {
             retry_at: Some(retry_at),
         } = settlement
@@ -212,6 +222,7 @@ impl Dispatcher {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
+        self.state.lock().expect("dispatcher lock").due_pending = true;
         let store = self.store.clone();
         let subscription_id = self.subscription_id;
         self.tasks.spawn(async move {
@@ -330,6 +341,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let shutdown = relay.inner.shutdown.clone();
     let mut retry_delay: Option<Duration> = None;
     let mut last_refresh = Instant::now();
+    let mut last_due_check = Instant::now() - DUE_CHECK_INTERVAL;
 
     loop {
         let now = Utc::now();
@@ -354,9 +366,21 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     .claims
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             );
+            // Looking for due records walks an index that every ack leaves dead entries
+            // in: do it when something made a record due, else now and then (acks and
+            // nacks on other gateways, expired leases of crashed ones).
+            let include_due = {
+                let mut state = dispatcher.state.lock().expect("dispatcher lock");
+                let due = state.due_pending || last_due_check.elapsed() >= DUE_CHECK_INTERVAL;
+                state.due_pending &= !due;
+                due
+            };
+            if include_due {
+                last_due_check = Instant::now();
+            }
             match dispatcher
                 .store
-                .claim(dispatcher.subscription_id, lease_token, limit)
+                .claim(dispatcher.subscription_id, lease_token, limit, include_due)
                 .await
             {
                 Ok(None) => {
@@ -425,6 +449,10 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 if changed.is_err() {
                     return;
                 }
+                // Another gateway's ack may have released an ordered aggregate's next event.
+                if dispatcher.subscription().settings.ordered {
+                    dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
+                }
             }
             _ = dispatcher.changed.notified() => {}
             _ = tokio::time::sleep(sleep_for) => {
@@ -434,6 +462,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 let mut state = dispatcher.state.lock().expect("dispatcher lock");
                 if state.retry_at.is_some_and(|at| at <= Utc::now()) {
                     state.retry_at = None;
+                    state.due_pending = true;
                 }
             }
             _ = shutdown.cancelled() => {
@@ -460,6 +489,9 @@ fn expire_leases(state: &mut State, now: DateTime<Utc>) {
         .filter(|(_, lease)| lease.deadline <= now)
         .map(|(position, _)| *position)
         .collect();
+    if !expired.is_empty() {
+        state.due_pending = true;
+    }
     for position in expired {
         state.forget_lease(position);
     }

@@ -41,13 +41,14 @@ pub struct NackOutcome {
 
 impl Store {
     /// Leases up to `limit` deliveries of the subscription to `lease_token`: first expired
-    /// leases and due retries, then new events past the cursor. `None` when the
-    /// subscription no longer exists.
+    /// leases and due retries (when `include_due`), then new events past the cursor.
+    /// `None` when the subscription no longer exists.
     pub async fn claim(
         &self,
         subscription_id: i64,
         lease_token: i64,
         limit: usize,
+        include_due: bool,
     ) -> Result<Option<Claim>> {
         let mut transaction = self.pool.begin().await?;
         lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
@@ -59,15 +60,19 @@ impl Store {
         let settings = &subscription.settings;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
 
-        let due_rows = sqlx::query(include_str!("queries/claim_due.sql"))
-            .bind(subscription_id)
-            .bind(limit)
-            .bind(lease_token)
-            .bind(millis(settings.ack_deadline))
-            .bind(settings.max_attempts as i32)
-            .bind(settings.persistent_event_types.to_regex())
-            .fetch_all(&mut *transaction)
-            .await?;
+        let due_rows = if include_due {
+            sqlx::query(include_str!("queries/claim_due.sql"))
+                .bind(subscription_id)
+                .bind(limit)
+                .bind(lease_token)
+                .bind(millis(settings.ack_deadline))
+                .bind(settings.max_attempts as i32)
+                .bind(settings.persistent_event_types.to_regex())
+                .fetch_all(&mut *transaction)
+                .await?
+        } else {
+            Vec::new()
+        };
         let mut deliveries = Vec::with_capacity(due_rows.len());
         let mut freed_keys = Vec::new();
         let mut dead_lettered = 0;
