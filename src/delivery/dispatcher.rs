@@ -63,8 +63,9 @@ struct State {
     /// Earliest retry this process scheduled through a nack.
     retry_at: Option<DateTime<Utc>>,
     last_settled: Option<Instant>,
-    /// Something here made a delivery due (a nack, a release, an expired lease, an ack
-    /// that may free an ordered aggregate): the next claim looks for due records.
+    /// Something made a delivery due (a nack, a release, an expired lease, an ack that
+    /// may free an ordered aggregate, a wake-up from a requeue or another gateway): the
+    /// next claim looks for due records.
     due_pending: bool,
     /// Set when the dispatcher stops; later streams need a new dispatcher.
     closed: bool,
@@ -449,10 +450,9 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 if changed.is_err() {
                     return;
                 }
-                // Another gateway's ack may have released an ordered aggregate's next event.
-                if dispatcher.subscription().settings.ordered {
-                    dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
-                }
+                // Requeues, reclaimed leases and other gateways' ordered acks announce
+                // themselves this way too: look for due records as well as new events.
+                dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
             }
             _ = dispatcher.changed.notified() => {}
             _ = tokio::time::sleep(sleep_for) => {
