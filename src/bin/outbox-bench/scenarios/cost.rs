@@ -6,7 +6,7 @@
 
 use serde_json::json;
 
-use super::{Bench, DELIVER_BACKLOG, progress};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress};
 use crate::{
     gateway::Gateway,
     measure::{CpuUse, Series, round},
@@ -78,14 +78,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
 
     let backlog = settings.events(DELIVER_BACKLOG);
     bench.database.truncate_events().await?;
-    progress(
-        scenario,
-        format!(
-            "inserting a backlog of {} events",
-            format_number(backlog as f64)
-        ),
-    );
-    bench.database.fill_backlog(backlog).await?;
+    insert_backlog(bench, scenario, backlog).await?;
     let before = gateway.cpu_snapshot();
     let outcome = bench
         .deliver(gateway, "cost", 1, 4, backlog, settings.deliver_limit)

@@ -4,7 +4,7 @@
 
 use serde_json::json;
 
-use super::{Bench, DELIVER_BACKLOG, progress};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress};
 use crate::{
     consume::GroupOutcome,
     gateway::Gateway,
@@ -18,14 +18,7 @@ const FANOUT_SUBSCRIPTIONS: usize = 4;
 pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "deliver";
     let backlog = bench.settings.events(DELIVER_BACKLOG);
-    progress(
-        scenario,
-        format!(
-            "inserting a backlog of {} events",
-            format_number(backlog as f64)
-        ),
-    );
-    bench.database.fill_backlog(backlog).await?;
+    insert_backlog(bench, scenario, backlog).await?;
 
     let mut report = Report::new(
         scenario,
@@ -121,14 +114,7 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
 pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "fanout";
     let backlog = bench.settings.events(DELIVER_BACKLOG);
-    progress(
-        scenario,
-        format!(
-            "inserting a backlog of {} events",
-            format_number(backlog as f64)
-        ),
-    );
-    bench.database.fill_backlog(backlog).await?;
+    insert_backlog(bench, scenario, backlog).await?;
 
     let before = gateway.cpu_snapshot();
     let outcome = bench

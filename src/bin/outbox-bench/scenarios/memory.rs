@@ -10,7 +10,7 @@ use serde_json::json;
 use tokio::{task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::{Bench, DELIVER_BACKLOG, progress};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress};
 use crate::{
     gateway::{self, Gateway, ProcessStats},
     measure::{Series, round},
@@ -79,14 +79,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     }
 
     let backlog = settings.events(DELIVER_BACKLOG);
-    progress(
-        scenario,
-        format!(
-            "inserting a backlog of {} events",
-            format_number(backlog as f64)
-        ),
-    );
-    bench.database.fill_backlog(backlog).await?;
+    insert_backlog(bench, scenario, backlog).await?;
     let load_started = sampler.elapsed();
     let outcome = bench
         .deliver(

@@ -185,3 +185,15 @@ impl Bench {
 pub fn progress(scenario: &str, message: impl std::fmt::Display) {
     eprintln!("[{scenario}] {message}");
 }
+
+/// Inserts a backlog of `events` directly, saying so first.
+pub async fn insert_backlog(bench: &Bench, scenario: &str, events: u64) -> anyhow::Result<()> {
+    progress(
+        scenario,
+        format!(
+            "inserting a backlog of {} events",
+            crate::report::format_number(events as f64)
+        ),
+    );
+    bench.database.fill_backlog(events).await
+}
