@@ -12,7 +12,7 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 use super::{
     Result, Store, StoreError,
     events::event_from_row,
-    subscriptions::{millis, subscription_with_cursor},
+    subscriptions::{metadata_filter, millis, subscription_with_cursor},
 };
 use crate::domain::{AckId, Delivery, Subscription, SubscriptionSettings};
 
@@ -99,7 +99,7 @@ impl Store {
                 .bind(remaining)
                 .bind(settings.event_types.to_regex())
                 .bind(&settings.aggregate_types)
-                .bind(sqlx::types::Json(&settings.metadata_match))
+                .bind(metadata_filter(settings))
                 .bind(cursor.not_before)
                 .bind(lease_token)
                 .bind(millis(settings.ack_deadline))
@@ -121,7 +121,6 @@ impl Store {
         if !deliveries.is_empty() {
             sqlx::query(include_str!("queries/count_deliveries.sql"))
                 .bind(subscription_id)
-                .bind(counter_shard())
                 .bind(deliveries.len() as i64)
                 .execute(&mut *transaction)
                 .await?;
@@ -142,8 +141,7 @@ impl Store {
             .bind(subscription.id)
             .bind(positions)
             .bind(attempts)
-            .bind(tokens)
-            .bind(counter_shard());
+            .bind(tokens);
         if !subscription.settings.ordered {
             let rows = statement.fetch_all(&self.pool).await?;
             return rows
@@ -306,13 +304,6 @@ pub(super) async fn promote_waiting(
         .execute(connection)
         .await?;
     Ok(())
-}
-
-/// Counter rows per subscription; concurrent writers pick one at random.
-const COUNTER_SHARDS: i16 = 8;
-
-fn counter_shard() -> i16 {
-    rand::random_range(0..COUNTER_SHARDS)
 }
 
 fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {

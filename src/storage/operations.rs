@@ -11,7 +11,7 @@ use super::{
     deliveries::{LockMode, lock_subscription},
     events::event_from_row,
     subscriptions::{
-        Cursor, lock_by_name, millis, start_columns, subscription_from_row,
+        Cursor, lock_by_name, metadata_filter, millis, start_columns, subscription_from_row,
         subscription_with_cursor,
     },
 };
@@ -257,7 +257,7 @@ impl Store {
             .bind(cursor.position)
             .bind(settings.event_types.to_regex())
             .bind(&settings.aggregate_types)
-            .bind(sqlx::types::Json(&settings.metadata_match))
+            .bind(metadata_filter(settings))
             .bind(cursor.not_before)
             .fetch_one(&mut *connection)
             .await?;

@@ -156,6 +156,14 @@ pub(super) fn start_columns(start: StartPosition) -> (bool, Option<DateTime<Utc>
     }
 }
 
+/// The metadata filter as a statement parameter: NULL when it matches everything, so the
+/// custom plan drops it and estimates row counts without its default selectivity.
+pub(super) fn metadata_filter(
+    settings: &SubscriptionSettings,
+) -> Option<Json<&BTreeMap<String, String>>> {
+    (!settings.metadata_match.is_empty()).then_some(Json(&settings.metadata_match))
+}
+
 pub(super) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }

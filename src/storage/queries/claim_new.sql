@@ -4,20 +4,20 @@
 -- index range below into a filter over every earlier event).
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
--- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match,
+-- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match (NULL: all),
 -- $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms, $11 ordered.
 WITH horizon AS (
     -- Every transaction below this id has finished: rows below it can no longer appear.
     SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xact_id
 ),
 batch AS (
-    SELECT e.*
+    SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND e.xact_id < (SELECT xact_id FROM horizon)
       AND ($5::text IS NULL OR e.event_type ~ $5)
       AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
-      AND e.metadata @> $7::jsonb
+      AND ($7::jsonb IS NULL OR e.metadata @> $7)
       AND ($8::timestamptz IS NULL OR e.created_at >= $8)
     ORDER BY e.xact_id, e.position
     LIMIT $4
@@ -77,10 +77,12 @@ advanced AS (
     WHERE s.id = $1
     RETURNING s.id
 )
+-- The events are read back by position rather than joined with `batch`: the batch's
+-- row estimate is often 1, and a nested loop over two CTEs compares every pair.
 SELECT i.position, i.attempt, i.due_at,
-       b.id, b.aggregate_type, b.aggregate_id, b.aggregate_version, b.event_type, b.payload,
-       b.content_type, b.metadata, b.occurred_at, b.created_at
+       e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
+       e.content_type, e.metadata, e.occurred_at, e.created_at
 FROM inserted i
-JOIN batch b ON b.position = i.position
+JOIN outbox_events e ON e.position = i.position
 WHERE i.state = 'in_flight'
-ORDER BY b.xact_id, b.position
+ORDER BY e.xact_id, e.position

@@ -1,13 +1,13 @@
 -- Delivery figures of one subscription. The pending scan uses the same index range and
 -- filters as a claim. $1 subscription id, $2/$3 cursor, $4 event-type regex,
--- $5 aggregate types, $6 metadata match, $7 not_before.
+-- $5 aggregate types, $6 metadata match (NULL: all), $7 not_before.
 WITH past_cursor AS (
     SELECT e.created_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND ($4::text IS NULL OR e.event_type ~ $4)
       AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
-      AND e.metadata @> $6::jsonb
+      AND ($6::jsonb IS NULL OR e.metadata @> $6)
       AND ($7::timestamptz IS NULL OR e.created_at >= $7)
 ),
 records AS (
