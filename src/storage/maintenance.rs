@@ -1,5 +1,6 @@
-//! Background upkeep: reclaiming expired leases and deleting old events in bounded
-//! batches. Each step runs in its own short transaction behind a try-lock, so several
+//! Background upkeep: reclaiming expired leases, deleting old events in bounded
+//! batches and vacuuming the delivery table. Each step runs in its own short transaction
+//! behind a try-lock (the vacuum skips a table another gateway is vacuuming), so several
 //! gateways never do the same step at once and none waits for another.
 
 use std::time::Duration;
@@ -34,6 +35,28 @@ pub struct ForceExpired {
 }
 
 impl Store {
+    /// Vacuums the delivery table (and the counters acks update) once at least
+    /// `min_dead_rows` dead rows have piled up; returns how many there were, or `None` when
+    /// it was not yet due. Every ack deletes a record and every claim inserts one, and
+    /// autovacuum, when it runs at all, visits this table too rarely for that rate: its
+    /// indexes fill with dead entries that claims and acks must step over. With several
+    /// gateways, a vacuum already running is skipped rather than waited for.
+    pub async fn vacuum_deliveries(&self, min_dead_rows: i64) -> Result<Option<i64>> {
+        let dead_rows: i64 = sqlx::query_scalar(
+            "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables \
+             WHERE relid = 'outbox_deliveries'::regclass",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        if dead_rows < min_dead_rows {
+            return Ok(None);
+        }
+        sqlx::raw_sql("VACUUM (SKIP_LOCKED) outbox_deliveries, outbox_subscription_counters")
+            .execute(&self.pool)
+            .await?;
+        Ok(Some(dead_rows))
+    }
+
     /// Turns the subscription's expired leases into retries (or dead letters); `None`
     /// when a claim holds the subscription right now (the claim re-leases them itself).
     pub async fn reclaim_expired_leases(

@@ -4,29 +4,31 @@
 -- $1 subscription id, $2 positions, $3 attempts, $4 lease tokens.
 --
 -- Each ack id is one primary-key probe, and the rows found are deleted by their row
--- address. (The LIMIT keeps the planner from flattening the lateral subquery into a join
--- it may reorder.) Planned as a plain join on the stale statistics of this high-churn
--- table, the delete instead read every record of the subscription, and the dead entries
--- of earlier acks with them, on every ack. A row changed between the probe and the
--- delete has moved to a new address and is left alone, like any stale lease.
+-- address. The probe names only key columns, and its LIMIT keeps the planner from merging
+-- it into a join it could reorder: planned on the stale statistics of this high-churn
+-- table, a plain join or a probe that mentions due_at walked the due-index, every lease
+-- and the dead entries of earlier acks, once per ack. A row changed between the probe and
+-- the delete is checked again by the delete's own conditions: a new lease has a token no
+-- ack id in this call can carry.
 WITH leased AS (
     SELECT l.ctid
     FROM UNNEST($2::bigint[], $3::int[], $4::bigint[]) AS a(position, attempt, lease_token)
     CROSS JOIN LATERAL (
-        SELECT d.ctid
+        SELECT d.ctid, d.state, d.attempt, d.lease_token, d.due_at
         FROM outbox_deliveries d
-        WHERE d.subscription_id = $1
-          AND d.position = a.position
-          AND d.attempt = a.attempt
-          AND d.lease_token = a.lease_token
-          AND d.state = 'in_flight'
-          AND d.due_at > now()
+        WHERE d.subscription_id = $1 AND d.position = a.position
         LIMIT 1
     ) l
+    WHERE l.attempt = a.attempt
+      AND l.lease_token = a.lease_token
+      AND l.state = 'in_flight'
+      AND l.due_at > now()
 ),
 acked AS (
     DELETE FROM outbox_deliveries d
     WHERE d.ctid = ANY (ARRAY(SELECT ctid FROM leased))
+      AND d.state = 'in_flight'
+      AND d.lease_token = ANY ($4::bigint[])
     RETURNING d.position, d.ordering_key
 ),
 counted AS (

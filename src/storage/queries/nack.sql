@@ -14,7 +14,9 @@ WITH target AS (
       AND d.attempt = $3
       AND d.lease_token = $4
       AND d.state = 'in_flight'
-      AND d.due_at > now()
+      -- Written so no index can serve it: the record is found by primary key, never by
+      -- walking the due-index (see ack.sql).
+      AND (d.due_at > now()) IS TRUE
     FOR UPDATE OF d
 )
 UPDATE outbox_deliveries d

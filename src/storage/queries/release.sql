@@ -1,9 +1,19 @@
 -- Gives the leases of a finished stream back at once: deliverable again immediately.
+-- Found like acks: by primary-key probes, then by row address.
 -- $1 subscription id, $2 positions, $3 their lease tokens.
+WITH leased AS (
+    SELECT l.ctid
+    FROM UNNEST($2::bigint[], $3::bigint[]) AS r(position, lease_token)
+    CROSS JOIN LATERAL (
+        SELECT d.ctid, d.state, d.lease_token
+        FROM outbox_deliveries d
+        WHERE d.subscription_id = $1 AND d.position = r.position
+        LIMIT 1
+    ) l
+    WHERE l.lease_token = r.lease_token AND l.state = 'in_flight'
+)
 UPDATE outbox_deliveries d
 SET state = 'retry', due_at = now(), lease_token = NULL, updated_at = now()
-FROM UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token)
-WHERE d.subscription_id = $1
-  AND d.position = l.position
-  AND d.lease_token = l.lease_token
+WHERE d.ctid = ANY (ARRAY(SELECT ctid FROM leased))
   AND d.state = 'in_flight'
+  AND d.lease_token = ANY ($3::bigint[])
