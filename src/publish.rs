@@ -305,6 +305,10 @@ enum Attempt {
 async fn try_commit(store: &Store, group: &[Call]) -> Result<Attempt, StoreError> {
     let ids: Vec<Uuid> = group.iter().flat_map(Call::ids).collect();
     let events: Vec<&NewEvent> = group.iter().flat_map(|call| call.events.iter()).collect();
+    if store.insert_new_events(&ids, &events).await? {
+        return Ok(Attempt::Committed(ids.into_iter().collect()));
+    }
+    // Some id is already stored: insert the rest and judge those in one transaction.
     let mut transaction = store.begin_publish().await?;
     let inserted: HashSet<Uuid> = transaction
         .insert(&ids, &events)

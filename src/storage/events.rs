@@ -2,7 +2,12 @@
 
 use std::collections::BTreeMap;
 
-use sqlx::{Postgres, Row, postgres::PgRow, types::Json};
+use sqlx::{
+    Postgres, Row,
+    postgres::{PgArguments, PgRow},
+    query::Query,
+    types::Json,
+};
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError};
@@ -14,6 +19,28 @@ pub struct PublishTransaction {
 }
 
 impl Store {
+    /// Stores events whose ids are all new, in one autocommitted statement. `false` (and
+    /// nothing written) when some id is already stored: the caller then needs a
+    /// [`PublishTransaction`] to tell duplicates from conflicts.
+    pub async fn insert_new_events(&self, ids: &[Uuid], events: &[&NewEvent]) -> Result<bool> {
+        let metadata = metadata_json(events);
+        let insert = bind_events(
+            sqlx::query(include_str!("queries/insert_new_events.sql")),
+            ids,
+            events,
+            &metadata,
+        );
+        match insert.execute(&self.pool).await.map_err(StoreError::from) {
+            Ok(_) => Ok(true),
+            Err(StoreError::UniqueViolation { constraint })
+                if constraint == "outbox_events_pkey" =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
     pub async fn begin_publish(&self) -> Result<PublishTransaction> {
         Ok(PublishTransaction {
             transaction: self.pool.begin().await?,
@@ -25,53 +52,18 @@ impl PublishTransaction {
     /// Inserts the events (whose ids are given separately, already resolved) in one
     /// statement and returns the ids that were new; the others already existed.
     pub async fn insert(&mut self, ids: &[Uuid], events: &[&NewEvent]) -> Result<Vec<Uuid>> {
-        let metadata: Vec<String> = events
-            .iter()
-            .map(|event| serde_json::to_string(&event.metadata).expect("string map serializes"))
-            .collect();
-        let inserted = sqlx::query_scalar(include_str!("queries/insert_events.sql"))
-            .bind(ids)
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.aggregate_type.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.aggregate_id.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.aggregate_version)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.event_type.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.payload.as_slice())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                events
-                    .iter()
-                    .map(|e| e.content_type.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(metadata)
-            .bind(events.iter().map(|e| e.occurred_at).collect::<Vec<_>>())
-            .fetch_all(&mut *self.transaction)
-            .await?;
-        Ok(inserted)
+        let metadata = metadata_json(events);
+        let rows = bind_events(
+            sqlx::query(include_str!("queries/insert_events.sql")),
+            ids,
+            events,
+            &metadata,
+        )
+        .fetch_all(&mut *self.transaction)
+        .await?;
+        rows.iter()
+            .map(|row| Ok(row.try_get::<Uuid, _>("id")?))
+            .collect()
     }
 
     /// Reads stored events by id, seeing rows committed by concurrent publishers.
@@ -91,6 +83,63 @@ impl PublishTransaction {
         self.transaction.commit().await?;
         Ok(())
     }
+}
+
+fn metadata_json(events: &[&NewEvent]) -> Vec<String> {
+    events
+        .iter()
+        .map(|event| serde_json::to_string(&event.metadata).expect("string map serializes"))
+        .collect()
+}
+
+/// Binds a batch as the column arrays both insert statements take ($1 ids ... $9
+/// occurred_at).
+fn bind_events<'q>(
+    statement: Query<'q, Postgres, PgArguments>,
+    ids: &'q [Uuid],
+    events: &[&'q NewEvent],
+    metadata: &'q [String],
+) -> Query<'q, Postgres, PgArguments> {
+    statement
+        .bind(ids)
+        .bind(
+            events
+                .iter()
+                .map(|e| e.aggregate_type.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            events
+                .iter()
+                .map(|e| e.aggregate_id.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            events
+                .iter()
+                .map(|e| e.aggregate_version)
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            events
+                .iter()
+                .map(|e| e.event_type.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            events
+                .iter()
+                .map(|e| e.payload.as_slice())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            events
+                .iter()
+                .map(|e| e.content_type.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(metadata)
+        .bind(events.iter().map(|e| e.occurred_at).collect::<Vec<_>>())
 }
 
 /// Reads the event columns (`id` through `created_at`) of a row.
