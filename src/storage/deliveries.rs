@@ -137,11 +137,14 @@ impl Store {
     /// Acks deliveries; returns the positions that were settled (the rest were stale).
     pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<i64>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
-        let statement = sqlx::query(include_str!("queries/ack.sql"))
-            .bind(subscription.id)
-            .bind(positions)
-            .bind(attempts)
-            .bind(tokens);
+        let statement = sqlx::query(concat!(
+            include_str!("queries/leased.sql"),
+            include_str!("queries/ack.sql")
+        ))
+        .bind(subscription.id)
+        .bind(positions)
+        .bind(attempts)
+        .bind(tokens);
         if !subscription.settings.ordered {
             let rows = statement.fetch_all(&self.pool).await?;
             return rows
@@ -216,14 +219,17 @@ impl Store {
         extension: std::time::Duration,
     ) -> Result<Vec<(i64, DateTime<Utc>)>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
-        let rows = sqlx::query(include_str!("queries/extend.sql"))
-            .bind(subscription_id)
-            .bind(&positions)
-            .bind(&attempts)
-            .bind(&tokens)
-            .bind(millis(extension))
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query(concat!(
+            include_str!("queries/leased.sql"),
+            include_str!("queries/extend.sql")
+        ))
+        .bind(subscription_id)
+        .bind(&positions)
+        .bind(&attempts)
+        .bind(&tokens)
+        .bind(millis(extension))
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter()
             .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
             .collect()

@@ -25,7 +25,7 @@ impl Store {
     pub async fn insert_new_events(&self, ids: &[Uuid], events: &[&NewEvent]) -> Result<bool> {
         let metadata = metadata_json(events);
         let insert = bind_events(
-            sqlx::query(include_str!("queries/insert_new_events.sql")),
+            sqlx::query(include_str!("queries/insert_events.sql")),
             ids,
             events,
             &metadata,
@@ -54,7 +54,10 @@ impl PublishTransaction {
     pub async fn insert(&mut self, ids: &[Uuid], events: &[&NewEvent]) -> Result<Vec<Uuid>> {
         let metadata = metadata_json(events);
         let rows = bind_events(
-            sqlx::query(include_str!("queries/insert_events.sql")),
+            sqlx::query(concat!(
+                include_str!("queries/insert_events.sql"),
+                "ON CONFLICT (id) DO NOTHING RETURNING id"
+            )),
             ids,
             events,
             &metadata,

@@ -15,7 +15,7 @@ WITH target AS (
       AND d.lease_token = $4
       AND d.state = 'in_flight'
       -- Written so no index can serve it: the record is found by primary key, never by
-      -- walking the due-index (see ack.sql).
+      -- walking the due-index (see leased.sql).
       AND (d.due_at > now()) IS TRUE
     FOR UPDATE OF d
 )
