@@ -104,6 +104,8 @@ impl BenchDatabase {
         let pool = PgPoolOptions::new()
             .max_connections(connections)
             .acquire_timeout(Duration::from_secs(30))
+            // No ping before each statement: the ceiling is what the server can do.
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .with_context(|| format!("cannot connect to {}", self.name))?;

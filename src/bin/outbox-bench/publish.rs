@@ -108,14 +108,27 @@ async fn sql_run(
             let aggregate_id = workload::aggregate_id(caller, 0);
             async move {
                 let mut latency = measure::new_histogram();
+                // A connection of its own, used statement after statement as a producer
+                // service's request handler would: no pool hand-off per call.
+                let mut connection = match pool.acquire().await {
+                    Ok(connection) => connection,
+                    Err(error) => {
+                        shared.failed(format!("connect: {error}"));
+                        return latency;
+                    }
+                };
                 while !shared.stopped() {
                     let started = Instant::now();
                     let inserted = if batch == 1 {
-                        workload::insert_one(&pool, &aggregate_id, workload::METADATA_JSON)
-                            .await
-                            .map(|()| 1)
+                        workload::insert_one(
+                            &mut *connection,
+                            &aggregate_id,
+                            workload::METADATA_JSON,
+                        )
+                        .await
+                        .map(|()| 1)
                     } else {
-                        rows.insert(&pool).await
+                        rows.insert(&mut *connection).await
                     };
                     match inserted {
                         Ok(events) => {

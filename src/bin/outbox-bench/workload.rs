@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use outbox_gateway::proto;
-use sqlx::PgPool;
+use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 
 pub const AGGREGATE_TYPE: &str = "order";
@@ -120,7 +120,7 @@ impl RawBatch {
 
     /// Inserts the batch with fresh ids in one statement (one transaction); returns the
     /// number of events written.
-    pub async fn insert(&mut self, pool: &PgPool) -> sqlx::Result<u64> {
+    pub async fn insert(&mut self, executor: impl PgExecutor<'_>) -> sqlx::Result<u64> {
         let size = self.aggregate_ids.len();
         self.ids.clear();
         self.ids.extend((0..size).map(|_| Uuid::now_v7()));
@@ -132,7 +132,7 @@ impl RawBatch {
             .bind(&self.payloads)
             .bind(&self.content_types)
             .bind(&self.metadata)
-            .execute(pool)
+            .execute(executor)
             .await?;
         Ok(result.rows_affected())
     }
@@ -140,7 +140,7 @@ impl RawBatch {
 
 /// Inserts one event in its own transaction (autocommit).
 pub async fn insert_one(
-    pool: &PgPool,
+    executor: impl PgExecutor<'_>,
     aggregate_id: &str,
     metadata_json: &str,
 ) -> sqlx::Result<()> {
@@ -152,7 +152,7 @@ pub async fn insert_one(
         .bind(PAYLOAD)
         .bind(CONTENT_TYPE)
         .bind(metadata_json)
-        .execute(pool)
+        .execute(executor)
         .await?;
     Ok(())
 }
