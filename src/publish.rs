@@ -21,13 +21,14 @@ use crate::{
     domain::{NewEvent, PublishLimits},
     error::{Error, Result},
     metrics,
-    storage::{Store, StoreError},
+    storage::{PUBLISH_CONNECTIONS, PublishConnection, Store, StoreError},
     telemetry::TraceHeaders,
 };
 
-/// Committer tasks: several transactions in flight keep PostgreSQL's cores busy (and
-/// its group commit fed) while each gathers the calls that queued meanwhile.
-const COMMITTERS: usize = 4;
+/// Committer tasks, one per publishing connection: several transactions in flight keep
+/// PostgreSQL's cores busy (and its group commit fed) while each gathers the calls that
+/// queued meanwhile.
+const COMMITTERS: usize = PUBLISH_CONNECTIONS;
 /// A group stops growing at this many events: coalescing pays for small calls, while
 /// calls that are already large batches lose parallelism when merged.
 const MAX_GROUP_EVENTS: usize = 500;
@@ -188,13 +189,14 @@ impl Publisher {
 }
 
 /// A committer: takes every waiting call (up to `max_group_events` events), commits them
-/// together and answers each.
+/// together and answers each, on a connection of its own.
 async fn commit_groups(
     store: Store,
     relay: Relay,
     queue: Arc<Mutex<mpsc::Receiver<Call>>>,
     max_group_events: usize,
 ) {
+    let mut connection = store.publish_connection();
     loop {
         let group = {
             let mut queue = queue.lock().await;
@@ -214,14 +216,14 @@ async fn commit_groups(
             }
             group
         };
-        if commit(&store, group).await {
+        if commit(&mut connection, group).await {
             relay.events_committed();
         }
     }
 }
 
 /// Commits a group and answers its calls; true when anything new was stored.
-async fn commit(store: &Store, mut group: Vec<Call>) -> bool {
+async fn commit(connection: &mut PublishConnection, mut group: Vec<Call>) -> bool {
     // Calls reusing an id of an earlier call in the group go in a group of their own, so
     // each call's duplicate flags and conflicts are judged against committed rows only.
     let mut seen = HashSet::new();
@@ -236,7 +238,7 @@ async fn commit(store: &Store, mut group: Vec<Call>) -> bool {
     }
     let mut stored_any = false;
     for group in std::iter::once(now).chain(later.into_iter().map(|call| vec![call])) {
-        stored_any |= commit_distinct(store, group).await;
+        stored_any |= commit_distinct(connection, group).await;
     }
     stored_any
 }
@@ -244,12 +246,12 @@ async fn commit(store: &Store, mut group: Vec<Call>) -> bool {
 /// Commits calls whose ids are all distinct. A call conflicting with stored content is
 /// answered ALREADY_EXISTS and the rest are retried without it; if the database refuses
 /// the group for another reason, each call is tried alone so one cannot fail another.
-async fn commit_distinct(store: &Store, mut group: Vec<Call>) -> bool {
+async fn commit_distinct(connection: &mut PublishConnection, mut group: Vec<Call>) -> bool {
     loop {
         if group.is_empty() {
             return false;
         }
-        match try_commit(store, &group).await {
+        match try_commit(connection, &group).await {
             Ok(Attempt::Committed(inserted)) => {
                 let stored_any = !inserted.is_empty();
                 for call in group {
@@ -278,7 +280,7 @@ async fn commit_distinct(store: &Store, mut group: Vec<Call>) -> bool {
             Err(error) if group.len() > 1 && !error.is_unavailable() => {
                 let mut stored_any = false;
                 for call in group {
-                    stored_any |= Box::pin(commit_distinct(store, vec![call])).await;
+                    stored_any |= Box::pin(commit_distinct(connection, vec![call])).await;
                 }
                 return stored_any;
             }
@@ -302,14 +304,17 @@ enum Attempt {
     Conflicts(HashSet<Uuid>),
 }
 
-async fn try_commit(store: &Store, group: &[Call]) -> Result<Attempt, StoreError> {
+async fn try_commit(
+    connection: &mut PublishConnection,
+    group: &[Call],
+) -> Result<Attempt, StoreError> {
     let ids: Vec<Uuid> = group.iter().flat_map(Call::ids).collect();
     let events: Vec<&NewEvent> = group.iter().flat_map(|call| call.events.iter()).collect();
-    if store.insert_new_events(&ids, &events).await? {
+    if connection.insert_new_events(&ids, &events).await? {
         return Ok(Attempt::Committed(ids.into_iter().collect()));
     }
     // Some id is already stored: insert the rest and judge those in one transaction.
-    let mut transaction = store.begin_publish().await?;
+    let mut transaction = connection.begin().await?;
     let inserted: HashSet<Uuid> = transaction
         .insert(&ids, &events)
         .await?

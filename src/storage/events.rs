@@ -3,26 +3,70 @@
 use std::collections::BTreeMap;
 
 use sqlx::{
-    Postgres, Row,
+    Connection, PgConnection, PgPool, Postgres, Row,
+    pool::PoolConnection,
     postgres::{PgArguments, PgRow},
     query::Query,
     types::Json,
 };
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError};
 use crate::domain::{Event, NewEvent};
 
+/// The connection one publish committer keeps from statement to statement. Taking a
+/// connection from sqlx's pool and giving it back costs more than a small INSERT: sqlx
+/// pings every connection it takes back, a round trip from a task of its own.
+pub struct PublishConnection {
+    pool: PgPool,
+    held: Option<PoolConnection<Postgres>>,
+    last_used: Instant,
+    /// A statement failed: the connection may be broken or mid-transaction, so it is
+    /// given back (sqlx checks it) and the next statement takes another.
+    broken: bool,
+}
+
 /// A transaction that publishes events; dropped without `commit`, it rolls back.
-pub struct PublishTransaction {
-    transaction: sqlx::Transaction<'static, Postgres>,
+pub struct PublishTransaction<'c> {
+    transaction: sqlx::Transaction<'c, Postgres>,
+    broken: &'c mut bool,
 }
 
 impl Store {
+    pub fn publish_connection(&self) -> PublishConnection {
+        PublishConnection {
+            pool: self.publish_pool.clone(),
+            held: None,
+            last_used: Instant::now(),
+            broken: false,
+        }
+    }
+}
+
+impl PublishConnection {
+    async fn connection(&mut self) -> Result<&mut PgConnection> {
+        if std::mem::take(&mut self.broken) {
+            self.held = None;
+        }
+        if let Some(connection) = &mut self.held
+            && self.last_used.elapsed() >= super::IDLE_BEFORE_PING
+            && connection.ping().await.is_err()
+        {
+            self.held = None;
+        }
+        let connection = match &mut self.held {
+            Some(connection) => connection,
+            none => none.insert(self.pool.acquire().await?),
+        };
+        self.last_used = Instant::now();
+        Ok(connection)
+    }
+
     /// Stores events whose ids are all new, in one autocommitted statement. `false` (and
     /// nothing written) when some id is already stored: the caller then needs a
     /// [`PublishTransaction`] to tell duplicates from conflicts.
-    pub async fn insert_new_events(&self, ids: &[Uuid], events: &[&NewEvent]) -> Result<bool> {
+    pub async fn insert_new_events(&mut self, ids: &[Uuid], events: &[&NewEvent]) -> Result<bool> {
         let metadata = metadata_json(events);
         let insert = bind_events(
             sqlx::query(include_str!("queries/insert_events.sql")),
@@ -30,25 +74,39 @@ impl Store {
             events,
             &metadata,
         );
-        match insert.execute(&self.pool).await.map_err(StoreError::from) {
+        let outcome = insert.execute(self.connection().await?).await;
+        match outcome.map_err(StoreError::from) {
             Ok(_) => Ok(true),
             Err(StoreError::UniqueViolation { constraint })
                 if constraint == "outbox_events_pkey" =>
             {
                 Ok(false)
             }
-            Err(error) => Err(error),
+            Err(error) => {
+                self.broken = true;
+                Err(error)
+            }
         }
     }
 
-    pub async fn begin_publish(&self) -> Result<PublishTransaction> {
-        Ok(PublishTransaction {
-            transaction: self.pool.begin().await?,
-        })
+    pub async fn begin(&mut self) -> Result<PublishTransaction<'_>> {
+        self.connection().await?;
+        let PublishConnection { held, broken, .. } = self;
+        let connection = held.as_mut().expect("connection() keeps one");
+        match connection.begin().await {
+            Ok(transaction) => Ok(PublishTransaction {
+                transaction,
+                broken,
+            }),
+            Err(error) => {
+                *broken = true;
+                Err(error.into())
+            }
+        }
     }
 }
 
-impl PublishTransaction {
+impl PublishTransaction<'_> {
     /// Inserts the events (whose ids are given separately, already resolved) in one
     /// statement and returns the ids that were new; the others already existed.
     pub async fn insert(&mut self, ids: &[Uuid], events: &[&NewEvent]) -> Result<Vec<Uuid>> {
@@ -63,7 +121,8 @@ impl PublishTransaction {
             &metadata,
         )
         .fetch_all(&mut *self.transaction)
-        .await?;
+        .await;
+        let rows = self.unless_broken(rows)?;
         rows.iter()
             .map(|row| Ok(row.try_get::<Uuid, _>("id")?))
             .collect()
@@ -78,13 +137,29 @@ impl PublishTransaction {
         ))
         .bind(ids)
         .fetch_all(&mut *self.transaction)
-        .await?;
-        rows.iter().map(event_from_row).collect()
+        .await;
+        self.unless_broken(rows)?
+            .iter()
+            .map(event_from_row)
+            .collect()
     }
 
     pub async fn commit(self) -> Result<()> {
-        self.transaction.commit().await?;
-        Ok(())
+        let PublishTransaction {
+            transaction,
+            broken,
+        } = self;
+        transaction.commit().await.map_err(|error| {
+            *broken = true;
+            error.into()
+        })
+    }
+
+    fn unless_broken<T>(&mut self, outcome: sqlx::Result<T>) -> Result<T> {
+        outcome.map_err(|error| {
+            *self.broken = true;
+            error.into()
+        })
     }
 }
 
