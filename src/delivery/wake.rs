@@ -8,11 +8,15 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::storage::Store;
 
+const PEER_NOTIFY_INTERVAL: Duration = Duration::from_millis(5);
 const LISTENER_RETRY_MIN: Duration = Duration::from_millis(100);
 const LISTENER_RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// Sends one NOTIFY for any number of publishes requested while the previous one was
-/// on its way, outside the publishing transactions (a NOTIFY serializes commits).
+/// on its way, outside the publishing transactions (a NOTIFY serializes commits), and
+/// at most one per `PEER_NOTIFY_INTERVAL`: a lone publish is announced at once, while
+/// under load peers hear of new events within the interval instead of the gateway
+/// spending a statement per commit on them.
 pub(super) struct PeerNotifier {
     requested: Arc<Notify>,
 }
@@ -27,8 +31,13 @@ impl PeerNotifier {
                     _ = pending.notified() => {}
                     _ = shutdown.cancelled() => return,
                 }
+                let sent = tokio::time::Instant::now();
                 if let Err(error) = store.notify_listeners().await {
                     tracing::debug!(%error, "could not notify other gateways; they will poll");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep_until(sent + PEER_NOTIFY_INTERVAL) => {}
+                    _ = shutdown.cancelled() => return,
                 }
             }
         });
