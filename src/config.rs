@@ -341,6 +341,7 @@ impl Config {
                 batch_size: settings
                     .retention_batch_size
                     .unwrap_or(maintenance_defaults.batch_size),
+                ..maintenance_defaults
             },
             shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
             health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),

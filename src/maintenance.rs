@@ -14,12 +14,6 @@ use crate::{
 /// Most batches one pass deletes, so a pass stays short; the next pass goes on.
 const MAX_BATCHES_PER_PASS: usize = 100;
 
-/// How often the delivery table's dead rows are counted, and how many make it worth a
-/// vacuum. At tens of thousands of acks a second a vacuum then clears a few hundred
-/// thousand rows, in well under a second; at a trickle it runs rarely.
-const VACUUM_CHECK_INTERVAL: Duration = Duration::from_secs(5);
-const VACUUM_MIN_DEAD_ROWS: i64 = 20_000;
-
 #[derive(Debug, Clone)]
 pub struct MaintenanceConfig {
     pub enabled: bool,
@@ -29,6 +23,11 @@ pub struct MaintenanceConfig {
     /// Events older than this are deleted whatever their state; `None`: never.
     pub max_retention: Option<Duration>,
     pub batch_size: usize,
+    /// How often the delivery table's dead rows are counted, and how many make it worth
+    /// a vacuum. At tens of thousands of acks a second a vacuum then clears a few
+    /// hundred thousand rows, in well under a second; at a trickle it runs rarely.
+    pub vacuum_check_interval: Duration,
+    pub vacuum_min_dead_rows: i64,
 }
 
 impl Default for MaintenanceConfig {
@@ -39,6 +38,8 @@ impl Default for MaintenanceConfig {
             retention: Duration::from_secs(72 * 60 * 60),
             max_retention: None,
             batch_size: 1000,
+            vacuum_check_interval: Duration::from_secs(5),
+            vacuum_min_dead_rows: 20_000,
         }
     }
 }
@@ -54,7 +55,7 @@ pub async fn run(
         return;
     }
     let mut passes = tokio::time::interval(config.interval);
-    let mut vacuum_checks = tokio::time::interval(VACUUM_CHECK_INTERVAL);
+    let mut vacuum_checks = tokio::time::interval(config.vacuum_check_interval);
     for timer in [&mut passes, &mut vacuum_checks] {
         timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
@@ -65,7 +66,7 @@ pub async fn run(
                     tracing::warn!(%error, "maintenance pass failed; retrying at the next interval");
                 }
             }
-            _ = vacuum_checks.tick() => match store.vacuum_deliveries(VACUUM_MIN_DEAD_ROWS).await {
+            _ = vacuum_checks.tick() => match store.vacuum_deliveries(config.vacuum_min_dead_rows).await {
                 Ok(Some(dead_rows)) => tracing::debug!(dead_rows, "vacuumed the delivery table"),
                 Ok(None) => {}
                 Err(error) => tracing::warn!(%error, "vacuuming the delivery table failed"),

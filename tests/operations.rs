@@ -954,3 +954,52 @@ async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() 
     let letters = list_dead_letters(&mut gateway.admin().await, listing("orders")).await;
     assert_eq!(letters.dead_letters[0].last_error, "ack deadline exceeded");
 }
+
+/// Dead rows of the delivery table, and how often it has been vacuumed by hand.
+async fn delivery_table_vacuum_stats(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT n_dead_tup, vacuum_count FROM pg_stat_user_tables \
+         WHERE relid = 'outbox_deliveries'::regclass",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn maintenance_vacuums_the_delivery_table_once_acks_left_enough_dead_rows() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.vacuum_check_interval = Duration::from_millis(200);
+    config.maintenance.vacuum_min_dead_rows = 300;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let pool = database.pool().await;
+
+    let events = (0..500)
+        .map(|index| event(&format!("o-{index}"), "order.created"))
+        .collect();
+    publish(&gateway, events).await;
+    assert_eq!(delivery_table_vacuum_stats(&pool).await.1, 0);
+    let mut consumer = Consumer::open(&gateway, "orders", 100).await;
+    for _ in 0..5 {
+        let deliveries = consumer.take(100, WAIT).await;
+        let ack_ids = deliveries.into_iter().map(|d| d.ack_id).collect();
+        assert!(ack(&gateway, "orders", ack_ids).await.is_empty());
+    }
+
+    // Statistics reach pg_stat_user_tables up to ten seconds after the acks.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (dead_rows, vacuums) = delivery_table_vacuum_stats(&pool).await;
+        if vacuums > 0 {
+            assert!(dead_rows < 300, "{dead_rows} dead rows left after a vacuum");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no vacuum of the delivery table; {dead_rows} dead rows"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
