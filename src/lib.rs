@@ -191,7 +191,7 @@ pub async fn run(
         );
     tracing::info!(address = ?address, "serving gRPC");
 
-    tokio::pin!(server);
+    let mut server = Box::pin(server);
     tokio::select! {
         result = &mut server => {
             result?;
@@ -209,6 +209,10 @@ pub async fn run(
             }
         }
     }
+    // Even past the grace period the server still holds the services and with them the
+    // publish queue; once it is dropped the committers finish and give back the
+    // connections they keep, which `store.close()` waits for.
+    drop(server);
     health_monitor.abort();
     if let Some(figures) = figures {
         figures.abort();

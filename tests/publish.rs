@@ -492,3 +492,66 @@ async fn concurrent_calls_share_transactions_without_failing_each_other() {
             .unwrap();
     assert_eq!(c7, 0, "the refused call wrote nothing");
 }
+
+#[tokio::test]
+async fn a_shutdown_past_its_grace_period_ends_once_a_blocked_publish_is_released() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.shutdown_grace = Duration::from_millis(200);
+    let gateway = TestGateway::start_with(&database, config).await;
+    let pool = database.pool().await;
+
+    // A producer's open transaction holds an id; a Publish of the same id waits for it.
+    let id = uuid::Uuid::new_v4();
+    let mut producer = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o-1', 'order.created', '{}')",
+    )
+    .bind(id)
+    .execute(&mut *producer)
+    .await
+    .unwrap();
+    let mut publisher = gateway.publisher().await;
+    let blocked = proto::EventInput {
+        id: id.to_string(),
+        ..event("o-1", "order.created")
+    };
+    let call = tokio::spawn(async move {
+        publisher
+            .publish(PublishRequest {
+                events: vec![blocked],
+            })
+            .await
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "Publish never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let stopping = tokio::spawn(gateway.stop());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !stopping.is_finished(),
+        "stopped while a statement was running"
+    );
+    producer.rollback().await.unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("the gateway stops once the publishing statement is done")
+        .unwrap();
+    assert!(stopped.is_ok(), "{stopped:?}");
+    call.abort();
+}
