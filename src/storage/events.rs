@@ -122,7 +122,7 @@ impl PublishTransaction<'_> {
         )
         .fetch_all(&mut *self.transaction)
         .await;
-        let rows = self.unless_broken(rows)?;
+        let rows = self.broken_on_error(rows)?;
         rows.iter()
             .map(|row| Ok(row.try_get::<Uuid, _>("id")?))
             .collect()
@@ -138,7 +138,7 @@ impl PublishTransaction<'_> {
         .bind(ids)
         .fetch_all(&mut *self.transaction)
         .await;
-        self.unless_broken(rows)?
+        self.broken_on_error(rows)?
             .iter()
             .map(event_from_row)
             .collect()
@@ -155,7 +155,7 @@ impl PublishTransaction<'_> {
         })
     }
 
-    fn unless_broken<T>(&mut self, outcome: sqlx::Result<T>) -> Result<T> {
+    fn broken_on_error<T>(&mut self, outcome: sqlx::Result<T>) -> Result<T> {
         outcome.map_err(|error| {
             *self.broken = true;
             error.into()

@@ -148,7 +148,7 @@ impl Store {
             )
             .await?;
         // The publishing INSERT plans the same way whatever its arrays hold, so it keeps
-        // PostgreSQL's cached plan (re-planning cost a tenth of a 100-event call), and
+        // PostgreSQL's cached plan (re-planning cost 0.2 ms of a 100-event call), and
         // its connections are its own: a committer keeps one while it publishes.
         let publish_pool = pool_options(PUBLISH_CONNECTIONS as u32, config.acquire_timeout)
             .connect_lazy_with(options);
