@@ -180,44 +180,19 @@ fn bind_events<'q>(
 ) -> Query<'q, Postgres, PgArguments> {
     statement
         .bind(ids)
-        .bind(
-            events
-                .iter()
-                .map(|e| e.aggregate_type.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            events
-                .iter()
-                .map(|e| e.aggregate_id.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            events
-                .iter()
-                .map(|e| e.aggregate_version)
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            events
-                .iter()
-                .map(|e| e.event_type.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            events
-                .iter()
-                .map(|e| e.payload.as_slice())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            events
-                .iter()
-                .map(|e| e.content_type.as_str())
-                .collect::<Vec<_>>(),
-        )
+        .bind(column(events, |e| e.aggregate_type.as_str()))
+        .bind(column(events, |e| e.aggregate_id.as_str()))
+        .bind(column(events, |e| e.aggregate_version))
+        .bind(column(events, |e| e.event_type.as_str()))
+        .bind(column(events, |e| e.payload.as_slice()))
+        .bind(column(events, |e| e.content_type.as_str()))
         .bind(metadata)
-        .bind(events.iter().map(|e| e.occurred_at).collect::<Vec<_>>())
+        .bind(column(events, |e| e.occurred_at))
+}
+
+/// One field of every event, as the array bound to one column.
+fn column<'q, T>(events: &[&'q NewEvent], field: impl Fn(&'q NewEvent) -> T) -> Vec<T> {
+    events.iter().map(|event| field(event)).collect()
 }
 
 /// Reads the event columns (`id` through `created_at`) of a row.
