@@ -84,6 +84,11 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_DB_ACQUIRE_TIMEOUT")]
     pub db_acquire_timeout: Option<DurationSetting>,
 
+    /// PostgreSQL ends a gateway session left idle inside a transaction this long (a
+    /// guard: the gateway ends every transaction it opens). [default: 10s]
+    #[arg(long, env = "OUTBOX_DB_IDLE_IN_TRANSACTION_TIMEOUT")]
+    pub db_idle_in_transaction_timeout: Option<DurationSetting>,
+
     /// Most events in one Publish call. [default: 1000]
     #[arg(long, env = "OUTBOX_MAX_BATCH_EVENTS")]
     pub max_batch_events: Option<usize>,
@@ -213,6 +218,7 @@ pub struct Config {
     pub migrate: bool,
     pub db_max_connections: u32,
     pub db_acquire_timeout: Duration,
+    pub db_idle_in_transaction_timeout: Duration,
     pub limits: PublishLimits,
     pub delivery: DeliveryConfig,
     pub maintenance: MaintenanceConfig,
@@ -304,6 +310,10 @@ impl Config {
             migrate: !settings.no_migrate.unwrap_or(false),
             db_max_connections: settings.db_max_connections.unwrap_or(10),
             db_acquire_timeout: duration(settings.db_acquire_timeout, Duration::from_secs(5)),
+            db_idle_in_transaction_timeout: duration(
+                settings.db_idle_in_transaction_timeout,
+                Duration::from_secs(10),
+            ),
             limits: PublishLimits {
                 max_batch_events: settings
                     .max_batch_events
@@ -399,6 +409,9 @@ impl Config {
             // One connection is held by the NOTIFY listener.
             return invalid("db_max_connections", "must be at least 2");
         }
+        if self.db_idle_in_transaction_timeout < Duration::from_secs(1) {
+            return invalid("db_idle_in_transaction_timeout", "must be at least 1s");
+        }
         if self.limits.max_batch_events == 0 {
             return invalid("max_batch_events", "must be at least 1");
         }
@@ -467,6 +480,7 @@ impl Settings {
             no_migrate,
             db_max_connections,
             db_acquire_timeout,
+            db_idle_in_transaction_timeout,
             max_batch_events,
             max_payload_bytes,
             max_metadata_entries,

@@ -250,6 +250,7 @@ async fn connect(config: &Config) -> Result<Store, RunError> {
         database_url: config.database_url.clone(),
         max_connections: config.db_max_connections,
         acquire_timeout: config.db_acquire_timeout,
+        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     };
     Store::connect(&store_config)
         .await

@@ -94,6 +94,7 @@ async fn migrate(config: Config) -> Result<(), String> {
         database_url: config.database_url.clone(),
         max_connections: 1,
         acquire_timeout: config.db_acquire_timeout,
+        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     })
     .await
     .map_err(|error| {

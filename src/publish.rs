@@ -21,7 +21,7 @@ use crate::{
     domain::{NewEvent, PublishLimits},
     error::{Error, Result},
     metrics,
-    storage::{PUBLISH_CONNECTIONS, PublishConnection, Store, StoreError},
+    storage::{PUBLISH_CONNECTIONS, PublishConnection, PublishTransaction, Store, StoreError},
     telemetry::TraceHeaders,
 };
 
@@ -251,7 +251,9 @@ async fn commit_distinct(connection: &mut PublishConnection, mut group: Vec<Call
         if group.is_empty() {
             return false;
         }
-        match try_commit(connection, &group).await {
+        let attempt = try_commit(connection, &group).await;
+        connection.release_if_broken();
+        match attempt {
             Ok(Attempt::Committed(inserted)) => {
                 let stored_any = !inserted.is_empty();
                 for call in group {
@@ -287,13 +289,24 @@ async fn commit_distinct(connection: &mut PublishConnection, mut group: Vec<Call
             Err(error) => {
                 let error = Arc::new(error);
                 for call in group {
-                    let _ = call
-                        .reply
-                        .send(Err(StoreError::Shared(error.clone()).into()));
+                    let _ = call.reply.send(Err(refusal(&error)));
                 }
                 return false;
             }
         }
+    }
+}
+
+/// What a caller is told when the database refused its call. A check constraint the
+/// gateway's validation does not know (an operator's own rule on the outbox table) is
+/// the caller's input being refused, not a fault of the gateway.
+fn refusal(error: &Arc<StoreError>) -> Error {
+    match error.check_violation() {
+        Some(constraint) => Error::invalid(
+            "events",
+            format!("refused by the database: constraint {constraint:?} does not hold"),
+        ),
+        None => StoreError::Shared(error.clone()).into(),
     }
 }
 
@@ -313,33 +326,53 @@ async fn try_commit(
     if connection.insert_new_events(&ids, &events).await? {
         return Ok(Attempt::Committed(ids.into_iter().collect()));
     }
-    // Some id is already stored: insert the rest and judge those in one transaction.
+    // Some id is already stored: insert the rest and judge those in one transaction,
+    // which every path ends explicitly before the connection is used again.
     let mut transaction = connection.begin().await?;
-    let inserted: HashSet<Uuid> = transaction
-        .insert(&ids, &events)
-        .await?
-        .into_iter()
-        .collect();
-    if inserted.len() < ids.len() {
-        let existing: Vec<Uuid> = ids
-            .iter()
-            .filter(|id| !inserted.contains(id))
-            .copied()
-            .collect();
-        let by_id: HashMap<Uuid, &NewEvent> =
-            ids.iter().copied().zip(events.iter().copied()).collect();
-        let conflicts: HashSet<Uuid> = transaction
-            .find(&existing)
-            .await?
-            .into_iter()
-            .filter(|stored| !by_id[&stored.id].matches_stored(stored))
-            .map(|stored| stored.id)
-            .collect();
-        if !conflicts.is_empty() {
-            // Dropping the transaction rolls it back.
-            return Ok(Attempt::Conflicts(conflicts));
+    match insert_and_judge(&mut transaction, &ids, &events).await {
+        Ok(attempt @ Attempt::Committed(_)) => {
+            transaction.commit().await?;
+            Ok(attempt)
+        }
+        Ok(attempt @ Attempt::Conflicts(_)) => {
+            transaction.rollback().await?;
+            Ok(attempt)
+        }
+        Err(error) => {
+            // A failed rollback marks the connection broken; the statement's error is
+            // the one to report.
+            let _ = transaction.rollback().await;
+            Err(error)
         }
     }
-    transaction.commit().await?;
-    Ok(Attempt::Committed(inserted))
+}
+
+/// Inserts the events whose ids are new and compares the others with their stored rows.
+async fn insert_and_judge(
+    transaction: &mut PublishTransaction<'_>,
+    ids: &[Uuid],
+    events: &[&NewEvent],
+) -> Result<Attempt, StoreError> {
+    let inserted: HashSet<Uuid> = transaction.insert(ids, events).await?.into_iter().collect();
+    if inserted.len() == ids.len() {
+        return Ok(Attempt::Committed(inserted));
+    }
+    let existing: Vec<Uuid> = ids
+        .iter()
+        .filter(|id| !inserted.contains(id))
+        .copied()
+        .collect();
+    let by_id: HashMap<Uuid, &NewEvent> = ids.iter().copied().zip(events.iter().copied()).collect();
+    let conflicts: HashSet<Uuid> = transaction
+        .find(&existing)
+        .await?
+        .into_iter()
+        .filter(|stored| !by_id[&stored.id].matches_stored(stored))
+        .map(|stored| stored.id)
+        .collect();
+    if conflicts.is_empty() {
+        Ok(Attempt::Committed(inserted))
+    } else {
+        Ok(Attempt::Conflicts(conflicts))
+    }
 }

@@ -22,12 +22,16 @@ pub struct PublishConnection {
     pool: PgPool,
     held: Option<PoolConnection<Postgres>>,
     last_used: Instant,
-    /// A statement failed: the connection may be broken or mid-transaction, so it is
-    /// given back (sqlx checks it) and the next statement takes another.
+    /// The connection was lost, or a transaction on it could not be ended: it is given
+    /// back to the pool at once (which tests it and closes it if it is broken) instead of
+    /// being kept, so it can never sit idle in a transaction.
     broken: bool,
 }
 
-/// A transaction that publishes events; dropped without `commit`, it rolls back.
+/// A transaction that publishes events. End it with [`commit`](Self::commit) or
+/// [`rollback`](Self::rollback) on every path: merely dropped, sqlx only queues the
+/// rollback until the connection's next use, and a kept connection left idle in a
+/// transaction holds every relay's read horizon back.
 pub struct PublishTransaction<'c> {
     transaction: sqlx::Transaction<'c, Postgres>,
     broken: &'c mut bool,
@@ -46,9 +50,7 @@ impl Store {
 
 impl PublishConnection {
     async fn connection(&mut self) -> Result<&mut PgConnection> {
-        if std::mem::take(&mut self.broken) {
-            self.held = None;
-        }
+        self.release_if_broken();
         if let Some(connection) = &mut self.held
             && self.last_used.elapsed() >= super::IDLE_BEFORE_PING
             && connection.ping().await.is_err()
@@ -83,9 +85,19 @@ impl PublishConnection {
                 Ok(false)
             }
             Err(error) => {
-                self.broken = true;
+                self.broken = error.is_unavailable();
+                self.release_if_broken();
                 Err(error)
             }
+        }
+    }
+
+    /// Gives a connection that failed back to the pool now rather than at the next
+    /// statement: the pool tests it, flushing any rollback still queued on it, or closes
+    /// it.
+    pub fn release_if_broken(&mut self) {
+        if std::mem::take(&mut self.broken) {
+            self.held = None;
         }
     }
 
@@ -155,10 +167,24 @@ impl PublishTransaction<'_> {
         })
     }
 
+    /// Rolls back now. When that fails the connection is marked broken, so it is not
+    /// kept (see [`PublishConnection::release_if_broken`]).
+    pub async fn rollback(self) -> Result<()> {
+        let PublishTransaction {
+            transaction,
+            broken,
+        } = self;
+        transaction.rollback().await.map_err(|error| {
+            *broken = true;
+            error.into()
+        })
+    }
+
     fn broken_on_error<T>(&mut self, outcome: sqlx::Result<T>) -> Result<T> {
         outcome.map_err(|error| {
-            *self.broken = true;
-            error.into()
+            let error = StoreError::from(error);
+            *self.broken |= error.is_unavailable();
+            error
         })
     }
 }

@@ -48,6 +48,10 @@ pub enum StoreError {
     /// A unique constraint refused a row.
     #[error("unique constraint {constraint} violated")]
     UniqueViolation { constraint: String },
+    /// A check constraint refused a row: one the gateway's validation does not know of,
+    /// such as an operator's own rule on the outbox table.
+    #[error("check constraint {constraint} violated")]
+    CheckViolation { constraint: String },
     #[error("database error: {0}")]
     Database(#[source] sqlx::Error),
     /// A stored value the gateway cannot read back, e.g. a pattern edited by hand.
@@ -66,6 +70,15 @@ impl StoreError {
             StoreError::Unavailable(_) => true,
             StoreError::Shared(inner) => inner.is_unavailable(),
             _ => false,
+        }
+    }
+
+    /// The check constraint that refused a row, if that is what went wrong.
+    pub fn check_violation(&self) -> Option<&str> {
+        match self {
+            StoreError::CheckViolation { constraint } => Some(constraint),
+            StoreError::Shared(inner) => inner.check_violation(),
+            _ => None,
         }
     }
 }
@@ -90,12 +103,13 @@ impl From<sqlx::Error> for StoreError {
         if unavailable {
             return StoreError::Unavailable(error);
         }
-        if let sqlx::Error::Database(db) = &error
-            && db.code().as_deref() == Some("23505")
-        {
-            return StoreError::UniqueViolation {
-                constraint: db.constraint().unwrap_or_default().to_owned(),
-            };
+        if let sqlx::Error::Database(db) = &error {
+            let constraint = db.constraint().unwrap_or_default().to_owned();
+            match db.code().as_deref() {
+                Some("23505") => return StoreError::UniqueViolation { constraint },
+                Some("23514") => return StoreError::CheckViolation { constraint },
+                _ => {}
+            }
         }
         StoreError::Database(error)
     }
@@ -110,6 +124,8 @@ pub struct StoreConfig {
     pub database_url: String,
     pub max_connections: u32,
     pub acquire_timeout: Duration,
+    /// Sessions left idle inside a transaction this long are ended by PostgreSQL.
+    pub idle_in_transaction_timeout: Duration,
 }
 
 /// Connections set apart for publishing, beside the main pool: one per publish
@@ -134,8 +150,17 @@ impl Store {
         if !config.database_url.contains("sslmode") && is_loopback(options.get_host()) {
             options = options.ssl_mode(PgSslMode::Disable);
         }
-        // The gateway wakes its relay in process; its inserts must not NOTIFY.
-        let options = options.options([("outbox.suppress_notify", "on")]);
+        // The gateway wakes its relay in process; its inserts must not NOTIFY. Every
+        // transaction the gateway opens is ended on every path; should one ever be left
+        // open, PostgreSQL ends the session rather than let it hold back the read horizon.
+        let idle_in_transaction = format!("{}", config.idle_in_transaction_timeout.as_millis());
+        let options = options.options([
+            ("outbox.suppress_notify", "on"),
+            (
+                "idle_in_transaction_session_timeout",
+                idle_in_transaction.as_str(),
+            ),
+        ]);
         create_database_if_missing(&options).await?;
         // A generic plan of the claim cannot see the cursor and the batch limit, and
         // bitmap-scans and sorts the whole backlog on every claim (130 ms instead of
