@@ -7,7 +7,7 @@ use crate::{
     delivery::Relay,
     domain::{
         DeadLetter, DeadLetterSelection, Event, OutboxStats, PatternSet, Subscription,
-        SubscriptionName, SubscriptionStats,
+        SubscriptionName, SubscriptionStats, check_text,
     },
     error::{Error, Result},
     metrics,
@@ -97,6 +97,7 @@ impl Operations {
             if value.is_empty() {
                 return Err(Error::invalid(field, "is required"));
             }
+            check_text(field, value)?;
         }
         let (position, event) = self
             .store
@@ -238,6 +239,8 @@ impl Operations {
                 format!("must be at most {MAX_NOTES_BYTES} bytes"),
             ));
         }
+        check_text("resolved_by", resolved_by)?;
+        check_text("notes", notes)?;
         let subscription = self.subscription(name).await?;
         self.store
             .resolve_dead_letter(&subscription, id, resolved_by, notes)

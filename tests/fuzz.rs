@@ -581,7 +581,10 @@ async fn malformed_protobuf_is_refused_promptly_by_every_rpc() {
                 // Well-formed protobuf (perhaps by chance): any answer but a crash.
                 if let Err(status) = &outcome {
                     assert!(
-                        !matches!(status.code(), Code::Unknown | Code::Unavailable),
+                        !matches!(
+                            status.code(),
+                            Code::Unknown | Code::Unavailable | Code::Internal
+                        ),
                         "{} failed on decodable {body:02x?}: {status:?} (seed {seed})",
                         rpc.path
                     );
@@ -589,7 +592,7 @@ async fn malformed_protobuf_is_refused_promptly_by_every_rpc() {
             } else {
                 let status = outcome.expect_err("undecodable bytes must be refused");
                 assert!(
-                    matches!(status.code(), Code::InvalidArgument | Code::Internal),
+                    status.code() == Code::InvalidArgument,
                     "{} answered {status:?} to undecodable {body:02x?} (seed {seed})",
                     rpc.path
                 );

@@ -8,9 +8,9 @@ use uuid::Uuid;
 
 use crate::{
     domain::{
-        AckId, DEFAULT_CONTENT_TYPE, DeadLetter, Delivery, Event, NewEvent, OutboxStats,
+        AckId, DEFAULT_CONTENT_TYPE, DeadLetter, Delivery, Echo, Event, NewEvent, OutboxStats,
         PatternSet, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
-        SubscriptionSettings, SubscriptionStats,
+        SubscriptionSettings, SubscriptionStats, check_timestamp,
     },
     error::{Error, Result},
     proto,
@@ -18,14 +18,11 @@ use crate::{
 
 pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEvent> {
     let field = |name: &str| format!("events[{index}].{name}");
-    let id =
-        if input.id.is_empty() {
-            None
-        } else {
-            Some(Uuid::parse_str(&input.id).map_err(|_| {
-                Error::invalid(field("id"), format!("{:?} is not a UUID", input.id))
-            })?)
-        };
+    let id = if input.id.is_empty() {
+        None
+    } else {
+        Some(event_id(&field("id"), &input.id)?)
+    };
     let occurred_at = input
         .occurred_at
         .map(|timestamp| timestamp_to_datetime(&field("occurred_at"), timestamp))
@@ -90,7 +87,7 @@ pub(super) fn ack_id(field: &str, text: &str) -> Result<AckId> {
     AckId::parse(text).ok_or_else(|| {
         Error::invalid(
             field,
-            format!("{text:?} is not an ack id from this gateway"),
+            format!("{} is not an ack id from this gateway", Echo(text)),
         )
     })
 }
@@ -178,17 +175,29 @@ pub(super) fn start_position(
     }
 }
 
-/// A non-negative protobuf duration, or `None` when unset.
+/// A non-negative protobuf duration, or `None` when unset. Only the normalized form is
+/// accepted (nanos within ±999,999,999 and of the same sign as the seconds): anything
+/// else would silently mean another duration than the one written.
 pub(super) fn optional_duration(
     field: &str,
     duration: Option<prost_types::Duration>,
 ) -> Result<Option<Duration>> {
-    duration
-        .map(|duration| {
-            Duration::try_from(duration)
-                .map_err(|_| Error::invalid(field, "must be a non-negative duration"))
-        })
-        .transpose()
+    let Some(duration) = duration else {
+        return Ok(None);
+    };
+    if duration.nanos.unsigned_abs() >= 1_000_000_000 {
+        return Err(Error::invalid(
+            field,
+            "nanos must be between -999999999 and 999999999",
+        ));
+    }
+    if duration.seconds < 0 || duration.nanos < 0 {
+        return Err(Error::invalid(field, "must be a non-negative duration"));
+    }
+    Ok(Some(Duration::new(
+        duration.seconds as u64,
+        duration.nanos as u32,
+    )))
 }
 
 fn duration_to_proto(duration: Duration) -> prost_types::Duration {
@@ -203,10 +212,12 @@ fn duration_to_proto(duration: Duration) -> prost_types::Duration {
 fn timestamp_to_datetime(field: &str, timestamp: prost_types::Timestamp) -> Result<DateTime<Utc>> {
     let nanos = u32::try_from(timestamp.nanos)
         .ok()
-        .filter(|n| *n < 1_000_000_000);
-    nanos
-        .and_then(|nanos| DateTime::from_timestamp(timestamp.seconds, nanos / 1000 * 1000))
-        .ok_or_else(|| Error::invalid(field, "is not a valid timestamp"))
+        .filter(|n| *n < 1_000_000_000)
+        .ok_or_else(|| Error::invalid(field, "nanos must be between 0 and 999999999"))?;
+    let time = DateTime::from_timestamp(timestamp.seconds, nanos / 1000 * 1000)
+        .unwrap_or(DateTime::<Utc>::MAX_UTC);
+    check_timestamp(field, time)?;
+    Ok(time)
 }
 
 pub(super) fn datetime_to_timestamp(datetime: DateTime<Utc>) -> prost_types::Timestamp {
@@ -228,7 +239,7 @@ pub(super) fn optional_subscription_name(
 }
 
 pub(super) fn event_id(field: &str, id: &str) -> Result<Uuid> {
-    Uuid::parse_str(id).map_err(|_| Error::invalid(field, format!("{id:?} is not a UUID")))
+    Uuid::parse_str(id).map_err(|_| Error::invalid(field, format!("{} is not a UUID", Echo(id))))
 }
 
 pub(super) fn event_type_patterns(field: &str, values: &[String]) -> Result<PatternSet> {
@@ -273,11 +284,9 @@ pub(super) fn subscription_patch(
                 patch.ack_deadline = Some(required_duration(&field(path), message.ack_deadline)?)
             }
             "max_attempts" => {
-                patch.max_attempts = Some(
-                    message
-                        .max_attempts
-                        .unwrap_or(SubscriptionSettings::default().max_attempts),
-                )
+                patch.max_attempts = Some(message.max_attempts.ok_or_else(|| {
+                    Error::invalid(field(path), "is required by the update mask")
+                })?);
             }
             "retry_backoff_min" => {
                 patch.retry_backoff_min =
@@ -294,13 +303,13 @@ pub(super) fn subscription_patch(
             "name" | "start" | "ordered" | "created_at" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
-                    format!("{path:?} cannot be changed"),
+                    format!("{} cannot be changed", Echo(path)),
                 ));
             }
             _ => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
-                    format!("{path:?} is not a field of Subscription"),
+                    format!("{} is not a field of Subscription", Echo(path)),
                 ));
             }
         }

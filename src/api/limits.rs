@@ -1,6 +1,8 @@
-//! Answers an oversized request with RESOURCE_EXHAUSTED naming the limit. tonic itself
-//! reports it as OUT_OF_RANGE, a code clients do not associate with a size limit, in the
-//! headers or, for calls that already answered, in the trailers.
+//! Answers requests tonic could not read with the codes the API documents: an oversized
+//! request with RESOURCE_EXHAUSTED naming the limit (tonic says OUT_OF_RANGE, a code
+//! clients do not associate with a size limit), a malformed one with INVALID_ARGUMENT
+//! (tonic says INTERNAL). Both appear in the headers or, for calls that already
+//! answered, in the trailers.
 
 use std::{
     pin::Pin,
@@ -95,21 +97,33 @@ impl<B: http_body::Body> http_body::Body for LimitBody<B> {
     }
 }
 
-/// Turns tonic's "decoded message length too large" (percent-encoded in the header) into
-/// RESOURCE_EXHAUSTED.
+/// Turns tonic's answers to requests it could not read into the codes the API documents:
+/// "decoded message length too large" (OUT_OF_RANGE) becomes RESOURCE_EXHAUSTED, and a
+/// message that is not valid protobuf (INTERNAL, as if the gateway were at fault) becomes
+/// INVALID_ARGUMENT. Messages arrive percent-encoded in the header.
 fn rewrite(headers: &mut HeaderMap, limit: usize) {
-    let too_large = headers.get("grpc-status").is_some_and(|code| code == "11")
-        && headers
-            .get("grpc-message")
-            .and_then(|message| message.to_str().ok())
-            .is_some_and(|message| message.contains("message%20length%20too%20large"));
-    if !too_large {
-        return;
-    }
-    headers.insert("grpc-status", HeaderValue::from_static("8"));
-    let message = format!(
-        "the request is larger than the gateway's limit of {limit} bytes (max_message_bytes); send smaller batches"
-    );
+    let status = headers
+        .get("grpc-status")
+        .and_then(|code| code.to_str().ok());
+    let message = headers
+        .get("grpc-message")
+        .and_then(|message| message.to_str().ok())
+        .unwrap_or_default();
+    let (code, message) = match status {
+        Some("11") if message.contains("message%20length%20too%20large") => (
+            "8",
+            format!(
+                "the request is larger than the gateway's limit of {limit} bytes (max_message_bytes); send smaller batches"
+            ),
+        ),
+        Some("13") if message.starts_with("failed%20to%20decode%20Protobuf%20message") => (
+            "3",
+            "the request is not a valid protobuf encoding of the method's request message"
+                .to_owned(),
+        ),
+        _ => return,
+    };
+    headers.insert("grpc-status", HeaderValue::from_static(code));
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         headers.insert("grpc-message", value);
     }

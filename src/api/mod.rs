@@ -24,18 +24,18 @@ use crate::error::Error;
 pub(crate) fn status_from(error: Error) -> Status {
     match error {
         Error::InvalidArgument { field, message } => {
-            Status::invalid_argument(format!("{field}: {message}"))
+            Status::invalid_argument(bounded(format!("{field}: {message}")))
         }
-        Error::NotFound(message) => Status::not_found(message),
-        Error::AlreadyExists(message) => Status::already_exists(message),
-        Error::FailedPrecondition(message) => Status::failed_precondition(message),
-        Error::Unauthenticated(message) => Status::unauthenticated(message),
-        Error::PermissionDenied(message) => Status::permission_denied(message),
+        Error::NotFound(message) => Status::not_found(bounded(message)),
+        Error::AlreadyExists(message) => Status::already_exists(bounded(message)),
+        Error::FailedPrecondition(message) => Status::failed_precondition(bounded(message)),
+        Error::Unauthenticated(message) => Status::unauthenticated(bounded(message)),
+        Error::PermissionDenied(message) => Status::permission_denied(bounded(message)),
         Error::Unavailable(source) => {
             tracing::warn!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")
         }
-        Error::Overloaded(message) => Status::resource_exhausted(message),
+        Error::Overloaded(message) => Status::resource_exhausted(bounded(message)),
         Error::ShuttingDown => Status::unavailable("the gateway is shutting down; reconnect"),
         Error::Internal(source) => {
             tracing::error!(error = %source, "internal error");
@@ -48,4 +48,20 @@ impl From<Error> for Status {
     fn from(error: Error) -> Status {
         status_from(error)
     }
+}
+
+/// Longest status message sent. Messages echo caller input (shortened where it is
+/// quoted), and clients refuse metadata beyond a few kilobytes: this is the last guard.
+const MAX_MESSAGE_BYTES: usize = 1024;
+
+fn bounded(mut message: String) -> String {
+    if message.len() > MAX_MESSAGE_BYTES {
+        let mut cut = MAX_MESSAGE_BYTES;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+        message.push('…');
+    }
+    message
 }

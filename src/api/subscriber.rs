@@ -13,8 +13,6 @@ use crate::{
     proto::{self, subscriber_server::Subscriber as SubscriberService},
 };
 
-/// Longest nack reason kept.
-const MAX_REASON_BYTES: usize = 4096;
 /// Most ack ids in one Ack or ExtendAckDeadline call.
 const MAX_ACK_IDS: usize = 10_000;
 
@@ -75,13 +73,6 @@ impl SubscriberService for SubscriberApi {
         let name = convert::subscription_name("subscription", &request.subscription)?;
         principal.check_subscription(&name)?;
         let ack = convert::ack_id("ack_id", &request.ack_id)?;
-        if request.reason.len() > MAX_REASON_BYTES {
-            return Err(Error::invalid(
-                "reason",
-                format!("must be at most {MAX_REASON_BYTES} bytes"),
-            )
-            .into());
-        }
         let retry_after = convert::optional_duration("retry_after", request.retry_after)?;
         let outcome = self
             .relay

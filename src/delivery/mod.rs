@@ -24,7 +24,7 @@ pub use dispatcher::DeliveryStream;
 use dispatcher::{Dispatcher, Settlement};
 
 use crate::{
-    domain::{AckId, Subscription, SubscriptionName},
+    domain::{AckId, MAX_BACKOFF, Subscription, SubscriptionName, check_text},
     error::{Error, Result},
     metrics,
     storage::{NackOutcome, Store},
@@ -56,6 +56,9 @@ impl Default for DeliveryConfig {
         }
     }
 }
+
+/// Longest nack reason kept.
+const MAX_REASON_BYTES: usize = 4096;
 
 /// Longest lease extension a consumer may ask for.
 pub const MAX_EXTENSION: Duration = crate::domain::MAX_ACK_DEADLINE;
@@ -208,6 +211,22 @@ impl Relay {
         retry_after: Option<Duration>,
         dead_letter: bool,
     ) -> Result<Option<NackOutcome>> {
+        if reason.len() > MAX_REASON_BYTES {
+            return Err(Error::invalid(
+                "reason",
+                format!("must be at most {MAX_REASON_BYTES} bytes"),
+            ));
+        }
+        check_text("reason", reason)?;
+        if retry_after.is_some_and(|delay| delay > MAX_BACKOFF) {
+            return Err(Error::invalid(
+                "retry_after",
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_BACKOFF)
+                ),
+            ));
+        }
         let subscription = self.find_subscription(name).await?;
         let delay = retry_after.unwrap_or_else(|| {
             subscription

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use super::input::{Echo, check_json, check_text, check_timestamp};
 use crate::error::{Error, Result};
 
 /// Longest aggregate type, aggregate id, event type or content type, in bytes.
@@ -59,6 +60,9 @@ impl NewEvent {
         let field = |name: &str| format!("events[{index}].{name}");
         check_identifier(&self.aggregate_type, || field("aggregate_type"))?;
         check_identifier(&self.aggregate_id, || field("aggregate_id"))?;
+        if let Some(occurred_at) = self.occurred_at {
+            check_timestamp(field("occurred_at"), occurred_at)?;
+        }
         check_event_type(&self.event_type)
             .map_err(|message| Error::invalid(field("event_type"), message))?;
         if let Some(version) = self.aggregate_version
@@ -75,6 +79,18 @@ impl NewEvent {
                 format!("must be 1 to {MAX_IDENTIFIER_BYTES} bytes"),
             ));
         }
+        // A media type is ASCII; keeping it so makes "is this JSON?" one rule that Rust
+        // and PostgreSQL (which lowercases beyond ASCII) cannot answer differently.
+        if !self
+            .content_type
+            .bytes()
+            .all(|byte| (0x20..0x7f).contains(&byte))
+        {
+            return Err(Error::invalid(
+                field("content_type"),
+                "must be printable ASCII, like \"application/json\"",
+            ));
+        }
         if self.payload.len() > limits.max_payload_bytes {
             return Err(Error::invalid(
                 field("payload"),
@@ -86,12 +102,12 @@ impl NewEvent {
             ));
         }
         if is_json_content_type(&self.content_type)
-            && let Err(error) = serde_json::from_slice::<serde::de::IgnoredAny>(&self.payload)
+            && let Err(error) = check_json(&self.payload)
         {
             return Err(Error::invalid(
                 field("payload"),
                 format!(
-                    "is not valid JSON for content type {:?}: {error}",
+                    "{error} (content type {:?} requires JSON)",
                     self.content_type
                 ),
             ));
@@ -115,9 +131,14 @@ impl NewEvent {
             if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
                 return Err(Error::invalid(
                     field,
-                    format!("key {key:?} must be 1 to {MAX_METADATA_KEY_BYTES} bytes"),
+                    format!(
+                        "key {} must be 1 to {MAX_METADATA_KEY_BYTES} bytes",
+                        Echo(key)
+                    ),
                 ));
             }
+            check_text(format!("{field}[{}]", Echo(key)), value)?;
+            check_text(format!("{field} key {}", Echo(key)), key)?;
             total_bytes += key.len() + value.len();
         }
         if total_bytes > limits.max_metadata_bytes {
@@ -199,6 +220,7 @@ fn check_identifier(value: &str, field: impl Fn() -> String) -> Result<()> {
     if value.is_empty() {
         return Err(Error::invalid(field(), "must not be empty"));
     }
+    check_text(field(), value)?;
     if value.len() > MAX_IDENTIFIER_BYTES {
         return Err(Error::invalid(
             field(),
@@ -227,7 +249,8 @@ pub(crate) fn check_event_type(event_type: &str) -> std::result::Result<(), Stri
     };
     if !event_type.split('.').all(segment_ok) {
         return Err(format!(
-            "{event_type:?} must be dot-separated segments of [A-Za-z0-9_-]"
+            "{} must be dot-separated segments of [A-Za-z0-9_-]",
+            Echo(event_type)
         ));
     }
     Ok(())

@@ -4,6 +4,7 @@
 mod ack;
 mod delivery;
 mod event;
+mod input;
 mod operations;
 mod pattern;
 mod subscription;
@@ -13,11 +14,15 @@ pub use delivery::Delivery;
 pub use event::{
     DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, is_json_content_type,
 };
+pub use input::{
+    Echo, MAX_JSON_DEPTH, check_json, check_text, check_texts, check_timestamp, earliest_timestamp,
+    latest_timestamp,
+};
 pub use operations::{
     DeadLetter, DeadLetterSelection, OutboxStats, SubscriptionPatch, SubscriptionStats,
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use subscription::{
-    MAX_ACK_DEADLINE, MIN_ACK_DEADLINE, StartPosition, Subscription, SubscriptionName,
-    SubscriptionSettings,
+    MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MIN_ACK_DEADLINE, StartPosition, Subscription,
+    SubscriptionName, SubscriptionSettings,
 };

@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+use super::input::Echo;
+
 /// One validated pattern, e.g. `order.*` or `billing.**`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventTypePattern(String);
@@ -20,17 +22,23 @@ impl EventTypePattern {
         for (index, segment) in segments.iter().enumerate() {
             let is_last = index + 1 == segments.len();
             match *segment {
-                "" => return Err(format!("{pattern:?} has an empty segment")),
+                "" => return Err(format!("{} has an empty segment", Echo(pattern))),
                 "*" => {}
                 "**" if is_last => {}
-                "**" => return Err(format!("{pattern:?}: `**` may only be the last segment")),
+                "**" => {
+                    return Err(format!(
+                        "{}: `**` may only be the last segment",
+                        Echo(pattern)
+                    ));
+                }
                 literal
                     if literal
                         .bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') => {}
                 _ => {
                     return Err(format!(
-                        "{pattern:?}: segments are [A-Za-z0-9_-], `*` or a final `**`"
+                        "{}: segments are [A-Za-z0-9_-], `*` or a final `**`",
+                        Echo(pattern)
                     ));
                 }
             }

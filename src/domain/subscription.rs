@@ -4,13 +4,19 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 
 use chrono::{DateTime, Utc};
 
-use super::pattern::PatternSet;
+use super::{
+    input::{Echo, check_text, check_texts},
+    pattern::PatternSet,
+};
 use crate::error::{Error, Result};
 
 pub const MIN_ACK_DEADLINE: Duration = Duration::from_secs(1);
 pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
-/// Longest retry backoff a subscription may set.
-const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+/// Longest retry backoff a subscription may set, and longest `retry_after` of a nack.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+/// Most deliveries a subscription may allow before dead-lettering (the database counts
+/// attempts in 32 bits).
+pub const MAX_ATTEMPTS: u32 = i32::MAX as u32;
 
 /// A validated subscription name: `[a-z0-9][a-z0-9._-]{0,127}`.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,7 +41,10 @@ impl SubscriptionName {
         if !first_ok || !rest_ok || name.len() > 128 {
             return Err(Error::invalid(
                 field,
-                format!("{name:?} is not a valid subscription name: [a-z0-9][a-z0-9._-]{{0,127}}"),
+                format!(
+                    "{} is not a valid subscription name: [a-z0-9][a-z0-9._-]{{0,127}}",
+                    Echo(name)
+                ),
             ));
         }
         Ok(SubscriptionName(name.to_owned()))
@@ -122,6 +131,12 @@ impl SubscriptionSettings {
                 "must not exceed retry_backoff_max",
             ));
         }
+        if self.max_attempts > MAX_ATTEMPTS {
+            return Err(Error::invalid(
+                field("max_attempts"),
+                format!("must be at most {MAX_ATTEMPTS} (0 retries forever)"),
+            ));
+        }
         for (index, aggregate_type) in self.aggregate_types.iter().enumerate() {
             if aggregate_type.is_empty() || aggregate_type.len() > 255 {
                 return Err(Error::invalid(
@@ -130,15 +145,16 @@ impl SubscriptionSettings {
                 ));
             }
         }
-        if self
-            .metadata_match
-            .keys()
-            .any(|key| key.is_empty() || key.len() > 128)
-        {
-            return Err(Error::invalid(
-                field("metadata_match"),
-                "keys must be 1 to 128 bytes",
-            ));
+        check_texts(&field("aggregate_types"), &self.aggregate_types)?;
+        for (key, value) in &self.metadata_match {
+            if key.is_empty() || key.len() > 128 {
+                return Err(Error::invalid(
+                    field("metadata_match"),
+                    format!("key {} must be 1 to 128 bytes", Echo(key)),
+                ));
+            }
+            check_text(field("metadata_match"), key)?;
+            check_text(format!("{}[{}]", field("metadata_match"), Echo(key)), value)?;
         }
         Ok(())
     }
