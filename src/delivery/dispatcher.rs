@@ -24,9 +24,6 @@ use crate::{
     telemetry,
 };
 
-/// How long a full dispatcher waits for local acks before asking the database which of
-/// its leases were settled elsewhere (acks may reach another gateway process).
-const LEASE_REFRESH_INTERVAL: Duration = Duration::from_millis(250);
 /// When committed events wait behind an older open transaction (anywhere in the
 /// cluster), nothing wakes the dispatcher as that transaction ends: it looks again after
 /// this delay, doubling up to `HELD_BACK_MAX_DELAY`.
@@ -62,7 +59,8 @@ struct State {
     round_robin: usize,
     /// Earliest retry this process scheduled through a nack.
     retry_at: Option<DateTime<Utc>>,
-    last_settled: Option<Instant>,
+    /// Another gateway settled leases of this subscription: re-read ours.
+    refresh_pending: bool,
     /// Something made a delivery due (a nack, a release, an expired lease, an ack that
     /// may free an ordered aggregate, a wake-up from a requeue or another gateway): the
     /// next claim looks for due records.
@@ -153,10 +151,37 @@ impl Dispatcher {
         })
     }
 
-    /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry.
-    pub(super) fn settled(&self, acks: &[AckId], settlement: Settlement) {
+    /// Another gateway settled leases of this subscription, perhaps some of ours: forget
+    /// the named ones, or re-read which are still live before the next claim when they
+    /// are not named; look for due records when a nack made one due.
+    pub(super) fn settled_elsewhere(&self, made_due: bool, leases: Option<&[(i64, i64)]>) {
+        let mut state = self.state.lock().expect("dispatcher lock");
+        match leases {
+            Some(leases) => {
+                for &(position, token) in leases {
+                    if state
+                        .leases
+                        .get(&position)
+                        .is_some_and(|lease| lease.token == token)
+                    {
+                        state.forget_lease(position);
+                    }
+                }
+            }
+            None => state.refresh_pending = true,
+        }
+        state.due_pending |= made_due;
+        drop(state);
+        self.changed.notify_one();
+    }
+
+    /// Forgets settled leases of this dispatcher and, for a nack, schedules its retry;
+    /// returns the acks that named no lease of this dispatcher (settled for another
+    /// gateway, or stale here).
+    pub(super) fn settled(&self, acks: &[AckId], settlement: Settlement) -> Vec<AckId> {
         let subscription = self.subscription();
         let name = subscription.name;
+        let mut elsewhere = Vec::new();
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
             let leased_at = state
@@ -164,11 +189,14 @@ impl Dispatcher {
                 .get(&ack.position)
                 .filter(|lease| lease.token == ack.lease_token)
                 .map(|lease| lease.leased_at);
-            if let Some(leased_at) = leased_at {
-                if settlement == Settlement::Acked {
-                    metrics::deliver_to_ack(name.as_str(), leased_at.elapsed());
+            match leased_at {
+                Some(leased_at) => {
+                    if settlement == Settlement::Acked {
+                        metrics::deliver_to_ack(name.as_str(), leased_at.elapsed());
+                    }
+                    state.forget_lease(ack.position);
                 }
-                state.forget_lease(ack.position);
+                None => elsewhere.push(*ack),
             }
         }
         // A nack schedules a retry; an ack on an ordered subscription may release the
@@ -181,9 +209,9 @@ impl Dispatcher {
         {
             state.retry_at = Some(state.retry_at.map_or(retry_at, |at| at.min(retry_at)));
         }
-        state.last_settled = Some(Instant::now());
         drop(state);
         self.changed.notify_one();
+        elsewhere
     }
 
     pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<i64, DateTime<Utc>>) {
@@ -346,7 +374,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
 
     loop {
         let now = Utc::now();
-        let room = {
+        let (room, refresh) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             expire_leases(&mut state, now);
             if state.streams.is_empty() {
@@ -356,9 +384,20 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
                 continue;
             }
-            state.room()
+            let refresh = std::mem::take(&mut state.refresh_pending) && !state.leases.is_empty();
+            (state.room(), refresh)
         };
 
+        // Room freed on another gateway counts before deciding how much to claim. When
+        // full, the lease view is re-read once per poll interval even without a notice
+        // (notifications are hints).
+        if refresh || (room == 0 && last_refresh.elapsed() >= config.poll_interval) {
+            refresh_leases(&dispatcher).await;
+            last_refresh = Instant::now();
+            if refresh {
+                continue;
+            }
+        }
         let mut claimed_full_batch = false;
         if room > 0 {
             let limit = room.min(config.claim_batch_size);
@@ -419,11 +458,6 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     retry_delay = Some(delay);
                 }
             }
-        } else if last_refresh.elapsed() >= LEASE_REFRESH_INTERVAL && settled_long_ago(&dispatcher)
-        {
-            refresh_leases(&dispatcher).await;
-            last_refresh = Instant::now();
-            continue;
         }
         if claimed_full_batch {
             tokio::task::yield_now().await;
@@ -441,9 +475,6 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
         for at in [next_deadline, retry_at].into_iter().flatten() {
             let until = (at - Utc::now()).to_std().unwrap_or_default();
             sleep_for = sleep_for.min(until + Duration::from_millis(1));
-        }
-        if room == 0 {
-            sleep_for = sleep_for.min(LEASE_REFRESH_INTERVAL);
         }
         tokio::select! {
             changed = new_events.changed() => {
@@ -471,14 +502,6 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
         }
     }
-}
-
-fn settled_long_ago(dispatcher: &Dispatcher) -> bool {
-    let state = dispatcher.state.lock().expect("dispatcher lock");
-    !state.leases.is_empty()
-        && state
-            .last_settled
-            .is_none_or(|at| at.elapsed() >= LEASE_REFRESH_INTERVAL)
 }
 
 /// Drops leases whose deadline passed: they are no longer this process's to count.
@@ -526,7 +549,6 @@ async fn refresh_leases(dispatcher: &Dispatcher) {
                     None => state.forget_lease(position),
                 }
             }
-            state.last_settled = Some(Instant::now());
         }
         Err(error) => {
             tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "lease refresh failed")

@@ -27,7 +27,7 @@ use crate::{
     domain::{AckId, MAX_BACKOFF, Subscription, SubscriptionName, check_text},
     error::{Error, Result},
     metrics,
-    storage::{NackOutcome, Store},
+    storage::{NackOutcome, Settled, Store},
 };
 
 /// Relay settings; see the configuration reference.
@@ -104,8 +104,8 @@ impl Relay {
             }),
         };
         wake::spawn_listener(
+            relay.clone(),
             relay.inner.store.clone(),
-            relay.inner.new_events.clone(),
             &relay.inner.tasks,
             relay.inner.shutdown.clone(),
         );
@@ -117,7 +117,7 @@ impl Relay {
     pub fn events_committed(&self) {
         metrics::wakeup("publish");
         self.wake_all();
-        self.inner.peer_notifier.request();
+        self.inner.peer_notifier.events();
     }
 
     /// Makes every local dispatcher look for work.
@@ -125,6 +125,54 @@ impl Relay {
         self.inner
             .new_events
             .send_modify(|generation| *generation += 1);
+    }
+
+    /// Another gateway settled leases of the subscription: if they were this process's,
+    /// its dispatcher learns at once that their room is free again.
+    fn settled_elsewhere(&self, settled: Settled) {
+        if let Some(dispatcher) = self.dispatcher(settled.subscription_id) {
+            dispatcher.settled_elsewhere(settled.made_due, settled.leases.as_deref());
+        }
+    }
+
+    /// Notifications may have been lost (the LISTEN connection was re-established): look
+    /// for new events and re-read every lease.
+    fn missed_notifications(&self) {
+        let dispatchers: Vec<Arc<Dispatcher>> = self
+            .inner
+            .dispatchers
+            .lock()
+            .expect("dispatchers lock")
+            .values()
+            .cloned()
+            .collect();
+        for dispatcher in dispatchers {
+            dispatcher.settled_elsewhere(true, None);
+        }
+        self.wake_all();
+    }
+
+    /// Tells the dispatcher of the subscription in this process about settled
+    /// deliveries, and other gateways about those that were not leased here.
+    fn settled(&self, subscription_id: i64, acks: &[AckId], settlement: Settlement) {
+        let elsewhere = match self.dispatcher(subscription_id) {
+            Some(dispatcher) => dispatcher.settled(acks, settlement),
+            None => acks.to_vec(),
+        };
+        if elsewhere.is_empty() {
+            return;
+        }
+        let leases = (elsewhere.len() <= Settled::MAX_NAMED_LEASES).then(|| {
+            elsewhere
+                .iter()
+                .map(|ack| (ack.position, ack.lease_token))
+                .collect()
+        });
+        self.inner.peer_notifier.settled(Settled {
+            subscription_id,
+            made_due: matches!(settlement, Settlement::Nacked { .. }),
+            leases,
+        });
     }
 
     /// Opens a delivery stream on the subscription.
@@ -191,8 +239,8 @@ impl Relay {
         let (settled, stale): (Vec<AckId>, Vec<AckId>) =
             acks.iter().partition(|ack| acked.contains(&ack.position));
         metrics::acked(name.as_str(), settled.len() as u64);
-        if let Some(dispatcher) = self.dispatcher(subscription.id) {
-            dispatcher.settled(&settled, Settlement::Acked);
+        if !settled.is_empty() {
+            self.settled(subscription.id, &settled, Settlement::Acked);
         }
         if subscription.settings.ordered && !settled.is_empty() {
             // The acks may have released waiting events of their aggregates; the stream
@@ -246,14 +294,13 @@ impl Relay {
                     self.events_committed();
                 }
             }
-            if let Some(dispatcher) = self.dispatcher(subscription.id) {
-                dispatcher.settled(
-                    &[ack],
-                    Settlement::Nacked {
-                        retry_at: outcome.retry_at,
-                    },
-                );
-            }
+            self.settled(
+                subscription.id,
+                &[ack],
+                Settlement::Nacked {
+                    retry_at: outcome.retry_at,
+                },
+            );
         }
         Ok(outcome)
     }

@@ -1,38 +1,61 @@
 //! Wake-ups between processes. NOTIFY is only a hint — the dispatchers' poll is the
 //! source of truth — so both directions coalesce freely and never block a publisher.
+//!
+//! Two kinds of news travel between gateways: events were committed (wake the
+//! dispatchers), and leases of a subscription were settled on another gateway than the
+//! one that handed them out (behind a load balancer, the common case): the dispatcher
+//! that holds them then re-reads which of its leases are still live, so its streams get
+//! their room back at once instead of at the lease deadline.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use crate::storage::Store;
+use super::Relay;
+use crate::storage::{Notice, Settled, Store};
 
 const PEER_NOTIFY_INTERVAL: Duration = Duration::from_millis(5);
 const LISTENER_RETRY_MIN: Duration = Duration::from_millis(100);
 const LISTENER_RETRY_MAX: Duration = Duration::from_secs(10);
 
-/// Sends one NOTIFY for any number of publishes requested while the previous one was
-/// on its way, outside the publishing transactions (a NOTIFY serializes commits), and
-/// at most one per `PEER_NOTIFY_INTERVAL`: a lone publish is announced at once, while
-/// under load peers hear of new events within the interval instead of the gateway
-/// spending a statement per commit on them.
+/// Sends the notifications requested while the previous ones were on their way in one
+/// statement, outside the publishing transactions (a NOTIFY serializes commits), and at
+/// most once per `PEER_NOTIFY_INTERVAL`: a lone publish or settlement is announced at
+/// once, while under load peers hear within the interval instead of the gateway
+/// spending a statement per call on them.
 pub(super) struct PeerNotifier {
     requested: Arc<Notify>,
+    pending: Arc<Mutex<Pending>>,
+}
+
+#[derive(Default)]
+struct Pending {
+    events: bool,
+    /// By subscription id.
+    settled: HashMap<i64, Settled>,
 }
 
 impl PeerNotifier {
     pub(super) fn start(store: Store, tasks: &TaskTracker, shutdown: CancellationToken) -> Self {
         let requested = Arc::new(Notify::new());
-        let pending = requested.clone();
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let (wake, news) = (requested.clone(), pending.clone());
         tasks.spawn(async move {
             loop {
                 tokio::select! {
-                    _ = pending.notified() => {}
+                    _ = wake.notified() => {}
                     _ = shutdown.cancelled() => return,
                 }
+                let Pending { events, settled } =
+                    std::mem::take(&mut *news.lock().expect("notifier lock"));
+                let settled: Vec<Settled> = settled.into_values().collect();
                 let sent = tokio::time::Instant::now();
-                if let Err(error) = store.notify_listeners().await {
+                if let Err(error) = store.notify_listeners(events, &settled).await {
                     tracing::debug!(%error, "could not notify other gateways; they will poll");
                 }
                 tokio::select! {
@@ -41,25 +64,53 @@ impl PeerNotifier {
                 }
             }
         });
-        PeerNotifier { requested }
+        PeerNotifier { requested, pending }
     }
 
-    pub(super) fn request(&self) {
+    /// Announces committed events.
+    pub(super) fn events(&self) {
+        self.pending.lock().expect("notifier lock").events = true;
         // notify_one keeps one permit when the task is busy: requests coalesce.
+        self.requested.notify_one();
+    }
+
+    /// Announces that leases of a subscription were settled here for another gateway;
+    /// announcements waiting to be sent are merged.
+    pub(super) fn settled(&self, settled: Settled) {
+        let mut pending = self.pending.lock().expect("notifier lock");
+        match pending.settled.entry(settled.subscription_id) {
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                entry.insert(settled);
+            }
+            std::collections::hash_map::Entry::Occupied(mut entry) => {
+                let waiting = entry.get_mut();
+                waiting.made_due |= settled.made_due;
+                waiting.leases = match (waiting.leases.take(), settled.leases) {
+                    (Some(mut leases), Some(more))
+                        if leases.len() + more.len() <= Settled::MAX_NAMED_LEASES =>
+                    {
+                        leases.extend(more);
+                        Some(leases)
+                    }
+                    _ => None,
+                };
+            }
+        }
+        drop(pending);
         self.requested.notify_one();
     }
 }
 
-/// Listens for the commit-time notifications of direct writers and other gateways,
-/// re-connecting with backoff; every notification, and every re-connect (notifications
-/// may have been missed), wakes the dispatchers.
+/// Listens for the notifications of direct writers and other gateways, re-connecting
+/// with backoff. New events wake every dispatcher; a settlement notice makes that
+/// subscription's dispatcher re-read its leases; a re-connect (notifications may have
+/// been missed) does both for all.
 pub(super) fn spawn_listener(
+    relay: Relay,
     store: Store,
-    new_events: watch::Sender<u64>,
     tasks: &TaskTracker,
     shutdown: CancellationToken,
 ) {
-    let wake = move || new_events.send_modify(|generation| *generation += 1);
     tasks.spawn(async move {
         let mut retry_delay = LISTENER_RETRY_MIN;
         loop {
@@ -71,7 +122,7 @@ pub(super) fn spawn_listener(
                 Ok(listener) => {
                     tracing::debug!("listening for outbox notifications");
                     retry_delay = LISTENER_RETRY_MIN;
-                    wake();
+                    relay.missed_notifications();
                     listener
                 }
                 Err(error) => {
@@ -90,10 +141,12 @@ pub(super) fn spawn_listener(
                     _ = shutdown.cancelled() => return,
                 };
                 match received {
-                    Ok(_) => {
+                    Ok(Notice::Events) => {
                         crate::metrics::wakeup("notify");
-                        wake();
+                        relay.wake_all();
                     }
+                    Ok(Notice::Settled(settled)) => relay.settled_elsewhere(settled),
+                    Ok(Notice::Reconnected) => relay.missed_notifications(),
                     Err(error) => {
                         tracing::warn!(%error, "outbox notification connection lost");
                         break;

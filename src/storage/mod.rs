@@ -220,25 +220,114 @@ impl Store {
         tokio::join!(self.pool.close(), self.publish_pool.close());
     }
 
-    /// Sends one wake-up to every gateway listening on this database.
-    pub async fn notify_listeners(&self) -> Result<()> {
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(NOTIFY_CHANNEL)
+    /// Tells every gateway listening on this database that events were committed (when
+    /// `events`) and that deliveries of the given subscriptions were settled here
+    /// (settlements that reached this gateway for leases another one handed out), in one
+    /// statement.
+    pub async fn notify_listeners(&self, events: bool, settled: &[Settled]) -> Result<()> {
+        let channels = events
+            .then_some((EVENTS_CHANNEL, String::new()))
+            .into_iter()
+            .chain(
+                settled
+                    .iter()
+                    .map(|settled| (SETTLED_CHANNEL, settled.payload())),
+            );
+        let (channels, payloads): (Vec<&str>, Vec<String>) = channels.unzip();
+        sqlx::query("SELECT pg_notify(c, p) FROM unnest($1::text[], $2::text[]) AS n(c, p)")
+            .bind(channels)
+            .bind(payloads)
             .execute(&self.pool)
             .await?;
         Ok(())
     }
 
-    /// A connection that receives the commit-time notifications of event writers.
+    /// A connection that receives the commit-time notifications of event writers and the
+    /// settlement notices of other gateways.
     pub async fn listen(&self) -> Result<EventListener> {
         let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
-        listener.listen(NOTIFY_CHANNEL).await?;
+        listener
+            .listen_all([EVENTS_CHANNEL, SETTLED_CHANNEL])
+            .await?;
         Ok(EventListener { listener })
     }
 }
 
 /// The channel `outbox_notify_insert()` notifies on.
-const NOTIFY_CHANNEL: &str = "outbox_events";
+const EVENTS_CHANNEL: &str = "outbox_events";
+/// The channel on which a gateway names subscriptions whose leases it settled for
+/// another gateway; the payload is the subscription id.
+const SETTLED_CHANNEL: &str = "outbox_settled";
+
+/// Leases of a subscription settled on a gateway other than the one holding them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settled {
+    pub subscription_id: i64,
+    /// A nack made a delivery due for another attempt.
+    pub made_due: bool,
+    /// The settled leases as (position, lease token), so their holder can forget them
+    /// without asking the database; `None` when too many to name in one notification
+    /// (the holder then re-reads its leases).
+    pub leases: Option<Vec<(i64, i64)>>,
+}
+
+impl Settled {
+    /// Most leases one notification names: a NOTIFY payload holds under 8000 bytes.
+    pub const MAX_NAMED_LEASES: usize = 150;
+
+    /// `id:a|d:position.token,...`, or `id:a|d:*` when the leases are not named.
+    fn payload(&self) -> String {
+        let kind = if self.made_due { 'd' } else { 'a' };
+        let leases = match &self.leases {
+            None => "*".to_owned(),
+            Some(leases) => leases
+                .iter()
+                .map(|(position, token)| format!("{position}.{token}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        };
+        format!("{}:{kind}:{leases}", self.subscription_id)
+    }
+
+    fn parse(payload: &str) -> Option<Settled> {
+        let mut parts = payload.splitn(3, ':');
+        let subscription_id = parts.next()?.parse().ok()?;
+        let made_due = match parts.next()? {
+            "d" => true,
+            "a" => false,
+            _ => return None,
+        };
+        let leases = match parts.next()? {
+            "*" => None,
+            "" => Some(Vec::new()),
+            leases => Some(
+                leases
+                    .split(',')
+                    .map(|lease| {
+                        let (position, token) = lease.split_once('.')?;
+                        Some((position.parse().ok()?, token.parse().ok()?))
+                    })
+                    .collect::<Option<Vec<_>>>()?,
+            ),
+        };
+        Some(Settled {
+            subscription_id,
+            made_due,
+            leases,
+        })
+    }
+}
+
+/// What a notification says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// Events may have been committed.
+    Events,
+    /// Leases were settled on another gateway.
+    Settled(Settled),
+    /// The connection was lost and re-established: notifications may have been missed.
+    Reconnected,
+}
 
 /// A dedicated LISTEN connection.
 pub struct EventListener {
@@ -246,10 +335,18 @@ pub struct EventListener {
 }
 
 impl EventListener {
-    /// Waits for the next notification. `Ok(false)` means the connection was lost and
-    /// re-established: notifications may have been missed meanwhile.
-    pub async fn next(&mut self) -> Result<bool> {
-        Ok(self.listener.try_recv().await?.is_some())
+    /// Waits for the next notification.
+    pub async fn next(&mut self) -> Result<Notice> {
+        let Some(notification) = self.listener.try_recv().await? else {
+            return Ok(Notice::Reconnected);
+        };
+        Ok(match notification.channel() {
+            // A payload not from a gateway is harmless as a general wake-up.
+            SETTLED_CHANNEL => {
+                Settled::parse(notification.payload()).map_or(Notice::Events, Notice::Settled)
+            }
+            _ => Notice::Events,
+        })
     }
 }
 
@@ -319,4 +416,34 @@ fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOption
                 Ok(true)
             })
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settlement_notices_round_trip() {
+        for settled in [
+            Settled {
+                subscription_id: 7,
+                made_due: true,
+                leases: Some(vec![(1, -5), (42, i64::MAX)]),
+            },
+            Settled {
+                subscription_id: 8,
+                made_due: false,
+                leases: None,
+            },
+        ] {
+            assert_eq!(Settled::parse(&settled.payload()), Some(settled));
+        }
+        let most = Settled {
+            subscription_id: i64::MAX,
+            made_due: true,
+            leases: Some(vec![(i64::MAX, i64::MIN); Settled::MAX_NAMED_LEASES]),
+        };
+        assert!(most.payload().len() < 8000);
+        assert_eq!(Settled::parse("x:a:*"), None);
+    }
 }

@@ -1,0 +1,118 @@
+//! Replicas behind a load balancer: a consumer's stream lives on one gateway while its
+//! acks and nacks reach any of them. The stream's room must follow its leases wherever
+//! they were settled.
+
+mod common;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
+use tokio::sync::Semaphore;
+use tonic::transport::Channel;
+
+/// How long the consumer works on each event; the stream may hold `MAX_IN_FLIGHT`.
+const WORK: Duration = Duration::from_millis(50);
+const MAX_IN_FLIGHT: u32 = 20;
+const EVENTS: usize = 400;
+
+/// Consumes `EVENTS` events of `subscription` from a stream on `stream_on`, working on up
+/// to `MAX_IN_FLIGHT` at once; settlement `i` goes to `settle_on[i % len]`. Every fifth
+/// first delivery is nacked for an immediate retry, the rest acked. Returns acked events
+/// per second.
+async fn consume(stream_on: &TestGateway, settle_on: &[&TestGateway], subscription: &str) -> f64 {
+    let mut settlers: Vec<SubscriberClient<Channel>> = Vec::new();
+    for gateway in settle_on {
+        settlers.push(gateway.subscriber().await);
+    }
+    let mut consumer = Consumer::open(stream_on, subscription, MAX_IN_FLIGHT).await;
+    let working = Arc::new(Semaphore::new(MAX_IN_FLIGHT as usize));
+    let (acked_tx, mut acked_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let started = Instant::now();
+    let mut settlement = 0usize;
+    let mut acked = 0usize;
+    while acked < EVENTS {
+        tokio::select! {
+            delivery = consumer.next(Duration::from_secs(30)) => {
+                let delivery = delivery.expect("deliveries keep coming");
+                let permit = working.clone().acquire_owned().await.unwrap();
+                let mut client = settlers[settlement % settlers.len()].clone();
+                let nack = delivery.attempt == 1 && settlement % 5 == 4;
+                settlement += 1;
+                let acked_tx = acked_tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(WORK).await;
+                    if nack {
+                        client
+                            .nack(proto::NackRequest {
+                                subscription: subscription_of(&delivery),
+                                ack_id: delivery.ack_id,
+                                reason: "try again".into(),
+                                retry_after: Some(prost_types::Duration { seconds: 0, nanos: 0 }),
+                                dead_letter: false,
+                            })
+                            .await
+                            .expect("nack");
+                    } else {
+                        let answer = client
+                            .ack(proto::AckRequest {
+                                subscription: subscription_of(&delivery),
+                                ack_ids: vec![delivery.ack_id],
+                            })
+                            .await
+                            .expect("ack")
+                            .into_inner();
+                        assert!(answer.stale_ack_ids.is_empty(), "ack went stale");
+                        let _ = acked_tx.send(());
+                    }
+                    drop(permit);
+                });
+            }
+            Some(()) = acked_rx.recv() => acked += 1,
+        }
+    }
+    EVENTS as f64 / started.elapsed().as_secs_f64()
+}
+
+fn subscription_of(delivery: &proto::Delivery) -> String {
+    // Each event names its subscription in its aggregate type (see below).
+    delivery
+        .event
+        .as_ref()
+        .expect("event")
+        .aggregate_type
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_on_another_replica_keeps_the_stream_flowing() {
+    let database = TestDatabase::create().await;
+    let a = TestGateway::start(&database).await;
+    let b = TestGateway::start(&database).await;
+    for name in ["local", "split"] {
+        let mut filtered = subscription(name);
+        filtered.aggregate_types = vec![name.into()];
+        create_subscription(&a, filtered).await;
+        let events: Vec<proto::EventInput> = (0..EVENTS)
+            .map(|i| proto::EventInput {
+                aggregate_type: name.into(),
+                ..event(&format!("{name}-{i}"), "order.created")
+            })
+            .collect();
+        publish(&a, events).await;
+    }
+
+    let local = consume(&a, &[&a], "local").await;
+    let split = consume(&a, &[&a, &b], "split").await;
+    let ideal = f64::from(MAX_IN_FLIGHT) / WORK.as_secs_f64();
+    println!(
+        "acked/s: all on the stream's gateway {local:.0}, alternating {split:.0} (ideal {ideal:.0})"
+    );
+    assert!(
+        split >= 0.8 * local,
+        "alternating settlements between replicas ran at {split:.0}/s, all on one at {local:.0}/s"
+    );
+}
