@@ -291,6 +291,7 @@ impl Subscriber {
             let request = proto::SubscribeRequest {
                 subscription: self.subscription.clone(),
                 max_in_flight,
+                ..Default::default()
             };
             let opened = tokio::select! {
                 opened = client.subscribe(request) => opened,

@@ -117,6 +117,20 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT_LIMIT")]
     pub max_in_flight_limit: Option<u32>,
 
+    /// max_in_flight_bytes of a Subscribe call that leaves it 0. [default: 16777216]
+    #[arg(long, env = "OUTBOX_DEFAULT_MAX_IN_FLIGHT_BYTES")]
+    pub default_max_in_flight_bytes: Option<u64>,
+
+    /// Largest max_in_flight_bytes a Subscribe call may ask for. [default: 268435456]
+    #[arg(long, env = "OUTBOX_MAX_IN_FLIGHT_BYTES_LIMIT")]
+    pub max_in_flight_bytes_limit: Option<u64>,
+
+    /// Most bytes of deliveries held in memory for Subscribe streams that have not read
+    /// them yet, across all streams; past it, only streams with nothing waiting receive,
+    /// one delivery at a time. [default: 268435456]
+    #[arg(long, env = "OUTBOX_MAX_BUFFERED_BYTES")]
+    pub max_buffered_bytes: Option<u64>,
+
     /// Most deliveries one claim leases. [default: 500]
     #[arg(long, env = "OUTBOX_CLAIM_BATCH_SIZE")]
     pub claim_batch_size: Option<usize>,
@@ -336,6 +350,15 @@ impl Config {
                 max_in_flight_limit: settings
                     .max_in_flight_limit
                     .unwrap_or(delivery_defaults.max_in_flight_limit),
+                default_max_in_flight_bytes: settings
+                    .default_max_in_flight_bytes
+                    .unwrap_or(delivery_defaults.default_max_in_flight_bytes),
+                max_in_flight_bytes_limit: settings
+                    .max_in_flight_bytes_limit
+                    .unwrap_or(delivery_defaults.max_in_flight_bytes_limit),
+                max_buffered_bytes: settings
+                    .max_buffered_bytes
+                    .unwrap_or(delivery_defaults.max_buffered_bytes),
                 claim_batch_size: settings
                     .claim_batch_size
                     .unwrap_or(delivery_defaults.claim_batch_size),
@@ -430,6 +453,17 @@ impl Config {
                 "must be between 1 and max_in_flight_limit",
             );
         }
+        if delivery.default_max_in_flight_bytes == 0
+            || delivery.default_max_in_flight_bytes > delivery.max_in_flight_bytes_limit
+        {
+            return invalid(
+                "default_max_in_flight_bytes",
+                "must be between 1 and max_in_flight_bytes_limit",
+            );
+        }
+        if delivery.max_buffered_bytes == 0 {
+            return invalid("max_buffered_bytes", "must be at least 1");
+        }
         if delivery.claim_batch_size == 0 {
             return invalid("claim_batch_size", "must be at least 1");
         }
@@ -488,6 +522,9 @@ impl Settings {
             poll_interval,
             default_max_in_flight,
             max_in_flight_limit,
+            default_max_in_flight_bytes,
+            max_in_flight_bytes_limit,
+            max_buffered_bytes,
             claim_batch_size,
             shutdown_grace,
             health_check_interval,

@@ -122,7 +122,10 @@ pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chr
     let age = stats
         .oldest_unacked_at
         .map_or(0.0, |at| (now - at).num_milliseconds().max(0) as f64 / 1e3);
-    gauge!("outbox_subscription_oldest_unacked_age_seconds", "subscription" => name).set(age);
+    gauge!("outbox_subscription_oldest_unacked_age_seconds", "subscription" => name.clone())
+        .set(age);
+    gauge!("outbox_subscription_late_transactions", "subscription" => name)
+        .set(stats.late_transactions as f64);
 }
 
 pub fn outbox_figures(stats: &OutboxStats) {

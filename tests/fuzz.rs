@@ -368,6 +368,7 @@ fn every_rpc() -> Vec<Rpc> {
             proto::SubscribeRequest {
                 subscription: "orders".into(),
                 max_in_flight: 10,
+                ..Default::default()
             },
             true
         ),

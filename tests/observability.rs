@@ -152,6 +152,7 @@ async fn setup_scenario(channel: Channel, events: Vec<proto::EventInput>) -> Vec
         .subscribe(proto::SubscribeRequest {
             subscription: "orders".into(),
             max_in_flight: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -448,6 +449,7 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
         .subscribe(proto::SubscribeRequest {
             subscription: "orders".into(),
             max_in_flight: 0,
+            ..Default::default()
         })
         .await
         .unwrap()

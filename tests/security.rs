@@ -150,6 +150,7 @@ async fn tokens_authenticate_and_roles_with_scopes_authorize() {
     let subscribe = |name: &str| proto::SubscribeRequest {
         subscription: name.into(),
         max_in_flight: 0,
+        ..Default::default()
     };
     assert_status(
         subscriber
@@ -340,6 +341,7 @@ async fn limits_are_answered_with_resource_exhausted() {
         .subscribe(proto::SubscribeRequest {
             subscription: "orders".into(),
             max_in_flight: 0,
+            ..Default::default()
         })
         .await;
     assert_status(second, Code::ResourceExhausted, "Subscribe streams");

@@ -358,6 +358,7 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionStats>, outbox: OutboxStats) 
                 lag: Some(age(stats.oldest_unacked_at, newest.unwrap_or(now))),
                 delivered_total: stats.delivered_total,
                 acked_total: stats.acked_total,
+                late_transactions: stats.late_transactions,
             })
             .collect(),
         outbox: Some(proto::OutboxStats {

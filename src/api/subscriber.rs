@@ -41,7 +41,10 @@ impl SubscriberService for SubscriberApi {
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         principal.check_subscription(&name)?;
-        let stream = self.relay.subscribe(&name, request.max_in_flight).await?;
+        let stream = self
+            .relay
+            .subscribe(&name, request.max_in_flight, request.max_in_flight_bytes)
+            .await?;
         let stream = stream.map(|item| item.map(convert::delivery).map_err(Status::from));
         Ok(Response::new(Box::pin(stream)))
     }

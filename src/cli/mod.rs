@@ -890,6 +890,7 @@ async fn stream_deliveries(
         .subscribe(proto::SubscribeRequest {
             subscription: subscription.to_owned(),
             max_in_flight,
+            ..Default::default()
         })
         .await
         .map_err(describe)?

@@ -1,34 +1,31 @@
 //! One subscription's dispatcher in this process: claims deliveries for the streams
-//! attached here, spreads them over those streams, and keeps the lease bookkeeping that
-//! flow control needs (how many unsettled deliveries each stream holds).
+//! attached here, as much as their flow control allows ([`super::flow`]), and hands them
+//! out; learns of settlements here and on other gateways; sleeps until there is room and
+//! work.
 
 use std::{
     collections::HashMap,
-    pin::Pin,
-    sync::{Arc, Mutex},
-    task::{Context, Poll},
+    sync::{Arc, Mutex, atomic::AtomicU64},
     time::{Duration, Instant},
 };
 
 use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
-use tokio_stream::Stream;
 use tokio_util::task::TaskTracker;
 
-use super::Relay;
+use super::{
+    Relay,
+    flow::{BufferBudget, StreamLimits, Streams},
+    stream::DeliveryStream,
+};
 use crate::{
     domain::{AckId, Delivery, Subscription},
     error::Error,
     metrics,
-    storage::Store,
+    storage::{ClaimLimits, Store},
     telemetry,
 };
 
-/// When committed events wait behind an older open transaction (anywhere in the
-/// cluster), nothing wakes the dispatcher as that transaction ends: it looks again after
-/// this delay, doubling up to `HELD_BACK_MAX_DELAY`.
-const HELD_BACK_FIRST_DELAY: Duration = Duration::from_millis(1);
-const HELD_BACK_MAX_DELAY: Duration = Duration::from_millis(100);
 /// How often a claim looks for due records when nothing here made one due.
 const DUE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// First retry delay after a failed claim; doubles up to the poll interval.
@@ -48,15 +45,13 @@ pub(super) struct Dispatcher {
     state: Mutex<State>,
     /// Room was freed, a stream came or went, or a retry was scheduled.
     changed: Notify,
+    /// The gateway-wide bound on deliveries waiting in memory for their streams.
+    budget: Arc<BufferBudget>,
 }
 
 #[derive(Default)]
 struct State {
-    streams: Vec<StreamSlot>,
-    leases: HashMap<i64, Lease>,
-    next_stream_id: u64,
-    /// Next stream to offer a delivery to, so a batch spreads evenly.
-    round_robin: usize,
+    streams: Streams,
     /// Earliest retry this process scheduled through a nack.
     retry_at: Option<DateTime<Utc>>,
     /// Another gateway settled leases of this subscription: re-read ours.
@@ -69,13 +64,6 @@ struct State {
     closed: bool,
 }
 
-struct StreamSlot {
-    id: u64,
-    max_in_flight: usize,
-    in_flight: usize,
-    sender: mpsc::Sender<Result<Delivery, Error>>,
-}
-
 /// How deliveries were settled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Settlement {
@@ -86,19 +74,12 @@ pub(super) enum Settlement {
     },
 }
 
-struct Lease {
-    stream_id: u64,
-    token: i64,
-    deadline: DateTime<Utc>,
-    /// When the delivery was handed to its stream; for the deliver-to-ack latency.
-    leased_at: Instant,
-}
-
 impl Dispatcher {
     pub(super) fn new(
         store: Store,
         tasks: TaskTracker,
         subscription: Subscription,
+        budget: Arc<BufferBudget>,
     ) -> Arc<Dispatcher> {
         Arc::new(Dispatcher {
             store,
@@ -109,6 +90,7 @@ impl Dispatcher {
             subscription: Mutex::new(subscription),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
+            budget,
         })
     }
 
@@ -124,7 +106,7 @@ impl Dispatcher {
     /// already stopping.
     pub(super) fn attach(
         self: &Arc<Self>,
-        max_in_flight: usize,
+        limits: StreamLimits,
         permit: OwnedSemaphorePermit,
     ) -> Result<DeliveryStream, OwnedSemaphorePermit> {
         let mut state = self.state.lock().expect("dispatcher lock");
@@ -132,23 +114,19 @@ impl Dispatcher {
             return Err(permit);
         }
         // The channel never fills: a stream is only sent what its room allows.
-        let (sender, receiver) = mpsc::channel(max_in_flight);
-        let id = state.next_stream_id;
-        state.next_stream_id += 1;
-        state.streams.push(StreamSlot {
-            id,
-            max_in_flight,
-            in_flight: 0,
-            sender,
-        });
+        let (sender, receiver) = mpsc::channel(limits.deliveries);
+        let buffered = Arc::new(AtomicU64::new(0));
+        let id = state.streams.attach(limits, sender, buffered.clone());
         drop(state);
         self.changed.notify_one();
-        Ok(DeliveryStream {
+        Ok(DeliveryStream::new(
             receiver,
-            dispatcher: self.clone(),
-            stream_id: id,
-            _permit: permit,
-        })
+            self.clone(),
+            id,
+            buffered,
+            self.budget.clone(),
+            permit,
+        ))
     }
 
     /// Another gateway settled leases of this subscription, perhaps some of ours: forget
@@ -159,13 +137,7 @@ impl Dispatcher {
         match leases {
             Some(leases) => {
                 for &(position, token) in leases {
-                    if state
-                        .leases
-                        .get(&position)
-                        .is_some_and(|lease| lease.token == token)
-                    {
-                        state.forget_lease(position);
-                    }
+                    state.streams.forget_matching(position, token);
                 }
             }
             None => state.refresh_pending = true,
@@ -184,17 +156,11 @@ impl Dispatcher {
         let mut elsewhere = Vec::new();
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
-            let leased_at = state
-                .leases
-                .get(&ack.position)
-                .filter(|lease| lease.token == ack.lease_token)
-                .map(|lease| lease.leased_at);
-            match leased_at {
-                Some(leased_at) => {
+            match state.streams.forget_matching(ack.position, ack.lease_token) {
+                Some(lease) => {
                     if settlement == Settlement::Acked {
-                        metrics::deliver_to_ack(name.as_str(), leased_at.elapsed());
+                        metrics::deliver_to_ack(name.as_str(), lease.leased_at.elapsed());
                     }
-                    state.forget_lease(ack.position);
                 }
                 None => elsewhere.push(*ack),
             }
@@ -217,28 +183,18 @@ impl Dispatcher {
     pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<i64, DateTime<Utc>>) {
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
-            if let (Some(lease), Some(deadline)) = (
-                state.leases.get_mut(&ack.position),
-                deadlines.get(&ack.position),
-            ) && lease.token == ack.lease_token
-            {
-                lease.deadline = *deadline;
+            if let Some(deadline) = deadlines.get(&ack.position) {
+                state
+                    .streams
+                    .extend(ack.position, ack.lease_token, *deadline);
             }
         }
     }
 
-    fn detach(&self, stream_id: u64) {
+    /// Removes a stream that ended; its unsettled deliveries go to other streams at once.
+    pub(super) fn detach(self: &Arc<Self>, stream_id: u64) {
         let mut state = self.state.lock().expect("dispatcher lock");
-        state.streams.retain(|slot| slot.id != stream_id);
-        let orphaned: Vec<(i64, i64)> = state
-            .leases
-            .iter()
-            .filter(|(_, lease)| lease.stream_id == stream_id)
-            .map(|(position, lease)| (*position, lease.token))
-            .collect();
-        for (position, _) in &orphaned {
-            state.leases.remove(position);
-        }
+        let orphaned = state.streams.detach(stream_id);
         drop(state);
         if !orphaned.is_empty() {
             self.release_in_background(orphaned);
@@ -246,21 +202,23 @@ impl Dispatcher {
         self.changed.notify_one();
     }
 
-    /// Gives leases back so other streams get them at once rather than at their deadline.
-    fn release_in_background(&self, leases: Vec<(i64, i64)>) {
+    /// Gives leases back so other streams get them at once rather than at their deadline;
+    /// once they are back, the next claim looks for them.
+    fn release_in_background(self: &Arc<Self>, leases: Vec<(i64, i64)>) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        self.state.lock().expect("dispatcher lock").due_pending = true;
-        let store = self.store.clone();
-        let subscription_id = self.subscription_id;
+        let dispatcher = self.clone();
         self.tasks.spawn(async move {
-            if let Err(error) = store
-                .release_leases(subscription_id, &leases)
+            if let Err(error) = dispatcher
+                .store
+                .release_leases(dispatcher.subscription_id, &leases)
                 .await
             {
-                tracing::warn!(subscription_id, %error, "could not release leases; they expire at their deadline");
+                tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "could not release leases; they expire at their deadline");
             }
+            dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
+            dispatcher.changed.notify_one();
         });
     }
 
@@ -270,42 +228,10 @@ impl Dispatcher {
         self.observe(&deliveries);
         let mut state = self.state.lock().expect("dispatcher lock");
         let mut undelivered = Vec::new();
-        'deliveries: for mut delivery in deliveries {
-            let (position, token, deadline) = (
-                delivery.ack_id.position,
-                delivery.ack_id.lease_token,
-                delivery.ack_deadline,
-            );
-            let stream_count = state.streams.len();
-            for offset in 0..stream_count {
-                let index = (state.round_robin + offset) % stream_count;
-                let slot = &mut state.streams[index];
-                if slot.in_flight >= slot.max_in_flight {
-                    continue;
-                }
-                match slot.sender.try_send(Ok(delivery)) {
-                    Ok(()) => {
-                        slot.in_flight += 1;
-                        let stream_id = slot.id;
-                        state.leases.insert(
-                            position,
-                            Lease {
-                                stream_id,
-                                token,
-                                deadline,
-                                leased_at: Instant::now(),
-                            },
-                        );
-                        state.round_robin = index + 1;
-                        continue 'deliveries;
-                    }
-                    Err(mpsc::error::TrySendError::Full(returned))
-                    | Err(mpsc::error::TrySendError::Closed(returned)) => {
-                        delivery = returned.expect("only deliveries are sent here");
-                    }
-                }
+        for delivery in deliveries {
+            if let Err(lease) = state.streams.place(delivery, &self.budget) {
+                undelivered.push(lease);
             }
-            undelivered.push((position, token));
         }
         undelivered
     }
@@ -344,28 +270,11 @@ impl Dispatcher {
     }
 }
 
-impl State {
-    fn forget_lease(&mut self, position: i64) {
-        if let Some(lease) = self.leases.remove(&position)
-            && let Some(slot) = self.streams.iter_mut().find(|s| s.id == lease.stream_id)
-        {
-            slot.in_flight = slot.in_flight.saturating_sub(1);
-        }
-    }
-
-    fn room(&self) -> usize {
-        self.streams
-            .iter()
-            .filter(|slot| !slot.sender.is_closed())
-            .map(|slot| slot.max_in_flight.saturating_sub(slot.in_flight))
-            .sum()
-    }
-}
-
 /// The dispatcher's loop: claim while there is room and work, otherwise sleep until a
-/// wake-up, a lease deadline, a scheduled retry or the poll interval.
+/// wake-up, a settlement, a lease deadline, a scheduled retry or the poll interval.
 pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let config = relay.inner.config.clone();
+    let budget = dispatcher.budget.clone();
     let mut new_events = relay.inner.new_events.subscribe();
     let shutdown = relay.inner.shutdown.clone();
     let mut retry_delay: Option<Duration> = None;
@@ -373,10 +282,11 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let mut last_due_check = Instant::now() - DUE_CHECK_INTERVAL;
 
     loop {
-        let now = Utc::now();
-        let (room, refresh) = {
+        let (limits, refresh, full) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            expire_leases(&mut state, now);
+            if state.streams.expire(Utc::now()) {
+                state.due_pending = true;
+            }
             if state.streams.is_empty() {
                 drop(state);
                 if retire(&dispatcher, &relay) {
@@ -384,93 +294,49 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
                 continue;
             }
-            let refresh = std::mem::take(&mut state.refresh_pending) && !state.leases.is_empty();
-            (state.room(), refresh)
+            let has_leases = state.streams.has_leases();
+            let refresh = std::mem::take(&mut state.refresh_pending) && has_leases;
+            let limits = state.streams.claim_limits(config.claim_batch_size, &budget);
+            (limits, refresh, limits.is_none() && has_leases)
         };
 
         // Room freed on another gateway counts before deciding how much to claim. When
         // full, the lease view is re-read once per poll interval even without a notice
         // (notifications are hints).
-        if refresh || (room == 0 && last_refresh.elapsed() >= config.poll_interval) {
+        if refresh || (full && last_refresh.elapsed() >= config.poll_interval) {
             refresh_leases(&dispatcher).await;
             last_refresh = Instant::now();
             if refresh {
                 continue;
             }
         }
-        let mut claimed_full_batch = false;
-        if room > 0 {
-            let limit = room.min(config.claim_batch_size);
-            let lease_token = dispatcher.token_base.wrapping_add(
-                dispatcher
-                    .claims
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            );
-            // Looking for due records walks an index that every ack leaves dead entries
-            // in: do it when something made a record due, else now and then (acks and
-            // nacks on other gateways, expired leases of crashed ones).
-            let include_due = {
-                let mut state = dispatcher.state.lock().expect("dispatcher lock");
-                let due = state.due_pending || last_due_check.elapsed() >= DUE_CHECK_INTERVAL;
-                state.due_pending &= !due;
-                due
-            };
-            if include_due {
-                last_due_check = Instant::now();
-            }
-            match dispatcher
-                .store
-                .claim(dispatcher.subscription_id, lease_token, limit, include_due)
-                .await
-            {
-                Ok(None) => {
+        if let Some(limits) = limits {
+            match claim(&dispatcher, limits, &mut last_due_check).await {
+                Ok(Claimed::Some { full_batch }) => {
+                    retry_delay = None;
+                    if full_batch {
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                }
+                Ok(Claimed::SubscriptionGone) => {
                     end_streams(&dispatcher, &relay, || {
                         Error::NotFound("the subscription was deleted".into())
                     });
                     return;
                 }
-                Ok(Some(claim)) => {
-                    claimed_full_batch = claim.deliveries.len() == limit;
-                    if claim.dead_lettered > 0 {
-                        let name = dispatcher.subscription().name;
-                        metrics::dead_lettered(name.as_str(), claim.dead_lettered);
-                    }
-                    retry_delay = claim.held_back.then(|| {
-                        retry_delay.map_or(HELD_BACK_FIRST_DELAY, |d| {
-                            (d * 2).min(HELD_BACK_MAX_DELAY).min(config.poll_interval)
-                        })
-                    });
-                    dispatcher
-                        .subscription
-                        .lock()
-                        .expect("subscription lock")
-                        .settings = claim.settings;
-                    let undelivered = dispatcher.distribute(claim.deliveries);
-                    if !undelivered.is_empty() {
-                        dispatcher.release_in_background(undelivered);
-                    }
-                }
-                Err(error) => {
-                    let delay = retry_delay.map_or(FAILED_CLAIM_FIRST_DELAY, |d| {
+                Err(()) => {
+                    retry_delay = Some(retry_delay.map_or(FAILED_CLAIM_FIRST_DELAY, |d| {
                         (d * 2).min(config.poll_interval)
-                    });
-                    tracing::warn!(subscription_id = dispatcher.subscription_id, %error, retry_in = ?delay, "claim failed");
-                    retry_delay = Some(delay);
+                    }));
                 }
             }
-        }
-        if claimed_full_batch {
-            tokio::task::yield_now().await;
-            continue;
         }
 
         let mut sleep_for = retry_delay.unwrap_or(config.poll_interval);
         let (next_deadline, retry_at) = {
             let state = dispatcher.state.lock().expect("dispatcher lock");
-            (
-                state.leases.values().map(|lease| lease.deadline).min(),
-                state.retry_at,
-            )
+            (state.streams.next_deadline(), state.retry_at)
         };
         for at in [next_deadline, retry_at].into_iter().flatten() {
             let until = (at - Utc::now()).to_std().unwrap_or_default();
@@ -486,6 +352,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
             }
             _ = dispatcher.changed.notified() => {}
+            // Streams elsewhere in this process read what waited for them.
+            _ = budget.freed.notified(), if budget.is_spent() => {}
             _ = tokio::time::sleep(sleep_for) => {
                 if sleep_for == config.poll_interval {
                     metrics::wakeup("poll");
@@ -504,33 +372,79 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     }
 }
 
-/// Drops leases whose deadline passed: they are no longer this process's to count.
-fn expire_leases(state: &mut State, now: DateTime<Utc>) {
-    let expired: Vec<i64> = state
-        .leases
-        .iter()
-        .filter(|(_, lease)| lease.deadline <= now)
-        .map(|(position, _)| *position)
-        .collect();
-    if !expired.is_empty() {
-        state.due_pending = true;
+enum Claimed {
+    /// Claimed (perhaps nothing); `full_batch` when the limits were reached, so more may
+    /// be waiting.
+    Some {
+        full_batch: bool,
+    },
+    SubscriptionGone,
+}
+
+/// One claim within `limits`, handed out to the streams. A failure is logged.
+async fn claim(
+    dispatcher: &Arc<Dispatcher>,
+    limits: ClaimLimits,
+    last_due_check: &mut Instant,
+) -> Result<Claimed, ()> {
+    let lease_token = dispatcher.token_base.wrapping_add(
+        dispatcher
+            .claims
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+    );
+    // Looking for due records walks an index that every ack leaves dead entries in: do
+    // it when something made a record due, else now and then (acks and nacks on other
+    // gateways, expired leases of crashed ones).
+    let include_due = {
+        let mut state = dispatcher.state.lock().expect("dispatcher lock");
+        let due = state.due_pending || last_due_check.elapsed() >= DUE_CHECK_INTERVAL;
+        state.due_pending &= !due;
+        due
+    };
+    if include_due {
+        *last_due_check = Instant::now();
     }
-    for position in expired {
-        state.forget_lease(position);
+    let claim = match dispatcher
+        .store
+        .claim(dispatcher.subscription_id, lease_token, limits, include_due)
+        .await
+    {
+        Ok(Some(claim)) => claim,
+        Ok(None) => return Ok(Claimed::SubscriptionGone),
+        Err(error) => {
+            tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "claim failed");
+            return Err(());
+        }
+    };
+    let claimed = claim.deliveries.len();
+    let claimed_bytes: u64 = claim.deliveries.iter().map(Delivery::size).sum();
+    if claim.dead_lettered > 0 {
+        let name = dispatcher.subscription().name;
+        metrics::dead_lettered(name.as_str(), claim.dead_lettered);
     }
+    dispatcher
+        .subscription
+        .lock()
+        .expect("subscription lock")
+        .settings = claim.settings;
+    let undelivered = dispatcher.distribute(claim.deliveries);
+    if !undelivered.is_empty() {
+        dispatcher.release_in_background(undelivered);
+    }
+    Ok(Claimed::Some {
+        full_batch: claimed == limits.count || claimed_bytes >= limits.bytes,
+    })
 }
 
 /// Asks the database which leases are still held: acks and extensions that reached
 /// another gateway process are only visible there.
 async fn refresh_leases(dispatcher: &Dispatcher) {
-    let leases: Vec<(i64, i64)> = {
-        let state = dispatcher.state.lock().expect("dispatcher lock");
-        state
-            .leases
-            .iter()
-            .map(|(position, lease)| (*position, lease.token))
-            .collect()
-    };
+    let leases = dispatcher
+        .state
+        .lock()
+        .expect("dispatcher lock")
+        .streams
+        .leases();
     match dispatcher
         .store
         .live_leases(dispatcher.subscription_id, &leases)
@@ -539,14 +453,12 @@ async fn refresh_leases(dispatcher: &Dispatcher) {
         Ok(live) => {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            for (position, _) in leases {
+            for (position, token) in leases {
                 match live.get(&position) {
-                    Some(deadline) => {
-                        if let Some(lease) = state.leases.get_mut(&position) {
-                            lease.deadline = *deadline;
-                        }
+                    Some(deadline) => state.streams.extend(position, token, *deadline),
+                    None => {
+                        state.streams.forget_matching(position, token);
                     }
-                    None => state.forget_lease(position),
                 }
             }
         }
@@ -570,47 +482,18 @@ fn retire(dispatcher: &Arc<Dispatcher>, relay: &Relay) -> bool {
 
 /// Ends every stream with the error `reason` makes and gives all leases back.
 fn end_streams(dispatcher: &Arc<Dispatcher>, relay: &Relay, reason: fn() -> Error) {
-    let (streams, leases) = {
+    let (senders, leases) = {
         let mut dispatchers = relay.inner.dispatchers.lock().expect("dispatchers lock");
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
         state.closed = true;
         dispatchers.remove(&dispatcher.subscription_id);
-        let leases: Vec<(i64, i64)> = state
-            .leases
-            .drain()
-            .map(|(position, lease)| (position, lease.token))
-            .collect();
-        (std::mem::take(&mut state.streams), leases)
+        state.streams.take_all()
     };
-    for slot in &streams {
+    for sender in &senders {
         // The channel may be full of unsent deliveries; those leases are given back too.
-        let _ = slot.sender.try_send(Err(reason()));
+        let _ = sender.try_send(Err(reason()));
     }
     if !leases.is_empty() {
         dispatcher.release_in_background(leases);
-    }
-}
-
-/// The stream a Subscribe call returns. Dropping it (the client went away) gives its
-/// unsettled deliveries back for redelivery at once.
-pub struct DeliveryStream {
-    receiver: mpsc::Receiver<Result<Delivery, Error>>,
-    dispatcher: Arc<Dispatcher>,
-    stream_id: u64,
-    /// Counts against the gateway's limit of open streams until dropped.
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Stream for DeliveryStream {
-    type Item = Result<Delivery, Error>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.receiver.poll_recv(cx)
-    }
-}
-
-impl Drop for DeliveryStream {
-    fn drop(&mut self) {
-        self.dispatcher.detach(self.stream_id);
     }
 }

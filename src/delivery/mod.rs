@@ -8,6 +8,8 @@
 //! gateways, see [`wake`]) and from a periodic poll, the safety net.
 
 mod dispatcher;
+mod flow;
+mod stream;
 mod wake;
 
 use std::{
@@ -20,8 +22,9 @@ use chrono::{DateTime, Utc};
 use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-pub use dispatcher::DeliveryStream;
 use dispatcher::{Dispatcher, Settlement};
+use flow::{BufferBudget, StreamLimits};
+pub use stream::DeliveryStream;
 
 use crate::{
     domain::{AckId, MAX_BACKOFF, Subscription, SubscriptionName, check_text},
@@ -39,6 +42,13 @@ pub struct DeliveryConfig {
     pub default_max_in_flight: u32,
     /// Largest `max_in_flight` a Subscribe call may ask for.
     pub max_in_flight_limit: u32,
+    /// `max_in_flight_bytes` of a Subscribe call that leaves it 0.
+    pub default_max_in_flight_bytes: u64,
+    /// Largest `max_in_flight_bytes` a Subscribe call may ask for.
+    pub max_in_flight_bytes_limit: u64,
+    /// Most bytes of deliveries held in memory for Subscribe streams that have not read
+    /// them yet, across all streams.
+    pub max_buffered_bytes: u64,
     /// Most deliveries one claim leases.
     pub claim_batch_size: usize,
     /// Most Subscribe streams open at once in this process.
@@ -51,6 +61,9 @@ impl Default for DeliveryConfig {
             poll_interval: Duration::from_secs(1),
             default_max_in_flight: 100,
             max_in_flight_limit: 10_000,
+            default_max_in_flight_bytes: 16 * 1024 * 1024,
+            max_in_flight_bytes_limit: 256 * 1024 * 1024,
+            max_buffered_bytes: 256 * 1024 * 1024,
             claim_batch_size: 500,
             max_streams: 10_000,
         }
@@ -81,6 +94,8 @@ struct RelayInner {
     peer_notifier: wake::PeerNotifier,
     /// One permit per open Subscribe stream.
     stream_permits: Arc<tokio::sync::Semaphore>,
+    /// Deliveries waiting in memory for their streams, across all subscriptions.
+    buffer_budget: Arc<BufferBudget>,
 }
 
 impl Relay {
@@ -100,6 +115,7 @@ impl Relay {
                 tasks,
                 peer_notifier,
                 stream_permits: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
+                buffer_budget: Arc::new(BufferBudget::new(config.max_buffered_bytes)),
                 config,
             }),
         };
@@ -175,22 +191,40 @@ impl Relay {
         });
     }
 
-    /// Opens a delivery stream on the subscription.
+    /// Opens a delivery stream on the subscription that holds at most `max_in_flight`
+    /// unsettled deliveries and, beyond its first, `max_in_flight_bytes` of them (0: the
+    /// configured defaults).
     pub async fn subscribe(
         &self,
         name: &SubscriptionName,
         max_in_flight: u32,
+        max_in_flight_bytes: u64,
     ) -> Result<DeliveryStream> {
         let config = &self.inner.config;
-        let max_in_flight = match max_in_flight {
-            0 => config.default_max_in_flight,
-            n if n > config.max_in_flight_limit => {
-                return Err(Error::invalid(
-                    "max_in_flight",
-                    format!("must be at most {}, got {n}", config.max_in_flight_limit),
-                ));
-            }
-            n => n,
+        let limits = StreamLimits {
+            deliveries: match max_in_flight {
+                0 => config.default_max_in_flight,
+                n if n > config.max_in_flight_limit => {
+                    return Err(Error::invalid(
+                        "max_in_flight",
+                        format!("must be at most {}, got {n}", config.max_in_flight_limit),
+                    ));
+                }
+                n => n,
+            } as usize,
+            bytes: match max_in_flight_bytes {
+                0 => config.default_max_in_flight_bytes,
+                n if n > config.max_in_flight_bytes_limit => {
+                    return Err(Error::invalid(
+                        "max_in_flight_bytes",
+                        format!(
+                            "must be at most {}, got {n}",
+                            config.max_in_flight_bytes_limit
+                        ),
+                    ));
+                }
+                n => n,
+            },
         };
         if self.inner.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
@@ -209,7 +243,7 @@ impl Relay {
         let subscription = self.find_subscription(name).await?;
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
         let permit = match dispatchers.get(&subscription.id) {
-            Some(dispatcher) => match dispatcher.attach(max_in_flight as usize, permit) {
+            Some(dispatcher) => match dispatcher.attach(limits, permit) {
                 Ok(stream) => return Ok(stream),
                 // That dispatcher is retiring: start a new one.
                 Err(permit) => permit,
@@ -220,8 +254,9 @@ impl Relay {
             self.inner.store.clone(),
             self.inner.tasks.clone(),
             subscription,
+            self.inner.buffer_budget.clone(),
         );
-        let Ok(stream) = dispatcher.attach(max_in_flight as usize, permit) else {
+        let Ok(stream) = dispatcher.attach(limits, permit) else {
             unreachable!("a new dispatcher accepts streams");
         };
         dispatchers.insert(dispatcher.subscription_id(), dispatcher.clone());

@@ -4,6 +4,10 @@ use chrono::{DateTime, Utc};
 
 use super::{AckId, Event};
 
+/// Bytes counted for a delivery beyond its payload: ids, types, metadata and framing,
+/// roughly. The claim statements use the same allowance.
+pub const DELIVERY_OVERHEAD_BYTES: u64 = 256;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
     pub ack_id: AckId,
@@ -12,4 +16,11 @@ pub struct Delivery {
     /// When the lease ends unless acked or extended.
     pub ack_deadline: DateTime<Utc>,
     pub event: Event,
+}
+
+impl Delivery {
+    /// What flow control counts for this delivery: its payload and a fixed allowance.
+    pub fn size(&self) -> u64 {
+        self.event.payload.len() as u64 + DELIVERY_OVERHEAD_BYTES
+    }
 }

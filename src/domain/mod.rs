@@ -10,7 +10,7 @@ mod pattern;
 mod subscription;
 
 pub use ack::AckId;
-pub use delivery::Delivery;
+pub use delivery::{DELIVERY_OVERHEAD_BYTES, Delivery};
 pub use event::{
     DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, is_json_content_type,
 };

@@ -50,6 +50,10 @@ pub struct SubscriptionStats {
     pub oldest_unacked_at: Option<DateTime<Utc>>,
     pub delivered_total: u64,
     pub acked_total: u64,
+    /// Transactions that were still running when the subscription's cursor passed them
+    /// and have finished since: their events are picked up at the next claim, so this
+    /// stays near zero.
+    pub late_transactions: u64,
 }
 
 impl SubscriptionStats {

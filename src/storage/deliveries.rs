@@ -22,15 +22,22 @@ pub(super) const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
 /// What one claim produced.
 #[derive(Debug)]
 pub struct Claim {
-    /// Newly leased deliveries, in outbox order.
+    /// Newly leased deliveries: due ones first, then new events in reading order.
     pub deliveries: Vec<Delivery>,
-    /// Committed events are waiting above the read horizon because an older
-    /// transaction is still open: claim again shortly.
-    pub held_back: bool,
     /// Expired leases that used their last attempt and went to the dead-letter queue.
     pub dead_lettered: u64,
     /// The subscription's settings as of this claim.
     pub settings: SubscriptionSettings,
+}
+
+/// How much one claim may lease.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimLimits {
+    /// Most deliveries.
+    pub count: usize,
+    /// Most bytes of events (approximately: payloads plus a fixed allowance per event);
+    /// the first delivery is leased whatever its size.
+    pub bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,14 +47,14 @@ pub struct NackOutcome {
 }
 
 impl Store {
-    /// Leases up to `limit` deliveries of the subscription to `lease_token`: first expired
-    /// leases and due retries (when `include_due`), then new events past the cursor.
+    /// Leases deliveries of the subscription to `lease_token`, within `limits`: first
+    /// expired leases and due retries (when `include_due`), then new events.
     /// `None` when the subscription no longer exists.
     pub async fn claim(
         &self,
         subscription_id: i64,
         lease_token: i64,
-        limit: usize,
+        limits: ClaimLimits,
         include_due: bool,
     ) -> Result<Option<Claim>> {
         let mut transaction = self.pool.begin().await?;
@@ -58,7 +65,8 @@ impl Store {
             return Ok(None);
         };
         let settings = &subscription.settings;
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
+        let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
 
         let due_rows = if include_due {
             sqlx::query(include_str!("queries/claim_due.sql"))
@@ -68,6 +76,7 @@ impl Store {
                 .bind(millis(settings.ack_deadline))
                 .bind(settings.max_attempts as i32)
                 .bind(settings.persistent_event_types.to_regex())
+                .bind(byte_budget)
                 .fetch_all(&mut *transaction)
                 .await?
         } else {
@@ -89,9 +98,12 @@ impl Store {
         }
         promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
 
-        let remaining = limit - deliveries.len() as i64;
-        let mut held_back = false;
-        if remaining > 0 {
+        let due_count = deliveries.len() as i64;
+        let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
+        let remaining = limit - due_count;
+        let remaining_bytes =
+            byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
+        if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
             let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
                 .bind(subscription_id)
                 .bind(cursor.xact_id)
@@ -104,31 +116,25 @@ impl Store {
                 .bind(lease_token)
                 .bind(millis(settings.ack_deadline))
                 .bind(settings.ordered)
+                .bind(&cursor.pending_xact_ids)
+                .bind(&cursor.pending_positions)
+                .bind(remaining_bytes)
+                .bind(due_count)
                 .fetch_all(&mut *transaction)
                 .await?;
             for row in &new_rows {
                 deliveries.push(delivery_from_row(row, lease_token)?);
             }
-            if (new_rows.len() as i64) < remaining {
-                held_back = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM outbox_events \
-                     WHERE xact_id >= pg_snapshot_xmin(pg_current_snapshot())::text::bigint)",
-                )
-                .fetch_one(&mut *transaction)
-                .await?;
-            }
-        }
-        if !deliveries.is_empty() {
+        } else if due_count > 0 {
             sqlx::query(include_str!("queries/count_deliveries.sql"))
                 .bind(subscription_id)
-                .bind(deliveries.len() as i64)
+                .bind(due_count)
                 .execute(&mut *transaction)
                 .await?;
         }
         transaction.commit().await?;
         Ok(Some(Claim {
             deliveries,
-            held_back,
             dead_lettered,
             settings: subscription.settings,
         }))

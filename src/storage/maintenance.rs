@@ -109,12 +109,13 @@ impl Store {
         if !try_lock(&mut transaction, RETENTION_LOCK).await? {
             return Ok(None);
         }
-        let (cursor_xact_id, cursor_position) = lowest_cursor(&mut transaction).await?;
+        let lowest = lowest_cursor(&mut transaction).await?;
         let deleted = sqlx::query(include_str!("queries/retention.sql"))
             .bind(millis(retention))
-            .bind(cursor_xact_id)
-            .bind(cursor_position)
+            .bind(lowest.xact_id)
+            .bind(lowest.position)
             .bind(batch_size as i64)
+            .bind(&lowest.pending_xact_ids)
             .execute(&mut *transaction)
             .await?
             .rows_affected();
@@ -140,12 +141,13 @@ impl Store {
         if !try_lock(&mut transaction, RETENTION_LOCK).await? {
             return Ok(None);
         }
-        let (cursor_xact_id, cursor_position) = lowest_cursor(&mut transaction).await?;
+        let lowest = lowest_cursor(&mut transaction).await?;
         let row = sqlx::query(include_str!("queries/force_expire.sql"))
             .bind(millis(max_retention))
-            .bind(cursor_xact_id)
-            .bind(cursor_position)
+            .bind(lowest.xact_id)
+            .bind(lowest.position)
             .bind(batch_size as i64)
+            .bind(&lowest.pending_xact_ids)
             .fetch_one(&mut *transaction)
             .await?;
         transaction.commit().await?;
@@ -156,16 +158,33 @@ impl Store {
     }
 }
 
-/// The cursor of the subscription that has read least; with no subscription, past
-/// every event.
-async fn lowest_cursor(connection: &mut sqlx::PgConnection) -> Result<(i64, i64)> {
-    let lowest: Option<(i64, i64)> = sqlx::query_as(
-        "SELECT cursor_xact_id, cursor_position FROM outbox_subscriptions \
-         ORDER BY cursor_xact_id, cursor_position LIMIT 1",
+/// How far every subscription has read: the lowest cursor (with no subscription, past
+/// every event) and every transaction some subscription still waits for.
+struct ReadByAll {
+    xact_id: i64,
+    position: i64,
+    pending_xact_ids: Vec<i64>,
+}
+
+async fn lowest_cursor(connection: &mut sqlx::PgConnection) -> Result<ReadByAll> {
+    let row = sqlx::query(
+        "SELECT (SELECT ARRAY[cursor_xact_id, cursor_position] FROM outbox_subscriptions \
+                 ORDER BY cursor_xact_id, cursor_position LIMIT 1) AS lowest, \
+                (SELECT coalesce(array_agg(DISTINCT x), '{}') \
+                 FROM outbox_subscriptions, unnest(pending_xact_ids) AS x) AS pending",
     )
-    .fetch_optional(connection)
+    .fetch_one(connection)
     .await?;
-    Ok(lowest.unwrap_or((i64::MAX, i64::MAX)))
+    let lowest: Option<Vec<i64>> = row.try_get("lowest")?;
+    let (xact_id, position) = match lowest.as_deref() {
+        Some([xact_id, position]) => (*xact_id, *position),
+        _ => (i64::MAX, i64::MAX),
+    };
+    Ok(ReadByAll {
+        xact_id,
+        position,
+        pending_xact_ids: row.try_get("pending")?,
+    })
 }
 
 async fn try_lock(connection: &mut sqlx::PgConnection, key: i32) -> Result<bool> {

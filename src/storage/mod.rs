@@ -11,6 +11,31 @@ macro_rules! subscription_columns {
     };
 }
 
+/// Where a subscription starts reading, as one row (`xact_id`, `pending_xact_ids`,
+/// `pending_positions`), for a start (or seek) whose parameter `$latest` is true for the
+/// latest event, false for the earliest. The latest: every transaction that starts after
+/// this snapshot, and those running now (remembered as pending: they commit after the
+/// subscription began); nothing waits for the oldest of them.
+macro_rules! start_position_sql {
+    ($latest:literal) => {
+        concat!(
+            "SELECT CASE WHEN ",
+            $latest,
+            " THEN pg_snapshot_xmax(snapshot.s)::text::bigint ELSE 0 END \
+                 AS xact_id, \
+             CASE WHEN ",
+            $latest,
+            " THEN ARRAY(SELECT x::text::bigint FROM pg_snapshot_xip(snapshot.s) x) \
+                 ELSE '{}' END AS pending_xact_ids, \
+             CASE WHEN ",
+            $latest,
+            " THEN ARRAY(SELECT 0::bigint FROM pg_snapshot_xip(snapshot.s) x) \
+                 ELSE '{}' END AS pending_positions \
+             FROM (SELECT pg_current_snapshot() AS s) AS snapshot"
+        )
+    };
+}
+
 /// The columns `events::event_from_row` reads.
 macro_rules! event_columns {
     () => {
@@ -32,7 +57,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode},
 };
 
-pub use deliveries::{Claim, NackOutcome};
+pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;

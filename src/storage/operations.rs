@@ -95,7 +95,7 @@ impl Store {
             else {
                 continue;
             };
-            if handed_out(&mut transaction, cursor, position).await?
+            if handed_out(&mut transaction, &cursor, position).await?
                 && requeue_positions(&mut transaction, subscription, &[position]).await? > 0
             {
                 requeued.push(&subscription.name);
@@ -197,13 +197,16 @@ impl Store {
             return Ok(false);
         };
         let (to_latest, not_before) = start_columns(to);
-        sqlx::query(
-            "UPDATE outbox_subscriptions \
-             SET cursor_xact_id = CASE WHEN $2 \
-                     THEN pg_snapshot_xmin(pg_current_snapshot())::text::bigint ELSE 0 END, \
-                 cursor_position = 0, not_before = $3, updated_at = now() \
-             WHERE id = $1",
-        )
+        sqlx::query(concat!(
+            "UPDATE outbox_subscriptions s \
+             SET cursor_xact_id = start.xact_id, cursor_position = 0, \
+                 pending_xact_ids = start.pending_xact_ids, \
+                 pending_positions = start.pending_positions, \
+                 not_before = $3, updated_at = now() \
+             FROM (",
+            start_position_sql!("$2"),
+            ") AS start WHERE s.id = $1"
+        ))
         .bind(id)
         .bind(to_latest)
         .bind(not_before)
@@ -259,6 +262,8 @@ impl Store {
             .bind(&settings.aggregate_types)
             .bind(metadata_filter(settings))
             .bind(cursor.not_before)
+            .bind(&cursor.pending_xact_ids)
+            .bind(&cursor.pending_positions)
             .fetch_one(&mut *connection)
             .await?;
         let count =
@@ -272,6 +277,7 @@ impl Store {
             oldest_unacked_at: row.try_get("oldest_unacked")?,
             delivered_total: count("delivered")?,
             acked_total: count("acked")?,
+            late_transactions: count("late_transactions")?,
         }))
     }
 
@@ -297,14 +303,21 @@ impl Store {
     }
 }
 
-/// True when the cursor has passed the event: it was handed out (or filtered away).
-async fn handed_out(connection: &mut PgConnection, cursor: Cursor, position: i64) -> Result<bool> {
+/// True when the subscription has handed the event out (or filtered it away): the
+/// cursor has passed it, and it is not a row of a transaction the subscription still
+/// waits for.
+async fn handed_out(connection: &mut PgConnection, cursor: &Cursor, position: i64) -> Result<bool> {
     Ok(sqlx::query_scalar(
-        "SELECT (xact_id, position) <= ($1, $2) FROM outbox_events WHERE position = $3",
+        "SELECT (e.xact_id, e.position) <= ($1, $2) \
+                AND NOT EXISTS (SELECT 1 FROM unnest($4::bigint[], $5::bigint[]) AS p(xact_id, taken) \
+                                WHERE p.xact_id = e.xact_id AND e.position > p.taken) \
+         FROM outbox_events e WHERE e.position = $3",
     )
     .bind(cursor.xact_id)
     .bind(cursor.position)
     .bind(position)
+    .bind(&cursor.pending_xact_ids)
+    .bind(&cursor.pending_positions)
     .fetch_optional(connection)
     .await?
     .unwrap_or(false))

@@ -26,10 +26,13 @@ impl Store {
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-                 persistent_event_types, cursor_xact_id, cursor_position, not_before) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
-                 CASE WHEN $11 THEN pg_snapshot_xmin(pg_current_snapshot())::text::bigint ELSE 0 END, \
-                 0, $12) \
+                 persistent_event_types, cursor_xact_id, cursor_position, pending_xact_ids, \
+                 pending_positions, not_before) \
+             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
+                 start.xact_id, 0, start.pending_xact_ids, start.pending_positions, $12 \
+             FROM (",
+            start_position_sql!("$11"),
+            ") AS start \
              RETURNING ",
             subscription_columns!()
         ))
@@ -115,10 +118,14 @@ pub(super) async fn lock_by_name(
 }
 
 /// How far a subscription has read.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Cursor {
     pub xact_id: i64,
     pub position: i64,
+    /// Transactions that were still running when the cursor passed them, and for each
+    /// the position up to which its rows were already taken (0: none).
+    pub pending_xact_ids: Vec<i64>,
+    pub pending_positions: Vec<i64>,
     /// Events created before this are skipped.
     pub not_before: Option<DateTime<Utc>>,
 }
@@ -131,7 +138,8 @@ pub(super) async fn subscription_with_cursor(
     let row = sqlx::query(concat!(
         "SELECT ",
         subscription_columns!(),
-        ", cursor_xact_id, cursor_position, not_before FROM outbox_subscriptions WHERE id = $1"
+        ", cursor_xact_id, cursor_position, pending_xact_ids, pending_positions, not_before \
+         FROM outbox_subscriptions WHERE id = $1"
     ))
     .bind(subscription_id)
     .fetch_optional(connection)
@@ -142,6 +150,8 @@ pub(super) async fn subscription_with_cursor(
     let cursor = Cursor {
         xact_id: row.try_get("cursor_xact_id")?,
         position: row.try_get("cursor_position")?,
+        pending_xact_ids: row.try_get("pending_xact_ids")?,
+        pending_positions: row.try_get("pending_positions")?,
         not_before: row.try_get("not_before")?,
     };
     Ok(Some((subscription_from_row(&row)?, cursor)))

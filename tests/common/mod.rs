@@ -305,6 +305,7 @@ impl Consumer {
             .subscribe(proto::SubscribeRequest {
                 subscription: subscription.into(),
                 max_in_flight,
+                ..Default::default()
             })
             .await
             .expect("subscribe")

@@ -171,6 +171,7 @@ impl ConsumerGroup {
                     .subscribe(proto::SubscribeRequest {
                         subscription: load.name.clone(),
                         max_in_flight: config.max_in_flight,
+                        ..Default::default()
                     })
                     .await
                     .with_context(|| format!("Subscribe to {:?} failed", load.name))?

@@ -345,6 +345,7 @@ impl Consumer {
         let request = proto::SubscribeRequest {
             subscription: self.spec().name.into(),
             max_in_flight: MAX_IN_FLIGHT,
+            ..Default::default()
         };
         let opened = tokio::select! {
             opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,

@@ -1,11 +1,12 @@
--- Re-leases deliveries whose lease expired or whose retry is due, oldest first. An
--- expired lease that used the last attempt goes to the dead-letter queue instead
--- (unless its event type is persistent).
+-- Re-leases deliveries whose lease expired or whose retry is due, oldest first, within a
+-- byte budget (the first is always taken). An expired lease that used the last attempt
+-- goes to the dead-letter queue instead (unless its event type is persistent).
 --
 -- $1 subscription id, $2 limit, $3 lease token, $4 ack deadline in ms,
--- $5 max attempts (0: unlimited), $6 persistent event-type regex (NULL: none).
+-- $5 max attempts (0: unlimited), $6 persistent event-type regex (NULL: none),
+-- $7 byte budget.
 WITH due AS (
-    SELECT d.position, d.state, d.attempt
+    SELECT d.position, d.state, d.attempt, d.due_at
     FROM outbox_deliveries d
     WHERE d.subscription_id = $1 AND d.due_at <= now()
     ORDER BY d.due_at
@@ -13,24 +14,34 @@ WITH due AS (
     FOR UPDATE SKIP LOCKED
 ),
 judged AS (
-    SELECT due.position, due.state AS old_state,
+    SELECT due.position, due.due_at, due.state AS old_state,
            (due.state = 'in_flight' AND $5 > 0 AND due.attempt >= $5
-            AND ($6::text IS NULL OR e.event_type !~ $6)) AS exhausted
+            AND ($6::text IS NULL OR e.event_type !~ $6)) AS exhausted,
+           octet_length(e.payload) AS size
     FROM due
     JOIN outbox_events e ON e.position = due.position
 ),
+sized AS (
+    SELECT j.*,
+           coalesce(sum(CASE WHEN j.exhausted THEN 0 ELSE j.size + 256 END)
+                        OVER (ORDER BY j.due_at, j.position
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+               AS bytes_before
+    FROM judged j
+),
 updated AS (
     UPDATE outbox_deliveries d
-    SET state = CASE WHEN j.exhausted THEN 'dead' ELSE 'in_flight' END,
-        attempt = CASE WHEN j.exhausted THEN d.attempt ELSE d.attempt + 1 END,
-        lease_token = CASE WHEN j.exhausted THEN NULL ELSE $3::bigint END,
-        due_at = CASE WHEN j.exhausted THEN NULL ELSE now() + $4 * interval '1 millisecond' END,
-        last_error = CASE WHEN j.old_state = 'in_flight' THEN 'ack deadline exceeded'
+    SET state = CASE WHEN s.exhausted THEN 'dead' ELSE 'in_flight' END,
+        attempt = CASE WHEN s.exhausted THEN d.attempt ELSE d.attempt + 1 END,
+        lease_token = CASE WHEN s.exhausted THEN NULL ELSE $3::bigint END,
+        due_at = CASE WHEN s.exhausted THEN NULL ELSE now() + $4 * interval '1 millisecond' END,
+        last_error = CASE WHEN s.old_state = 'in_flight' THEN 'ack deadline exceeded'
                           ELSE d.last_error END,
-        dead_lettered_at = CASE WHEN j.exhausted THEN now() END,
+        dead_lettered_at = CASE WHEN s.exhausted THEN now() END,
         updated_at = now()
-    FROM judged j
-    WHERE d.subscription_id = $1 AND d.position = j.position
+    FROM sized s
+    WHERE d.subscription_id = $1 AND d.position = s.position
+      AND (s.exhausted OR s.bytes_before < $7)
     RETURNING d.position, d.state, d.attempt, d.due_at, d.ordering_key
 )
 SELECT u.position, u.attempt, u.due_at, u.state, u.ordering_key,

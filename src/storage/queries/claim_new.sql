@@ -1,26 +1,76 @@
--- Claims the next events of one subscription past its cursor and below the read horizon,
--- records their deliveries and moves the cursor, in one statement. The caller holds the
--- subscription row lock and binds the cursor as parameters (joining it would turn the
--- index range below into a filter over every earlier event).
+-- Claims the next events of one subscription, records their deliveries and moves the
+-- subscription's read position, in one statement. The caller holds the subscription's
+-- lock and binds its read position as parameters (joining it would turn the index range
+-- below into a filter over every earlier event).
+--
+-- The read position is a cursor in (xact_id, position) order plus the transactions that
+-- were still running when the cursor passed them ("pending": their rows were invisible
+-- then and may appear later). Every row visible in this statement's snapshot is
+-- committed, so the cursor moves past all of them, whatever transactions are still
+-- open; the running ones it passes are remembered, and their rows are picked up by an
+-- index probe on xact_id once they finish. Nothing is skipped and nothing waits for a
+-- stranger's transaction; a claim never rescans what it passed.
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
--- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match (NULL: all),
--- $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms, $11 ordered.
-WITH horizon AS (
-    -- Every transaction below this id has finished: rows below it can no longer appear.
-    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xact_id
+-- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
+-- (NULL: all), $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms,
+-- $11 ordered, $12 pending transaction ids, $13 the position up to which each pending
+-- transaction's rows were already taken (0: none), $14 byte budget (the first event is
+-- always taken), $15 deliveries already leased by this claim (for the counter).
+WITH snapshot AS MATERIALIZED (
+    SELECT pg_current_snapshot() AS s
 ),
-batch AS (
-    SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id
+pending AS (
+    SELECT p.xact_id, p.taken,
+           pg_visible_in_snapshot(p.xact_id::text::xid8, (SELECT s FROM snapshot)) AS finished
+    FROM unnest($12::bigint[], $13::bigint[]) AS p(xact_id, taken)
+),
+-- Rows of remembered transactions that have finished since (committed or not: a rolled
+-- back one simply has no rows), in reading order.
+late AS (
+    SELECT l.*
+    FROM pending p
+    CROSS JOIN LATERAL (
+        SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id,
+               octet_length(e.payload) AS size
+        FROM outbox_events e
+        WHERE e.xact_id = p.xact_id AND e.position > p.taken
+          AND ($5::text IS NULL OR e.event_type ~ $5)
+          AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
+          AND ($7::jsonb IS NULL OR e.metadata @> $7)
+          AND ($8::timestamptz IS NULL OR e.created_at >= $8)
+        ORDER BY e.position
+        LIMIT $4
+    ) l
+    WHERE p.finished
+    ORDER BY l.xact_id, l.position
+    LIMIT $4
+),
+-- Committed rows past the cursor. Every pending transaction id is below the cursor, so
+-- these all come after the late rows in reading order.
+fresh AS (
+    SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id,
+           octet_length(e.payload) AS size
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
-      AND e.xact_id < (SELECT xact_id FROM horizon)
       AND ($5::text IS NULL OR e.event_type ~ $5)
       AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
       AND ($7::jsonb IS NULL OR e.metadata @> $7)
       AND ($8::timestamptz IS NULL OR e.created_at >= $8)
     ORDER BY e.xact_id, e.position
     LIMIT $4
+),
+candidates AS (
+    SELECT c.*, row_number() OVER w AS n,
+           coalesce(sum(c.size + 256) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+               AS bytes_before
+    FROM (SELECT *, true AS is_late FROM late
+          UNION ALL
+          SELECT *, false AS is_late FROM fresh) c
+    WINDOW w AS (ORDER BY c.xact_id, c.position)
+),
+batch AS (
+    SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
 ),
 keyed AS (
     SELECT b.position, b.xact_id,
@@ -32,7 +82,7 @@ decided AS (
     -- On ordered subscriptions an event goes out only when it is the first of its
     -- aggregate in this batch and its aggregate has nothing unfinished; dead letters do
     -- not hold an aggregate back.
-    SELECT k.position, k.ordering_key,
+    SELECT k.position, k.xact_id, k.ordering_key,
            k.ordering_key IS NULL
            OR (row_number() OVER (PARTITION BY k.ordering_key ORDER BY k.xact_id, k.position) = 1
                AND NOT EXISTS (SELECT 1 FROM outbox_deliveries d
@@ -42,6 +92,9 @@ decided AS (
     FROM keyed k
 ),
 inserted AS (
+    -- Records get their `seq` (the order waiting records are released in) from the
+    -- column default, row by row in the order selected here: the order in which the
+    -- events became visible to this subscription.
     INSERT INTO outbox_deliveries (subscription_id, position, state, attempt, lease_token,
                                    due_at, ordering_key)
     SELECT $1, d.position,
@@ -51,31 +104,86 @@ inserted AS (
            CASE WHEN d.deliver_now THEN now() + $10 * interval '1 millisecond' END,
            d.ordering_key
     FROM decided d
+    ORDER BY d.xact_id, d.position
     -- A record left from before a seek keeps its state.
     ON CONFLICT (subscription_id, position) DO NOTHING
     RETURNING position, state, attempt, due_at
 ),
-new_cursor AS (
-    -- The last claimed event when the batch is full; otherwise every event below the
-    -- horizon was considered, so the cursor may pass the last of them.
+-- Where reading stands after this batch.
+outcome AS (
+    SELECT (SELECT count(*) FROM candidates) = (SELECT count(*) FROM batch) AS took_all,
+           (SELECT count(*) FROM late) < $4 AS late_complete,
+           (SELECT count(*) FROM fresh) < $4 AS fresh_complete,
+           (SELECT max(xact_id) FROM late) AS last_late_xact_id
+),
+-- When every committed row past the cursor was considered, the cursor moves past the
+-- newest visible row, so filtered-out rows are never scanned twice; otherwise it stops
+-- at the last row taken.
+visible_end AS (
+    SELECT e.xact_id, e.position
+    FROM outbox_events e
+    WHERE (e.xact_id, e.position) > ($2, $3)
+      AND (SELECT took_all AND late_complete AND fresh_complete FROM outcome)
+    ORDER BY e.xact_id DESC, e.position DESC
+    LIMIT 1
+),
+last_taken AS (
+    SELECT b.xact_id, b.position FROM batch b WHERE NOT b.is_late
+    ORDER BY b.xact_id DESC, b.position DESC
+    LIMIT 1
+),
+cursor_at AS (
     SELECT c.xact_id, c.position
-    FROM ((SELECT b.xact_id, b.position FROM batch b
-           ORDER BY b.xact_id DESC, b.position DESC LIMIT 1)
-          UNION ALL
-          (SELECT e.xact_id, e.position FROM outbox_events e
-           WHERE e.xact_id < (SELECT xact_id FROM horizon)
-             AND (SELECT count(*) FROM batch) < $4
-           ORDER BY e.xact_id DESC, e.position DESC LIMIT 1)) AS c
-    WHERE (c.xact_id, c.position) > ($2, $3)
+    FROM (SELECT * FROM visible_end
+          UNION ALL SELECT * FROM last_taken
+          UNION ALL SELECT $2::bigint, $3::bigint) AS c(xact_id, position)
     ORDER BY c.xact_id DESC, c.position DESC
     LIMIT 1
 ),
-advanced AS (
+-- A finished transaction is done when all its rows were taken: none of its candidates
+-- was left out, and its candidates were not cut short by the LIMIT of `late`.
+still_pending AS (
+    SELECT p.xact_id,
+           coalesce((SELECT max(b.position) FROM batch b
+                     WHERE b.is_late AND b.xact_id = p.xact_id), p.taken) AS taken
+    FROM pending p, outcome o
+    WHERE NOT p.finished
+       OR EXISTS (SELECT 1 FROM candidates c
+                  WHERE c.is_late AND c.xact_id = p.xact_id AND c.n > (SELECT count(*) FROM batch))
+       OR (NOT o.late_complete AND p.xact_id >= o.last_late_xact_id)
+    UNION ALL
+    -- Transactions running now that the cursor has passed.
+    SELECT x.xact_id, 0
+    FROM (SELECT r::text::bigint AS xact_id FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) x,
+         cursor_at
+    WHERE x.xact_id < cursor_at.xact_id
+      AND x.xact_id <> ALL ($12::bigint[])
+),
+moved AS (
     UPDATE outbox_subscriptions s
-    SET cursor_xact_id = n.xact_id, cursor_position = n.position
-    FROM new_cursor n
+    SET cursor_xact_id = cursor_at.xact_id,
+        cursor_position = cursor_at.position,
+        pending_xact_ids = n.xact_ids,
+        pending_positions = n.positions
+    FROM cursor_at,
+         (SELECT coalesce(array_agg(xact_id ORDER BY xact_id), '{}') AS xact_ids,
+                 coalesce(array_agg(taken ORDER BY xact_id), '{}') AS positions
+          FROM still_pending) n
     WHERE s.id = $1
+      AND ((s.cursor_xact_id, s.cursor_position)
+               IS DISTINCT FROM (cursor_at.xact_id, cursor_at.position)
+           OR s.pending_xact_ids IS DISTINCT FROM n.xact_ids
+           OR s.pending_positions IS DISTINCT FROM n.positions)
     RETURNING s.id
+),
+counted AS (
+    -- Deliveries made, on this connection's counter shard (see count_deliveries.sql).
+    INSERT INTO outbox_subscription_counters (subscription_id, shard, delivered)
+    SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) + $15
+    FROM inserted WHERE state = 'in_flight'
+    HAVING count(*) + $15 > 0
+    ON CONFLICT (subscription_id, shard)
+    DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
 )
 -- The events are read back by position rather than joined with `batch`: the batch's
 -- row estimate is often 1, and a nested loop over two CTEs compares every pair.

@@ -1,9 +1,12 @@
 -- Hard maximum retention: deletes one bounded batch of events older than the limit
 -- whatever their delivery state, with their delivery records, and counts the deleted
 -- events some subscription still needed (not yet handed out, or unfinished).
--- $1 maximum retention in ms, $2/$3 the lowest subscription cursor, $4 batch size.
+-- $1 maximum retention in ms, $2/$3 the lowest subscription cursor, $4 batch size,
+-- $5 transactions some subscription still waits for.
 WITH doomed AS (
-    SELECT e.position, (e.xact_id, e.position) > ($2, $3) AS not_handed_out
+    SELECT e.position,
+           (e.xact_id, e.position) > ($2, $3) OR e.xact_id = ANY ($5::bigint[])
+               AS not_handed_out
     FROM outbox_events e
     WHERE e.created_at < now() - $1 * interval '1 millisecond'
     ORDER BY e.xact_id, e.position

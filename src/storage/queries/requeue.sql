@@ -12,7 +12,7 @@ WITH target AS (
     WHERE e.position = ANY ($2::bigint[])
 ),
 decided AS (
-    SELECT t.position, t.ordering_key,
+    SELECT t.position, t.xact_id, t.ordering_key,
            t.ordering_key IS NULL
            OR (row_number() OVER (PARTITION BY t.ordering_key ORDER BY t.xact_id, t.position) = 1
                AND NOT EXISTS (SELECT 1 FROM outbox_deliveries busy
@@ -29,6 +29,7 @@ SELECT $1, d.position,
        CASE WHEN d.deliver_now THEN now() END,
        d.ordering_key
 FROM decided d
+ORDER BY d.xact_id, d.position
 ON CONFLICT (subscription_id, position) DO UPDATE
 SET state = EXCLUDED.state,
     attempt = 0,

@@ -1,10 +1,26 @@
--- Delivery figures of one subscription. The pending scan uses the same index range and
+-- Delivery figures of one subscription. The pending scans use the same index ranges and
 -- filters as a claim. $1 subscription id, $2/$3 cursor, $4 event-type regex,
--- $5 aggregate types, $6 metadata match (NULL: all), $7 not_before.
-WITH past_cursor AS (
+-- $5 aggregate types, $6 metadata match (NULL: all), $7 not_before, $8 pending
+-- transaction ids, $9 the position up to which each one's rows were taken.
+WITH pending AS (
+    SELECT p.xact_id, p.taken,
+           pg_visible_in_snapshot(p.xact_id::text::xid8, pg_current_snapshot()) AS finished
+    FROM unnest($8::bigint[], $9::bigint[]) AS p(xact_id, taken)
+),
+not_handed_out AS (
     SELECT e.created_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
+      AND ($4::text IS NULL OR e.event_type ~ $4)
+      AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
+      AND ($6::jsonb IS NULL OR e.metadata @> $6)
+      AND ($7::timestamptz IS NULL OR e.created_at >= $7)
+    UNION ALL
+    -- Rows of transactions that finished after the cursor passed them.
+    SELECT e.created_at
+    FROM pending p
+    JOIN outbox_events e ON e.xact_id = p.xact_id AND e.position > p.taken
+    WHERE p.finished
       AND ($4::text IS NULL OR e.event_type ~ $4)
       AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
       AND ($6::jsonb IS NULL OR e.metadata @> $6)
@@ -26,8 +42,9 @@ totals AS (
     FROM outbox_subscription_counters
     WHERE subscription_id = $1
 )
-SELECT (SELECT count(*) FROM past_cursor) + r.waiting AS pending,
+SELECT (SELECT count(*) FROM not_handed_out) + r.waiting AS pending,
        r.in_flight, r.awaiting_retry, r.dead_lettered,
-       LEAST(r.oldest_record, (SELECT min(created_at) FROM past_cursor)) AS oldest_unacked,
-       t.delivered, t.acked
+       LEAST(r.oldest_record, (SELECT min(created_at) FROM not_handed_out)) AS oldest_unacked,
+       t.delivered, t.acked,
+       (SELECT count(*) FROM pending WHERE finished) AS late_transactions
 FROM records r, totals t

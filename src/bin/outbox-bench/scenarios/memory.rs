@@ -47,7 +47,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             client
                 .subscribe(proto::SubscribeRequest {
                     subscription,
-                    max_in_flight: 0,
+                    ..Default::default()
                 })
                 .await
                 .map(tonic::Response::into_inner)

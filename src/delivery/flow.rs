@@ -1,0 +1,417 @@
+//! Flow control for the streams of one dispatcher: how many deliveries and bytes each
+//! stream holds unsettled, how much the dispatcher may claim for them, and which stream
+//! takes each delivery. Pure bookkeeping without I/O, kept apart so its rules can be read
+//! and tested on their own.
+//!
+//! The rules:
+//! - a stream holds at most `max_in_flight` unsettled deliveries and, beyond its first,
+//!   at most `max_in_flight_bytes` of them (so one delivery larger than the limit still
+//!   goes out, and a stream exceeds its byte limit by at most one delivery);
+//! - deliveries waiting in this process's memory for their stream to send them count
+//!   against one gateway-wide budget; while it is spent, only a stream that has nothing
+//!   waiting may take a delivery, one at a time. Memory stays bounded whatever consumers
+//!   do, and a stream that reads keeps receiving.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Instant,
+};
+
+use chrono::{DateTime, Utc};
+use tokio::sync::{Notify, mpsc};
+
+use crate::{domain::Delivery, error::Error, storage::ClaimLimits};
+
+/// What one stream may hold unsettled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamLimits {
+    pub deliveries: usize,
+    pub bytes: u64,
+}
+
+/// Bytes of deliveries waiting in this process's memory for their streams, across all
+/// streams of all subscriptions, and the bound on them.
+#[derive(Debug)]
+pub struct BufferBudget {
+    used: AtomicU64,
+    limit: u64,
+    /// Signalled when a spent budget becomes available again.
+    pub freed: Notify,
+}
+
+impl BufferBudget {
+    pub fn new(limit: u64) -> Self {
+        BufferBudget {
+            used: AtomicU64::new(0),
+            limit,
+            freed: Notify::new(),
+        }
+    }
+
+    pub fn is_spent(&self) -> bool {
+        self.used.load(Ordering::Relaxed) >= self.limit
+    }
+
+    fn remaining(&self) -> u64 {
+        self.limit.saturating_sub(self.used.load(Ordering::Relaxed))
+    }
+
+    fn add(&self, bytes: u64) {
+        self.used.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn release(&self, bytes: u64) {
+        let before = self.used.fetch_sub(bytes, Ordering::Relaxed);
+        if before >= self.limit && before - bytes < self.limit {
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+/// A delivery sent to a stream and not settled yet.
+#[derive(Debug)]
+pub struct Lease {
+    pub stream_id: u64,
+    pub token: i64,
+    pub deadline: DateTime<Utc>,
+    /// When the delivery was handed to its stream; for the deliver-to-ack latency.
+    pub leased_at: Instant,
+    size: u64,
+}
+
+pub type DeliverySender = mpsc::Sender<Result<Delivery, Error>>;
+
+struct Slot {
+    id: u64,
+    limits: StreamLimits,
+    in_flight: usize,
+    in_flight_bytes: u64,
+    /// Bytes sent into the stream's channel and not yet taken out by it; shared with the
+    /// stream, which subtracts what it takes.
+    buffered: Arc<AtomicU64>,
+    sender: DeliverySender,
+}
+
+impl Slot {
+    fn can_take(&self, budget: &BufferBudget) -> bool {
+        !self.sender.is_closed()
+            && self.in_flight < self.limits.deliveries
+            && (self.in_flight == 0 || self.in_flight_bytes < self.limits.bytes)
+            && (!budget.is_spent() || self.buffered.load(Ordering::Relaxed) == 0)
+    }
+}
+
+/// The streams of one dispatcher and the leases they hold.
+#[derive(Default)]
+pub struct Streams {
+    slots: Vec<Slot>,
+    leases: HashMap<i64, Lease>,
+    next_id: u64,
+    /// Next stream to offer a delivery to, so a batch spreads evenly.
+    round_robin: usize,
+}
+
+impl Streams {
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    pub fn has_leases(&self) -> bool {
+        !self.leases.is_empty()
+    }
+
+    /// Adds a stream; returns its id.
+    pub fn attach(
+        &mut self,
+        limits: StreamLimits,
+        sender: DeliverySender,
+        buffered: Arc<AtomicU64>,
+    ) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.slots.push(Slot {
+            id,
+            limits,
+            in_flight: 0,
+            in_flight_bytes: 0,
+            buffered,
+            sender,
+        });
+        id
+    }
+
+    /// Removes a stream; returns its leases (position, token), which nobody holds now.
+    pub fn detach(&mut self, stream_id: u64) -> Vec<(i64, i64)> {
+        self.slots.retain(|slot| slot.id != stream_id);
+        let orphaned: Vec<(i64, i64)> = self
+            .leases
+            .iter()
+            .filter(|(_, lease)| lease.stream_id == stream_id)
+            .map(|(position, lease)| (*position, lease.token))
+            .collect();
+        for (position, _) in &orphaned {
+            self.leases.remove(position);
+        }
+        orphaned
+    }
+
+    /// Removes every stream; returns their senders and all leases.
+    pub fn take_all(&mut self) -> (Vec<DeliverySender>, Vec<(i64, i64)>) {
+        let senders = self.slots.drain(..).map(|slot| slot.sender).collect();
+        let leases = self
+            .leases
+            .drain()
+            .map(|(position, lease)| (position, lease.token))
+            .collect();
+        (senders, leases)
+    }
+
+    /// What the next claim may lease for these streams (at most `batch` deliveries), or
+    /// `None` when no stream can take anything now.
+    pub fn claim_limits(&self, batch: usize, budget: &BufferBudget) -> Option<ClaimLimits> {
+        if budget.is_spent() {
+            // One at a time, for a stream that has nothing waiting in memory.
+            return self
+                .slots
+                .iter()
+                .any(|slot| slot.can_take(budget))
+                .then_some(ClaimLimits { count: 1, bytes: 1 });
+        }
+        let (mut count, mut bytes) = (0usize, 0u64);
+        for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
+            count += slot.limits.deliveries - slot.in_flight;
+            bytes = bytes.saturating_add(
+                slot.limits
+                    .bytes
+                    .saturating_sub(slot.in_flight_bytes)
+                    .max(1),
+            );
+        }
+        (count > 0).then(|| ClaimLimits {
+            count: count.min(batch),
+            // What the streams may hold, but no more than may wait in memory: the rest
+            // could not be handed out.
+            bytes: bytes.min(budget.remaining()).max(1),
+        })
+    }
+
+    /// Sends a delivery to the next stream that can take it and records its lease; when
+    /// none can, returns its lease (position, token), which nobody holds.
+    pub fn place(&mut self, delivery: Delivery, budget: &BufferBudget) -> Result<(), (i64, i64)> {
+        let size = delivery.size();
+        let (position, token, deadline) = (
+            delivery.ack_id.position,
+            delivery.ack_id.lease_token,
+            delivery.ack_deadline,
+        );
+        let mut delivery = delivery;
+        let count = self.slots.len();
+        for offset in 0..count {
+            let index = (self.round_robin + offset) % count;
+            let slot = &mut self.slots[index];
+            if !slot.can_take(budget) {
+                continue;
+            }
+            // Counted before the send: the stream may take it out at once.
+            slot.buffered.fetch_add(size, Ordering::Relaxed);
+            budget.add(size);
+            match slot.sender.try_send(Ok(delivery)) {
+                Ok(()) => {
+                    slot.in_flight += 1;
+                    slot.in_flight_bytes += size;
+                    let stream_id = slot.id;
+                    self.leases.insert(
+                        position,
+                        Lease {
+                            stream_id,
+                            token,
+                            deadline,
+                            leased_at: Instant::now(),
+                            size,
+                        },
+                    );
+                    self.round_robin = index + 1;
+                    return Ok(());
+                }
+                Err(mpsc::error::TrySendError::Full(returned))
+                | Err(mpsc::error::TrySendError::Closed(returned)) => {
+                    slot.buffered.fetch_sub(size, Ordering::Relaxed);
+                    budget.release(size);
+                    delivery = returned.expect("only deliveries are sent here");
+                }
+            }
+        }
+        Err((position, token))
+    }
+
+    /// The lease at `position`, when `token` names it.
+    pub fn lease(&self, position: i64, token: i64) -> Option<&Lease> {
+        self.leases
+            .get(&position)
+            .filter(|lease| lease.token == token)
+    }
+
+    /// Forgets the lease at `position`, freeing its stream's room.
+    pub fn forget(&mut self, position: i64) -> Option<Lease> {
+        let lease = self.leases.remove(&position)?;
+        if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
+            slot.in_flight = slot.in_flight.saturating_sub(1);
+            slot.in_flight_bytes = slot.in_flight_bytes.saturating_sub(lease.size);
+        }
+        Some(lease)
+    }
+
+    /// Forgets the lease at `position` when `token` names it.
+    pub fn forget_matching(&mut self, position: i64, token: i64) -> Option<Lease> {
+        self.lease(position, token)?;
+        self.forget(position)
+    }
+
+    pub fn extend(&mut self, position: i64, token: i64, deadline: DateTime<Utc>) {
+        if let Some(lease) = self.leases.get_mut(&position)
+            && lease.token == token
+        {
+            lease.deadline = deadline;
+        }
+    }
+
+    /// Forgets leases whose deadline passed: they are no longer this process's to count.
+    /// True when there were any.
+    pub fn expire(&mut self, now: DateTime<Utc>) -> bool {
+        let expired: Vec<i64> = self
+            .leases
+            .iter()
+            .filter(|(_, lease)| lease.deadline <= now)
+            .map(|(position, _)| *position)
+            .collect();
+        for position in &expired {
+            self.forget(*position);
+        }
+        !expired.is_empty()
+    }
+
+    pub fn next_deadline(&self) -> Option<DateTime<Utc>> {
+        self.leases.values().map(|lease| lease.deadline).min()
+    }
+
+    /// Every lease as (position, token).
+    pub fn leases(&self) -> Vec<(i64, i64)> {
+        self.leases
+            .iter()
+            .map(|(position, lease)| (*position, lease.token))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::Utc;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::domain::{AckId, Event};
+
+    fn delivery(position: i64, payload_bytes: usize) -> Delivery {
+        Delivery {
+            ack_id: AckId {
+                position,
+                attempt: 1,
+                lease_token: 7,
+            },
+            attempt: 1,
+            ack_deadline: Utc::now() + chrono::Duration::seconds(30),
+            event: Event {
+                id: Uuid::nil(),
+                aggregate_type: "a".into(),
+                aggregate_id: "1".into(),
+                aggregate_version: None,
+                event_type: "e".into(),
+                payload: vec![0; payload_bytes],
+                content_type: "application/octet-stream".into(),
+                metadata: Default::default(),
+                occurred_at: Utc::now(),
+                created_at: Utc::now(),
+            },
+        }
+    }
+
+    fn stream(
+        streams: &mut Streams,
+        deliveries: usize,
+        bytes: u64,
+    ) -> (u64, mpsc::Receiver<Result<Delivery, Error>>, Arc<AtomicU64>) {
+        let (sender, receiver) = mpsc::channel(deliveries);
+        let buffered = Arc::new(AtomicU64::new(0));
+        let id = streams.attach(StreamLimits { deliveries, bytes }, sender, buffered.clone());
+        (id, receiver, buffered)
+    }
+
+    #[test]
+    fn a_stream_takes_deliveries_until_its_count_or_bytes_run_out() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 3, 10_000);
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert_eq!((limits.count, limits.bytes), (3, 10_000));
+
+        // The first delivery goes out however large; then the stream is over its bytes.
+        streams.place(delivery(1, 50_000), &budget).unwrap();
+        assert!(streams.claim_limits(500, &budget).is_none());
+        assert!(streams.place(delivery(2, 10), &budget).is_err());
+        assert!(receiver.try_recv().is_ok());
+        streams.forget(1);
+        assert!(streams.claim_limits(500, &budget).is_some());
+
+        for position in 2..5 {
+            streams.place(delivery(position, 10), &budget).unwrap();
+        }
+        assert!(streams.claim_limits(500, &budget).is_none(), "3 in flight");
+    }
+
+    #[test]
+    fn a_spent_budget_serves_only_streams_with_nothing_waiting() {
+        let budget = BufferBudget::new(1_000);
+        let mut streams = Streams::default();
+        let (_, _stalled, _) = stream(&mut streams, 100, u64::MAX);
+        let (_, mut reading, reading_buffered) = stream(&mut streams, 100, u64::MAX);
+
+        // Spend the budget: one delivery waits in each channel.
+        for position in 1..=2 {
+            streams.place(delivery(position, 400), &budget).unwrap();
+        }
+        assert!(budget.is_spent());
+        assert!(streams.claim_limits(500, &budget).is_none());
+        assert!(streams.place(delivery(3, 400), &budget).is_err());
+
+        // The reading stream takes what waits for it; it may then take one more.
+        while let Ok(Ok(taken)) = reading.try_recv() {
+            reading_buffered.fetch_sub(taken.size(), Ordering::Relaxed);
+        }
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert_eq!((limits.count, limits.bytes), (1, 1));
+        streams.place(delivery(4, 400), &budget).unwrap();
+        assert!(
+            reading.try_recv().is_ok(),
+            "it went to the stream that reads"
+        );
+    }
+
+    #[test]
+    fn forgetting_a_lease_frees_its_stream_and_expiry_forgets_old_leases() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, _receiver, _) = stream(&mut streams, 1, u64::MAX);
+        let mut late = delivery(1, 10);
+        late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
+        streams.place(late, &budget).unwrap();
+        assert!(streams.forget_matching(1, 8).is_none(), "another token");
+        assert!(streams.claim_limits(500, &budget).is_none());
+        assert!(streams.expire(Utc::now()));
+        assert!(!streams.has_leases());
+        assert!(streams.claim_limits(500, &budget).is_some());
+    }
+}

@@ -1,0 +1,81 @@
+//! The stream a Subscribe call returns: deliveries of one dispatcher for one consumer.
+
+use std::{
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    task::{Context, Poll},
+};
+
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_stream::Stream;
+
+use super::{dispatcher::Dispatcher, flow::BufferBudget};
+use crate::{domain::Delivery, error::Error};
+
+/// Deliveries for one consumer. What it takes out of its channel leaves the gateway's
+/// memory budget; dropping it (the client went away) gives its unsettled deliveries back
+/// for redelivery at once.
+pub struct DeliveryStream {
+    receiver: mpsc::Receiver<Result<Delivery, Error>>,
+    dispatcher: Arc<Dispatcher>,
+    stream_id: u64,
+    /// Bytes waiting in `receiver`, shared with the dispatcher that fills it.
+    buffered: Arc<AtomicU64>,
+    budget: Arc<BufferBudget>,
+    /// Counts against the gateway's limit of open streams until dropped.
+    _permit: OwnedSemaphorePermit,
+}
+
+impl DeliveryStream {
+    pub(super) fn new(
+        receiver: mpsc::Receiver<Result<Delivery, Error>>,
+        dispatcher: Arc<Dispatcher>,
+        stream_id: u64,
+        buffered: Arc<AtomicU64>,
+        budget: Arc<BufferBudget>,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        DeliveryStream {
+            receiver,
+            dispatcher,
+            stream_id,
+            buffered,
+            budget,
+            _permit: permit,
+        }
+    }
+
+    fn taken(&self, item: &Result<Delivery, Error>) {
+        if let Ok(delivery) = item {
+            let size = delivery.size();
+            self.buffered.fetch_sub(size, Ordering::Relaxed);
+            self.budget.release(size);
+        }
+    }
+}
+
+impl Stream for DeliveryStream {
+    type Item = Result<Delivery, Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.receiver.poll_recv(cx);
+        if let Poll::Ready(Some(item)) = &polled {
+            self.taken(item);
+        }
+        polled
+    }
+}
+
+impl Drop for DeliveryStream {
+    fn drop(&mut self) {
+        self.dispatcher.detach(self.stream_id);
+        // Nothing is sent to a detached stream: what still waits leaves the budget.
+        self.receiver.close();
+        while let Ok(item) = self.receiver.try_recv() {
+            self.taken(&item);
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Flow control in deliveries and in bytes: a stream holds at most `max_in_flight`
+//! unsettled deliveries and `max_in_flight_bytes` of them (always at least one delivery,
+//! however large), and the gateway bounds the bytes waiting in its memory for streams
+//! that do not read — so memory stays bounded whatever consumers do.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_gateway::proto;
+use sqlx::PgPool;
+use tonic::Code;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+/// `count` events of `bytes` bytes each (binary payloads).
+fn large_events(count: usize, bytes: usize) -> Vec<proto::EventInput> {
+    (0..count)
+        .map(|i| proto::EventInput {
+            content_type: "application/octet-stream".into(),
+            payload: vec![b'x'; bytes],
+            ..event(&format!("o-{i}"), "order.created")
+        })
+        .collect()
+}
+
+async fn in_flight(pool: &PgPool, subscription: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_deliveries d JOIN outbox_subscriptions s ON s.id = d.subscription_id \
+         WHERE s.name = $1 AND d.state = 'in_flight'",
+    )
+    .bind(subscription)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn open_stream(
+    gateway: &TestGateway,
+    subscription: &str,
+    max_in_flight: u32,
+    max_in_flight_bytes: u64,
+) -> tonic::Streaming<proto::Delivery> {
+    gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: subscription.into(),
+            max_in_flight,
+            max_in_flight_bytes,
+        })
+        .await
+        .expect("subscribe")
+        .into_inner()
+}
+
+/// Polls until `count` deliveries of the subscription are in flight, or fails.
+async fn wait_for_in_flight(pool: &PgPool, subscription: &str, count: i64) {
+    let deadline = Instant::now() + WAIT;
+    while in_flight(pool, subscription).await < count {
+        assert!(Instant::now() < deadline, "fewer than {count} in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_stream_holds_at_most_its_bytes_of_unsettled_deliveries() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let pool = database.pool().await;
+    publish(&gateway, large_events(20, 16 * 1024)).await;
+
+    // 64 KiB holds four of these events (16 KiB and the per-delivery allowance each).
+    let _stream = open_stream(&gateway, "orders", 1000, 64 * 1024).await;
+    wait_for_in_flight(&pool, "orders", 4).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(in_flight(&pool, "orders").await, 4);
+}
+
+#[tokio::test]
+async fn a_delivery_larger_than_the_byte_limit_still_goes_out_one_at_a_time() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(&gateway, large_events(2, 50 * 1024)).await;
+
+    let mut stream = open_stream(&gateway, "orders", 100, 1024).await;
+    let first = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("the first delivery goes out whatever its size")
+        .unwrap()
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), stream.message())
+            .await
+            .is_err(),
+        "the second waits until the first is settled"
+    );
+    ack(&gateway, "orders", vec![first.ack_id]).await;
+    let second = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(second.is_some());
+}
+
+#[tokio::test]
+async fn a_byte_limit_beyond_the_gateways_is_refused() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let refused = gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            max_in_flight: 0,
+            max_in_flight_bytes: u64::MAX,
+        })
+        .await;
+    assert_status(refused, Code::InvalidArgument, "max_in_flight_bytes");
+}
+
+#[tokio::test]
+async fn streams_that_never_read_cannot_hold_the_gateways_memory_or_starve_readers() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.delivery.max_buffered_bytes = 64 * 1024;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("stalled")).await;
+    create_subscription(&gateway, subscription("healthy")).await;
+    let pool = database.pool().await;
+    let events = 60;
+    publish(&gateway, large_events(events, 16 * 1024)).await;
+
+    // Streams that never read, each allowed far more than the gateway-wide bound. Their
+    // clients' HTTP/2 windows are tiny, so what they do not read stays in the gateway.
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let channel = tonic::transport::Endpoint::from_shared(gateway.endpoint())
+            .unwrap()
+            .initial_stream_window_size(Some(1024))
+            .initial_connection_window_size(Some(1024))
+            .connect()
+            .await
+            .unwrap();
+        let stream = proto::subscriber_client::SubscriberClient::new(channel)
+            .subscribe(proto::SubscribeRequest {
+                subscription: "stalled".into(),
+                max_in_flight: 1000,
+                max_in_flight_bytes: 64 * 1024 * 1024,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        stalled.push(stream);
+    }
+    let mut reader = Consumer::open(&gateway, "healthy", 1000).await;
+    let mut received = 0;
+    while received < events {
+        let delivery = reader
+            .next(WAIT)
+            .await
+            .expect("a stream that reads keeps receiving");
+        ack(&gateway, "healthy", vec![delivery.ack_id]).await;
+        received += 1;
+    }
+    // What the stalled streams hold is bounded by the gateway-wide budget (four of these
+    // events) plus one each and what HTTP/2 lets travel: far below the 60 they have room
+    // for.
+    let held = in_flight(&pool, "stalled").await;
+    assert!(held < 15, "streams that never read hold {held} deliveries");
+}
