@@ -10,10 +10,7 @@ use std::{
 };
 
 use common::*;
-use outbox_gateway::{
-    client::{ClientError, Connection, HandlerError, Publisher, Subscriber},
-    proto,
-};
+use outbox_client::{ClientError, Connection, HandlerError, Publisher, Subscriber, proto};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::test]

@@ -14,11 +14,11 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
-use tonic_health::pb::{
+use outbox_client::health::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
 
 use crate::{chaos::ChaosCounters, check::Violation};
 

@@ -6,11 +6,12 @@ use std::process::Command;
 
 #[test]
 fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
-    let server = std::env::var("TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let server = outbox_testkit::test_server_url();
+    let gateway = outbox_testkit::gateway_binary_beside(env!("CARGO_BIN_EXE_outbox-chaos"));
     let output = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
         .args(["--postgres-url", &server])
-        .args(["--gateway-bin", env!("CARGO_BIN_EXE_outbox-gateway")])
+        .arg("--gateway-bin")
+        .arg(&gateway)
         .args(["--duration", "35s", "--drain-timeout", "60s"])
         .output()
         .expect("run outbox-chaos");

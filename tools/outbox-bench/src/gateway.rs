@@ -17,15 +17,15 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use outbox_gateway::proto::{
+use outbox_client::health::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+use outbox_client::proto::{
     self, admin_client::AdminClient, publisher_client::PublisherClient,
     subscriber_client::SubscriberClient,
 };
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
 
 /// How long a starting gateway may take to report SERVING.
 const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
