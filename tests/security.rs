@@ -367,7 +367,7 @@ async fn the_writer_role_may_only_add_events() {
         .await
         .unwrap();
 
-    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name);
+    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name());
     let result = async move {
         let mut service = PgConnection::connect(&url).await.unwrap();
         service

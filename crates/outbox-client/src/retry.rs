@@ -62,10 +62,11 @@ mod tests {
     fn reconnect_delays_double_up_to_the_cap_and_start_over_after_a_reset() {
         let mut reconnect = Reconnect::new();
         // Whole milliseconds: the factor is an f32, so the products are a hair off.
-        let delays: Vec<u128> = (0..9)
-            .map(|_| reconnect.next_delay().as_millis())
-            .collect();
-        assert_eq!(delays, [100, 200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]);
+        let delays: Vec<u128> = (0..9).map(|_| reconnect.next_delay().as_millis()).collect();
+        assert_eq!(
+            delays,
+            [100, 200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]
+        );
         reconnect.reset();
         assert_eq!(reconnect.next_delay(), FIRST_DELAY);
     }

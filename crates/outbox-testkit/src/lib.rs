@@ -5,11 +5,14 @@
 //!   afterwards with whatever is still connected to it.
 //! - [`poll_until`]: waiting for a condition by polling with a deadline, never by
 //!   sleeping a guessed time.
-//! - [`gateway_binary_beside`]: the `outbox-gateway` binary for tests of other packages.
+//! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
+//!   migrating, waiting until it serves, stopping it; [`gateway_binary_beside`] finds the
+//!   binary for tests of other packages.
 
 use std::path::{Path, PathBuf};
 
 mod database;
+pub mod gateway;
 mod poll;
 
 pub use database::{DatabaseError, ThrowawayDatabase};
