@@ -1,4 +1,4 @@
-//! The Rust client of [outbox-gateway], a gRPC gateway that relays transactional-outbox
+//! The Rust client of outbox-gateway, a gRPC gateway that relays transactional-outbox
 //! events from PostgreSQL to durable, filtered subscriptions.
 //!
 //! - [`Publisher`] publishes batches atomically; it gives every event an id before the
@@ -58,8 +58,6 @@
 //! # Features
 //! - `server`: also compiles the gRPC server traits (`proto::*_server`); the gateway
 //!   uses them, clients do not need them.
-//!
-//! [outbox-gateway]: https://crates.io/crates/outbox-gateway
 
 #![warn(missing_docs)]
 
@@ -73,8 +71,16 @@ pub use connection::{AuthenticatedChannel, BearerToken, Connection, GatewayChann
 pub use error::ClientError;
 pub use publisher::Publisher;
 pub use subscriber::{HandlerError, Subscriber};
+/// The tonic the stubs are built on, for its `Status` and `Code` without a second
+/// dependency to keep in step.
+pub use tonic;
 /// The generated health-check API (`grpc.health.v1`) the gateway serves.
 pub use tonic_health::pb as health;
+
+/// The README's example, compiled as a doc test.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 /// Generated protobuf types and gRPC stubs of `outbox.v1` (see `proto/outbox/v1/outbox.proto`).
 pub mod proto {
