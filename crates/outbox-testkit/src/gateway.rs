@@ -1,10 +1,10 @@
 //! Running the `outbox-gateway` binary as a child process, as the benchmark, the chaos
-//! tool and the process-level tests do: a port to listen on, migrating, waiting until it
-//! serves, stopping it.
+//! tool and the process-level tests do: finding the binary, a port to listen on,
+//! migrating, waiting until it serves, stopping it.
 
 use std::{
     net::{Ipv4Addr, SocketAddr, TcpListener},
-    path::Path,
+    path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     time::Duration,
 };
@@ -25,6 +25,23 @@ pub enum StartError {
     /// It did not report SERVING in time.
     #[error("the gateway did not report SERVING in time")]
     TimedOut,
+}
+
+/// The `outbox-gateway` binary in the directory of `executable` (a tool's own binary,
+/// or a test's `env!("CARGO_BIN_EXE_<tool>")`): cargo builds every binary of the
+/// workspace it builds into one directory. The error says how to build it.
+pub fn binary_beside(executable: &Path) -> Result<PathBuf, String> {
+    let gateway =
+        executable.with_file_name(format!("outbox-gateway{}", std::env::consts::EXE_SUFFIX));
+    if gateway.is_file() {
+        Ok(gateway)
+    } else {
+        Err(format!(
+            "gateway binary {} not found: build it with `cargo build --bins` (with \
+             `--release` for release builds); `cargo test --workspace` builds it for the tests",
+            gateway.display()
+        ))
+    }
 }
 
 /// A loopback address nobody listens on right now.

@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use outbox_testkit::gateway;
 use serde_json::Value;
 
 const SCENARIOS: [&str; 8] = [
@@ -38,9 +39,10 @@ fn quick_run_covers_every_scenario() {
         .arg("--out")
         .arg(&out)
         .arg("--gateway-bin")
-        .arg(outbox_testkit::gateway_binary_beside(env!(
-            "CARGO_BIN_EXE_outbox-bench"
-        )))
+        .arg(
+            gateway::binary_beside(Path::new(env!("CARGO_BIN_EXE_outbox-bench")))
+                .unwrap_or_else(|error| panic!("{error}")),
+        )
         .arg("--postgres-url")
         .arg(outbox_testkit::test_server_url())
         .stdin(Stdio::null())

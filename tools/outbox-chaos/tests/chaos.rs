@@ -2,12 +2,15 @@
 //! killed, restarted and cut off from PostgreSQL while events are published and
 //! consumed, and no delivery guarantee may break.
 
-use std::process::Command;
+use std::{path::Path, process::Command};
+
+use outbox_testkit::gateway;
 
 #[test]
 fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
     let server = outbox_testkit::test_server_url();
-    let gateway = outbox_testkit::gateway_binary_beside(env!("CARGO_BIN_EXE_outbox-chaos"));
+    let gateway = gateway::binary_beside(Path::new(env!("CARGO_BIN_EXE_outbox-chaos")))
+        .unwrap_or_else(|error| panic!("{error}"));
     let output = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
         .args(["--postgres-url", &server])
         .arg("--gateway-bin")
