@@ -14,7 +14,8 @@ use outbox_gateway::{
         subscriber_client::SubscriberClient,
     },
 };
-use outbox_testkit::{ThrowawayDatabase, poll_until, test_server_url};
+pub use outbox_testkit::poll_until;
+use outbox_testkit::{ThrowawayDatabase, test_server_url};
 use sqlx::PgPool;
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::transport::Channel;
