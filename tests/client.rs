@@ -162,11 +162,9 @@ async fn subscriber_reports_an_unknown_subscription() {
 }
 
 async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
-    for _ in 0..100 {
-        if let Ok(listener) = tokio::net::TcpListener::bind(address).await {
-            return listener;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("cannot bind {address} again");
+    poll_until(Duration::from_secs(5), POLL, || async {
+        tokio::net::TcpListener::bind(address).await.ok()
+    })
+    .await
+    .unwrap_or_else(|| panic!("cannot bind {address} again"))
 }
