@@ -5,8 +5,8 @@ use std::{future::Future, time::Duration};
 use tokio::time::Instant;
 
 /// Calls `check` every `interval` until it returns `Some`, for at most `within`; `None`
-/// when the deadline passed first. The last check starts before the deadline, so a
-/// condition that holds in time is never missed by a late wake-up.
+/// when the deadline passed first. One last check runs at the deadline, so a condition
+/// that comes true just in time is not missed.
 pub async fn poll_until<T, F, Fut>(within: Duration, interval: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
