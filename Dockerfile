@@ -2,14 +2,18 @@
 # only rebuilds the gateway itself.
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
+# The workspace manifest names every member, so cargo needs them all; the gateway builds
+# only its own dependencies from them, outbox-client (with the API's .proto) among them.
 COPY Cargo.toml Cargo.lock build.rs ./
-COPY proto proto
+COPY crates crates
+COPY tools tools
 RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && cargo build --release --locked --bin outbox-gateway \
+    && cargo build --release --locked --bin outbox-gateway -p outbox-gateway \
     && rm -rf src
 COPY src src
 COPY migrations migrations
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin outbox-gateway
+RUN touch src/main.rs src/lib.rs \
+    && cargo build --release --locked --bin outbox-gateway -p outbox-gateway
 
 FROM debian:bookworm-slim
 RUN useradd --system --uid 10001 --no-create-home outbox

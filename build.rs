@@ -1,26 +1,6 @@
-//! Compiles `proto/` with a pure-Rust protobuf compiler, so building needs no system `protoc`.
+//! `sqlx::migrate!` embeds migrations/ at compile time; a new or changed migration must
+//! rebuild the gateway.
 
-use std::{env, fs, path::PathBuf};
-
-use prost::Message;
-
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["outbox/v1/outbox.proto"];
-    println!("cargo:rerun-if-changed=proto");
-    // sqlx::migrate! embeds migrations/ at compile time; new files must trigger a rebuild.
+fn main() {
     println!("cargo:rerun-if-changed=migrations");
-
-    let descriptors = protox::compile(protos, ["proto"])?;
-    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
-    // The same descriptor set serves gRPC server reflection.
-    fs::write(
-        out_dir.join("outbox_descriptor.bin"),
-        descriptors.encode_to_vec(),
-    )?;
-
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(descriptors)?;
-    Ok(())
 }

@@ -1,8 +1,10 @@
 //! Who may call what: bearer tokens (stored only as SHA-256 digests) with roles, and the
 //! authorization rules of each role. Transport-free: `api` reads the header and asks.
 
+use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::{
     domain::{NewEvent, PatternSet, SubscriptionName},
@@ -39,11 +41,12 @@ pub enum Role {
 }
 
 /// The authenticated caller and what it may do.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Principal {
     pub name: String,
     publisher: Option<PublishScope>,
-    subscriber: Option<Vec<String>>,
+    /// Subscription-name patterns it may read (empty: any).
+    subscriber: Option<GlobSet>,
     admin: bool,
 }
 
@@ -62,7 +65,7 @@ impl Principal {
                 event_types: PatternSet::default(),
                 aggregate_types: Vec::new(),
             }),
-            subscriber: Some(Vec::new()),
+            subscriber: Some(GlobSet::empty()),
             admin: true,
         }
     }
@@ -95,11 +98,7 @@ impl Principal {
         let Some(patterns) = &self.subscriber else {
             return Err(self.denied("read subscriptions (the subscriber role)"));
         };
-        if patterns.is_empty()
-            || patterns
-                .iter()
-                .any(|p| glob_matches(p, subscription.as_str()))
-        {
+        if patterns.is_empty() || patterns.is_match(subscription.as_str()) {
             return Ok(());
         }
         Err(Error::PermissionDenied(format!(
@@ -121,19 +120,29 @@ impl Principal {
     }
 }
 
-/// `*` matches any run of characters; everything else matches itself.
-fn glob_matches(pattern: &str, text: &str) -> bool {
-    match pattern.split_once('*') {
-        None => pattern == text,
-        Some((prefix, rest)) => {
-            let Some(remainder) = text.strip_prefix(prefix) else {
-                return false;
-            };
-            (0..=remainder.len())
-                .filter(|&i| remainder.is_char_boundary(i))
-                .any(|i| glob_matches(rest, &remainder[i..]))
+/// The subscriber scope's patterns: `*` matches any run of characters, everything else
+/// matches itself. globset's other wildcards (`?`, `[...]`, `{a,b}`) are escaped, so the
+/// configuration means what it always meant.
+fn subscription_patterns(patterns: &[String]) -> std::result::Result<GlobSet, globset::Error> {
+    let mut set = GlobSetBuilder::new();
+    for pattern in patterns {
+        let mut glob = pattern
+            .split('*')
+            .map(globset::escape)
+            .collect::<Vec<_>>()
+            .join("*");
+        // A run of stars means the same as one; globset would read `**` as a path wildcard.
+        while glob.contains("**") {
+            glob = glob.replace("**", "*");
         }
+        set.add(
+            GlobBuilder::new(&glob)
+                .literal_separator(false)
+                .backslash_escape(false)
+                .build()?,
+        );
     }
+    set.build()
 }
 
 /// Checks bearer tokens against the configured digests.
@@ -155,6 +164,8 @@ impl Authenticator {
             }
             let event_types = PatternSet::parse(&token.event_types)
                 .map_err(|(i, error)| format!("{field}: event_types[{i}]: {error}"))?;
+            let subscriptions = subscription_patterns(&token.subscriptions)
+                .map_err(|error| format!("{field}: subscriptions: {error}"))?;
             let has = |role| token.roles.contains(&role);
             entries.push((
                 digest,
@@ -164,7 +175,7 @@ impl Authenticator {
                         event_types,
                         aggregate_types: token.aggregate_types.clone(),
                     }),
-                    subscriber: has(Role::Subscriber).then(|| token.subscriptions.clone()),
+                    subscriber: has(Role::Subscriber).then_some(subscriptions),
                     admin: has(Role::Admin),
                 },
             ));
@@ -188,7 +199,7 @@ impl Authenticator {
         // Compare against every digest without stopping early, in constant time each.
         let mut found = None;
         for (digest, principal) in &self.tokens {
-            if constant_time_eq(digest, &presented) {
+            if bool::from(digest.ct_eq(&presented)) {
                 found = Some(principal);
             }
         }
@@ -198,27 +209,15 @@ impl Authenticator {
     }
 }
 
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
-}
-
 fn decode_digest(hex: &str) -> Option<[u8; 32]> {
-    if hex.len() != 64 {
-        return None;
-    }
     let mut digest = [0u8; 32];
-    for (index, byte) in digest.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(hex.get(index * 2..index * 2 + 2)?, 16).ok()?;
-    }
+    hex::decode_to_slice(hex, &mut digest).ok()?;
     Some(digest)
 }
 
 /// Hex SHA-256 of a token, as the configuration stores it.
 pub fn token_digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
+    hex::encode(Sha256::digest(token.as_bytes()))
 }
 
 #[cfg(test)]
@@ -270,11 +269,35 @@ mod tests {
 
     #[test]
     fn globs_match_any_run_of_characters() {
-        assert!(glob_matches("billing-*", "billing-eu"));
-        assert!(glob_matches("*-eu", "billing-eu"));
-        assert!(glob_matches("a*b*c", "a-x-b-y-c"));
-        assert!(!glob_matches("billing-*", "orders"));
-        assert!(glob_matches("orders", "orders"));
+        let matches = |pattern: &str, name: &str| {
+            subscription_patterns(&[pattern.to_owned()])
+                .unwrap()
+                .is_match(name)
+        };
+        assert!(matches("billing-*", "billing-eu"));
+        assert!(matches("*-eu", "billing-eu"));
+        assert!(matches("a*b*c", "a-x-b-y-c"));
+        assert!(matches("a**c", "a.b.c"));
+        assert!(!matches("billing-*", "orders"));
+        assert!(matches("orders", "orders"));
+        assert!(!matches("orders", "orders-eu"));
+        // Only `*` is a wildcard.
+        assert!(!matches("order?", "orders"));
+        assert!(matches("order?", "order?"));
+        assert!(!matches("{a,b}", "a"));
+        assert!(!matches("[ab]", "a"));
+    }
+
+    #[test]
+    fn digests_are_lowercase_hex_of_sha256() {
+        assert_eq!(
+            token_digest("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let upper = token_digest("abc").to_uppercase();
+        assert_eq!(decode_digest(&upper), decode_digest(&token_digest("abc")));
+        assert_eq!(decode_digest("ab"), None);
+        assert_eq!(decode_digest(&"zz".repeat(32)), None);
     }
 
     #[test]

@@ -18,14 +18,14 @@
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
-//! - [`client`]: a Rust client: idempotent publishing and a handler-driven subscriber.
-//! - [`cli`]: the binary's client subcommands (health checks, administration).
+//! - [`cli`]: the binary's client subcommands (health checks, administration), built on
+//!   the `outbox-client` crate.
+//! - [`proto`]: the generated API types, from the `outbox-client` crate.
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
 pub mod auth;
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod delivery;
 pub mod domain;
@@ -54,15 +54,8 @@ use crate::{
     subscriptions::Subscriptions,
 };
 
-/// Generated protobuf types and gRPC stubs of `outbox.v1`.
-pub mod proto {
-    #![allow(missing_docs, clippy::all)]
-    tonic::include_proto!("outbox.v1");
-
-    /// Encoded descriptors of `proto/`, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/outbox_descriptor.bin"));
-}
+/// Generated protobuf types and gRPC stubs of `outbox.v1`: one copy, in the client crate.
+pub use outbox_client::proto;
 
 /// Services the health endpoint reports on, besides the server as a whole ("").
 const SERVICE_NAMES: [&str; 3] = [

@@ -10,11 +10,11 @@ use std::{
 };
 
 use common::*;
-use outbox_gateway::{
-    client::{ClientError, Connection, HandlerError, Publisher, Subscriber},
-    proto,
-};
+use outbox_client::{ClientError, Connection, HandlerError, Publisher, Subscriber, proto};
 use tokio_util::sync::CancellationToken;
+
+/// Generous: the subscriber reconnects with backoff after a gateway restart.
+const WAIT: Duration = Duration::from_secs(20);
 
 #[tokio::test]
 async fn publisher_assigns_ids_so_a_repeated_call_is_a_duplicate() {
@@ -105,7 +105,7 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
             .cloned()
             .collect::<HashSet<_>>()
     };
-    wait_until("the first events are handled", || {
+    eventually("the first events are handled", WAIT, || async {
         let seen = seen(&handled);
         seen.contains(&("ok-1".into(), 1))
             && seen.contains(&("flaky".into(), 2))
@@ -124,9 +124,11 @@ async fn subscriber_acks_nacks_dead_letters_and_survives_a_gateway_restart() {
         .publish(vec![event("ok-2", "order.created")])
         .await
         .unwrap();
-    wait_until("an event published after the restart is handled", || {
-        seen(&handled).contains(&("ok-2".into(), 1))
-    })
+    eventually(
+        "an event published after the restart is handled",
+        WAIT,
+        || async { seen(&handled).contains(&("ok-2".into(), 1)) },
+    )
     .await;
 
     shutdown.cancel();
@@ -160,22 +162,9 @@ async fn subscriber_reports_an_unknown_subscription() {
 }
 
 async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
-    for _ in 0..100 {
-        if let Ok(listener) = tokio::net::TcpListener::bind(address).await {
-            return listener;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("cannot bind {address} again");
-}
-
-async fn wait_until(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll_until(Duration::from_secs(5), POLL, || async {
+        tokio::net::TcpListener::bind(address).await.ok()
+    })
+    .await
+    .unwrap_or_else(|| panic!("cannot bind {address} again"))
 }

@@ -4,7 +4,6 @@
 mod common;
 
 use std::{
-    collections::HashMap,
     process::Stdio,
     sync::{Arc, Mutex},
     time::Duration,
@@ -19,6 +18,7 @@ use opentelemetry_proto::tonic::{
     trace::v1::Span,
 };
 use outbox_gateway::proto;
+use outbox_testkit::gateway;
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     process::{Child, Command},
@@ -29,10 +29,8 @@ use tonic::transport::Channel;
 const WAIT: Duration = Duration::from_secs(15);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    gateway::free_loopback_address()
+        .expect("a free loopback port")
         .port()
 }
 
@@ -94,29 +92,14 @@ impl GatewayProcess {
     }
 
     async fn wait_until_serving(&self) {
-        use tonic_health::pb::{
-            HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-        };
-        for _ in 0..200 {
-            if let Ok(channel) = Channel::from_shared(self.endpoint.clone())
-                .unwrap()
-                .connect()
-                .await
-                && let Ok(response) = HealthClient::new(channel)
-                    .check(HealthCheckRequest {
-                        service: String::new(),
-                    })
-                    .await
-                && response.into_inner().status == ServingStatus::Serving as i32
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let address = self
+            .endpoint
+            .trim_start_matches("http://")
+            .parse()
+            .expect("a socket address");
+        if let Err(error) = gateway::wait_until_serving(address, WAIT, || true).await {
+            panic!("{error}; stderr: {:?}", self.stderr.lock().unwrap());
         }
-        panic!(
-            "the gateway process did not become healthy; stderr: {:?}",
-            self.stderr.lock().unwrap()
-        );
     }
 
     /// SIGTERM, then wait for a clean exit (flushing traces).
@@ -174,38 +157,43 @@ async fn setup_scenario(channel: Channel, events: Vec<proto::EventInput>) -> Vec
     deliveries
 }
 
-/// Samples of a Prometheus text exposition, keyed by `name{labels}`; panics on a line
-/// that is not valid exposition format.
-fn parse_prometheus(text: &str) -> HashMap<String, f64> {
-    let mut samples = HashMap::new();
-    for line in text.lines().filter(|line| !line.is_empty()) {
-        if let Some(comment) = line.strip_prefix('#') {
-            let words: Vec<&str> = comment.split_whitespace().collect();
-            assert!(
-                matches!(words.first(), Some(&"HELP") | Some(&"TYPE")),
-                "bad comment line {line:?}"
-            );
-            continue;
-        }
-        let (series, value) = line
-            .rsplit_once(' ')
-            .unwrap_or_else(|| panic!("bad sample line {line:?}"));
-        let name_end = series.find('{').unwrap_or(series.len());
-        assert!(
-            series[..name_end]
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
-            "bad metric name in {line:?}"
-        );
-        if name_end < series.len() {
-            assert!(series.ends_with('}'), "bad labels in {line:?}");
-        }
-        let value: f64 = value
-            .parse()
-            .unwrap_or_else(|_| panic!("bad value in {line:?}"));
-        samples.insert(series.to_owned(), value);
+/// Label names and values of a sample.
+type Labels<'a> = &'a [(&'a str, &'a str)];
+
+/// A scrape of the metrics endpoint.
+struct Metrics(Vec<prometheus_parse::Sample>);
+
+impl Metrics {
+    /// Scrapes `url`; fails the test on anything but a 200 with valid exposition text.
+    async fn scrape(url: &str) -> Metrics {
+        let response = reqwest::get(url).await.expect("metrics endpoint reachable");
+        assert_eq!(response.status(), reqwest::StatusCode::OK, "{url}");
+        let text = response.text().await.expect("a metrics body");
+        let scrape = prometheus_parse::Scrape::parse(text.lines().map(|line| Ok(line.to_owned())))
+            .expect("Prometheus exposition format");
+        Metrics(scrape.samples)
     }
-    samples
+
+    /// The value of the counter or gauge `metric` with these labels.
+    fn value(&self, metric: &str, labels: Labels) -> Option<f64> {
+        match self.find(metric, labels)?.value {
+            prometheus_parse::Value::Counter(value)
+            | prometheus_parse::Value::Gauge(value)
+            | prometheus_parse::Value::Untyped(value) => Some(value),
+            _ => None,
+        }
+    }
+
+    /// The sample of `metric` with exactly these labels.
+    fn find(&self, metric: &str, labels: Labels) -> Option<&prometheus_parse::Sample> {
+        self.0.iter().find(|sample| {
+            sample.metric == metric
+                && sample.labels.len() == labels.len()
+                && labels
+                    .iter()
+                    .all(|(name, value)| sample.labels.get(name) == Some(value))
+        })
+    }
 }
 
 #[tokio::test]
@@ -252,124 +240,72 @@ async fn metrics_match_a_known_scenario_exactly() {
         .unwrap();
 
     let url = format!("http://127.0.0.1:{metrics_port}/metrics");
-    let mut samples = HashMap::new();
-    for _ in 0..50 {
-        let text = http_get(&url).await;
-        samples = parse_prometheus(&text);
-        if samples.get("outbox_subscription_in_flight{subscription=\"orders\"}") == Some(&1.0)
-            && samples.get("outbox_subscription_dead_letters{subscription=\"orders\"}")
-                == Some(&1.0)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let expected = [
+    let orders = [("subscription", "orders")];
+    // The per-subscription gauges refresh every 200 ms.
+    eventually("the gauges show the settled deliveries", WAIT, || async {
+        let metrics = Metrics::scrape(&url).await;
+        metrics.value("outbox_subscription_in_flight", &orders) == Some(1.0)
+            && metrics.value("outbox_subscription_dead_letters", &orders) == Some(1.0)
+    })
+    .await;
+    let metrics = Metrics::scrape(&url).await;
+    let publish = ("method", "/outbox.v1.Publisher/Publish");
+    let expected: [(&str, Labels, f64); 14] = [
         (
-            "outbox_events_published_total{event_type=\"order.created\"}",
+            "outbox_events_published_total",
+            &[("event_type", "order.created")],
             4.0,
         ),
         (
-            "outbox_events_published_total{event_type=\"order.paid\"}",
+            "outbox_events_published_total",
+            &[("event_type", "order.paid")],
             1.0,
         ),
-        ("outbox_deliveries_total{subscription=\"orders\"}", 5.0),
-        ("outbox_acks_total{subscription=\"orders\"}", 3.0),
-        ("outbox_nacks_total{subscription=\"orders\"}", 1.0),
-        ("outbox_dead_letters_total{subscription=\"orders\"}", 1.0),
-        ("outbox_subscription_backlog{subscription=\"orders\"}", 0.0),
-        (
-            "outbox_subscription_in_flight{subscription=\"orders\"}",
-            1.0,
-        ),
-        (
-            "outbox_subscription_awaiting_retry{subscription=\"orders\"}",
-            0.0,
-        ),
-        (
-            "outbox_subscription_dead_letters{subscription=\"orders\"}",
-            1.0,
-        ),
-        ("outbox_events_stored", 5.0),
-        (
-            "outbox_commit_to_delivery_seconds_count{subscription=\"orders\"}",
-            5.0,
-        ),
-        (
-            "outbox_deliver_to_ack_seconds_count{subscription=\"orders\"}",
-            3.0,
-        ),
-        (
-            "outbox_rpc_requests_total{method=\"/outbox.v1.Publisher/Publish\",code=\"Ok\"}",
-            1.0,
-        ),
+        ("outbox_deliveries_total", &orders, 5.0),
+        ("outbox_acks_total", &orders, 3.0),
+        ("outbox_nacks_total", &orders, 1.0),
+        ("outbox_dead_letters_total", &orders, 1.0),
+        ("outbox_subscription_backlog", &orders, 0.0),
+        ("outbox_subscription_in_flight", &orders, 1.0),
+        ("outbox_subscription_awaiting_retry", &orders, 0.0),
+        ("outbox_subscription_dead_letters", &orders, 1.0),
+        ("outbox_events_stored", &[], 5.0),
+        ("outbox_commit_to_delivery_seconds_count", &orders, 5.0),
+        ("outbox_deliver_to_ack_seconds_count", &orders, 3.0),
+        ("outbox_rpc_requests_total", &[publish, ("code", "Ok")], 1.0),
     ];
-    for (series, value) in expected {
+    for (metric, labels, value) in expected {
         assert_eq!(
-            samples.get(series),
-            Some(&value),
-            "{series}; scraped: {samples:#?}"
+            metrics.value(metric, labels),
+            Some(value),
+            "{metric}{labels:?}; scraped: {:#?}",
+            metrics.0
         );
     }
-    assert!(samples.keys().any(|k| k.starts_with(
-        "outbox_rpc_duration_seconds_bucket{method=\"/outbox.v1.Publisher/Publish\""
-    )));
     assert!(
-        samples
-            .keys()
-            .any(|k| k.starts_with("outbox_db_pool_connections{state=\"idle\"}"))
+        metrics
+            .0
+            .iter()
+            .any(|sample| sample.metric == "outbox_rpc_duration_seconds"
+                && sample.labels.get("method") == Some(publish.1)
+                && matches!(sample.value, prometheus_parse::Value::Histogram(_))),
+        "a latency histogram of Publish"
     );
     assert!(
-        samples
-            .keys()
-            .any(|k| k.starts_with("outbox_relay_wakeups_total{cause=\"publish\"}"))
+        metrics
+            .0
+            .iter()
+            .any(|sample| sample.metric == "outbox_db_pool_connections"
+                && sample.labels.get("state") == Some("idle"))
+    );
+    assert!(
+        metrics
+            .0
+            .iter()
+            .any(|sample| sample.metric == "outbox_relay_wakeups_total"
+                && sample.labels.get("cause") == Some("publish"))
     );
     gateway.stop().await;
-}
-
-/// A minimal HTTP/1.1 GET, enough for the metrics endpoint.
-async fn http_get(url: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let address = url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap()
-        .to_owned();
-    let path = &url[url.find(&address).unwrap() + address.len()..];
-    for _ in 0..100 {
-        if let Ok(mut stream) = tokio::net::TcpStream::connect(&address).await {
-            let request =
-                format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
-            stream.write_all(request.as_bytes()).await.unwrap();
-            let mut response = String::new();
-            stream.read_to_string(&mut response).await.unwrap();
-            let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
-            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-            if head
-                .to_ascii_lowercase()
-                .contains("transfer-encoding: chunked")
-            {
-                return dechunk(body);
-            }
-            return body.to_owned();
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("metrics endpoint {url} unreachable");
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = body.split_once("\r\n").expect("chunk size");
-        let size = usize::from_str_radix(size.trim(), 16).expect("hex chunk size");
-        if size == 0 {
-            return out;
-        }
-        out.push_str(&rest[..size]);
-        body = &rest[size + 2..];
-    }
 }
 
 /// Receives OTLP trace exports.
@@ -394,10 +330,6 @@ impl TraceService for Collector {
             partial_success: None,
         }))
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[tokio::test]
@@ -478,9 +410,9 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
                 spans.iter().map(|s| &s.name).collect::<Vec<_>>()
             )
         });
-    assert_eq!(hex(&publish.trace_id), trace_id);
+    assert_eq!(hex::encode(&publish.trace_id), trace_id);
     assert_eq!(
-        hex(&publish.parent_span_id),
+        hex::encode(&publish.parent_span_id),
         producer_span,
         "the Publish span is the producer's child"
     );
@@ -492,7 +424,8 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
         deliver
             .links
             .iter()
-            .any(|link| hex(&link.trace_id) == trace_id && hex(&link.span_id) == producer_span),
+            .any(|link| hex::encode(&link.trace_id) == trace_id
+                && hex::encode(&link.span_id) == producer_span),
         "the delivery is linked to the producer's context: {:?}",
         deliver.links
     );

@@ -63,22 +63,6 @@ async fn stats(
     )
 }
 
-/// Polls `check` until it holds or `WAIT` passes.
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn requeue_event_is_refused_in_flight_and_redelivers_after_ack() {
     let database = TestDatabase::create().await;
@@ -588,10 +572,14 @@ async fn stats_match_a_known_scenario_exactly() {
     )
     .await;
     drop(consumer);
-    eventually("the closed stream's lease is released", || async {
-        let (figures, _) = stats(&mut gateway.admin().await, "orders").await;
-        figures.awaiting_retry == 2
-    })
+    eventually(
+        "the closed stream's lease is released",
+        Duration::from_secs(10),
+        || async {
+            let (figures, _) = stats(&mut gateway.admin().await, "orders").await;
+            figures.awaiting_retry == 2
+        },
+    )
     .await;
     // With no stream left, a new event stays pending.
     publish(&gateway, vec![event("o-5", "order.created")]).await;
@@ -853,9 +841,11 @@ async fn retention_deletes_only_what_no_subscription_needs() {
         .await
         .is_empty()
     );
-    eventually("retention deletes every event nobody needs", || async {
-        event_positions(&pool).await == ["o-0"]
-    })
+    eventually(
+        "retention deletes every event nobody needs",
+        Duration::from_secs(10),
+        || async { event_positions(&pool).await == ["o-0"] },
+    )
     .await;
     let resolved_records: i64 =
         sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries WHERE resolved_at IS NOT NULL")
@@ -890,9 +880,11 @@ async fn maximum_retention_deletes_regardless_and_is_counted() {
         .unwrap();
     }
     publish(&gateway, vec![event("new", "order.created")]).await;
-    eventually("the old events are force-expired", || async {
-        event_positions(&pool).await == ["new"]
-    })
+    eventually(
+        "the old events are force-expired",
+        Duration::from_secs(10),
+        || async { event_positions(&pool).await == ["new"] },
+    )
     .await;
     let (_, outbox) = stats(&mut gateway.admin().await, "orders").await;
     assert_eq!(
@@ -937,13 +929,17 @@ async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() 
         .await
         .unwrap();
 
-    eventually("expired leases are reclaimed", || async {
-        delivery_records(&pool, "orders").await
-            == vec![
-                ("o-1".to_string(), "retry".to_string(), 1),
-                ("o-2".to_string(), "dead".to_string(), 3),
-            ]
-    })
+    eventually(
+        "expired leases are reclaimed",
+        Duration::from_secs(10),
+        || async {
+            delivery_records(&pool, "orders").await
+                == vec![
+                    ("o-1".to_string(), "retry".to_string(), 1),
+                    ("o-2".to_string(), "dead".to_string(), 3),
+                ]
+        },
+    )
     .await;
     let mut consumer = Consumer::open(&gateway, "orders", 0).await;
     let delivery = consumer.next(WAIT).await.unwrap();
@@ -989,17 +985,12 @@ async fn maintenance_vacuums_the_delivery_table_once_acks_left_enough_dead_rows(
     }
 
     // Statistics reach pg_stat_user_tables up to ten seconds after the acks.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (dead_rows, vacuums) = delivery_table_vacuum_stats(&pool).await;
-        if vacuums > 0 {
-            assert!(dead_rows < 300, "{dead_rows} dead rows left after a vacuum");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no vacuum of the delivery table; {dead_rows} dead rows"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(
+        "maintenance vacuums the delivery table",
+        Duration::from_secs(30),
+        || async { delivery_table_vacuum_stats(&pool).await.1 > 0 },
+    )
+    .await;
+    let (dead_rows, _) = delivery_table_vacuum_stats(&pool).await;
+    assert!(dead_rows < 300, "{dead_rows} dead rows left after a vacuum");
 }

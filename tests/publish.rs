@@ -5,8 +5,8 @@ mod common;
 use std::{collections::HashMap, time::Duration};
 
 use common::{
-    TestDatabase, TestGateway, assert_status, count_events, event, proxy::TcpProxy, publish,
-    test_config,
+    TestDatabase, TestGateway, assert_status, count_events, event, eventually, proxy::TcpProxy,
+    publish, test_config,
 };
 use outbox_gateway::proto::{self, PublishRequest};
 use sqlx::Row;
@@ -369,7 +369,7 @@ async fn database_loss_answers_unavailable_and_health_follows_it() {
     let database = TestDatabase::create().await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let gateway =
-        TestGateway::start_with(&database, test_config(proxy.database_url(&database.name))).await;
+        TestGateway::start_with(&database, test_config(proxy.database_url(database.name()))).await;
 
     proxy.cut();
     gateway.wait_for_health(ServingStatus::NotServing).await;
@@ -524,22 +524,21 @@ async fn a_shutdown_past_its_grace_period_ends_once_a_blocked_publish_is_release
             })
             .await
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    eventually(
+        "Publish blocks on the lock",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                > 0
+        },
     )
-    .fetch_one(&pool)
-    .await
-    .unwrap()
-        == 0
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "Publish never blocked"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    .await;
 
     let stopping = tokio::spawn(gateway.stop());
     tokio::time::sleep(Duration::from_millis(500)).await;

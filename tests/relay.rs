@@ -87,7 +87,7 @@ async fn a_transaction_open_in_another_database_delays_nothing() {
         "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = $1 \
          AND state LIKE 'idle in transaction%' AND backend_xid IS NOT NULL)",
     )
-    .bind(&elsewhere.name)
+    .bind(elsewhere.name())
     .fetch_one(&database.pool().await)
     .await
     .unwrap();

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use outbox_client::{ClientError, Connection, Publisher};
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
     proto::{
@@ -13,11 +14,8 @@ use outbox_gateway::{
         subscriber_client::SubscriberClient,
     },
 };
-use sqlx::{Connection, Executor, PgConnection};
-use tonic::{
-    Code, Request,
-    transport::{Certificate, Channel, ClientTlsConfig, Identity},
-};
+use sqlx::{Connection as _, Executor, PgConnection};
+use tonic::{Code, Request};
 
 fn token(name: &str, roles: Vec<Role>) -> TokenConfig {
     TokenConfig {
@@ -256,60 +254,53 @@ async fn mutual_tls_admits_only_clients_with_a_trusted_certificate() {
     };
     let database = TestDatabase::create().await;
     let mut config = test_config(database.url());
+    let ca = write("ca.pem", &pki.ca);
     config.tls = Some(outbox_gateway::config::TlsFiles {
         cert: write("server.pem", &pki.server_cert),
         key: write("server.key", &pki.server_key),
-        client_ca: Some(write("ca.pem", &pki.ca)),
+        client_ca: Some(ca.clone()),
     });
     let gateway = TestGateway::spawn(&database, config).await;
     let endpoint = format!("https://localhost:{}", gateway.address.port());
-    let tls = ClientTlsConfig::new()
-        .domain_name("localhost")
-        .ca_certificate(Certificate::from_pem(&pki.ca));
-
-    // With a client certificate: served.
-    let channel = Channel::from_shared(endpoint.clone())
-        .unwrap()
-        .tls_config(
-            tls.clone()
-                .identity(Identity::from_pem(&pki.client_cert, &pki.client_key)),
-        )
-        .unwrap()
-        .connect_lazy();
-    let mut publisher = PublisherClient::new(channel);
-    let mut published = None;
-    for _ in 0..100 {
-        match publisher.publish(publish_request("order.created")).await {
-            Ok(response) => {
-                published = Some(response);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+    let client_cert = write("client.pem", &pki.client_cert);
+    let client_key = write("client.key", &pki.client_key);
+    // One event id for every attempt: however often it is tried, it is stored once.
+    let event = proto::EventInput {
+        id: uuid::Uuid::now_v7().to_string(),
+        ..event("o-1", "order.created")
+    };
+    let publish = |connection: Connection| {
+        let event = event.clone();
+        async move {
+            Publisher::new(connection)
+                .max_attempts(1)
+                .publish(vec![event])
+                .await
         }
-    }
+    };
+
+    // With a client certificate: served, once the gateway is up.
+    let trusted = Connection::new(&endpoint)
+        .ca_certificate(&ca)
+        .identity(&client_cert, &client_key);
+    let published = poll_until(Duration::from_secs(20), POLL, || {
+        let trusted = trusted.clone();
+        async { publish(trusted).await.ok() }
+    })
+    .await;
     assert!(published.is_some(), "a trusted client is served over TLS");
 
     // Without a client certificate, or in plaintext: refused.
-    let anonymous = Channel::from_shared(endpoint)
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect_lazy();
-    assert!(
-        PublisherClient::new(anonymous)
-            .publish(publish_request("order.created"))
-            .await
-            .is_err()
-    );
-    let plaintext = Channel::from_shared(format!("http://127.0.0.1:{}", gateway.address.port()))
-        .unwrap()
-        .connect_lazy();
-    assert!(
-        PublisherClient::new(plaintext)
-            .publish(publish_request("order.created"))
-            .await
-            .is_err()
-    );
+    let anonymous = Connection::new(&endpoint).ca_certificate(&ca);
+    assert!(publish(anonymous).await.is_err());
+    let plaintext = Connection::new(format!("http://127.0.0.1:{}", gateway.address.port()));
+    assert!(publish(plaintext).await.is_err());
+    // A CA file that cannot be read is reported as such, before any call.
+    let missing = dir.join("missing.pem");
+    assert!(matches!(
+        publish(Connection::new(&endpoint).ca_certificate(&missing)).await,
+        Err(ClientError::ReadFile { path, .. }) if path == missing
+    ));
     assert_eq!(count_events(&database.pool().await).await, 1);
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -369,7 +360,7 @@ async fn the_writer_role_may_only_add_events() {
         .await
         .unwrap();
 
-    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name);
+    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name());
     let result = async move {
         let mut service = PgConnection::connect(&url).await.unwrap();
         service

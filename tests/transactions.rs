@@ -36,7 +36,7 @@ async fn idle_in_transaction(pool: &PgPool, database: &str) -> Vec<String> {
 async fn assert_no_open_transaction(pool: &PgPool, database: &TestDatabase) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let open = idle_in_transaction(pool, &database.name).await;
+        let open = idle_in_transaction(pool, database.name()).await;
         if open.is_empty() {
             return;
         }
@@ -104,7 +104,7 @@ async fn a_conflicting_republish_ends_its_transaction() {
     assert_status(refused, Code::AlreadyExists, &id);
     // The refusal is answered after the rollback: nothing may be open even for a moment.
     assert_eq!(
-        idle_in_transaction(&pool, &database.name).await,
+        idle_in_transaction(&pool, database.name()).await,
         Vec::<String>::new()
     );
     assert_delivery_flows(&gateway, &pool, "all").await;
@@ -202,7 +202,7 @@ async fn wait_for_lock_wait(pool: &PgPool, database: &TestDatabase) {
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
              AND application_name = 'outbox-gateway' AND wait_event_type = 'Lock'",
         )
-        .bind(&database.name)
+        .bind(database.name())
         .fetch_one(pool)
         .await
         .unwrap();
@@ -260,7 +260,7 @@ async fn a_publish_whose_client_went_away_ends_its_transaction() {
 async fn a_publish_that_loses_its_connection_mid_transaction_recovers() {
     let database = TestDatabase::create().await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let gateway = gateway(&database, proxy.database_url(&database.name)).await;
+    let gateway = gateway(&database, proxy.database_url(database.name())).await;
     let pool = database.pool().await;
     create_subscription(&gateway, subscription("all")).await;
     let blocked = blocked_publish(&gateway, &pool).await;
@@ -383,7 +383,7 @@ async fn wait_for_advisory_wait(pool: &PgPool, database: &TestDatabase) {
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
              AND application_name = 'outbox-gateway' AND wait_event = 'advisory'",
         )
-        .bind(&database.name)
+        .bind(database.name())
         .fetch_one(pool)
         .await
         .unwrap();

@@ -6,21 +6,14 @@ mod render;
 
 use std::{collections::HashMap, io::BufRead, time::Duration};
 
+use outbox_client::{
+    ClientError, Connection, GatewayChannel,
+    health::{HealthCheckRequest, health_check_response::ServingStatus},
+};
 use serde_json::{Value, json};
-use tonic::{
-    Code, Status,
-    metadata::MetadataValue,
-    service::{Interceptor, interceptor::InterceptedService},
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
-};
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
+use tonic::{Code, Status};
 
-use crate::proto::{
-    self, admin_client::AdminClient, publisher_client::PublisherClient,
-    subscriber_client::SubscriberClient,
-};
+use crate::proto;
 
 /// Where a client subcommand finds the gateway, and how it prints.
 #[derive(Debug, Clone, clap::Args)]
@@ -53,68 +46,33 @@ pub struct Target {
     pub key: Option<std::path::PathBuf>,
 }
 
-/// A channel that sends the bearer token, if any, with every call.
-pub type AuthChannel = InterceptedService<Channel, BearerToken>;
-
-#[derive(Debug, Clone)]
-pub struct BearerToken(Option<MetadataValue<tonic::metadata::Ascii>>);
-
-impl Interceptor for BearerToken {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        if let Some(token) = &self.0 {
-            request
-                .metadata_mut()
-                .insert("authorization", token.clone());
-        }
-        Ok(request)
-    }
-}
-
 impl Target {
-    async fn channel(&self, per_call_timeout: bool) -> Result<AuthChannel, String> {
-        let mut endpoint = Endpoint::from_shared(self.endpoint.clone())
-            .map_err(|error| format!("invalid --endpoint {:?}: {error}", self.endpoint))?
-            .connect_timeout(self.timeout);
+    /// Connects to the gateway; `per_call_timeout` applies --timeout to every call too
+    /// (not to `tail`, whose stream lasts).
+    async fn connect(&self, per_call_timeout: bool) -> Result<GatewayChannel, String> {
+        let mut connection = Connection::new(&self.endpoint).connect_timeout(self.timeout);
         if per_call_timeout {
-            endpoint = endpoint.timeout(self.timeout);
+            connection = connection.timeout(self.timeout);
         }
-        if self.ca.is_some() || self.cert.is_some() || self.endpoint.starts_with("https://") {
-            endpoint = endpoint
-                .tls_config(self.tls()?)
-                .map_err(|error| format!("invalid TLS settings: {error}"))?;
+        if let Some(token) = &self.token {
+            connection = connection.token(token);
         }
-        let token = self
-            .token
-            .as_ref()
-            .map(|token| {
-                format!("Bearer {token}")
-                    .parse()
-                    .map_err(|_| "--token must be printable ASCII".to_owned())
-            })
-            .transpose()?;
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|error| format!("cannot reach the gateway at {}: {error}", self.endpoint))?;
-        Ok(InterceptedService::new(channel, BearerToken(token)))
-    }
-
-    fn tls(&self) -> Result<ClientTlsConfig, String> {
-        let read = |path: &std::path::Path| {
-            std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))
-        };
-        let mut tls = ClientTlsConfig::new();
         if let Some(ca) = &self.ca {
-            tls = tls.ca_certificate(Certificate::from_pem(read(ca)?));
+            connection = connection.ca_certificate(ca);
         }
         if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
-            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+            connection = connection.identity(cert, key);
         }
-        Ok(tls)
-    }
-
-    async fn admin(&self) -> Result<AdminClient<AuthChannel>, String> {
-        Ok(AdminClient::new(self.channel(true).await?))
+        connection.connect().await.map_err(|error| match error {
+            ClientError::InvalidEndpoint { endpoint, reason } => {
+                format!("invalid --endpoint {endpoint:?}: {reason}")
+            }
+            ClientError::InvalidToken => "--token must be printable ASCII".to_owned(),
+            ClientError::ReadFile { .. } | ClientError::Tls(_) | ClientError::Connect { .. } => {
+                error.to_string()
+            }
+            ClientError::Refused(status) | ClientError::Unavailable(status) => describe(status),
+        })
     }
 
     /// Prints `value` as JSON, or runs `text` to print it readably.
@@ -476,7 +434,7 @@ pub async fn run(command: ClientCommand) -> Result<(), String> {
 }
 
 async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<(), String> {
-    let mut admin = target.admin().await?;
+    let mut admin = target.connect(true).await?.admin();
     let show = |subscription: proto::Subscription| {
         let value = render::subscription(&subscription);
         target.print(value.clone(), || {
@@ -592,7 +550,7 @@ fn join_or_all(values: &[String]) -> String {
 }
 
 async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(), String> {
-    let mut admin = target.admin().await?;
+    let mut admin = target.connect(true).await?.admin();
     match command {
         DeadLetterCommand::List {
             subscription,
@@ -703,7 +661,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
 }
 
 async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
-    let mut admin = target.admin().await?;
+    let mut admin = target.connect(true).await?.admin();
     let response = match args.id {
         Some(id) => {
             admin
@@ -737,7 +695,7 @@ async fn stats(
     watch: bool,
     interval: Duration,
 ) -> Result<(), String> {
-    let mut admin = target.admin().await?;
+    let mut admin = target.connect(true).await?.admin();
     loop {
         let stats = admin
             .get_stats(proto::GetStatsRequest {
@@ -819,7 +777,7 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     if events.is_empty() {
         return Err("no events to publish".into());
     }
-    let mut publisher = PublisherClient::new(target.channel(true).await?);
+    let mut publisher = target.connect(true).await?.publisher();
     let results = publisher
         .publish(proto::PublishRequest { events })
         .await
@@ -840,8 +798,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
 }
 
 async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
-    let channel = target.channel(false).await?;
-    let mut admin = AdminClient::new(channel.clone());
+    let gateway = target.connect(false).await?;
+    let mut admin = gateway.admin();
     let (name, ephemeral) = match args.subscription {
         Some(name) => (name, false),
         None => {
@@ -869,7 +827,7 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
             .max(1),
         None => args.max_in_flight,
     };
-    let result = stream_deliveries(channel, &name, max_in_flight, !args.no_ack, args.limit).await;
+    let result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit).await;
     if ephemeral {
         let _ = admin
             .delete_subscription(proto::DeleteSubscriptionRequest { name })
@@ -879,13 +837,13 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
 }
 
 async fn stream_deliveries(
-    channel: AuthChannel,
+    gateway: &GatewayChannel,
     subscription: &str,
     max_in_flight: u32,
     ack: bool,
     limit: Option<u64>,
 ) -> Result<(), String> {
-    let mut subscriber = SubscriberClient::new(channel);
+    let mut subscriber = gateway.subscriber();
     let mut stream = subscriber
         .subscribe(proto::SubscribeRequest {
             subscription: subscription.to_owned(),
@@ -921,7 +879,7 @@ async fn stream_deliveries(
 
 /// Exits 0 when the gateway reports SERVING; for container health checks.
 pub async fn health(target: &Target) -> Result<(), String> {
-    let mut client = HealthClient::new(target.channel(true).await?);
+    let mut client = target.connect(true).await?.health();
     let response = client
         .check(HealthCheckRequest {
             service: String::new(),

@@ -14,46 +14,62 @@ use outbox_gateway::{
         subscriber_client::SubscriberClient,
     },
 };
-use sqlx::{Connection, Executor, PgConnection, PgPool};
+pub use outbox_testkit::poll_until;
+use outbox_testkit::{ThrowawayDatabase, test_server_url};
+use sqlx::PgPool;
 use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
 use tonic::transport::Channel;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
 
-/// The server the tests create their databases on.
-pub fn server_url() -> String {
-    std::env::var("TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+/// How often the tests poll for a condition (with `poll_until` and a deadline).
+pub const POLL: Duration = Duration::from_millis(50);
+
+/// Polls `check` every [`POLL`] until it holds; fails the test, naming `what`, when it
+/// still does not after `within`.
+pub async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let held = poll_until(within, POLL, || {
+        let check = check();
+        async move { check.await.then_some(()) }
+    })
+    .await;
+    assert!(
+        held.is_some(),
+        "timed out after {within:?} waiting until {what}"
+    );
 }
 
 /// A database of its own for one test, dropped (with its connections) afterwards.
 pub struct TestDatabase {
-    pub name: String,
+    database: ThrowawayDatabase,
 }
 
 impl TestDatabase {
     pub async fn create() -> Arc<TestDatabase> {
-        let name = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect(&format!("{}/postgres", server_url()))
+        let database = ThrowawayDatabase::create(&test_server_url(), "outbox_test")
             .await
             .expect("PostgreSQL must be running for the integration tests (see README)");
-        admin
-            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .expect("create test database");
-        Arc::new(TestDatabase { name })
+        Arc::new(TestDatabase { database })
+    }
+
+    pub fn name(&self) -> &str {
+        self.database.name()
     }
 
     pub fn url(&self) -> String {
-        format!("{}/{}", server_url(), self.name)
+        self.database.url().to_owned()
     }
 
     /// A pool for writing and inspecting rows directly, like a producer service would.
     pub async fn pool(&self) -> PgPool {
         sqlx::postgres::PgPoolOptions::new()
             .max_connections(8)
-            .connect(&self.url())
+            .connect_with(self.database.connect_options())
             .await
             .expect("connect to test database")
     }
@@ -61,22 +77,7 @@ impl TestDatabase {
 
 impl Drop for TestDatabase {
     fn drop(&mut self) {
-        let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        // Drop runs inside the test's runtime, which cannot be blocked on: use a thread.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(async move {
-                if let Ok(mut admin) =
-                    PgConnection::connect(&format!("{}/postgres", server_url())).await
-                {
-                    let _ = admin.execute(sqlx::AssertSqlSafe(statement)).await;
-                }
-            });
-        })
-        .join();
+        self.database.drop_blocking();
     }
 }
 
@@ -177,17 +178,11 @@ impl TestGateway {
     }
 
     pub async fn wait_for_health(&self, expected: ServingStatus) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            if self.health().await == Some(expected) {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "gateway did not report {expected:?} in time"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("the gateway reports {expected:?}");
+        eventually(&what, Duration::from_secs(20), || async {
+            self.health().await == Some(expected)
+        })
+        .await;
     }
 
     /// Asks the gateway to shut down and returns how `run` ended.

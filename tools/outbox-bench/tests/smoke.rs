@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use outbox_testkit::gateway;
 use serde_json::Value;
 
 const SCENARIOS: [&str; 8] = [
@@ -38,13 +39,15 @@ fn quick_run_covers_every_scenario() {
         .arg("--out")
         .arg(&out)
         .arg("--gateway-bin")
-        .arg(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .arg(
+            gateway::binary_beside(Path::new(env!("CARGO_BIN_EXE_outbox-bench")))
+                .unwrap_or_else(|error| panic!("{error}")),
+        )
+        .arg("--postgres-url")
+        .arg(outbox_testkit::test_server_url())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Ok(url) = std::env::var("TEST_POSTGRES_URL") {
-        command.arg("--postgres-url").arg(url);
-    }
     let mut child = command.spawn().expect("start outbox-bench");
     let stdout = read_in_background(child.stdout.take().expect("piped stdout"));
     let stderr = read_in_background(child.stderr.take().expect("piped stderr"));

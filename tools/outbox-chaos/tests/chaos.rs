@@ -2,15 +2,19 @@
 //! killed, restarted and cut off from PostgreSQL while events are published and
 //! consumed, and no delivery guarantee may break.
 
-use std::process::Command;
+use std::{path::Path, process::Command};
+
+use outbox_testkit::gateway;
 
 #[test]
 fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
-    let server = std::env::var("TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let server = outbox_testkit::test_server_url();
+    let gateway = gateway::binary_beside(Path::new(env!("CARGO_BIN_EXE_outbox-chaos")))
+        .unwrap_or_else(|error| panic!("{error}"));
     let output = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
         .args(["--postgres-url", &server])
-        .args(["--gateway-bin", env!("CARGO_BIN_EXE_outbox-gateway")])
+        .arg("--gateway-bin")
+        .arg(&gateway)
         .args(["--duration", "35s", "--drain-timeout", "60s"])
         .output()
         .expect("run outbox-chaos");

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
+use outbox_client::proto::{self, subscriber_client::SubscriberClient};
 use serde_json::json;
 use tokio::{task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use outbox_gateway::proto;
+use outbox_client::proto;
 use sqlx::{PgExecutor, PgPool};
 use uuid::Uuid;
 

@@ -20,6 +20,7 @@ use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Parser;
+use outbox_testkit::gateway;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -97,15 +98,11 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> anyhow::Result<bool> {
     let gateway_bin = match &args.gateway_bin {
         Some(path) => path.clone(),
-        None => std::env::current_exe()
-            .context("cannot locate this executable")?
-            .with_file_name("outbox-gateway"),
+        None => gateway::binary_beside(
+            &std::env::current_exe().context("cannot locate this executable")?,
+        )
+        .map_err(|error| anyhow::anyhow!("{error}, or pass --gateway-bin"))?,
     };
-    anyhow::ensure!(
-        gateway_bin.is_file(),
-        "gateway binary {} not found: build it with `cargo build --bins` or pass --gateway-bin",
-        gateway_bin.display()
-    );
     let database = ChaosDatabase::create(&args.postgres_url).await?;
     eprintln!("outbox-chaos: database {}", database.name());
     let log_dir = match &args.log_dir {

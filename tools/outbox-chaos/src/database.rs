@@ -2,13 +2,14 @@
 //! SQL producers and the checks through a pool of its own (`application_name =
 //! outbox-chaos`, so cutting the gateways' connections spares it), dropped at the end.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
 use anyhow::Context;
-use sqlx::{
-    Connection, Executor, PgConnection, PgPool,
-    postgres::{PgConnectOptions, PgPoolOptions},
-};
+use outbox_testkit::ThrowawayDatabase;
+use sqlx::{PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
 /// `application_name` of the gateways' connections, which the fault injector cuts.
@@ -16,8 +17,7 @@ const GATEWAY_APPLICATION: &str = "outbox-gateway";
 
 #[derive(Debug, Clone)]
 pub struct ChaosDatabase {
-    server_url: String,
-    name: String,
+    database: Arc<ThrowawayDatabase>,
     pool: PgPool,
 }
 
@@ -33,37 +33,26 @@ pub struct Snapshot {
 }
 
 impl ChaosDatabase {
-    /// Creates `outbox_chaos_<random>` on `server_url` (a URL without a database name).
+    /// Creates `outbox_chaos_<random>` on the server at `server_url`.
     pub async fn create(server_url: &str) -> anyhow::Result<ChaosDatabase> {
-        let server_url = server_url.trim_end_matches('/').to_owned();
-        let name = format!("outbox_chaos_{}", Uuid::new_v4().simple());
-        let mut admin = admin_connection(&server_url).await?;
-        admin
-            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .with_context(|| format!("cannot create database {name}"))?;
-        let _ = admin.close().await;
-        let options: PgConnectOptions = format!("{server_url}/{name}")
-            .parse::<PgConnectOptions>()?
-            .application_name("outbox-chaos");
+        let database = ThrowawayDatabase::create(server_url, "outbox_chaos").await?;
         let pool = PgPoolOptions::new()
             .max_connections(12)
-            .connect_with(options)
+            .connect_with(database.connect_options().application_name("outbox-chaos"))
             .await
-            .with_context(|| format!("cannot connect to {name}"))?;
+            .with_context(|| format!("cannot connect to {}", database.name()))?;
         Ok(ChaosDatabase {
-            server_url,
-            name,
+            database: Arc::new(database),
             pool,
         })
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        self.database.name()
     }
 
     pub fn url(&self) -> String {
-        format!("{}/{}", self.server_url, self.name)
+        self.database.url().to_owned()
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -76,7 +65,7 @@ impl ChaosDatabase {
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
              WHERE datname = $1 AND application_name = $2",
         )
-        .bind(&self.name)
+        .bind(self.name())
         .bind(GATEWAY_APPLICATION)
         .fetch_one(&self.pool)
         .await?;
@@ -126,23 +115,8 @@ impl ChaosDatabase {
     /// Closes the pool and drops the database with whatever is still connected to it.
     pub async fn drop_database(&self) {
         self.pool.close().await;
-        let statement = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        match admin_connection(&self.server_url).await {
-            Ok(mut admin) => {
-                if let Err(error) = admin.execute(sqlx::AssertSqlSafe(statement)).await {
-                    eprintln!("outbox-chaos: cannot drop database {}: {error}", self.name);
-                }
-            }
-            Err(error) => eprintln!(
-                "outbox-chaos: cannot drop database {}: {error:#}",
-                self.name
-            ),
+        if let Err(error) = self.database.drop_database().await {
+            eprintln!("outbox-chaos: {error}");
         }
     }
-}
-
-async fn admin_connection(server_url: &str) -> anyhow::Result<PgConnection> {
-    PgConnection::connect(&format!("{server_url}/postgres"))
-        .await
-        .with_context(|| format!("cannot connect to PostgreSQL at {server_url}"))
 }

@@ -5,20 +5,18 @@
 use std::{
     fs::{File, OpenOptions},
     io::Write,
-    net::{Ipv4Addr, SocketAddr, TcpListener},
+    net::SocketAddr,
     os::unix::process::CommandExt,
     path::PathBuf,
-    process::{Child, Command, ExitStatus, Stdio},
+    process::{Child, Command, Stdio},
     sync::Mutex,
     time::Duration,
 };
 
 use anyhow::{Context, bail};
+use outbox_testkit::gateway::{self, StartError};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
 
 use crate::{chaos::ChaosCounters, check::Violation};
 
@@ -82,11 +80,11 @@ impl Cluster {
         log_level: String,
         count: usize,
     ) -> anyhow::Result<Cluster> {
-        migrate(&binary, &database_url)?;
+        gateway::migrate(&binary, &database_url).map_err(anyhow::Error::msg)?;
         let mut slots = Vec::with_capacity(count);
         let mut channels = Vec::with_capacity(count);
         for _ in 0..count {
-            let address = free_loopback_address()?;
+            let address = gateway::free_loopback_address()?;
             let endpoint = Endpoint::from_shared(format!("http://{address}"))?
                 .connect_timeout(Duration::from_secs(1))
                 .http2_keep_alive_interval(Duration::from_secs(1))
@@ -202,26 +200,18 @@ impl Cluster {
     }
 
     async fn wait_until_serving(&self, index: usize, address: SocketAddr) -> anyhow::Result<()> {
-        let deadline = Instant::now() + HEALTHY_WITHIN;
-        while Instant::now() < deadline {
-            if !self.is_running(index) {
-                bail!(
-                    "gateway {index} exited while starting; see {}",
-                    self.log_path(index).display()
-                );
-            }
-            let mut health = HealthClient::new(self.channel(index));
-            let check = health.check(HealthCheckRequest {
-                service: String::new(),
-            });
-            if let Ok(Ok(response)) = tokio::time::timeout(Duration::from_secs(1), check).await
-                && response.into_inner().status == ServingStatus::Serving as i32
-            {
-                return Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let started =
+            gateway::wait_until_serving(address, HEALTHY_WITHIN, || self.is_running(index)).await;
+        match started {
+            Ok(()) => Ok(()),
+            Err(StartError::Exited) => bail!(
+                "gateway {index} exited while starting; see {}",
+                self.log_path(index).display()
+            ),
+            Err(StartError::TimedOut) => bail!(
+                "gateway {index} on {address} did not report SERVING within {HEALTHY_WITHIN:?}"
+            ),
         }
-        bail!("gateway {index} on {address} did not report SERVING within {HEALTHY_WITHIN:?}")
     }
 
     /// `kill -9` gateway `index`; false when it was not running.
@@ -230,7 +220,7 @@ impl Cluster {
             return false;
         };
         let _ = process.kill();
-        let _ = wait_for_exit(&mut process, EXIT_WITHIN).await;
+        let _ = gateway::wait_for_exit(&mut process, EXIT_WITHIN).await;
         true
     }
 
@@ -240,13 +230,13 @@ impl Cluster {
         let Some(mut process) = self.slot(index).process.take() else {
             return Ok(());
         };
-        send_sigterm(&process);
+        gateway::terminate(&process);
         self.await_termination(index, &mut process).await
     }
 
     async fn await_termination(&self, index: usize, process: &mut Child) -> Result<(), String> {
         let started = Instant::now();
-        match wait_for_exit(process, EXIT_WITHIN).await {
+        match gateway::wait_for_exit(process, EXIT_WITHIN).await {
             Some(status) if status.success() => Ok(()),
             Some(status) => Err(format!(
                 "gateway {index} exited with {status} after SIGTERM; see {}",
@@ -254,7 +244,7 @@ impl Cluster {
             )),
             None => {
                 let _ = process.kill();
-                let _ = wait_for_exit(process, EXIT_WITHIN).await;
+                let _ = gateway::wait_for_exit(process, EXIT_WITHIN).await;
                 Err(format!(
                     "gateway {index} had not exited {:?} after SIGTERM (shutdown grace 3s); killed it",
                     started.elapsed()
@@ -292,7 +282,7 @@ impl Cluster {
             .collect();
         stopping
             .iter()
-            .for_each(|(_, process)| send_sigterm(process));
+            .for_each(|(_, process)| gateway::terminate(process));
         let mut violations = Vec::new();
         for (index, mut process) in stopping {
             if let Err(detail) = self.await_termination(index, &mut process).await {
@@ -320,54 +310,4 @@ impl Cluster {
             })
             .collect()
     }
-}
-
-fn send_sigterm(process: &Child) {
-    // SAFETY: plain kill(2) on the pid of a child this process has not reaped yet.
-    unsafe {
-        libc::kill(process.id() as libc::pid_t, libc::SIGTERM);
-    }
-}
-
-/// Polls for the exit of `process` for at most `within`.
-async fn wait_for_exit(process: &mut Child, within: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Ok(Some(status)) = process.try_wait() {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn migrate(binary: &PathBuf, database_url: &str) -> anyhow::Result<()> {
-    let output = Command::new(binary)
-        .args([
-            "migrate",
-            "--log-level",
-            "warn",
-            "--database-url",
-            database_url,
-        ])
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run {}", binary.display()))?;
-    if !output.status.success() {
-        bail!(
-            "`{} migrate` failed ({}): {}",
-            binary.display(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-fn free_loopback_address() -> anyhow::Result<SocketAddr> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    Ok(listener.local_addr()?)
 }

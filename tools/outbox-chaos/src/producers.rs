@@ -7,10 +7,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use outbox_gateway::{
-    client::{ClientError, Connection, Publisher},
-    proto,
-};
+use outbox_client::{ClientError, Connection, Publisher, proto};
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::IndexedRandom};
 use tokio::{task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;

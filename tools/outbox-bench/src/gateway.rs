@@ -5,7 +5,7 @@
 //! figures.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, TcpListener},
+    net::SocketAddr,
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -17,15 +17,12 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use outbox_gateway::proto::{
+use outbox_client::proto::{
     self, admin_client::AdminClient, publisher_client::PublisherClient,
     subscriber_client::SubscriberClient,
 };
-use tokio::time::Instant;
+use outbox_testkit::gateway::{self, StartError};
 use tonic::transport::{Channel, Endpoint};
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
 
 /// How long a starting gateway may take to report SERVING.
 const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
@@ -54,27 +51,14 @@ impl GatewayLauncher {
 
     /// Applies the schema with `outbox-gateway migrate`.
     pub fn migrate(&self) -> anyhow::Result<()> {
-        let output = Command::new(&self.binary)
-            .args(["migrate", "--log-level", "warn", "--database-url"])
-            .arg(&self.database_url)
-            .stdin(Stdio::null())
-            .output()
-            .with_context(|| format!("cannot run {}", self.binary.display()))?;
-        if !output.status.success() {
-            bail!(
-                "`{} migrate` failed ({}): {}",
-                self.binary.display(),
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            );
-        }
-        Ok(())
+        gateway::migrate(&self.binary, &self.database_url).map_err(anyhow::Error::msg)
     }
 
     /// Starts a gateway on a free loopback port, waits until it reports SERVING and
     /// connects `channels` gRPC channels to it.
     pub async fn start(&self, channels: usize) -> anyhow::Result<Gateway> {
-        let address = free_loopback_address()?;
+        let address =
+            gateway::free_loopback_address().context("cannot find a free port on 127.0.0.1")?;
         let mut command = Command::new(&self.binary);
         command
             .arg("serve")
@@ -209,55 +193,40 @@ impl Gateway {
         if self.child.try_wait()?.is_some() {
             return Ok(());
         }
-        // SAFETY: kill(2) on the pid of a child this process has not reaped yet.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + EXIT_WITHIN;
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait()? {
-                if !status.success() {
-                    bail!("the gateway exited with {status} after SIGTERM");
-                }
-                return Ok(());
+        gateway::terminate(&self.child);
+        match gateway::wait_for_exit(&mut self.child, EXIT_WITHIN).await {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => bail!("the gateway exited with {status} after SIGTERM"),
+            None => {
+                self.child.kill()?;
+                self.child.wait()?;
+                bail!(
+                    "the gateway did not exit within {} s of SIGTERM and was killed",
+                    EXIT_WITHIN.as_secs()
+                )
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        self.child.kill()?;
-        self.child.wait()?;
-        bail!(
-            "the gateway did not exit within {} s of SIGTERM and was killed",
-            EXIT_WITHIN.as_secs()
-        )
     }
 
     async fn wait_until_serving(&mut self) -> anyhow::Result<()> {
-        let endpoint = endpoint(self.address)?;
-        let deadline = Instant::now() + HEALTHY_WITHIN;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                bail!("the gateway exited ({status}) before it became healthy; its log is above");
-            }
-            if let Ok(channel) = endpoint.connect().await {
-                let response = HealthClient::new(channel)
-                    .check(HealthCheckRequest {
-                        service: String::new(),
-                    })
-                    .await;
-                if let Ok(response) = response
-                    && response.into_inner().status == ServingStatus::Serving as i32
-                {
-                    return Ok(());
-                }
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "the gateway at {} did not report SERVING within {} s",
-                    self.address,
-                    HEALTHY_WITHIN.as_secs()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let child = &mut self.child;
+        let started = gateway::wait_until_serving(self.address, HEALTHY_WITHIN, || {
+            matches!(child.try_wait(), Ok(None))
+        })
+        .await;
+        match started {
+            Ok(()) => Ok(()),
+            Err(StartError::Exited) => bail!(
+                "the gateway exited ({}) before it became healthy; its log is above",
+                child
+                    .try_wait()?
+                    .map_or_else(|| "unknown status".into(), |status| status.to_string())
+            ),
+            Err(StartError::TimedOut) => bail!(
+                "the gateway at {} did not report SERVING within {} s",
+                self.address,
+                HEALTHY_WITHIN.as_secs()
+            ),
         }
     }
 }
@@ -290,13 +259,6 @@ fn endpoint(address: SocketAddr) -> anyhow::Result<Endpoint> {
     Ok(Endpoint::from_shared(format!("http://{address}"))?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(5)))
-}
-
-/// A loopback port nobody listens on right now.
-fn free_loopback_address() -> anyhow::Result<SocketAddr> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .context("cannot find a free port on 127.0.0.1")?;
-    Ok(listener.local_addr()?)
 }
 
 /// Resident memory and CPU time of one process, from /proc.

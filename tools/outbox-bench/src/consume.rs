@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::Context;
-use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
+use outbox_client::proto::{self, subscriber_client::SubscriberClient};
 use tokio::{task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;

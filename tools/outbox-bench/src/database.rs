@@ -5,7 +5,8 @@
 
 use std::{str::FromStr, time::Duration};
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow, bail};
+use outbox_testkit::{DatabaseError, ThrowawayDatabase};
 use sqlx::{
     Connection, Executor, PgConnection, PgPool,
     postgres::{PgConnectOptions, PgPoolOptions},
@@ -32,9 +33,7 @@ pub enum Notify {
 }
 
 pub struct BenchDatabase {
-    name: String,
-    server: PgConnectOptions,
-    url: String,
+    database: ThrowawayDatabase,
     /// Whether resets and fills end with a CHECKPOINT (off for smoke tests, where a
     /// checkpoint after a TRUNCATE can take longer than the measurement).
     checkpoints: bool,
@@ -49,8 +48,7 @@ impl BenchDatabase {
     pub async fn create(server_url: &str, checkpoints: bool) -> anyhow::Result<BenchDatabase> {
         let server_url = &without_tls_unless_set(server_url);
         let server = PgConnectOptions::from_str(server_url)
-            .with_context(|| format!("invalid --postgres-url {server_url:?}"))?
-            .application_name("outbox-bench");
+            .with_context(|| format!("invalid --postgres-url {server_url:?}"))?;
         let host = server.get_host();
         if !is_local_host(host) {
             bail!(
@@ -59,45 +57,33 @@ impl BenchDatabase {
                  or a Unix socket"
             );
         }
-        let name = format!("outbox_bench_{}", Uuid::new_v4().simple());
-        let mut admin = PgConnection::connect_with(&server.clone().database("postgres"))
+        let database = ThrowawayDatabase::create(server_url, "outbox_bench")
             .await
-            .with_context(|| {
-                format!(
-                    "cannot connect to PostgreSQL at {}:{} as {:?}; is it running? \
-                     (point --postgres-url at it)",
-                    server.get_host(),
-                    server.get_port(),
-                    server.get_username()
-                )
+            .map_err(|error| match error {
+                DatabaseError::Connect { .. } => {
+                    anyhow!("{error}; is it running? (point --postgres-url at it)")
+                }
+                DatabaseError::InvalidUrl { .. } | DatabaseError::Statement { .. } => error.into(),
             })?;
-        admin
-            .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .with_context(|| format!("cannot create database {name}"))?;
-        let _ = admin.close().await;
-        let url = database_url(server_url, &name);
         Ok(BenchDatabase {
-            name,
-            server,
-            url,
+            database,
             checkpoints,
         })
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        self.database.name()
     }
 
     /// Connection URL of the benchmark database, for the gateway.
     pub fn url(&self) -> &str {
-        &self.url
+        self.database.url()
     }
 
     /// A pool of direct connections, like a producer service's, with every connection
     /// open already (so no run pays for connecting).
     pub async fn pool(&self, connections: u32, notify: Notify) -> anyhow::Result<PgPool> {
-        let mut options = self.server.clone().database(&self.name);
+        let mut options = self.connect_options();
         if notify == Notify::Suppress {
             options = options.options([("outbox.suppress_notify", "on")]);
         }
@@ -108,13 +94,13 @@ impl BenchDatabase {
             .test_before_acquire(false)
             .connect_with(options)
             .await
-            .with_context(|| format!("cannot connect to {}", self.name))?;
+            .with_context(|| format!("cannot connect to {}", self.name()))?;
         let mut open = Vec::with_capacity(connections as usize);
         for _ in 0..connections {
             open.push(
                 pool.acquire()
                     .await
-                    .with_context(|| format!("cannot connect to {}", self.name))?,
+                    .with_context(|| format!("cannot connect to {}", self.name()))?,
             );
         }
         drop(open);
@@ -212,18 +198,7 @@ impl BenchDatabase {
 
     /// Drops the database, cutting off any connection left.
     pub async fn drop_database(&self) -> anyhow::Result<()> {
-        let mut admin = PgConnection::connect_with(&self.server.clone().database("postgres"))
-            .await
-            .context("cannot connect to PostgreSQL to drop the benchmark database")?;
-        admin
-            .execute(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            )))
-            .await
-            .with_context(|| format!("cannot drop database {}", self.name))?;
-        let _ = admin.close().await;
-        Ok(())
+        Ok(self.database.drop_database().await?)
     }
 
     /// Flushes dirty buffers now rather than during the next measurement. Needs
@@ -238,9 +213,15 @@ impl BenchDatabase {
     }
 
     async fn connect(&self) -> anyhow::Result<PgConnection> {
-        PgConnection::connect_with(&self.server.clone().database(&self.name))
+        PgConnection::connect_with(&self.connect_options())
             .await
-            .with_context(|| format!("cannot connect to {}", self.name))
+            .with_context(|| format!("cannot connect to {}", self.name()))
+    }
+
+    fn connect_options(&self) -> PgConnectOptions {
+        self.database
+            .connect_options()
+            .application_name("outbox-bench")
     }
 }
 
@@ -264,39 +245,9 @@ fn is_local_host(host: &str) -> bool {
             .is_ok_and(|address| address.is_loopback())
 }
 
-/// `server_url` with its database path replaced by `database` (query parameters kept).
-fn database_url(server_url: &str, database: &str) -> String {
-    let (base, query) = match server_url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (server_url, None),
-    };
-    let authority_start = base.find("://").map_or(0, |index| index + 3);
-    let path_start = base[authority_start..]
-        .find('/')
-        .map_or(base.len(), |index| authority_start + index);
-    let mut url = format!("{}/{database}", &base[..path_start]);
-    if let Some(query) = query {
-        url.push('?');
-        url.push_str(query);
-    }
-    url
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn replaces_the_database_of_a_url() {
-        assert_eq!(
-            database_url("postgres://postgres@127.0.0.1:5432", "b"),
-            "postgres://postgres@127.0.0.1:5432/b"
-        );
-        assert_eq!(
-            database_url("postgres://u:p@localhost/postgres?sslmode=disable", "b"),
-            "postgres://u:p@localhost/b?sslmode=disable"
-        );
-    }
 
     #[test]
     fn disables_tls_unless_the_url_chooses() {

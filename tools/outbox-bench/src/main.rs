@@ -137,20 +137,14 @@ impl Cli {
     }
 
     fn gateway_binary(&self) -> anyhow::Result<PathBuf> {
-        let binary = match &self.gateway_bin {
-            Some(path) => path.clone(),
-            None => std::env::current_exe()
-                .context("cannot locate this executable")?
-                .with_file_name("outbox-gateway"),
-        };
-        if !binary.is_file() {
-            anyhow::bail!(
-                "gateway binary {} not found: build it with `cargo build --release --bins` or \
-                 pass --gateway-bin",
-                binary.display()
-            );
+        match &self.gateway_bin {
+            Some(path) if path.is_file() => Ok(path.clone()),
+            Some(path) => anyhow::bail!("gateway binary {} not found", path.display()),
+            None => outbox_testkit::gateway::binary_beside(
+                &std::env::current_exe().context("cannot locate this executable")?,
+            )
+            .map_err(|error| anyhow::anyhow!("{error}, or pass --gateway-bin")),
         }
-        Ok(binary)
     }
 }
 
