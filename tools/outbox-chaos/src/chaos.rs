@@ -25,6 +25,8 @@ pub struct ChaosCounters {
     pub connection_cuts: AtomicU64,
     /// Connections terminated in those rounds.
     pub connections_cut: AtomicU64,
+    /// Samples of the gateways' sessions taken by the idle-in-transaction watchdog.
+    pub idle_in_transaction_checks: AtomicU64,
     violations: Mutex<Vec<Violation>>,
 }
 

@@ -72,6 +72,26 @@ impl ChaosDatabase {
         Ok(cut as u64)
     }
 
+    /// Gateway sessions idle inside a transaction for longer than `at_least`, with the
+    /// last statement each ran. The gateway ends every transaction it opens, so any is a
+    /// defect: it would hold back vacuum (and once held back every delivery).
+    pub async fn gateway_sessions_idle_in_transaction(
+        &self,
+        at_least: std::time::Duration,
+    ) -> anyhow::Result<Vec<String>> {
+        Ok(sqlx::query_scalar(
+            "SELECT coalesce(query, '') FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = $2 \
+               AND state LIKE 'idle in transaction%' \
+               AND state_change < now() - $3 * interval '1 millisecond'",
+        )
+        .bind(self.name())
+        .bind(GATEWAY_APPLICATION)
+        .bind(at_least.as_millis() as i64)
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
     /// Whether an event with this id is stored: settles a SQL commit whose answer was lost.
     pub async fn is_stored(&self, id: Uuid) -> anyhow::Result<bool> {
         Ok(

@@ -55,6 +55,15 @@ pub struct LedgerState {
     pub sql_commit_unknown: u64,
     /// Statements that failed inside a SQL transaction (it was rolled back).
     pub sql_errors: u64,
+    /// Re-publishes of committed events with identical content, answered as duplicates.
+    pub identical_republishes: u64,
+    /// Re-publishes with different content, refused with ALREADY_EXISTS.
+    pub conflicting_republishes: u64,
+    /// Publishes with input the database cannot store (NUL, invalid UTF-8 in JSON),
+    /// refused with INVALID_ARGUMENT.
+    pub bad_inputs_refused: u64,
+    /// Transactions held open for seconds while everything else flowed.
+    pub held_transactions: u64,
     pub violations: Vec<Violation>,
 }
 

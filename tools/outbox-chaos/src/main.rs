@@ -12,6 +12,7 @@ mod check;
 mod cluster;
 mod consumers;
 mod database;
+mod held;
 mod ledger;
 mod producers;
 mod report;
@@ -182,11 +183,23 @@ async fn run_on(
         seed,
         args.duration,
     ));
+    let holder = tokio::spawn(held::run(
+        database.clone(),
+        ledger.clone(),
+        seed,
+        stop_producing.clone(),
+    ));
+    let stop_watchdog = CancellationToken::new();
+    let watchdog = tokio::spawn(watch_for_idle_transactions(
+        database.clone(),
+        counters.clone(),
+        stop_watchdog.clone(),
+    ));
 
     tokio::time::sleep(args.duration).await;
     stop_producing.cancel();
     eprintln!("outbox-chaos: chaos phase over, waiting for producers and the fault injector");
-    let ((), chaos_result) = tokio::join!(producers.join(), chaos);
+    let ((), chaos_result, _) = tokio::join!(producers.join(), chaos, holder);
     if let Err(error) = chaos_result {
         anyhow::bail!("the fault injector failed: {error}");
     }
@@ -199,6 +212,8 @@ async fn run_on(
     let drain_time = drain_started.elapsed();
     stop_consumers.cancel();
     consumers.join().await;
+    stop_watchdog.cancel();
+    let _ = watchdog.await;
 
     let snapshot = database.final_state().await?;
     let shutdown_problems = cluster.stop_all().await;
@@ -255,5 +270,36 @@ async fn drain(
             next_progress += Duration::from_secs(5);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Samples the gateways' sessions twice a second until `stop`: one left idle inside a
+/// transaction for more than two seconds is a violation.
+async fn watch_for_idle_transactions(
+    database: ChaosDatabase,
+    counters: Arc<ChaosCounters>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        match database
+            .gateway_sessions_idle_in_transaction(Duration::from_secs(2))
+            .await
+        {
+            Ok(sessions) if !sessions.is_empty() => {
+                counters.violation(check::Violation::new(
+                    "idle in transaction",
+                    format!("gateway sessions left idle in a transaction: {sessions:?}"),
+                ));
+            }
+            Ok(_) => {}
+            Err(error) => eprintln!("outbox-chaos: cannot sample sessions: {error:#}"),
+        }
+        counters
+            .idle_in_transaction_checks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.cancelled() => {}
+        }
     }
 }

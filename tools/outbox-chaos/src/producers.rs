@@ -179,7 +179,18 @@ impl RpcProducer {
                 break;
             }
             let (published, inputs): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-            if !self.publish_until_known(&published, inputs, &mut rng).await {
+            if self
+                .publish_until_known(&published, inputs.clone(), &mut rng)
+                .await
+            {
+                // Now and then, what a careless or hostile client sends next.
+                match rng.random_range(0..20) {
+                    0 => self.republish(&inputs, false, &mut rng).await,
+                    1 => self.republish(&inputs, true, &mut rng).await,
+                    2 => self.publish_bad_input(&inputs[0], &mut rng).await,
+                    _ => {}
+                }
+            } else {
                 retire(&mut aggregates, &published);
             }
             pause(&stop, rng.random_range(60..180)).await;
@@ -234,6 +245,73 @@ impl RpcProducer {
         }
         self.ledger.in_doubt(published);
         false
+    }
+
+    /// Publishes committed events again: identical, they must all come back as
+    /// duplicates; with the first one's payload changed, the call must be refused with
+    /// ALREADY_EXISTS (and change nothing, which the checks of delivered content see).
+    async fn republish(&self, inputs: &[proto::EventInput], conflicting: bool, rng: &mut StdRng) {
+        let mut again = inputs.to_vec();
+        if conflicting {
+            again[0].payload = br#"{"tampered":true}"#.to_vec();
+        }
+        let publisher = &self.publishers[rng.random_range(0..self.publishers.len())];
+        let answer = tokio::time::timeout(PUBLISH_TIMEOUT, publisher.publish(again)).await;
+        let violation = |detail: String| {
+            self.ledger.violation(Violation::new(
+                "re-publish",
+                format!("{}: {detail}", self.name),
+            ))
+        };
+        match (conflicting, answer) {
+            (false, Ok(Ok(results))) if results.iter().all(|result| result.duplicate) => {
+                self.ledger.state().identical_republishes += 1;
+            }
+            (false, Ok(Ok(results))) => {
+                violation(format!("identical events not all duplicates: {results:?}"))
+            }
+            (true, Ok(Err(ClientError::Refused(status))))
+                if status.code() == tonic::Code::AlreadyExists =>
+            {
+                self.ledger.state().conflicting_republishes += 1;
+            }
+            (true, Ok(Ok(results))) => {
+                violation(format!("conflicting content accepted: {results:?}"))
+            }
+            // A dying gateway or a cut connection: says nothing either way.
+            (_, Ok(Err(ClientError::Unavailable(_)))) => {}
+            (_, Ok(Err(ClientError::Refused(status)))) if is_transport_failure(&status) => {}
+            (_, Ok(Err(error))) => violation(format!("answered {error}")),
+            (_, Err(_)) => violation("no answer within the timeout".into()),
+        }
+    }
+
+    /// Publishes an event the database could not store as such: it must be refused with
+    /// INVALID_ARGUMENT, never INTERNAL, and nothing is written (a fresh id is used, so a
+    /// stored event would also show up as an unexpected delivery).
+    async fn publish_bad_input(&self, template: &proto::EventInput, rng: &mut StdRng) {
+        let mut bad = template.clone();
+        bad.id = Uuid::now_v7().to_string();
+        if rng.random_bool(0.5) {
+            bad.aggregate_id = format!("{}\0nul", template.aggregate_id);
+        } else {
+            bad.payload = b"{\"name\": \"\xff\xfe\"}".to_vec();
+        }
+        let publisher = &self.publishers[rng.random_range(0..self.publishers.len())];
+        match tokio::time::timeout(PUBLISH_TIMEOUT, publisher.publish(vec![bad])).await {
+            Ok(Err(ClientError::Refused(status)))
+                if status.code() == tonic::Code::InvalidArgument =>
+            {
+                self.ledger.state().bad_inputs_refused += 1;
+            }
+            Ok(Err(ClientError::Unavailable(_))) => {}
+            Ok(Err(ClientError::Refused(status)))
+                if is_transport_failure(&status) && status.code() != tonic::Code::Internal => {}
+            other => self.ledger.violation(Violation::new(
+                "bad input",
+                format!("{}: a malformed event was answered {other:?}", self.name),
+            )),
+        }
     }
 
     fn check_results(&self, published: &[Published], results: &[proto::PublishResult]) {

@@ -33,6 +33,12 @@ pub struct Totals {
     pub rpc_errors: BTreeMap<String, u64>,
     pub sql_transactions: u64,
     pub sql_commit_unknown: u64,
+    pub identical_republishes: u64,
+    pub conflicting_republishes: u64,
+    pub bad_inputs_refused: u64,
+    pub held_transactions: u64,
+    /// Samples of the gateways' sessions looking for one left idle in a transaction.
+    pub idle_in_transaction_checks: u64,
     pub delivered: usize,
     pub redelivered: usize,
     pub acked: usize,
@@ -238,6 +244,11 @@ impl Totals {
             rpc_errors: ledger.rpc_errors.clone(),
             sql_transactions: ledger.sql_transactions,
             sql_commit_unknown: ledger.sql_commit_unknown,
+            identical_republishes: ledger.identical_republishes,
+            conflicting_republishes: ledger.conflicting_republishes,
+            bad_inputs_refused: ledger.bad_inputs_refused,
+            held_transactions: ledger.held_transactions,
+            idle_in_transaction_checks: ChaosCounters::get(&counters.idle_in_transaction_checks),
             delivered: subscriptions.iter().map(|s| s.delivered).sum(),
             redelivered: subscriptions.iter().map(|s| s.redelivered).sum(),
             acked: state.acked.len(),
@@ -294,6 +305,22 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
                 "{} / {}",
                 totals.sql_transactions, totals.sql_commit_unknown
             ),
+        ),
+        (
+            "re-publishes identical / conflicting",
+            format!(
+                "{} / {}",
+                totals.identical_republishes, totals.conflicting_republishes
+            ),
+        ),
+        ("bad inputs refused", totals.bad_inputs_refused.to_string()),
+        (
+            "transactions held open",
+            totals.held_transactions.to_string(),
+        ),
+        (
+            "idle-in-transaction checks",
+            totals.idle_in_transaction_checks.to_string(),
         ),
         ("delivered", totals.delivered.to_string()),
         ("redelivered", totals.redelivered.to_string()),

@@ -43,6 +43,11 @@ fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
         "acked",
         "gateway_kills",
         "connection_cuts",
+        "identical_republishes",
+        "conflicting_republishes",
+        "bad_inputs_refused",
+        "held_transactions",
+        "idle_in_transaction_checks",
     ] {
         assert!(totals[key].as_u64() > Some(0), "{key} is 0\n{report}");
     }
