@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::{
-    domain::{NewEvent, PatternSet, SubscriptionName},
+    domain::{NewEvent, PatternSet, SourceName, SubscriptionName},
     error::{Error, Result},
 };
 
@@ -30,6 +30,9 @@ pub struct TokenConfig {
     /// characters, e.g. `billing-*` (empty: any).
     #[serde(default)]
     pub subscriptions: Vec<String>,
+    /// Publisher scope: sources (databases) it may publish to (empty: any).
+    #[serde(default)]
+    pub sources: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -54,6 +57,7 @@ pub struct Principal {
 struct PublishScope {
     event_types: PatternSet,
     aggregate_types: Vec<String>,
+    sources: Vec<String>,
 }
 
 impl Principal {
@@ -64,17 +68,24 @@ impl Principal {
             publisher: Some(PublishScope {
                 event_types: PatternSet::default(),
                 aggregate_types: Vec::new(),
+                sources: Vec::new(),
             }),
             subscriber: Some(GlobSet::empty()),
             admin: true,
         }
     }
 
-    /// Every event must be within the publisher scope.
-    pub fn check_publish(&self, events: &[NewEvent]) -> Result<()> {
+    /// Every event must be within the publisher scope, and so must the source.
+    pub fn check_publish(&self, events: &[NewEvent], source: &SourceName) -> Result<()> {
         let Some(scope) = &self.publisher else {
             return Err(self.denied("publish events (the publisher role)"));
         };
+        if !scope.sources.is_empty() && !scope.sources.iter().any(|s| s == source.as_str()) {
+            return Err(Error::PermissionDenied(format!(
+                "source: {:?} may not publish to source {source:?}",
+                self.name
+            )));
+        }
         for (index, event) in events.iter().enumerate() {
             if !scope.event_types.is_empty() && !scope.event_types.matches(&event.event_type) {
                 return Err(Error::PermissionDenied(format!(
@@ -174,6 +185,7 @@ impl Authenticator {
                     publisher: has(Role::Publisher).then(|| PublishScope {
                         event_types,
                         aggregate_types: token.aggregate_types.clone(),
+                        sources: token.sources.clone(),
                     }),
                     subscriber: has(Role::Subscriber).then_some(subscriptions),
                     admin: has(Role::Admin),
@@ -232,6 +244,7 @@ mod tests {
             event_types: vec!["billing.**".into()],
             aggregate_types: vec![],
             subscriptions: vec!["billing-*".into()],
+            sources: vec![],
         }
     }
 
@@ -264,7 +277,12 @@ mod tests {
         principal.check_subscription(&name("billing-eu")).unwrap();
         assert!(principal.check_subscription(&name("orders")).is_err());
         assert!(principal.check_admin().is_err());
-        assert!(principal.check_publish(&[]).is_err(), "no publisher role");
+        assert!(
+            principal
+                .check_publish(&[], &SourceName::default_source())
+                .is_err(),
+            "no publisher role"
+        );
     }
 
     #[test]

@@ -39,6 +39,11 @@ pub struct Settings {
     #[arg(skip)]
     pub tokens: Option<Vec<TokenConfig>>,
 
+    /// Further databases to relay from, besides `--database-url` (the source `default`);
+    /// configuration file only (`[[sources]]` tables).
+    #[arg(skip)]
+    pub sources: Option<Vec<SourceConfig>>,
+
     /// Allow listening beyond loopback with no tokens configured: anyone who can reach
     /// the port may publish, read and administer.
     #[arg(long, env = "OUTBOX_INSECURE_NO_AUTH", num_args = 0..=1, default_missing_value = "true")]
@@ -209,6 +214,26 @@ impl<'de> Deserialize<'de> for DurationSetting {
     }
 }
 
+/// One `[[sources]]` table: a database the gateway relays events from.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// `[a-z0-9][a-z0-9_-]{0,62}`; `default` is the database of `--database-url`.
+    pub name: String,
+    /// PostgreSQL connection URL of the service's database.
+    pub database_url: String,
+    /// Most connections to it. [default: 5]
+    #[serde(default)]
+    pub max_connections: Option<u32>,
+    /// Install or upgrade the outbox schema there at start (default); when false, check
+    /// it and refuse to start if it is missing or older.
+    #[serde(default)]
+    pub migrate: Option<bool>,
+}
+
+/// Connections to a source when its table does not say.
+pub const DEFAULT_SOURCE_CONNECTIONS: u32 = 5;
+
 /// Certificate, key and optional client CA, as PEM files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -224,6 +249,8 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Empty: authentication is off (only allowed on loopback or when insecure).
     pub tokens: Vec<TokenConfig>,
+    /// Databases relayed from besides `database_url`, validated.
+    pub sources: Vec<SourceConfig>,
     pub insecure_no_auth: bool,
     pub tls: Option<TlsFiles>,
     pub max_message_bytes: usize,
@@ -303,6 +330,7 @@ impl Config {
                 .listen
                 .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
             tokens: settings.tokens.unwrap_or_default(),
+            sources: settings.sources.unwrap_or_default(),
             insecure_no_auth: settings.insecure_no_auth.unwrap_or(false),
             tls: match (settings.tls_cert, settings.tls_key) {
                 (Some(cert), Some(key)) => Some(TlsFiles {
@@ -416,6 +444,7 @@ impl Config {
                 ),
             });
         }
+        self.validate_sources()?;
         if let Err(message) = crate::auth::Authenticator::new(&self.tokens) {
             return Err(ConfigError::Invalid {
                 setting: "tokens",
@@ -490,6 +519,63 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Names are well formed and distinct, `default` is not redefined, and no two sources
+    /// (`default` included) point at the same database.
+    fn validate_sources(&self) -> Result<(), ConfigError> {
+        let invalid = |index: usize, name: &str, message: String| ConfigError::Invalid {
+            setting: "sources",
+            message: format!("sources[{index}] ({name:?}): {message}"),
+        };
+        let mut seen: Vec<(&str, String)> = vec![(
+            crate::domain::DEFAULT_SOURCE,
+            crate::storage::database_identity(&self.database_url).unwrap_or_default(),
+        )];
+        for (index, source) in self.sources.iter().enumerate() {
+            crate::domain::SourceName::parse("name", &source.name)
+                .map_err(|error| invalid(index, &source.name, error.to_string()))?;
+            let identity =
+                crate::storage::database_identity(&source.database_url).map_err(|message| {
+                    invalid(index, &source.name, format!("database_url {message}"))
+                })?;
+            if let Some((other, _)) = seen.iter().find(|(name, _)| *name == source.name) {
+                return Err(invalid(
+                    index,
+                    &source.name,
+                    format!("the name is already used by {}", describe_source(other)),
+                ));
+            }
+            if let Some((other, _)) = seen.iter().find(|(_, seen)| *seen == identity) {
+                return Err(invalid(
+                    index,
+                    &source.name,
+                    format!(
+                        "database_url points at the same database as {}",
+                        describe_source(other)
+                    ),
+                ));
+            }
+            if source.max_connections == Some(0) {
+                return Err(invalid(
+                    index,
+                    &source.name,
+                    "max_connections must be at least 1".into(),
+                ));
+            }
+            seen.push((&source.name, identity));
+        }
+        Ok(())
+    }
+}
+
+fn describe_source(name: &str) -> String {
+    if name == crate::domain::DEFAULT_SOURCE {
+        "the default source (--database-url)".to_owned()
+    } else {
+        format!("source {name:?}")
+    }
+}
+
 impl Settings {
     /// These settings, falling back to `lower` for each one left unset.
     fn over(self, lower: Settings) -> Settings {
@@ -503,6 +589,7 @@ impl Settings {
             database_url,
             listen,
             tokens,
+            sources,
             insecure_no_auth,
             tls_cert,
             tls_key,

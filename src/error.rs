@@ -26,6 +26,9 @@ pub enum Error {
     /// The database cannot be reached; the client may retry.
     #[error("database unavailable")]
     Unavailable(#[source] StoreError),
+    /// A source database the call needs cannot be reached; the client may retry.
+    #[error("source {0} is unavailable")]
+    SourceUnavailable(crate::domain::SourceName),
     /// Too much work is waiting; the client should retry shortly.
     #[error("{0}")]
     Overloaded(String),

@@ -11,6 +11,7 @@
 //! - [`publish`]: idempotent, atomic batch publishing.
 //! - [`subscriptions`]: creating, changing, seeking and deleting subscriptions.
 //! - [`operations`]: requeues, dead-letter triage and delivery figures.
+//! - [`sources`]: the source databases relayed from, and whether each is reachable.
 //! - [`maintenance`]: lease reclaim and retention on a timer.
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
@@ -34,6 +35,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod operations;
 pub mod publish;
+pub mod sources;
 pub mod storage;
 pub mod subscriptions;
 pub mod telemetry;
@@ -50,6 +52,7 @@ use crate::{
     delivery::Relay,
     operations::Operations,
     publish::Publisher,
+    sources::{Sources, SourcesError},
     storage::{Store, StoreConfig, StoreError},
     subscriptions::Subscriptions,
 };
@@ -78,6 +81,8 @@ pub enum RunError {
     Tls(String),
     #[error("invalid tokens: {0}")]
     Tokens(String),
+    #[error(transparent)]
+    Sources(#[from] SourcesError),
 }
 
 /// Connects to the database (migrating it unless configured not to) and serves gRPC
@@ -93,6 +98,8 @@ pub async fn run(
     if config.migrate {
         store.migrate().await.map_err(RunError::Migrate)?;
     }
+    let sources = Sources::new(store.clone(), &config)?;
+    sources.prepare().await?;
     if let Some(listen) = config.metrics_listen {
         match metrics::install(listen, config.metrics_refresh_interval * 3) {
             Ok(()) => tracing::info!(%listen, "serving metrics at /metrics"),
@@ -100,29 +107,34 @@ pub async fn run(
             Err(error) => tracing::warn!(%error, "metrics disabled"),
         }
     }
-    let relay = Relay::start(store.clone(), config.delivery.clone());
-    let publisher = Publisher::new(store.clone(), relay.clone(), config.limits.clone());
-    let subscriptions = Subscriptions::new(store.clone(), relay.clone());
-    let operations = Operations::new(store.clone(), relay.clone());
+    let relay = Relay::start(sources.clone(), config.delivery.clone());
+    let publisher = Publisher::new(relay.clone(), config.limits.clone());
+    let subscriptions = Subscriptions::new(relay.clone());
+    let operations = Operations::new(relay.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
     let maintenance = tokio::spawn(maintenance::run(
-        store.clone(),
         relay.clone(),
+        subscriptions.clone(),
         config.maintenance.clone(),
         stop_maintenance.clone(),
     ));
+    let source_watch = tokio::spawn(
+        sources
+            .clone()
+            .watch(config.health_check_interval, stop_maintenance.clone()),
+    );
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
     let figures = config.metrics_listen.map(|_| {
         tokio::spawn(refresh_figures(
-            store.clone(),
+            sources.clone(),
             operations.clone(),
             config.metrics_refresh_interval,
         ))
     });
     let health_monitor = tokio::spawn(monitor_health(
-        store.clone(),
+        sources.clone(),
         health_reporter.clone(),
         config.health_check_interval,
     ));
@@ -212,7 +224,8 @@ pub async fn run(
     }
     stop_maintenance.cancel();
     let _ = maintenance.await;
-    store.close().await;
+    let _ = source_watch.await;
+    sources.close().await;
     tracing::info!("stopped");
     Ok(())
 }
@@ -240,6 +253,8 @@ async fn tls_config(
 
 async fn connect(config: &Config) -> Result<Store, RunError> {
     let store_config = StoreConfig {
+        source: domain::SourceName::default_source(),
+        source_id: domain::SourceId(0),
         database_url: config.database_url.clone(),
         max_connections: config.db_max_connections,
         acquire_timeout: config.db_acquire_timeout,
@@ -253,11 +268,15 @@ async fn connect(config: &Config) -> Result<Store, RunError> {
         })
 }
 
-/// SERVING while the database answers and its schema is current, NOT_SERVING otherwise.
-async fn monitor_health(store: Store, reporter: HealthReporter, interval: Duration) {
+/// SERVING while the `default` database answers and its schema is current, NOT_SERVING
+/// otherwise; each source besides reports on `outbox.source.<name>`, SERVING while it can
+/// be reached.
+async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Duration) {
     let mut serving = None;
+    let mut source_serving: Vec<Option<bool>> = vec![None; sources.len()];
     loop {
-        let healthy = match store.is_migrated().await {
+        let default = &sources.default_source().store;
+        let healthy = match default.is_migrated().await {
             Ok(true) => true,
             Ok(false) => {
                 tracing::warn!("the database schema is not migrated; run `outbox-gateway migrate`");
@@ -268,37 +287,61 @@ async fn monitor_health(store: Store, reporter: HealthReporter, interval: Durati
                 false
             }
         };
+        sources.record_default(if healthy {
+            Ok(())
+        } else {
+            Err("cannot reach PostgreSQL, or its schema is not migrated".into())
+        });
         if serving != Some(healthy) {
-            let status = if healthy {
-                ServingStatus::Serving
-            } else {
-                ServingStatus::NotServing
-            };
+            let status = serving_status(healthy);
             tracing::info!(?status, "health changed");
             set_health(&reporter, status).await;
             serving = Some(healthy);
         }
+        for (source, reported) in sources.iter().zip(source_serving.iter_mut()) {
+            let connected = source.is_connected();
+            metrics::source_up(source.name.as_str(), connected);
+            if *reported != Some(connected) {
+                reporter
+                    .set_service_status(
+                        format!("outbox.source.{}", source.name),
+                        serving_status(connected),
+                    )
+                    .await;
+                *reported = Some(connected);
+            }
+        }
         tokio::time::sleep(interval).await;
+    }
+}
+
+fn serving_status(serving: bool) -> ServingStatus {
+    if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
     }
 }
 
 /// Recomputes the per-subscription gauges and the pool gauges. Counting a large backlog
 /// takes the database a while, so the refresh never spends more than about 1/20 of the
 /// time: with a backlog of millions it comes less often than `interval`.
-async fn refresh_figures(store: Store, operations: Operations, interval: Duration) {
+async fn refresh_figures(sources: Sources, operations: Operations, interval: Duration) {
     loop {
         let started = std::time::Instant::now();
         match operations.stats(None).await {
             Ok((subscriptions, outbox)) => {
                 let now = chrono::Utc::now();
-                for stats in &subscriptions {
-                    metrics::subscription_figures(stats, now);
+                for figures in &subscriptions {
+                    for stats in &figures.per_source {
+                        metrics::subscription_figures(stats, now);
+                    }
                 }
                 metrics::outbox_figures(&outbox);
             }
             Err(error) => tracing::debug!(%error, "could not refresh metrics"),
         }
-        let (size, idle) = store.pool_usage();
+        let (size, idle) = sources.default_source().store.pool_usage();
         metrics::pool(size, idle);
         tokio::time::sleep(interval.max(started.elapsed() * 20)).await;
     }

@@ -91,6 +91,8 @@ async fn migrate(config: Config) -> Result<(), String> {
     Telemetry::init(config.log_format, &config.log_level)?;
     let target = outbox_gateway::storage::describe_target(&config.database_url);
     let store = Store::connect(&StoreConfig {
+        source: outbox_gateway::domain::SourceName::default_source(),
+        source_id: outbox_gateway::domain::SourceId(0),
         database_url: config.database_url.clone(),
         max_connections: 1,
         acquire_timeout: config.db_acquire_timeout,

@@ -1,15 +1,13 @@
-//! Background maintenance: reclaims expired leases and enforces retention on a timer, and
-//! vacuums the delivery table as soon as enough acks have left dead rows in it. Safe with
-//! several gateways: no step waits for another gateway doing the same.
+//! Background maintenance of every source: brings read positions up to date with the
+//! subscription definitions, reclaims expired leases and enforces retention on a timer,
+//! and vacuums the delivery table as soon as enough acks have left dead rows in it. Safe
+//! with several gateways: no step waits for another gateway doing the same.
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    delivery::Relay,
-    storage::{Store, StoreError},
-};
+use crate::{delivery::Relay, error::Error, sources::Source, subscriptions::Subscriptions};
 
 /// Most batches one pass deletes, so a pass stays short; the next pass goes on.
 const MAX_BATCHES_PER_PASS: usize = 100;
@@ -44,10 +42,10 @@ impl Default for MaintenanceConfig {
     }
 }
 
-/// Runs maintenance passes until `shutdown`.
+/// Runs maintenance passes over every reachable source until `shutdown`.
 pub async fn run(
-    store: Store,
     relay: Relay,
+    subscriptions: Subscriptions,
     config: MaintenanceConfig,
     shutdown: CancellationToken,
 ) {
@@ -62,40 +60,59 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = passes.tick() => {
-                if let Err(error) = pass(&store, &relay, &config).await {
-                    tracing::warn!(%error, "maintenance pass failed; retrying at the next interval");
+                for source in relay.sources().iter().filter(|source| source.is_connected()) {
+                    if let Err(error) = pass(source, &relay, &subscriptions, &config).await {
+                        tracing::warn!(source = %source.name, %error, "maintenance pass failed; retrying at the next interval");
+                    }
                 }
             }
-            _ = vacuum_checks.tick() => match store.vacuum_deliveries(config.vacuum_min_dead_rows).await {
-                Ok(Some(dead_rows)) => tracing::debug!(dead_rows, "vacuumed the delivery table"),
-                Ok(None) => {}
-                Err(error) => tracing::warn!(%error, "vacuuming the delivery table failed"),
-            },
+            _ = vacuum_checks.tick() => {
+                for source in relay.sources().iter().filter(|source| source.is_connected()) {
+                    match source.store.vacuum_deliveries(config.vacuum_min_dead_rows).await {
+                        Ok(Some(dead_rows)) => tracing::debug!(source = %source.name, dead_rows, "vacuumed the delivery table"),
+                        Ok(None) => {}
+                        Err(error) => tracing::warn!(source = %source.name, %error, "vacuuming the delivery table failed"),
+                    }
+                }
+            }
             _ = shutdown.cancelled() => return,
         }
     }
 }
 
-/// One maintenance pass: reclaim expired leases, then retention.
+/// One maintenance pass over one source: bring its read positions up to date with the
+/// definitions, reclaim expired leases, then retention.
 pub async fn pass(
-    store: &Store,
+    source: &Source,
     relay: &Relay,
+    subscriptions: &Subscriptions,
     config: &MaintenanceConfig,
-) -> Result<(), StoreError> {
+) -> Result<(), Error> {
+    // Before retention: a subscription that has not started reading this source yet
+    // still needs its events.
+    subscriptions.reconcile(source).await?;
+    let store = &source.store;
     let mut reclaimed = 0;
-    for subscription in store.subscriptions().await? {
+    for subscription in subscriptions.list().await? {
+        if !subscription.reads(&source.name) {
+            continue;
+        }
         let outcome = store
             .reclaim_expired_leases(&subscription)
             .await?
             .unwrap_or_default();
         reclaimed += outcome.leases;
         if outcome.dead_lettered > 0 {
-            crate::metrics::dead_lettered(subscription.name.as_str(), outcome.dead_lettered);
+            crate::metrics::dead_lettered(
+                subscription.name.as_str(),
+                source.name.as_str(),
+                outcome.dead_lettered,
+            );
         }
     }
     if reclaimed > 0 {
-        tracing::info!(reclaimed, "reclaimed expired leases");
-        relay.events_committed();
+        tracing::info!(source = %source.name, reclaimed, "reclaimed expired leases");
+        relay.events_committed(source.id);
     }
 
     let mut deleted = 0;
@@ -112,7 +129,7 @@ pub async fn pass(
         }
     }
     if deleted > 0 {
-        tracing::info!(deleted, retention = ?config.retention, "deleted events past retention");
+        tracing::info!(source = %source.name, deleted, retention = ?config.retention, "deleted events past retention");
     }
 
     if let Some(max_retention) = config.max_retention {
@@ -132,6 +149,7 @@ pub async fn pass(
         }
         if still_needed > 0 {
             tracing::warn!(
+                source = %source.name,
                 deleted,
                 still_needed,
                 ?max_retention,
@@ -139,6 +157,7 @@ pub async fn pass(
             );
         } else if deleted > 0 {
             tracing::info!(
+                source = %source.name,
                 deleted,
                 ?max_retention,
                 "deleted events past the maximum retention"

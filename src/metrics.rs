@@ -67,12 +67,11 @@ pub fn published<'a>(event_types: impl Iterator<Item = &'a str>) {
 }
 
 /// Deliveries handed to streams; `redelivered` of them were not first attempts.
-pub fn delivered(subscription: &str, delivered: u64, redelivered: u64) {
-    counter!("outbox_deliveries_total", "subscription" => subscription.to_owned())
-        .increment(delivered);
+pub fn delivered(subscription: &str, source: &str, delivered: u64, redelivered: u64) {
+    let labels = per_source(subscription, source);
+    counter!("outbox_deliveries_total", &labels).increment(delivered);
     if redelivered > 0 {
-        counter!("outbox_redeliveries_total", "subscription" => subscription.to_owned())
-            .increment(redelivered);
+        counter!("outbox_redeliveries_total", &labels).increment(redelivered);
     }
 }
 
@@ -82,8 +81,8 @@ pub fn commit_to_delivery(subscription: &str, elapsed: Duration) {
         .record(elapsed.as_secs_f64());
 }
 
-pub fn acked(subscription: &str, acks: u64) {
-    counter!("outbox_acks_total", "subscription" => subscription.to_owned()).increment(acks);
+pub fn acked(subscription: &str, source: &str, acks: u64) {
+    counter!("outbox_acks_total", &per_source(subscription, source)).increment(acks);
 }
 
 /// Time from handing a delivery to a stream to its ack (acks reaching this process).
@@ -92,17 +91,28 @@ pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
         .record(elapsed.as_secs_f64());
 }
 
-pub fn nacked(subscription: &str) {
-    counter!("outbox_nacks_total", "subscription" => subscription.to_owned()).increment(1);
+pub fn nacked(subscription: &str, source: &str) {
+    counter!("outbox_nacks_total", &per_source(subscription, source)).increment(1);
 }
 
-pub fn dead_lettered(subscription: &str, count: u64) {
-    counter!("outbox_dead_letters_total", "subscription" => subscription.to_owned())
-        .increment(count);
+pub fn dead_lettered(subscription: &str, source: &str, count: u64) {
+    counter!(
+        "outbox_dead_letters_total",
+        &per_source(subscription, source)
+    )
+    .increment(count);
 }
 
-pub fn requeued(subscription: &str, count: u64) {
-    counter!("outbox_requeued_total", "subscription" => subscription.to_owned()).increment(count);
+pub fn requeued(subscription: &str, source: &str, count: u64) {
+    counter!("outbox_requeued_total", &per_source(subscription, source)).increment(count);
+}
+
+/// The labels of a subscription's figures in one source.
+fn per_source(subscription: &str, source: &str) -> [(&'static str, String); 2] {
+    [
+        ("subscription", subscription.to_owned()),
+        ("source", source.to_owned()),
+    ]
 }
 
 /// Why the relay looked for work: `publish` (this process), `notify` (LISTEN) or `poll`.
@@ -110,22 +120,26 @@ pub fn wakeup(cause: &'static str) {
     counter!("outbox_relay_wakeups_total", "cause" => cause).increment(1);
 }
 
+/// The lag gauges of one subscription in one source.
 pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
-    let name = stats.name.as_str().to_owned();
-    gauge!("outbox_subscription_backlog", "subscription" => name.clone()).set(stats.pending as f64);
-    gauge!("outbox_subscription_in_flight", "subscription" => name.clone())
-        .set(stats.in_flight as f64);
-    gauge!("outbox_subscription_awaiting_retry", "subscription" => name.clone())
-        .set(stats.awaiting_retry as f64);
-    gauge!("outbox_subscription_dead_letters", "subscription" => name.clone())
-        .set(stats.dead_lettered as f64);
+    let labels = per_source(
+        stats.name.as_str(),
+        stats.source.as_ref().map_or("", |source| source.as_str()),
+    );
+    gauge!("outbox_subscription_backlog", &labels).set(stats.pending as f64);
+    gauge!("outbox_subscription_in_flight", &labels).set(stats.in_flight as f64);
+    gauge!("outbox_subscription_awaiting_retry", &labels).set(stats.awaiting_retry as f64);
+    gauge!("outbox_subscription_dead_letters", &labels).set(stats.dead_lettered as f64);
     let age = stats
         .oldest_unacked_at
         .map_or(0.0, |at| (now - at).num_milliseconds().max(0) as f64 / 1e3);
-    gauge!("outbox_subscription_oldest_unacked_age_seconds", "subscription" => name.clone())
-        .set(age);
-    gauge!("outbox_subscription_late_transactions", "subscription" => name)
-        .set(stats.late_transactions as f64);
+    gauge!("outbox_subscription_oldest_unacked_age_seconds", &labels).set(age);
+    gauge!("outbox_subscription_late_transactions", &labels).set(stats.late_transactions as f64);
+}
+
+/// 1 while the source can be reached, 0 while it cannot.
+pub fn source_up(source: &str, up: bool) {
+    gauge!("outbox_source_up", "source" => source.to_owned()).set(if up { 1.0 } else { 0.0 });
 }
 
 pub fn outbox_figures(stats: &OutboxStats) {

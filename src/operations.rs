@@ -1,4 +1,7 @@
-//! Operator actions on delivered events: requeues, dead-letter triage and figures.
+//! Operator actions on delivered events: requeues, dead-letter triage and figures, over
+//! every source (or the one named).
+
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -6,12 +9,13 @@ use uuid::Uuid;
 use crate::{
     delivery::Relay,
     domain::{
-        DeadLetter, DeadLetterSelection, Event, OutboxStats, PatternSet, Subscription,
+        DeadLetter, DeadLetterSelection, Event, OutboxStats, PatternSet, SourceName, Subscription,
         SubscriptionName, SubscriptionStats, check_text,
     },
     error::{Error, Result},
     metrics,
-    storage::{RequeueRefusal, Store},
+    sources::{Source, SourceHealth},
+    storage::RequeueRefusal,
 };
 
 /// Longest `resolved_by` and `notes` of a resolved dead letter.
@@ -28,66 +32,141 @@ pub struct DeadLetterPage {
     pub next_page: Option<PageToken>,
 }
 
-/// Where a dead-letter listing resumes: after this (dead-lettered time, position).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a dead-letter listing resumes: after this (dead-lettered time, source,
+/// position), the listing order.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageToken {
     pub dead_lettered_at: DateTime<Utc>,
+    pub source: SourceName,
     pub position: i64,
 }
 
 impl PageToken {
     pub fn encode(&self) -> String {
         format!(
-            "{}.{}",
+            "{}.{}.{}",
             self.dead_lettered_at.timestamp_micros(),
-            self.position
+            self.position,
+            self.source
         )
     }
 
+    /// Tokens issued before there were several sources (no source part) resume in
+    /// `default`.
     pub fn decode(field: &str, token: &str) -> Result<PageToken> {
         let invalid = || Error::invalid(field, "is not a page token from a previous listing");
-        let (micros, position) = token.split_once('.').ok_or_else(invalid)?;
-        let micros: i64 = micros.parse().map_err(|_| invalid())?;
+        let mut parts = token.splitn(3, '.');
+        let micros: i64 = parts
+            .next()
+            .and_then(|part| part.parse().ok())
+            .ok_or_else(invalid)?;
+        let position: i64 = parts
+            .next()
+            .and_then(|part| part.parse().ok())
+            .ok_or_else(invalid)?;
+        let source = match parts.next() {
+            None => SourceName::default_source(),
+            Some(name) => SourceName::parse(field, name).map_err(|_| invalid())?,
+        };
         Ok(PageToken {
             dead_lettered_at: DateTime::from_timestamp_micros(micros).ok_or_else(invalid)?,
-            position: position.parse().map_err(|_| invalid())?,
+            source,
+            position,
         })
     }
+
+    /// What to ask one source for: its dead letters after this token in listing order.
+    fn after_in(&self, source: &SourceName) -> (DateTime<Utc>, i64) {
+        let position = match source.cmp(&self.source) {
+            std::cmp::Ordering::Less => i64::MAX,
+            std::cmp::Ordering::Equal => self.position,
+            std::cmp::Ordering::Greater => i64::MIN,
+        };
+        (self.dead_lettered_at, position)
+    }
+}
+
+/// A subscription's figures in total and per source it reads (sources that cannot be
+/// reached are left out of both).
+#[derive(Debug, Clone)]
+pub struct SubscriptionFigures {
+    pub total: SubscriptionStats,
+    pub per_source: Vec<SubscriptionStats>,
+}
+
+/// One source as an operator sees it.
+#[derive(Debug, Clone)]
+pub struct SourceStatus {
+    pub name: SourceName,
+    pub health: SourceHealth,
+    /// Its outbox, when it could be read.
+    pub outbox: Option<OutboxStats>,
+    /// The newest migration applied there, when it could be read.
+    pub schema_version: Option<i64>,
 }
 
 #[derive(Clone)]
 pub struct Operations {
-    store: Store,
     relay: Relay,
 }
 
 impl Operations {
-    pub fn new(store: Store, relay: Relay) -> Self {
-        Operations { store, relay }
+    pub fn new(relay: Relay) -> Self {
+        Operations { relay }
+    }
+
+    /// The sources asked for: the named one (INVALID_ARGUMENT when unknown) or all.
+    fn sources(&self, only: Option<&SourceName>) -> Result<Vec<Arc<Source>>> {
+        match only {
+            Some(name) => self
+                .relay
+                .sources()
+                .by_name(name.as_str())
+                .cloned()
+                .map(|source| vec![source])
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "source",
+                        format!("{name:?} is not a source of this gateway"),
+                    )
+                }),
+            None => Ok(self.relay.sources().iter().cloned().collect()),
+        }
     }
 
     /// Makes one event deliverable again for the named subscription, or for every
-    /// subscription it matches; returns how many delivery records were requeued.
+    /// subscription it matches; returns how many delivery records were requeued. The
+    /// event is looked up in the named source, or in every source.
     pub async fn requeue_event(
         &self,
         id: Uuid,
         subscription: Option<&SubscriptionName>,
+        source: Option<&SourceName>,
     ) -> Result<u64> {
-        let (position, event) = self
-            .store
-            .event_by_id(id)
-            .await?
-            .ok_or_else(|| Error::NotFound(format!("event {id} does not exist")))?;
-        self.requeue(position, &event, subscription).await
+        for candidate in self.sources(source)? {
+            if let Some((position, event)) = candidate
+                .store
+                .event_by_id(id)
+                .await
+                .map_err(|error| candidate.error(error))?
+            {
+                return self
+                    .requeue(&candidate, position, &event, subscription)
+                    .await;
+            }
+        }
+        Err(Error::NotFound(format!("event {id} does not exist")))
     }
 
-    /// The same for the latest event of an aggregate with the given type.
+    /// The same for the latest event of an aggregate with the given type (the latest
+    /// over every source, unless one is named).
     pub async fn requeue_latest(
         &self,
         aggregate_type: &str,
         aggregate_id: &str,
         event_type: &str,
         subscription: Option<&SubscriptionName>,
+        source: Option<&SourceName>,
     ) -> Result<u64> {
         for (field, value) in [
             ("aggregate_type", aggregate_type),
@@ -99,20 +178,32 @@ impl Operations {
             }
             check_text(field, value)?;
         }
-        let (position, event) = self
-            .store
-            .latest_event(aggregate_type, aggregate_id, event_type)
-            .await?
-            .ok_or_else(|| {
-                Error::NotFound(format!(
-                    "no {event_type} event of aggregate {aggregate_type}/{aggregate_id}"
-                ))
-            })?;
-        self.requeue(position, &event, subscription).await
+        let mut latest: Option<(Arc<Source>, i64, Event)> = None;
+        for candidate in self.sources(source)? {
+            let found = candidate
+                .store
+                .latest_event(aggregate_type, aggregate_id, event_type)
+                .await
+                .map_err(|error| candidate.error(error))?;
+            if let Some((position, event)) = found
+                && latest
+                    .as_ref()
+                    .is_none_or(|(_, _, best)| event.created_at > best.created_at)
+            {
+                latest = Some((candidate, position, event));
+            }
+        }
+        let (source, position, event) = latest.ok_or_else(|| {
+            Error::NotFound(format!(
+                "no {event_type} event of aggregate {aggregate_type}/{aggregate_id}"
+            ))
+        })?;
+        self.requeue(&source, position, &event, subscription).await
     }
 
     async fn requeue(
         &self,
+        source: &Source,
         position: i64,
         event: &Event,
         only: Option<&SubscriptionName>,
@@ -120,7 +211,7 @@ impl Operations {
         let targets = match only {
             Some(name) => {
                 let subscription = self.subscription(name).await?;
-                if !subscription.settings.matches(event) {
+                if !subscription.reads(&source.name) || !subscription.settings.matches(event) {
                     return Err(Error::FailedPrecondition(format!(
                         "event {} does not match the filters of subscription {name:?}",
                         event.id
@@ -129,21 +220,31 @@ impl Operations {
                 vec![subscription]
             }
             None => self
-                .store
                 .subscriptions()
                 .await?
                 .into_iter()
-                .filter(|subscription| subscription.settings.matches(event))
+                .filter(|subscription| {
+                    subscription.reads(&source.name) && subscription.settings.matches(event)
+                })
                 .collect(),
         };
-        match self.store.requeue_event(&targets, position).await? {
+        let outcome = source
+            .store
+            .requeue_event(&targets, position)
+            .await
+            .map_err(|error| source.error(error))?;
+        match outcome {
             Ok(requeued_on) => {
                 for name in &requeued_on {
-                    metrics::requeued(name.as_str(), 1);
+                    metrics::requeued(name.as_str(), source.name.as_str(), 1);
                 }
-                let requeued = requeued_on.len() as u64;
-                self.wake_if(requeued);
-                Ok(requeued)
+                for subscription in targets
+                    .iter()
+                    .filter(|target| requeued_on.contains(&&target.name))
+                {
+                    self.relay.due(subscription.id, source.id);
+                }
+                Ok(requeued_on.len() as u64)
             }
             Err(RequeueRefusal::InFlight { subscription }) => {
                 Err(Error::FailedPrecondition(format!(
@@ -154,6 +255,8 @@ impl Operations {
         }
     }
 
+    /// One page of a subscription's dead letters over its sources (or the one named),
+    /// oldest first.
     pub async fn list_dead_letters(
         &self,
         name: &SubscriptionName,
@@ -161,6 +264,7 @@ impl Operations {
         include_resolved: bool,
         page_size: usize,
         page: Option<PageToken>,
+        source: Option<&SourceName>,
     ) -> Result<DeadLetterPage> {
         let subscription = self.subscription(name).await?;
         let page_size = match page_size {
@@ -173,21 +277,35 @@ impl Operations {
             }
             n => n,
         };
-        // One more than asked tells whether another page follows.
-        let mut dead_letters = self
-            .store
-            .dead_letters(
-                &subscription,
-                event_types.to_regex(),
-                include_resolved,
-                page.map(|token| (token.dead_lettered_at, token.position)),
-                page_size + 1,
-            )
-            .await?;
+        let mut dead_letters = Vec::new();
+        for candidate in self.sources_of(&subscription, source)? {
+            // One more than asked tells whether another page follows.
+            dead_letters.extend(
+                candidate
+                    .store
+                    .dead_letters(
+                        &subscription,
+                        event_types.to_regex(),
+                        include_resolved,
+                        page.as_ref().map(|token| token.after_in(&candidate.name)),
+                        page_size + 1,
+                    )
+                    .await
+                    .map_err(|error| candidate.error(error))?,
+            );
+        }
+        dead_letters.sort_by(|a, b| {
+            (a.dead_lettered_at, &a.event.source, a.position).cmp(&(
+                b.dead_lettered_at,
+                &b.event.source,
+                b.position,
+            ))
+        });
         let next_page = if dead_letters.len() > page_size {
             dead_letters.truncate(page_size);
             dead_letters.last().map(|last| PageToken {
                 dead_lettered_at: last.dead_lettered_at,
+                source: last.event.source.clone(),
                 position: last.position,
             })
         } else {
@@ -204,6 +322,7 @@ impl Operations {
         name: &SubscriptionName,
         selection: DeadLetterSelection,
         all: bool,
+        source: Option<&SourceName>,
     ) -> Result<u64> {
         if selection.is_empty() && !all {
             return Err(Error::invalid(
@@ -212,11 +331,18 @@ impl Operations {
             ));
         }
         let subscription = self.subscription(name).await?;
-        let requeued = self
-            .store
-            .requeue_dead_letters(&subscription, &selection)
-            .await?;
-        self.wake_if(requeued);
+        let mut requeued = 0;
+        for candidate in self.sources_of(&subscription, source)? {
+            let here = candidate
+                .store
+                .requeue_dead_letters(&subscription, &selection)
+                .await
+                .map_err(|error| candidate.error(error))?;
+            if here > 0 {
+                self.relay.due(subscription.id, candidate.id);
+            }
+            requeued += here;
+        }
         Ok(requeued)
     }
 
@@ -226,6 +352,7 @@ impl Operations {
         id: Uuid,
         resolved_by: &str,
         notes: &str,
+        source: Option<&SourceName>,
     ) -> Result<DeadLetter> {
         if resolved_by.is_empty() || resolved_by.len() > MAX_RESOLVED_BY_BYTES {
             return Err(Error::invalid(
@@ -242,42 +369,140 @@ impl Operations {
         check_text("resolved_by", resolved_by)?;
         check_text("notes", notes)?;
         let subscription = self.subscription(name).await?;
-        self.store
-            .resolve_dead_letter(&subscription, id, resolved_by, notes)
-            .await?
-            .ok_or_else(|| {
-                Error::NotFound(format!(
-                    "event {id} is not a dead letter of subscription {name:?}"
-                ))
-            })
+        for candidate in self.sources_of(&subscription, source)? {
+            if let Some(dead_letter) = candidate
+                .store
+                .resolve_dead_letter(&subscription, id, resolved_by, notes)
+                .await
+                .map_err(|error| candidate.error(error))?
+            {
+                return Ok(dead_letter);
+            }
+        }
+        Err(Error::NotFound(format!(
+            "event {id} is not a dead letter of subscription {name:?}"
+        )))
     }
 
-    /// Figures of one subscription or of all, and of the outbox.
+    /// Figures of one subscription or of all — each in total and per source — and of
+    /// the outbox over every reachable source.
     pub async fn stats(
         &self,
         only: Option<&SubscriptionName>,
-    ) -> Result<(Vec<SubscriptionStats>, OutboxStats)> {
+    ) -> Result<(Vec<SubscriptionFigures>, OutboxStats)> {
         let subscriptions = match only {
             Some(name) => vec![self.subscription(name).await?],
-            None => self.store.subscriptions().await?,
+            None => self.subscriptions().await?,
         };
         let mut figures = Vec::with_capacity(subscriptions.len());
         for subscription in &subscriptions {
-            // A subscription deleted meanwhile simply drops out of the figures.
-            if let Some(stats) = self.store.subscription_stats(subscription).await? {
-                figures.push(stats);
+            let mut per_source = Vec::new();
+            for source in self.relay.sources().of(subscription) {
+                if !source.is_connected() {
+                    continue;
+                }
+                // A subscription deleted meanwhile simply drops out of the figures.
+                if let Some(stats) = source.store.subscription_stats(subscription).await? {
+                    per_source.push(stats);
+                }
             }
+            figures.push(SubscriptionFigures {
+                total: total(subscription, &per_source),
+                per_source,
+            });
         }
-        Ok((figures, self.store.outbox_stats().await?))
+        let mut outboxes = Vec::new();
+        for source in self.relay.sources().iter().filter(|s| s.is_connected()) {
+            outboxes.push(source.store.outbox_stats().await?);
+        }
+        Ok((figures, OutboxStats::sum(&outboxes)))
+    }
+
+    /// Every source: whether it is reachable, its outbox and its schema version.
+    pub async fn sources_status(&self) -> Vec<SourceStatus> {
+        let mut statuses = Vec::new();
+        for source in self.relay.sources().iter() {
+            let (outbox, schema_version) = if source.is_connected() {
+                (
+                    source.store.outbox_stats().await.ok(),
+                    source.store.schema_version().await.ok(),
+                )
+            } else {
+                (None, None)
+            };
+            statuses.push(SourceStatus {
+                name: source.name.clone(),
+                health: source.health(),
+                outbox,
+                schema_version,
+            });
+        }
+        statuses
+    }
+
+    /// The sources of a subscription to work on: the named one (which it must read) or
+    /// all it reads. One that cannot be reached refuses the call.
+    fn sources_of(
+        &self,
+        subscription: &Subscription,
+        only: Option<&SourceName>,
+    ) -> Result<Vec<Arc<Source>>> {
+        let sources: Vec<Arc<Source>> = self
+            .sources(only)?
+            .into_iter()
+            .filter(|source| subscription.reads(&source.name))
+            .collect();
+        if let Some(down) = sources.iter().find(|source| !source.is_connected()) {
+            return Err(Error::SourceUnavailable(down.name.clone()));
+        }
+        Ok(sources)
     }
 
     async fn subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
-        crate::subscriptions::find(&self.store, name).await
+        crate::subscriptions::find(&self.relay.sources().default_source().store, name).await
     }
 
-    fn wake_if(&self, requeued: u64) {
-        if requeued > 0 {
-            self.relay.events_committed();
+    async fn subscriptions(&self) -> Result<Vec<Subscription>> {
+        Ok(self
+            .relay
+            .sources()
+            .default_source()
+            .store
+            .subscriptions()
+            .await?)
+    }
+}
+
+/// A subscription's figures over its sources.
+fn total(subscription: &Subscription, per_source: &[SubscriptionStats]) -> SubscriptionStats {
+    let sum = |figure: fn(&SubscriptionStats) -> u64| per_source.iter().map(figure).sum();
+    SubscriptionStats {
+        name: subscription.name.clone(),
+        source: None,
+        pending: sum(|s| s.pending),
+        in_flight: sum(|s| s.in_flight),
+        awaiting_retry: sum(|s| s.awaiting_retry),
+        dead_lettered: sum(|s| s.dead_lettered),
+        oldest_unacked_at: per_source.iter().filter_map(|s| s.oldest_unacked_at).min(),
+        delivered_total: sum(|s| s.delivered_total),
+        acked_total: sum(|s| s.acked_total),
+        late_transactions: sum(|s| s.late_transactions),
+    }
+}
+
+impl OutboxStats {
+    /// The figures of several outboxes together.
+    pub fn sum(outboxes: &[OutboxStats]) -> OutboxStats {
+        OutboxStats {
+            events_stored: outboxes.iter().map(|o| o.events_stored).sum(),
+            oldest_event_at: outboxes.iter().filter_map(|o| o.oldest_event_at).min(),
+            newest_event_at: outboxes.iter().filter_map(|o| o.newest_event_at).max(),
+            oldest_open_transaction_age: outboxes
+                .iter()
+                .map(|o| o.oldest_open_transaction_age)
+                .max()
+                .unwrap_or_default(),
+            events_force_expired: outboxes.iter().map(|o| o.events_force_expired).sum(),
         }
     }
 }
@@ -290,13 +515,16 @@ mod tests {
     fn page_tokens_round_trip_and_reject_garbage() {
         let token = PageToken {
             dead_lettered_at: DateTime::from_timestamp_micros(1_700_000_000_123_456).unwrap(),
+            source: SourceName::parse("source", "billing").unwrap(),
             position: 42,
         };
         assert_eq!(
             PageToken::decode("page_token", &token.encode()).unwrap(),
             token
         );
-        for bad in ["", "1", "x.1", "1.y"] {
+        let old = PageToken::decode("page_token", "1700000000123456.42").unwrap();
+        assert!(old.source.is_default());
+        for bad in ["", "1", "x.1", "1.y", "1.2.Bad"] {
             assert!(PageToken::decode("page_token", bad).is_err(), "{bad:?}");
         }
     }

@@ -18,9 +18,10 @@ use uuid::Uuid;
 
 use crate::{
     delivery::Relay,
-    domain::{NewEvent, PublishLimits},
+    domain::{NewEvent, PublishLimits, SourceName},
     error::{Error, Result},
     metrics,
+    sources::Sources,
     storage::{PUBLISH_CONNECTIONS, PublishConnection, PublishTransaction, Store, StoreError},
     telemetry::TraceHeaders,
 };
@@ -46,7 +47,9 @@ pub struct Published {
 #[derive(Clone)]
 pub struct Publisher {
     limits: PublishLimits,
-    queue: mpsc::Sender<Call>,
+    sources: Sources,
+    /// Per source (by id): the calls waiting for that source's committers.
+    queues: Arc<Vec<mpsc::Sender<Call>>>,
 }
 
 /// One validated Publish call waiting for a committer.
@@ -65,20 +68,31 @@ impl Call {
 }
 
 impl Publisher {
-    /// Starts the committer tasks; they stop when every `Publisher` clone is dropped.
-    pub fn new(store: Store, relay: Relay, limits: PublishLimits) -> Self {
-        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
-        let receiver = Arc::new(Mutex::new(receiver));
-        let max_group_events = MAX_GROUP_EVENTS;
-        for _ in 0..COMMITTERS {
-            tokio::spawn(commit_groups(
-                store.clone(),
-                relay.clone(),
-                receiver.clone(),
-                max_group_events,
-            ));
+    /// Starts the committer tasks of every source; they stop when every `Publisher`
+    /// clone is dropped.
+    pub fn new(relay: Relay, limits: PublishLimits) -> Self {
+        let queues = relay
+            .sources()
+            .iter()
+            .map(|source| {
+                let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
+                let receiver = Arc::new(Mutex::new(receiver));
+                for _ in 0..COMMITTERS {
+                    tokio::spawn(commit_groups(
+                        source.store.clone(),
+                        relay.clone(),
+                        receiver.clone(),
+                        MAX_GROUP_EVENTS,
+                    ));
+                }
+                queue
+            })
+            .collect();
+        Publisher {
+            limits,
+            sources: relay.sources().clone(),
+            queues: Arc::new(queues),
         }
-        Publisher { limits, queue }
     }
 
     /// Stores the batch atomically: all of it, or nothing when any event is invalid or
@@ -87,10 +101,21 @@ impl Publisher {
     /// consumer can continue the producer's trace.
     pub async fn publish(
         &self,
+        source: &SourceName,
         mut events: Vec<NewEvent>,
         trace: &TraceHeaders,
     ) -> Result<Vec<Published>> {
         self.validate(&events)?;
+        let queue = self
+            .sources
+            .id_of(source.as_str())
+            .and_then(|id| self.queues.get(usize::from(id.0)))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "source",
+                    format!("{source:?} is not a source of this gateway"),
+                )
+            })?;
         for event in &mut events {
             event.id = Some(event.id.unwrap_or_else(Uuid::now_v7));
         }
@@ -142,7 +167,7 @@ impl Publisher {
             .collect();
 
         let (reply, answer) = oneshot::channel();
-        self.queue
+        queue
             .try_send(Call {
                 events: unique,
                 reply,
@@ -217,7 +242,7 @@ async fn commit_groups(
             group
         };
         if commit(&mut connection, group).await {
-            relay.events_committed();
+            relay.events_committed(store.source_id());
         }
     }
 }

@@ -158,6 +158,7 @@ async fn any_published_event_is_stored_faithfully_or_refused_as_invalid() {
         let answer = publisher
             .publish(proto::PublishRequest {
                 events: vec![input.clone()],
+                ..Default::default()
             })
             .await;
         let stored = stored_event(&pool, &input.id).await;
@@ -385,6 +386,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
                 id: event_id.clone(),
                 resolved_by: resolved_by.clone(),
                 notes: notes.clone(),
+                ..Default::default()
             })
             .await;
         match resolved {
@@ -407,6 +409,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
                 aggregate_id: format!("{reason}-1"),
                 event_type: "order.created".into(),
                 subscription: String::new(),
+                ..Default::default()
             })
             .await;
         if let Err(status) = requeued

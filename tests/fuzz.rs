@@ -9,7 +9,10 @@ use std::{collections::BTreeMap, time::Duration};
 
 use common::*;
 use outbox_gateway::{
-    domain::{AckId, EventTypePattern, NewEvent, PatternSet, PublishLimits, SubscriptionName},
+    domain::{
+        AckId, EventTypePattern, NewEvent, PatternSet, PublishLimits, SourceId, SourceName,
+        SubscriptionName,
+    },
     proto,
 };
 use proptest::{
@@ -197,19 +200,36 @@ proptest! {
     }
 
     #[test]
-    fn ack_ids_round_trip(position in 1..i64::MAX, attempt in 1..i32::MAX, token in any::<i64>()) {
-        let ack = AckId { position, attempt, lease_token: token };
-        prop_assert_eq!(AckId::parse(&ack.to_string()), Some(ack));
+    fn ack_ids_round_trip(
+        position in 1..i64::MAX,
+        attempt in 1..i32::MAX,
+        token in any::<i64>(),
+        source in prop_oneof![Just("default"), Just("billing")],
+    ) {
+        let name = SourceName::parse("source", source).unwrap();
+        let ack = AckId { source: source_id(source).unwrap(), position, attempt, lease_token: token };
+        prop_assert_eq!(AckId::parse(&ack.to_text(&name), source_id), Some(ack));
     }
 
     #[test]
     fn ack_id_parsing_never_panics_and_is_canonical(
-        text in "[0-9+-]{0,22}-[0-9+-]{0,12}-[0-9a-fA-F+-]{0,18}|.{0,40}",
+        text in "((default|billing|nope|)/)?[0-9+-]{0,22}-[0-9+-]{0,12}-[0-9a-fA-F+-]{0,18}|.{0,40}",
     ) {
-        if let Some(ack) = AckId::parse(&text) {
+        if let Some(ack) = AckId::parse(&text, source_id) {
             prop_assert!(ack.position > 0 && ack.attempt > 0);
-            prop_assert_eq!(AckId::parse(&ack.to_string()), Some(ack));
+            let name = if ack.source == SourceId(0) { "default" } else { "billing" };
+            let name = SourceName::parse("source", name).unwrap();
+            prop_assert_eq!(AckId::parse(&ack.to_text(&name), source_id), Some(ack));
         }
+    }
+}
+
+/// Two sources, as a gateway with one `[[sources]]` table has them.
+fn source_id(name: &str) -> Option<SourceId> {
+    match name {
+        "default" => Some(SourceId(0)),
+        "billing" => Some(SourceId(1)),
+        _ => None,
     }
 }
 
@@ -360,6 +380,7 @@ fn every_rpc() -> Vec<Rpc> {
             proto::PublishRequest,
             proto::PublishRequest {
                 events: vec![event("o-1", "order.created")],
+                ..Default::default()
             }
         ),
         rpc!(
@@ -453,6 +474,7 @@ fn every_rpc() -> Vec<Rpc> {
             proto::RequeueEventRequest {
                 id: uuid::Uuid::nil().to_string(),
                 subscription: "orders".into(),
+                ..Default::default()
             }
         ),
         rpc!(
@@ -463,6 +485,7 @@ fn every_rpc() -> Vec<Rpc> {
                 aggregate_id: "o-1".into(),
                 event_type: "order.created".into(),
                 subscription: String::new(),
+                ..Default::default()
             }
         ),
         rpc!(
@@ -491,6 +514,7 @@ fn every_rpc() -> Vec<Rpc> {
                 id: uuid::Uuid::nil().to_string(),
                 resolved_by: "fuzz".into(),
                 notes: String::new(),
+                ..Default::default()
             }
         ),
         rpc!(

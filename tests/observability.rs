@@ -128,7 +128,10 @@ async fn setup_scenario(channel: Channel, events: Vec<proto::EventInput>) -> Vec
         .unwrap();
     let count = events.len();
     proto::publisher_client::PublisherClient::new(channel.clone())
-        .publish(proto::PublishRequest { events })
+        .publish(proto::PublishRequest {
+            events,
+            ..Default::default()
+        })
         .await
         .unwrap();
     let mut stream = proto::subscriber_client::SubscriberClient::new(channel)
@@ -240,7 +243,8 @@ async fn metrics_match_a_known_scenario_exactly() {
         .unwrap();
 
     let url = format!("http://127.0.0.1:{metrics_port}/metrics");
-    let orders = [("subscription", "orders")];
+    let orders = [("subscription", "orders"), ("source", "default")];
+    let orders_only = [("subscription", "orders")];
     // The per-subscription gauges refresh every 200 ms.
     eventually("the gauges show the settled deliveries", WAIT, || async {
         let metrics = Metrics::scrape(&url).await;
@@ -270,8 +274,8 @@ async fn metrics_match_a_known_scenario_exactly() {
         ("outbox_subscription_awaiting_retry", &orders, 0.0),
         ("outbox_subscription_dead_letters", &orders, 1.0),
         ("outbox_events_stored", &[], 5.0),
-        ("outbox_commit_to_delivery_seconds_count", &orders, 5.0),
-        ("outbox_deliver_to_ack_seconds_count", &orders, 3.0),
+        ("outbox_commit_to_delivery_seconds_count", &orders_only, 5.0),
+        ("outbox_deliver_to_ack_seconds_count", &orders_only, 3.0),
         ("outbox_rpc_requests_total", &[publish, ("code", "Ok")], 1.0),
     ];
     for (metric, labels, value) in expected {
@@ -368,6 +372,7 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
         .unwrap();
     let mut request = tonic::Request::new(proto::PublishRequest {
         events: vec![event("o-1", "order.created")],
+        ..Default::default()
     });
     request.metadata_mut().insert(
         "traceparent",

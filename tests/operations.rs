@@ -84,6 +84,7 @@ async fn requeue_event_is_refused_in_flight_and_redelivers_after_ack() {
     let requeue = |subscription: &str| proto::RequeueEventRequest {
         id: id.clone(),
         subscription: subscription.into(),
+        ..Default::default()
     };
 
     let mut orders = Consumer::open(&gateway, "orders", 0).await;
@@ -143,6 +144,7 @@ async fn requeue_event_is_refused_in_flight_and_redelivers_after_ack() {
     let unknown = proto::RequeueEventRequest {
         id: uuid::Uuid::new_v4().to_string(),
         subscription: String::new(),
+        ..Default::default()
     };
     assert_status(
         admin.requeue_event(unknown).await,
@@ -154,6 +156,7 @@ async fn requeue_event_is_refused_in_flight_and_redelivers_after_ack() {
             .requeue_event(proto::RequeueEventRequest {
                 id: "x".into(),
                 subscription: String::new(),
+                ..Default::default()
             })
             .await,
         Code::InvalidArgument,
@@ -195,6 +198,7 @@ async fn requeue_latest_takes_the_newest_event_of_the_aggregate() {
         aggregate_id: aggregate_id.into(),
         event_type: "order.updated".into(),
         subscription: String::new(),
+        ..Default::default()
     };
     assert_eq!(
         admin
@@ -302,6 +306,7 @@ async fn dead_letters_are_listed_paged_resolved_and_requeued_exactly() {
             id: published[0].id.clone(),
             resolved_by: "alice".into(),
             notes: "refunded by hand".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -335,6 +340,7 @@ async fn dead_letters_are_listed_paged_resolved_and_requeued_exactly() {
         id: published[3].id.clone(),
         resolved_by: "alice".into(),
         notes: String::new(),
+        ..Default::default()
     };
     assert_status(
         admin.resolve_dead_letter(unknown).await,
@@ -802,6 +808,7 @@ async fn retention_deletes_only_what_no_subscription_needs() {
             id: triaged[1].event.as_ref().unwrap().id.clone(),
             resolved_by: "ops".into(),
             notes: String::new(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -924,7 +931,7 @@ async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() 
     .execute(&pool)
     .await
     .unwrap();
-    sqlx::query("UPDATE outbox_subscriptions SET cursor_xact_id = 9223372036854775807")
+    sqlx::query("UPDATE outbox_cursors SET cursor_xact_id = 9223372036854775807")
         .execute(&pool)
         .await
         .unwrap();

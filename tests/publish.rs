@@ -131,6 +131,7 @@ async fn conflicting_republish_fails_the_whole_batch_and_writes_nothing() {
         .await
         .publish(PublishRequest {
             events: vec![event("o-9", "order.created"), changed],
+            ..Default::default()
         })
         .await;
     assert_status(result, Code::AlreadyExists, &original.id);
@@ -150,6 +151,7 @@ async fn conflicting_republish_fails_the_whole_batch_and_writes_nothing() {
         .await
         .publish(PublishRequest {
             events: vec![twin, other],
+            ..Default::default()
         })
         .await;
     assert_status(result, Code::AlreadyExists, "events[1].id");
@@ -230,7 +232,12 @@ async fn bad_input_is_refused_with_the_field_named_and_nothing_written() {
         ),
     ];
     for (events, field) in cases {
-        let result = publisher.publish(PublishRequest { events }).await;
+        let result = publisher
+            .publish(PublishRequest {
+                events,
+                ..Default::default()
+            })
+            .await;
         assert_status(result, Code::InvalidArgument, field);
     }
     assert_eq!(count_events(&database.pool().await).await, 0);
@@ -378,6 +385,7 @@ async fn database_loss_answers_unavailable_and_health_follows_it() {
         .await
         .publish(PublishRequest {
             events: vec![event("o-1", "order.created")],
+            ..Default::default()
         })
         .await;
     assert_status(result, Code::Unavailable, "database");
@@ -464,7 +472,15 @@ async fn concurrent_calls_share_transactions_without_failing_each_other() {
             _ => vec![event(&format!("c-{i}"), "order.created")],
         };
         calls.push(tokio::spawn(async move {
-            (i, client.publish(PublishRequest { events }).await)
+            (
+                i,
+                client
+                    .publish(PublishRequest {
+                        events,
+                        ..Default::default()
+                    })
+                    .await,
+            )
         }));
     }
     let mut shared_duplicates = Vec::new();
@@ -521,6 +537,7 @@ async fn a_shutdown_past_its_grace_period_ends_once_a_blocked_publish_is_release
         publisher
             .publish(PublishRequest {
                 events: vec![blocked],
+                ..Default::default()
             })
             .await
     });

@@ -235,7 +235,8 @@ async fn events_of_a_transaction_passed_while_open_survive_retention_until_deliv
     ack(&gateway, "orders", vec![early.ack_id]).await;
     // Past the cursor and long past retention: maintenance must keep it.
     let pending: Vec<i64> = sqlx::query_scalar(
-        "SELECT unnest(pending_xact_ids) FROM outbox_subscriptions WHERE name = 'orders'",
+        "SELECT unnest(c.pending_xact_ids) FROM outbox_cursors c \
+         JOIN outbox_subscriptions s ON s.id = c.subscription_id WHERE s.name = 'orders'",
     )
     .fetch_all(&pool)
     .await
@@ -365,6 +366,7 @@ async fn concurrent_writers_committing_in_random_order_lose_and_double_nothing()
                                 aggregate_type: aggregate_type.into(),
                                 ..event(&aggregate_id, event_type)
                             }],
+                            ..Default::default()
                         })
                         .await
                         .unwrap();

@@ -25,6 +25,7 @@ fn token(name: &str, roles: Vec<Role>) -> TokenConfig {
         event_types: Vec::new(),
         aggregate_types: Vec::new(),
         subscriptions: Vec::new(),
+        sources: Vec::new(),
     }
 }
 
@@ -40,6 +41,7 @@ fn with_token<T>(message: T, name: &str) -> Request<T> {
 fn publish_request(event_type: &str) -> proto::PublishRequest {
     proto::PublishRequest {
         events: vec![event("b-1", event_type)],
+        ..Default::default()
     }
 }
 
@@ -320,7 +322,10 @@ async fn limits_are_answered_with_resource_exhausted() {
     let result = gateway
         .publisher()
         .await
-        .publish(proto::PublishRequest { events: vec![big] })
+        .publish(proto::PublishRequest {
+            events: vec![big],
+            ..Default::default()
+        })
         .await;
     assert_status(result, Code::ResourceExhausted, "message");
 

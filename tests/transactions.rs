@@ -99,6 +99,7 @@ async fn a_conflicting_republish_ends_its_transaction() {
         .await
         .publish(proto::PublishRequest {
             events: vec![with_id(event("o-2", "order.created"), &id)],
+            ..Default::default()
         })
         .await;
     assert_status(refused, Code::AlreadyExists, &id);
@@ -140,6 +141,7 @@ async fn a_statement_the_database_refuses_ends_its_transaction() {
                 with_id(event("o-1", "order.created"), &existing),
                 event("forbidden", "order.created"),
             ],
+            ..Default::default()
         })
         .await;
     assert_status(refused, Code::InvalidArgument, "no_forbidden");
@@ -179,6 +181,7 @@ async fn blocked_publish(gateway: &TestGateway, pool: &PgPool) -> BlockedPublish
                 with_id(event("o-1", "order.created"), &existing),
                 with_id(event("o-2", "order.created"), &contested.to_string()),
             ],
+            ..Default::default()
         },
     }
 }
@@ -282,6 +285,7 @@ async fn a_publish_that_loses_its_connection_mid_transaction_recovers() {
             .await
             .publish(proto::PublishRequest {
                 events: vec![event("o-3", "order.created")],
+                ..Default::default()
             })
             .await;
         if result.is_ok() {

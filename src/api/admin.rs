@@ -32,8 +32,12 @@ impl AdminService for AdminApi {
         request: Request<proto::CreateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
         auth::principal(&request)?.check_admin()?;
-        let (name, settings, start) = convert::new_subscription(request.into_inner().subscription)?;
-        let subscription = self.subscriptions.create(name, settings, start).await?;
+        let (name, settings, sources, start) =
+            convert::new_subscription(request.into_inner().subscription)?;
+        let subscription = self
+            .subscriptions
+            .create(name, settings, sources, start)
+            .await?;
         Ok(Response::new(convert::subscription(subscription)))
     }
 
@@ -112,9 +116,10 @@ impl AdminService for AdminApi {
         let id = convert::event_id("id", &request.id)?;
         let subscription =
             convert::optional_subscription_name("subscription", &request.subscription)?;
+        let source = convert::optional_source("source", &request.source)?;
         let requeued_count = self
             .operations
-            .requeue_event(id, subscription.as_ref())
+            .requeue_event(id, subscription.as_ref(), source.as_ref())
             .await?;
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
@@ -135,6 +140,7 @@ impl AdminService for AdminApi {
                 &request.aggregate_id,
                 &request.event_type,
                 subscription.as_ref(),
+                convert::optional_source("source", &request.source)?.as_ref(),
             )
             .await?;
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
@@ -161,6 +167,7 @@ impl AdminService for AdminApi {
                 request.include_resolved,
                 request.page_size as usize,
                 page,
+                convert::optional_source("source", &request.source)?.as_ref(),
             )
             .await?;
         Ok(Response::new(proto::ListDeadLettersResponse {
@@ -200,7 +207,12 @@ impl AdminService for AdminApi {
         };
         let requeued_count = self
             .operations
-            .requeue_dead_letters(&name, selection, request.all)
+            .requeue_dead_letters(
+                &name,
+                selection,
+                request.all,
+                convert::optional_source("source", &request.source)?.as_ref(),
+            )
             .await?;
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
@@ -216,7 +228,13 @@ impl AdminService for AdminApi {
         let id = convert::event_id("id", &request.id)?;
         let dead_letter = self
             .operations
-            .resolve_dead_letter(&name, id, &request.resolved_by, &request.notes)
+            .resolve_dead_letter(
+                &name,
+                id,
+                &request.resolved_by,
+                &request.notes,
+                convert::optional_source("source", &request.source)?.as_ref(),
+            )
             .await?;
         Ok(Response::new(convert::dead_letter(dead_letter)))
     }
@@ -233,5 +251,17 @@ impl AdminService for AdminApi {
         )?;
         let (subscriptions, outbox) = self.operations.stats(name.as_ref()).await?;
         Ok(Response::new(convert::stats(subscriptions, outbox)))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn list_sources(
+        &self,
+        request: Request<proto::ListSourcesRequest>,
+    ) -> Result<Response<proto::ListSourcesResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let sources = self.operations.sources_status().await;
+        Ok(Response::new(proto::ListSourcesResponse {
+            sources: sources.into_iter().map(convert::source_status).collect(),
+        }))
     }
 }

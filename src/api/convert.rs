@@ -9,11 +9,13 @@ use uuid::Uuid;
 use crate::{
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, Delivery, Echo, Event, NewEvent, OutboxStats,
-        PatternSet, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
+        PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
         SubscriptionSettings, SubscriptionStats, check_timestamp,
     },
     error::{Error, Result},
+    operations::{SourceStatus, SubscriptionFigures},
     proto,
+    sources::Sources,
 };
 
 pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEvent> {
@@ -46,6 +48,7 @@ pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEve
 
 pub(super) fn event(event: Event) -> proto::Event {
     proto::Event {
+        source: event.source.as_str().to_owned(),
         id: event.id.to_string(),
         aggregate_type: event.aggregate_type,
         aggregate_id: event.aggregate_id,
@@ -61,7 +64,7 @@ pub(super) fn event(event: Event) -> proto::Event {
 
 pub(super) fn delivery(delivery: Delivery) -> proto::Delivery {
     proto::Delivery {
-        ack_id: delivery.ack_id.to_string(),
+        ack_id: delivery.ack_id.to_text(&delivery.event.source),
         attempt: delivery.attempt,
         event: Some(event(delivery.event)),
         ack_deadline: Some(datetime_to_timestamp(delivery.ack_deadline)),
@@ -72,19 +75,19 @@ pub(super) fn subscription_name(field: &str, name: &str) -> Result<SubscriptionN
     SubscriptionName::parse(field, name)
 }
 
-pub(super) fn ack_ids(field: &str, ack_ids: &[String]) -> Result<Vec<AckId>> {
+pub(super) fn ack_ids(field: &str, ack_ids: &[String], sources: &Sources) -> Result<Vec<AckId>> {
     if ack_ids.is_empty() {
         return Err(Error::invalid(field, "must contain at least one ack id"));
     }
     ack_ids
         .iter()
         .enumerate()
-        .map(|(index, text)| ack_id(&format!("{field}[{index}]"), text))
+        .map(|(index, text)| ack_id(&format!("{field}[{index}]"), text, sources))
         .collect()
 }
 
-pub(super) fn ack_id(field: &str, text: &str) -> Result<AckId> {
-    AckId::parse(text).ok_or_else(|| {
+pub(super) fn ack_id(field: &str, text: &str, sources: &Sources) -> Result<AckId> {
+    AckId::parse(text, |name| sources.id_of(name)).ok_or_else(|| {
         Error::invalid(
             field,
             format!("{} is not an ack id from this gateway", Echo(text)),
@@ -92,11 +95,35 @@ pub(super) fn ack_id(field: &str, text: &str) -> Result<AckId> {
     })
 }
 
-/// A new subscription from its message: name, settings (defaults for unset fields) and
-/// start position.
+/// Ack ids as text, with their sources' names.
+pub(super) fn ack_id_texts(ack_ids: &[AckId], sources: &Sources) -> Vec<String> {
+    ack_ids
+        .iter()
+        .filter_map(|ack| {
+            let source = sources.get(ack.source)?;
+            Some(ack.to_text(&source.name))
+        })
+        .collect()
+}
+
+/// An optional source name: empty means none.
+pub(super) fn optional_source(field: &str, name: &str) -> Result<Option<SourceName>> {
+    if name.is_empty() {
+        return Ok(None);
+    }
+    SourceName::parse(field, name).map(Some)
+}
+
+/// A new subscription from its message: name, settings (defaults for unset fields),
+/// sources and start position.
 pub(super) fn new_subscription(
     message: Option<proto::Subscription>,
-) -> Result<(SubscriptionName, SubscriptionSettings, StartPosition)> {
+) -> Result<(
+    SubscriptionName,
+    SubscriptionSettings,
+    Vec<SourceName>,
+    StartPosition,
+)> {
     let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
     let name = subscription_name("subscription.name", &message.name)?;
     let defaults = SubscriptionSettings::default();
@@ -127,7 +154,13 @@ pub(super) fn new_subscription(
         )?,
     };
     let start = start_position("subscription.start", message.start)?;
-    Ok((name, settings, start))
+    let sources = message
+        .sources
+        .iter()
+        .enumerate()
+        .map(|(index, source)| SourceName::parse(&format!("subscription.sources[{index}]"), source))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((name, settings, sources, start))
 }
 
 pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
@@ -145,6 +178,11 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
         ordered: settings.ordered,
         persistent_event_types: settings.persistent_event_types.to_strings(),
         created_at: Some(datetime_to_timestamp(subscription.created_at)),
+        sources: subscription
+            .sources
+            .iter()
+            .map(|source| source.as_str().to_owned())
+            .collect(),
     }
 }
 
@@ -300,7 +338,7 @@ pub(super) fn subscription_patch(
                 patch.persistent_event_types =
                     Some(patterns(&field(path), &message.persistent_event_types)?);
             }
-            "name" | "start" | "ordered" | "created_at" => {
+            "name" | "start" | "ordered" | "created_at" | "sources" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),
@@ -324,6 +362,7 @@ fn required_duration(field: &str, duration: Option<prost_types::Duration>) -> Re
 
 pub(super) fn dead_letter(dead_letter: DeadLetter) -> proto::DeadLetter {
     proto::DeadLetter {
+        source: dead_letter.event.source.as_str().to_owned(),
         subscription: dead_letter.subscription.as_str().to_owned(),
         event: Some(event(dead_letter.event)),
         attempts: dead_letter.attempts,
@@ -336,29 +375,19 @@ pub(super) fn dead_letter(dead_letter: DeadLetter) -> proto::DeadLetter {
     }
 }
 
-pub(super) fn stats(subscriptions: Vec<SubscriptionStats>, outbox: OutboxStats) -> proto::Stats {
+pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats) -> proto::Stats {
     let now = Utc::now();
-    let age = |since: Option<DateTime<Utc>>, until: DateTime<Utc>| {
-        duration_to_proto(since.map_or(Duration::ZERO, |since| {
-            (until - since).to_std().unwrap_or_default()
-        }))
-    };
     let newest = outbox.newest_event_at;
     proto::Stats {
         subscriptions: subscriptions
             .into_iter()
-            .map(|stats| proto::SubscriptionStats {
-                name: stats.name.as_str().to_owned(),
-                pending: stats.pending,
-                in_flight: stats.in_flight,
-                awaiting_retry: stats.awaiting_retry,
-                dead_lettered: stats.dead_lettered,
-                oldest_unacked_age: Some(age(stats.oldest_unacked_at, now)),
-                lag_events: stats.lag_events(),
-                lag: Some(age(stats.oldest_unacked_at, newest.unwrap_or(now))),
-                delivered_total: stats.delivered_total,
-                acked_total: stats.acked_total,
-                late_transactions: stats.late_transactions,
+            .map(|figures| proto::SubscriptionStats {
+                sources: figures
+                    .per_source
+                    .into_iter()
+                    .map(|stats| subscription_stats(stats, now, newest))
+                    .collect(),
+                ..subscription_stats(figures.total, now, newest)
             })
             .collect(),
         outbox: Some(proto::OutboxStats {
@@ -370,5 +399,55 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionStats>, outbox: OutboxStats) 
             )),
             events_force_expired: outbox.events_force_expired,
         }),
+    }
+}
+
+fn age(since: Option<DateTime<Utc>>, until: DateTime<Utc>) -> prost_types::Duration {
+    duration_to_proto(since.map_or(Duration::ZERO, |since| {
+        (until - since).to_std().unwrap_or_default()
+    }))
+}
+
+fn subscription_stats(
+    stats: SubscriptionStats,
+    now: DateTime<Utc>,
+    newest: Option<DateTime<Utc>>,
+) -> proto::SubscriptionStats {
+    proto::SubscriptionStats {
+        name: stats.name.as_str().to_owned(),
+        source: stats
+            .source
+            .as_ref()
+            .map(|source| source.as_str().to_owned())
+            .unwrap_or_default(),
+        pending: stats.pending,
+        in_flight: stats.in_flight,
+        awaiting_retry: stats.awaiting_retry,
+        dead_lettered: stats.dead_lettered,
+        oldest_unacked_age: Some(age(stats.oldest_unacked_at, now)),
+        lag_events: stats.lag_events(),
+        lag: Some(age(stats.oldest_unacked_at, newest.unwrap_or(now))),
+        delivered_total: stats.delivered_total,
+        acked_total: stats.acked_total,
+        late_transactions: stats.late_transactions,
+        sources: Vec::new(),
+    }
+}
+
+pub(super) fn source_status(status: SourceStatus) -> proto::Source {
+    let outbox = status.outbox.unwrap_or_default();
+    proto::Source {
+        name: status.name.as_str().to_owned(),
+        status: if status.health.connected {
+            proto::SourceStatus::Connected
+        } else {
+            proto::SourceStatus::Unavailable
+        } as i32,
+        last_error: status.health.last_error.unwrap_or_default(),
+        since: Some(datetime_to_timestamp(status.health.since)),
+        events_stored: outbox.events_stored,
+        oldest_event_at: outbox.oldest_event_at.map(datetime_to_timestamp),
+        oldest_open_transaction_age: Some(duration_to_proto(outbox.oldest_open_transaction_age)),
+        schema_version: status.schema_version.unwrap_or_default(),
     }
 }

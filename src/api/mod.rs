@@ -35,6 +35,9 @@ pub(crate) fn status_from(error: Error) -> Status {
             tracing::warn!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")
         }
+        Error::SourceUnavailable(source) => Status::unavailable(format!(
+            "source {source:?} cannot be reached right now; retry later"
+        )),
         Error::Overloaded(message) => Status::resource_exhausted(bounded(message)),
         Error::ShuttingDown => Status::unavailable("the gateway is shutting down; reconnect"),
         Error::Internal(source) => {

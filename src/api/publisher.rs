@@ -4,6 +4,7 @@ use tonic::{Request, Response, Status};
 
 use super::{auth, convert};
 use crate::{
+    domain::SourceName,
     proto::{self, publisher_server::Publisher as PublisherService},
     publish::Publisher,
     telemetry::TraceHeaders,
@@ -28,15 +29,17 @@ impl PublisherService for PublisherApi {
     ) -> Result<Response<proto::PublishResponse>, Status> {
         let principal = auth::principal(&request)?.clone();
         let trace = TraceHeaders::from_metadata(request.metadata());
+        let request = request.into_inner();
+        let source = convert::optional_source("source", &request.source)?
+            .unwrap_or_else(SourceName::default_source);
         let events = request
-            .into_inner()
             .events
             .into_iter()
             .enumerate()
             .map(|(index, input)| convert::new_event(index, input))
             .collect::<Result<Vec<_>, _>>()?;
-        principal.check_publish(&events)?;
-        let results = self.publisher.publish(events, &trace).await?;
+        principal.check_publish(&events, &source)?;
+        let results = self.publisher.publish(&source, events, &trace).await?;
         Ok(Response::new(proto::PublishResponse {
             results: results
                 .into_iter()

@@ -59,10 +59,12 @@ impl SubscriberService for SubscriberApi {
         let name = convert::subscription_name("subscription", &request.subscription)?;
         principal.check_subscription(&name)?;
         check_count(&request.ack_ids)?;
-        let acks = convert::ack_ids("ack_ids", &request.ack_ids)?;
-        let stale = self.relay.ack(&name, &acks).await?;
+        let sources = self.relay.sources();
+        let acks = convert::ack_ids("ack_ids", &request.ack_ids, sources)?;
+        let outcome = self.relay.ack(&name, &acks).await?;
         Ok(Response::new(proto::AckResponse {
-            stale_ack_ids: stale.iter().map(ToString::to_string).collect(),
+            stale_ack_ids: convert::ack_id_texts(&outcome.stale, sources),
+            unavailable_ack_ids: convert::ack_id_texts(&outcome.unavailable, sources),
         }))
     }
 
@@ -75,7 +77,7 @@ impl SubscriberService for SubscriberApi {
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         principal.check_subscription(&name)?;
-        let ack = convert::ack_id("ack_id", &request.ack_id)?;
+        let ack = convert::ack_id("ack_id", &request.ack_id, self.relay.sources())?;
         let retry_after = convert::optional_duration("retry_after", request.retry_after)?;
         let outcome = self
             .relay
@@ -109,7 +111,7 @@ impl SubscriberService for SubscriberApi {
         let name = convert::subscription_name("subscription", &request.subscription)?;
         principal.check_subscription(&name)?;
         check_count(&request.ack_ids)?;
-        let acks = convert::ack_ids("ack_ids", &request.ack_ids)?;
+        let acks = convert::ack_ids("ack_ids", &request.ack_ids, self.relay.sources())?;
         let extension = convert::optional_duration("extension", request.extension)?
             .ok_or_else(|| Error::invalid("extension", "is required"))?;
         if !(MIN_ACK_DEADLINE..=MAX_EXTENSION).contains(&extension) {
@@ -125,7 +127,7 @@ impl SubscriberService for SubscriberApi {
         }
         let stale = self.relay.extend(&name, &acks, extension).await?;
         Ok(Response::new(proto::ExtendAckDeadlineResponse {
-            stale_ack_ids: stale.iter().map(ToString::to_string).collect(),
+            stale_ack_ids: convert::ack_id_texts(&stale, self.relay.sources()),
         }))
     }
 }

@@ -566,6 +566,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     include_resolved,
                     page_size,
                     page_token,
+                    ..Default::default()
                 })
                 .await
                 .map_err(describe)?
@@ -629,6 +630,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     event_types,
                     dead_lettered_before: before,
                     all,
+                    ..Default::default()
                 })
                 .await
                 .map_err(describe)?
@@ -650,6 +652,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     id: id.clone(),
                     resolved_by,
                     notes,
+                    ..Default::default()
                 })
                 .await
                 .map_err(describe)?
@@ -668,6 +671,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
                 .requeue_event(proto::RequeueEventRequest {
                     id,
                     subscription: args.subscription,
+                    ..Default::default()
                 })
                 .await
         }
@@ -678,6 +682,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
                     aggregate_id: args.aggregate_id.unwrap_or_default(),
                     event_type: args.event_type.unwrap_or_default(),
                     subscription: args.subscription,
+                    ..Default::default()
                 })
                 .await
         }
@@ -779,7 +784,10 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     }
     let mut publisher = target.connect(true).await?.publisher();
     let results = publisher
-        .publish(proto::PublishRequest { events })
+        .publish(proto::PublishRequest {
+            events,
+            ..Default::default()
+        })
         .await
         .map_err(describe)?
         .into_inner()

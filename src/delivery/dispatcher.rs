@@ -1,7 +1,12 @@
 //! One subscription's dispatcher in this process: claims deliveries for the streams
-//! attached here, as much as their flow control allows ([`super::flow`]), and hands them
-//! out; learns of settlements here and on other gateways; sleeps until there is room and
-//! work.
+//! attached here from every source the subscription reads, as much as their flow control
+//! allows ([`super::flow`]), and hands them out; learns of settlements here and on other
+//! gateways; sleeps until there is room and work.
+//!
+//! Each source is claimed on its own (a claim is one transaction in one database), when
+//! it has news: events were committed there, a delivery there became due, or the poll
+//! interval passed. A source that is down or failing is skipped until it is back, so it
+//! never holds the others up.
 
 use std::{
     collections::HashMap,
@@ -15,24 +20,25 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     Relay,
-    flow::{BufferBudget, StreamLimits, Streams},
+    flow::{BufferBudget, LeaseKey, StreamLimits, Streams},
     stream::DeliveryStream,
 };
 use crate::{
-    domain::{AckId, Delivery, Subscription},
+    domain::{AckId, Delivery, SourceId, Subscription},
     error::Error,
     metrics,
-    storage::{ClaimLimits, Store},
+    sources::{Source, Sources},
+    storage::ClaimLimits,
     telemetry,
 };
 
 /// How often a claim looks for due records when nothing here made one due.
 const DUE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// First retry delay after a failed claim; doubles up to the poll interval.
+/// First retry delay after a failed claim on a source; doubles up to the poll interval.
 const FAILED_CLAIM_FIRST_DELAY: Duration = Duration::from_millis(100);
 
 pub(super) struct Dispatcher {
-    store: Store,
+    sources: Sources,
     /// Tracks lease releases so shutdown waits for them.
     tasks: TaskTracker,
     subscription_id: i64,
@@ -40,7 +46,7 @@ pub(super) struct Dispatcher {
     /// names two leases even when a requeue resets the attempt count.
     token_base: i64,
     claims: std::sync::atomic::AtomicI64,
-    /// Latest settings seen; refreshed by every claim.
+    /// The definition as last read from the `default` source.
     subscription: Mutex<Subscription>,
     state: Mutex<State>,
     /// Room was freed, a stream came or went, or a retry was scheduled.
@@ -52,16 +58,50 @@ pub(super) struct Dispatcher {
 #[derive(Default)]
 struct State {
     streams: Streams,
-    /// Earliest retry this process scheduled through a nack.
-    retry_at: Option<DateTime<Utc>>,
-    /// Another gateway settled leases of this subscription: re-read ours.
-    refresh_pending: bool,
-    /// Something made a delivery due (a nack, a release, an expired lease, an ack that
-    /// may free an ordered aggregate, a wake-up from a requeue or another gateway): the
-    /// next claim looks for due records.
-    due_pending: bool,
+    /// What this dispatcher knows per source.
+    sources: HashMap<SourceId, SourceState>,
+    /// Another gateway settled leases of this subscription without naming them: re-read
+    /// ours in these sources.
+    refresh: Vec<SourceId>,
+    /// The definition changed (or may have): read it again.
+    definition_stale: bool,
     /// Set when the dispatcher stops; later streams need a new dispatcher.
     closed: bool,
+}
+
+/// A dispatcher's view of one source.
+#[derive(Default)]
+struct SourceState {
+    /// The source's new-events generation at the last claim (`None`: never claimed).
+    seen_events: Option<u64>,
+    /// Something made a delivery due there (a nack, a release, an expired lease, an ack
+    /// that may free an ordered aggregate, a requeue): the next claim looks for due
+    /// records.
+    due_pending: bool,
+    /// Earliest retry this process scheduled there through a nack.
+    retry_at: Option<DateTime<Utc>>,
+    last_due_check: Option<Instant>,
+    last_claim: Option<Instant>,
+    /// The last claim took all its limits allowed: more may be waiting there.
+    more_waiting: bool,
+    /// After a failed claim, not before this; the delay doubles while failures go on.
+    failing: Option<(Instant, Duration)>,
+}
+
+impl SourceState {
+    /// Whether a claim on this source has something to look for now.
+    fn wants_claim(&self, events: u64, poll_interval: Duration, now: Instant) -> bool {
+        if self.failing.is_some_and(|(not_before, _)| now < not_before) {
+            return false;
+        }
+        self.seen_events != Some(events)
+            || self.more_waiting
+            || self.due_pending
+            || self.retry_at.is_some_and(|at| at <= Utc::now())
+            || self
+                .last_claim
+                .is_none_or(|at| now.duration_since(at) >= poll_interval)
+    }
 }
 
 /// How deliveries were settled.
@@ -76,13 +116,13 @@ pub(super) enum Settlement {
 
 impl Dispatcher {
     pub(super) fn new(
-        store: Store,
+        sources: Sources,
         tasks: TaskTracker,
         subscription: Subscription,
         budget: Arc<BufferBudget>,
     ) -> Arc<Dispatcher> {
         Arc::new(Dispatcher {
-            store,
+            sources,
             tasks,
             subscription_id: subscription.id,
             token_base: rand::random::<i64>(),
@@ -129,20 +169,47 @@ impl Dispatcher {
         ))
     }
 
-    /// Another gateway settled leases of this subscription, perhaps some of ours: forget
-    /// the named ones, or re-read which are still live before the next claim when they
-    /// are not named; look for due records when a nack made one due.
-    pub(super) fn settled_elsewhere(&self, made_due: bool, leases: Option<&[(i64, i64)]>) {
+    /// The definition changed: read it again before the next claim.
+    pub(super) fn definition_changed(&self) {
+        self.state.lock().expect("dispatcher lock").definition_stale = true;
+        self.changed.notify_one();
+    }
+
+    /// Something in `source` may have become due (a requeue, an ordered ack elsewhere).
+    pub(super) fn due_in(&self, source: SourceId) {
+        self.state
+            .lock()
+            .expect("dispatcher lock")
+            .sources
+            .entry(source)
+            .or_default()
+            .due_pending = true;
+        self.changed.notify_one();
+    }
+
+    /// Another gateway settled leases of this subscription in `source`, perhaps some of
+    /// ours: forget the named ones, or re-read which are still live before the next claim
+    /// when they are not named; look for due records when a nack made one due.
+    pub(super) fn settled_elsewhere(
+        &self,
+        source: SourceId,
+        made_due: bool,
+        leases: Option<&[(i64, i64)]>,
+    ) {
         let mut state = self.state.lock().expect("dispatcher lock");
         match leases {
             Some(leases) => {
                 for &(position, token) in leases {
-                    state.streams.forget_matching(position, token);
+                    state.streams.forget_matching((source, position), token);
                 }
             }
-            None => state.refresh_pending = true,
+            None => {
+                if !state.refresh.contains(&source) {
+                    state.refresh.push(source);
+                }
+            }
         }
-        state.due_pending |= made_due;
+        state.sources.entry(source).or_default().due_pending |= made_due;
         drop(state);
         self.changed.notify_one();
     }
@@ -156,7 +223,10 @@ impl Dispatcher {
         let mut elsewhere = Vec::new();
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
-            match state.streams.forget_matching(ack.position, ack.lease_token) {
+            match state
+                .streams
+                .forget_matching((ack.source, ack.position), ack.lease_token)
+            {
                 Some(lease) => {
                     if settlement == Settlement::Acked {
                         metrics::deliver_to_ack(name.as_str(), lease.leased_at.elapsed());
@@ -164,29 +234,29 @@ impl Dispatcher {
                 }
                 None => elsewhere.push(*ack),
             }
-        }
-        // A nack schedules a retry; an ack on an ordered subscription may release the
-        // next event of its aggregate.
-        state.due_pending |=
-            matches!(settlement, Settlement::Nacked { .. }) || subscription.settings.ordered;
-        if let Settlement::Nacked {
-            retry_at: Some(retry_at),
-        } = settlement
-        {
-            state.retry_at = Some(state.retry_at.map_or(retry_at, |at| at.min(retry_at)));
+            // A nack schedules a retry; an ack on an ordered subscription may release the
+            // next event of its aggregate.
+            let source = state.sources.entry(ack.source).or_default();
+            source.due_pending |=
+                matches!(settlement, Settlement::Nacked { .. }) || subscription.settings.ordered;
+            if let Settlement::Nacked {
+                retry_at: Some(retry_at),
+            } = settlement
+            {
+                source.retry_at = Some(source.retry_at.map_or(retry_at, |at| at.min(retry_at)));
+            }
         }
         drop(state);
         self.changed.notify_one();
         elsewhere
     }
 
-    pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<i64, DateTime<Utc>>) {
+    pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<LeaseKey, DateTime<Utc>>) {
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
-            if let Some(deadline) = deadlines.get(&ack.position) {
-                state
-                    .streams
-                    .extend(ack.position, ack.lease_token, *deadline);
+            let key = (ack.source, ack.position);
+            if let Some(deadline) = deadlines.get(&key) {
+                state.streams.extend(key, ack.lease_token, *deadline);
             }
         }
     }
@@ -204,27 +274,35 @@ impl Dispatcher {
 
     /// Gives leases back so other streams get them at once rather than at their deadline;
     /// once they are back, the next claim looks for them.
-    fn release_in_background(self: &Arc<Self>, leases: Vec<(i64, i64)>) {
+    fn release_in_background(self: &Arc<Self>, leases: Vec<(LeaseKey, i64)>) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let dispatcher = self.clone();
-        self.tasks.spawn(async move {
-            if let Err(error) = dispatcher
-                .store
-                .release_leases(dispatcher.subscription_id, &leases)
-                .await
-            {
-                tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "could not release leases; they expire at their deadline");
-            }
-            dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
-            dispatcher.changed.notify_one();
-        });
+        let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
+        for ((source, position), token) in leases {
+            by_source.entry(source).or_default().push((position, token));
+        }
+        for (source_id, leases) in by_source {
+            let Some(source) = self.sources.get(source_id).cloned() else {
+                continue;
+            };
+            let dispatcher = self.clone();
+            self.tasks.spawn(async move {
+                if let Err(error) = source
+                    .store
+                    .release_leases(dispatcher.subscription_id, &leases)
+                    .await
+                {
+                    tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "could not release leases; they expire at their deadline");
+                }
+                dispatcher.due_in(source_id);
+            });
+        }
     }
 
     /// Hands claimed deliveries to streams with room; returns the leases no stream could
     /// take.
-    fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<(i64, i64)> {
+    fn distribute(&self, deliveries: Vec<Delivery>) -> Vec<(LeaseKey, i64)> {
         self.observe(&deliveries);
         let mut state = self.state.lock().expect("dispatcher lock");
         let mut undelivered = Vec::new();
@@ -235,9 +313,7 @@ impl Dispatcher {
         }
         undelivered
     }
-}
 
-impl Dispatcher {
     /// Counts deliveries and, when traces are exported, gives each a span linked to the
     /// trace of the call that published its event.
     fn observe(&self, deliveries: &[Delivery]) {
@@ -247,7 +323,9 @@ impl Dispatcher {
         let name = self.subscription().name;
         let now = Utc::now();
         let redelivered = deliveries.iter().filter(|d| d.attempt > 1).count() as u64;
-        metrics::delivered(name.as_str(), deliveries.len() as u64, redelivered);
+        // One claim reads one source.
+        let source = deliveries[0].event.source.as_str();
+        metrics::delivered(name.as_str(), source, deliveries.len() as u64, redelivered);
         for delivery in deliveries.iter().filter(|d| d.attempt == 1) {
             let waited = (now - delivery.event.created_at)
                 .to_std()
@@ -260,6 +338,7 @@ impl Dispatcher {
                     "deliver",
                     otel.kind = "producer",
                     subscription = %name,
+                    source = %delivery.event.source,
                     event_id = %delivery.event.id,
                     event_type = %delivery.event.event_type,
                     attempt = delivery.attempt,
@@ -277,15 +356,16 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let budget = dispatcher.budget.clone();
     let mut new_events = relay.inner.new_events.subscribe();
     let shutdown = relay.inner.shutdown.clone();
-    let mut retry_delay: Option<Duration> = None;
     let mut last_refresh = Instant::now();
-    let mut last_due_check = Instant::now() - DUE_CHECK_INTERVAL;
+    let mut last_definition_read = Instant::now();
+    // Rotates which source is claimed first, so a busy one cannot starve the others.
+    let mut first_source = 0usize;
 
     loop {
         let (limits, refresh, full) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            if state.streams.expire(Utc::now()) {
-                state.due_pending = true;
+            for source in state.streams.expire(Utc::now()) {
+                state.sources.entry(source).or_default().due_pending = true;
             }
             if state.streams.is_empty() {
                 drop(state);
@@ -295,7 +375,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 continue;
             }
             let has_leases = state.streams.has_leases();
-            let refresh = std::mem::take(&mut state.refresh_pending) && has_leases;
+            let refresh: Vec<SourceId> = match has_leases {
+                true => std::mem::take(&mut state.refresh),
+                false => {
+                    state.refresh.clear();
+                    Vec::new()
+                }
+            };
             let limits = state.streams.claim_limits(config.claim_batch_size, &budget);
             (limits, refresh, limits.is_none() && has_leases)
         };
@@ -303,53 +389,85 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
         // Room freed on another gateway counts before deciding how much to claim. When
         // full, the lease view is re-read once per poll interval even without a notice
         // (notifications are hints).
-        if refresh || (full && last_refresh.elapsed() >= config.poll_interval) {
-            refresh_leases(&dispatcher).await;
+        if !refresh.is_empty() {
+            for source in refresh {
+                refresh_leases(&dispatcher, source).await;
+            }
             last_refresh = Instant::now();
-            if refresh {
-                continue;
+            continue;
+        }
+        if full && last_refresh.elapsed() >= config.poll_interval {
+            for source in dispatcher.sources.iter() {
+                refresh_leases(&dispatcher, source.id).await;
+            }
+            last_refresh = Instant::now();
+        }
+        let definition_stale = std::mem::take(
+            &mut dispatcher
+                .state
+                .lock()
+                .expect("dispatcher lock")
+                .definition_stale,
+        );
+        if definition_stale || last_definition_read.elapsed() >= config.poll_interval {
+            last_definition_read = Instant::now();
+            if !read_definition(&dispatcher).await {
+                end_streams(&dispatcher, &relay, || {
+                    Error::NotFound("the subscription was deleted".into())
+                });
+                return;
             }
         }
         if let Some(limits) = limits {
-            match claim(&dispatcher, limits, &mut last_due_check).await {
-                Ok(Claimed::Some { full_batch }) => {
-                    retry_delay = None;
-                    if full_batch {
-                        tokio::task::yield_now().await;
-                        continue;
+            let subscription = dispatcher.subscription();
+            let sources = dispatcher.sources.of(&subscription);
+            let count = sources.len().max(1);
+            first_source = (first_source + 1) % count;
+            let mut remaining = limits;
+            let mut full_batch = false;
+            for source in sources
+                .iter()
+                .cycle()
+                .skip(first_source)
+                .take(sources.len())
+            {
+                if !source.is_connected() || !wants_claim(&dispatcher, &relay, source) {
+                    continue;
+                }
+                match claim(&dispatcher, &relay, &subscription, source, remaining).await {
+                    Claimed::Some { count, bytes } => {
+                        remaining.count = remaining.count.saturating_sub(count);
+                        remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
+                        if remaining.count == 0 || bytes >= limits.bytes {
+                            full_batch = true;
+                            break;
+                        }
                     }
+                    Claimed::NotReadingYet => {
+                        // Deleted, or not reading this source yet.
+                        if !read_definition(&dispatcher).await {
+                            end_streams(&dispatcher, &relay, || {
+                                Error::NotFound("the subscription was deleted".into())
+                            });
+                            return;
+                        }
+                        start_reading(&dispatcher, &subscription, source).await;
+                    }
+                    Claimed::Failed => {}
                 }
-                Ok(Claimed::SubscriptionGone) => {
-                    end_streams(&dispatcher, &relay, || {
-                        Error::NotFound("the subscription was deleted".into())
-                    });
-                    return;
-                }
-                Err(()) => {
-                    retry_delay = Some(retry_delay.map_or(FAILED_CLAIM_FIRST_DELAY, |d| {
-                        (d * 2).min(config.poll_interval)
-                    }));
-                }
+            }
+            if full_batch {
+                tokio::task::yield_now().await;
+                continue;
             }
         }
 
-        let mut sleep_for = retry_delay.unwrap_or(config.poll_interval);
-        let (next_deadline, retry_at) = {
-            let state = dispatcher.state.lock().expect("dispatcher lock");
-            (state.streams.next_deadline(), state.retry_at)
-        };
-        for at in [next_deadline, retry_at].into_iter().flatten() {
-            let until = (at - Utc::now()).to_std().unwrap_or_default();
-            sleep_for = sleep_for.min(until + Duration::from_millis(1));
-        }
+        let sleep_for = next_wake(&dispatcher, config.poll_interval);
         tokio::select! {
             changed = new_events.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                // Requeues, reclaimed leases and other gateways' ordered acks announce
-                // themselves this way too: look for due records as well as new events.
-                dispatcher.state.lock().expect("dispatcher lock").due_pending = true;
             }
             _ = dispatcher.changed.notified() => {}
             // Streams elsewhere in this process read what waited for them.
@@ -357,11 +475,6 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             _ = tokio::time::sleep(sleep_for) => {
                 if sleep_for == config.poll_interval {
                     metrics::wakeup("poll");
-                }
-                let mut state = dispatcher.state.lock().expect("dispatcher lock");
-                if state.retry_at.is_some_and(|at| at <= Utc::now()) {
-                    state.retry_at = None;
-                    state.due_pending = true;
                 }
             }
             _ = shutdown.cancelled() => {
@@ -372,80 +485,187 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     }
 }
 
-enum Claimed {
-    /// Claimed (perhaps nothing); `full_batch` when the limits were reached, so more may
-    /// be waiting.
-    Some {
-        full_batch: bool,
-    },
-    SubscriptionGone,
+/// Until the next lease deadline or scheduled retry, at most the poll interval; sooner
+/// when a failing source may be tried again.
+fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
+    let state = dispatcher.state.lock().expect("dispatcher lock");
+    let mut sleep_for = poll_interval;
+    let instants = state
+        .streams
+        .next_deadline()
+        .into_iter()
+        .chain(state.sources.values().filter_map(|source| source.retry_at));
+    for at in instants {
+        let until = (at - Utc::now()).to_std().unwrap_or_default();
+        sleep_for = sleep_for.min(until + Duration::from_millis(1));
+    }
+    let now = Instant::now();
+    for (not_before, _) in state.sources.values().filter_map(|source| source.failing) {
+        sleep_for = sleep_for.min(not_before.saturating_duration_since(now));
+    }
+    sleep_for
 }
 
-/// One claim within `limits`, handed out to the streams. A failure is logged.
+fn wants_claim(dispatcher: &Dispatcher, relay: &Relay, source: &Source) -> bool {
+    let events = relay.events_generation(source.id);
+    let state = dispatcher.state.lock().expect("dispatcher lock");
+    state.sources.get(&source.id).is_none_or(|known| {
+        known.wants_claim(events, relay.inner.config.poll_interval, Instant::now())
+    })
+}
+
+enum Claimed {
+    /// Claimed this many deliveries and bytes (perhaps none).
+    Some {
+        count: usize,
+        bytes: u64,
+    },
+    /// The subscription has no read position in this source yet.
+    NotReadingYet,
+    Failed,
+}
+
+/// One claim on one source within `limits`, handed out to the streams. A failure is
+/// logged and backs the source off.
 async fn claim(
     dispatcher: &Arc<Dispatcher>,
+    relay: &Relay,
+    subscription: &Subscription,
+    source: &Source,
     limits: ClaimLimits,
-    last_due_check: &mut Instant,
-) -> Result<Claimed, ()> {
+) -> Claimed {
     let lease_token = dispatcher.token_base.wrapping_add(
         dispatcher
             .claims
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     );
+    let events = relay.events_generation(source.id);
     // Looking for due records walks an index that every ack leaves dead entries in: do
     // it when something made a record due, else now and then (acks and nacks on other
     // gateways, expired leases of crashed ones).
     let include_due = {
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
-        let due = state.due_pending || last_due_check.elapsed() >= DUE_CHECK_INTERVAL;
-        state.due_pending &= !due;
+        let known = state.sources.entry(source.id).or_default();
+        let now = Instant::now();
+        let due = known.due_pending
+            || known.retry_at.is_some_and(|at| at <= Utc::now())
+            || known
+                .last_due_check
+                .is_none_or(|at| now.duration_since(at) >= DUE_CHECK_INTERVAL);
+        if due {
+            known.due_pending = false;
+            known.last_due_check = Some(now);
+            if known.retry_at.is_some_and(|at| at <= Utc::now()) {
+                known.retry_at = None;
+            }
+        }
+        known.seen_events = Some(events);
+        known.last_claim = Some(now);
         due
     };
-    if include_due {
-        *last_due_check = Instant::now();
-    }
-    let claim = match dispatcher
+    let outcome = source
         .store
-        .claim(dispatcher.subscription_id, lease_token, limits, include_due)
-        .await
-    {
+        .claim(subscription, lease_token, limits, include_due)
+        .await;
+    let claim = match outcome {
         Ok(Some(claim)) => claim,
-        Ok(None) => return Ok(Claimed::SubscriptionGone),
+        Ok(None) => return Claimed::NotReadingYet,
         Err(error) => {
-            tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "claim failed");
-            return Err(());
+            let mut state = dispatcher.state.lock().expect("dispatcher lock");
+            let known = state.sources.entry(source.id).or_default();
+            let delay = known
+                .failing
+                .map_or(FAILED_CLAIM_FIRST_DELAY, |(_, delay)| {
+                    (delay * 2).min(relay.inner.config.poll_interval)
+                });
+            known.failing = Some((Instant::now() + delay, delay));
+            known.seen_events = None;
+            known.due_pending = true;
+            drop(state);
+            tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+            return Claimed::Failed;
         }
     };
-    let claimed = claim.deliveries.len();
-    let claimed_bytes: u64 = claim.deliveries.iter().map(Delivery::size).sum();
-    if claim.dead_lettered > 0 {
-        let name = dispatcher.subscription().name;
-        metrics::dead_lettered(name.as_str(), claim.dead_lettered);
+    let count = claim.deliveries.len();
+    let bytes: u64 = claim.deliveries.iter().map(Delivery::size).sum();
+    {
+        let mut state = dispatcher.state.lock().expect("dispatcher lock");
+        let known = state.sources.entry(source.id).or_default();
+        known.failing = None;
+        known.more_waiting = count >= limits.count || bytes >= limits.bytes;
     }
-    dispatcher
-        .subscription
-        .lock()
-        .expect("subscription lock")
-        .settings = claim.settings;
+    if claim.dead_lettered > 0 {
+        metrics::dead_lettered(
+            subscription.name.as_str(),
+            source.name.as_str(),
+            claim.dead_lettered,
+        );
+    }
     let undelivered = dispatcher.distribute(claim.deliveries);
     if !undelivered.is_empty() {
         dispatcher.release_in_background(undelivered);
     }
-    Ok(Claimed::Some {
-        full_batch: claimed == limits.count || claimed_bytes >= limits.bytes,
-    })
+    Claimed::Some { count, bytes }
 }
 
-/// Asks the database which leases are still held: acks and extensions that reached
-/// another gateway process are only visible there.
-async fn refresh_leases(dispatcher: &Dispatcher) {
+/// The subscription reads a source it has no read position in yet (the source was added
+/// later, or was down when the subscription was created): it starts there as it started
+/// everywhere else.
+async fn start_reading(dispatcher: &Dispatcher, subscription: &Subscription, source: &Source) {
+    if let Err(error) = source
+        .store
+        .create_cursor(subscription.id, subscription.late_start())
+        .await
+    {
+        tracing::warn!(subscription = %subscription.name, source = %source.name, %error, "cannot start reading the source");
+    }
+    // Claim it again at once.
+    dispatcher
+        .state
+        .lock()
+        .expect("dispatcher lock")
+        .sources
+        .entry(source.id)
+        .or_default()
+        .seen_events = None;
+}
+
+/// Reads the definition again from `default`; false when the subscription is gone. While
+/// `default` cannot be reached, the definition last read stands.
+async fn read_definition(dispatcher: &Dispatcher) -> bool {
+    let definitions = &dispatcher.sources.default_source().store;
+    match definitions
+        .subscription_by_id(dispatcher.subscription_id)
+        .await
+    {
+        Ok(Some(subscription)) => {
+            *dispatcher.subscription.lock().expect("subscription lock") = subscription;
+            true
+        }
+        Ok(None) => false,
+        Err(error) => {
+            tracing::debug!(subscription_id = dispatcher.subscription_id, %error, "cannot read the subscription; keeping its last settings");
+            true
+        }
+    }
+}
+
+/// Asks a source which of our leases there are still held: acks and extensions that
+/// reached another gateway process are only visible there.
+async fn refresh_leases(dispatcher: &Dispatcher, source_id: SourceId) {
+    let Some(source) = dispatcher.sources.get(source_id) else {
+        return;
+    };
     let leases = dispatcher
         .state
         .lock()
         .expect("dispatcher lock")
         .streams
-        .leases();
-    match dispatcher
+        .leases_of(source_id);
+    if leases.is_empty() {
+        return;
+    }
+    match source
         .store
         .live_leases(dispatcher.subscription_id, &leases)
         .await
@@ -454,16 +674,17 @@ async fn refresh_leases(dispatcher: &Dispatcher) {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             for (position, token) in leases {
+                let key = (source_id, position);
                 match live.get(&position) {
-                    Some(deadline) => state.streams.extend(position, token, *deadline),
+                    Some(deadline) => state.streams.extend(key, token, *deadline),
                     None => {
-                        state.streams.forget_matching(position, token);
+                        state.streams.forget_matching(key, token);
                     }
                 }
             }
         }
         Err(error) => {
-            tracing::warn!(subscription_id = dispatcher.subscription_id, %error, "lease refresh failed")
+            tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "lease refresh failed")
         }
     }
 }

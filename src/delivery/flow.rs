@@ -24,7 +24,14 @@ use std::{
 use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, mpsc};
 
-use crate::{domain::Delivery, error::Error, storage::ClaimLimits};
+use crate::{
+    domain::{Delivery, SourceId},
+    error::Error,
+    storage::ClaimLimits,
+};
+
+/// A lease's place: its source and the event's position there.
+pub type LeaseKey = (SourceId, i64);
 
 /// What one stream may hold unsettled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +116,7 @@ impl Slot {
 #[derive(Default)]
 pub struct Streams {
     slots: Vec<Slot>,
-    leases: HashMap<i64, Lease>,
+    leases: HashMap<LeaseKey, Lease>,
     next_id: u64,
     /// Next stream to offer a delivery to, so a batch spreads evenly.
     round_robin: usize,
@@ -144,28 +151,28 @@ impl Streams {
         id
     }
 
-    /// Removes a stream; returns its leases (position, token), which nobody holds now.
-    pub fn detach(&mut self, stream_id: u64) -> Vec<(i64, i64)> {
+    /// Removes a stream; returns its leases (key, token), which nobody holds now.
+    pub fn detach(&mut self, stream_id: u64) -> Vec<(LeaseKey, i64)> {
         self.slots.retain(|slot| slot.id != stream_id);
-        let orphaned: Vec<(i64, i64)> = self
+        let orphaned: Vec<(LeaseKey, i64)> = self
             .leases
             .iter()
             .filter(|(_, lease)| lease.stream_id == stream_id)
-            .map(|(position, lease)| (*position, lease.token))
+            .map(|(key, lease)| (*key, lease.token))
             .collect();
-        for (position, _) in &orphaned {
-            self.leases.remove(position);
+        for (key, _) in &orphaned {
+            self.leases.remove(key);
         }
         orphaned
     }
 
     /// Removes every stream; returns their senders and all leases.
-    pub fn take_all(&mut self) -> (Vec<DeliverySender>, Vec<(i64, i64)>) {
+    pub fn take_all(&mut self) -> (Vec<DeliverySender>, Vec<(LeaseKey, i64)>) {
         let senders = self.slots.drain(..).map(|slot| slot.sender).collect();
         let leases = self
             .leases
             .drain()
-            .map(|(position, lease)| (position, lease.token))
+            .map(|(key, lease)| (key, lease.token))
             .collect();
         (senders, leases)
     }
@@ -200,11 +207,15 @@ impl Streams {
     }
 
     /// Sends a delivery to the next stream that can take it and records its lease; when
-    /// none can, returns its lease (position, token), which nobody holds.
-    pub fn place(&mut self, delivery: Delivery, budget: &BufferBudget) -> Result<(), (i64, i64)> {
+    /// none can, returns its lease (key, token), which nobody holds.
+    pub fn place(
+        &mut self,
+        delivery: Delivery,
+        budget: &BufferBudget,
+    ) -> Result<(), (LeaseKey, i64)> {
         let size = delivery.size();
-        let (position, token, deadline) = (
-            delivery.ack_id.position,
+        let (key, token, deadline) = (
+            (delivery.ack_id.source, delivery.ack_id.position),
             delivery.ack_id.lease_token,
             delivery.ack_deadline,
         );
@@ -225,7 +236,7 @@ impl Streams {
                     slot.in_flight_bytes += size;
                     let stream_id = slot.id;
                     self.leases.insert(
-                        position,
+                        key,
                         Lease {
                             stream_id,
                             token,
@@ -245,19 +256,17 @@ impl Streams {
                 }
             }
         }
-        Err((position, token))
+        Err((key, token))
     }
 
-    /// The lease at `position`, when `token` names it.
-    pub fn lease(&self, position: i64, token: i64) -> Option<&Lease> {
-        self.leases
-            .get(&position)
-            .filter(|lease| lease.token == token)
+    /// The lease at `key`, when `token` names it.
+    pub fn lease(&self, key: LeaseKey, token: i64) -> Option<&Lease> {
+        self.leases.get(&key).filter(|lease| lease.token == token)
     }
 
-    /// Forgets the lease at `position`, freeing its stream's room.
-    pub fn forget(&mut self, position: i64) -> Option<Lease> {
-        let lease = self.leases.remove(&position)?;
+    /// Forgets the lease at `key`, freeing its stream's room.
+    pub fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
+        let lease = self.leases.remove(&key)?;
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
             slot.in_flight = slot.in_flight.saturating_sub(1);
             slot.in_flight_bytes = slot.in_flight_bytes.saturating_sub(lease.size);
@@ -265,14 +274,14 @@ impl Streams {
         Some(lease)
     }
 
-    /// Forgets the lease at `position` when `token` names it.
-    pub fn forget_matching(&mut self, position: i64, token: i64) -> Option<Lease> {
-        self.lease(position, token)?;
-        self.forget(position)
+    /// Forgets the lease at `key` when `token` names it.
+    pub fn forget_matching(&mut self, key: LeaseKey, token: i64) -> Option<Lease> {
+        self.lease(key, token)?;
+        self.forget(key)
     }
 
-    pub fn extend(&mut self, position: i64, token: i64, deadline: DateTime<Utc>) {
-        if let Some(lease) = self.leases.get_mut(&position)
+    pub fn extend(&mut self, key: LeaseKey, token: i64, deadline: DateTime<Utc>) {
+        if let Some(lease) = self.leases.get_mut(&key)
             && lease.token == token
         {
             lease.deadline = deadline;
@@ -280,29 +289,33 @@ impl Streams {
     }
 
     /// Forgets leases whose deadline passed: they are no longer this process's to count.
-    /// True when there were any.
-    pub fn expire(&mut self, now: DateTime<Utc>) -> bool {
-        let expired: Vec<i64> = self
+    /// Returns the sources they belonged to.
+    pub fn expire(&mut self, now: DateTime<Utc>) -> Vec<SourceId> {
+        let expired: Vec<LeaseKey> = self
             .leases
             .iter()
             .filter(|(_, lease)| lease.deadline <= now)
-            .map(|(position, _)| *position)
+            .map(|(key, _)| *key)
             .collect();
-        for position in &expired {
-            self.forget(*position);
+        for key in &expired {
+            self.forget(*key);
         }
-        !expired.is_empty()
+        let mut sources: Vec<SourceId> = expired.into_iter().map(|(source, _)| source).collect();
+        sources.sort();
+        sources.dedup();
+        sources
     }
 
     pub fn next_deadline(&self) -> Option<DateTime<Utc>> {
         self.leases.values().map(|lease| lease.deadline).min()
     }
 
-    /// Every lease as (position, token).
-    pub fn leases(&self) -> Vec<(i64, i64)> {
+    /// The leases of one source as (position, token).
+    pub fn leases_of(&self, source: SourceId) -> Vec<(i64, i64)> {
         self.leases
             .iter()
-            .map(|(position, lease)| (*position, lease.token))
+            .filter(|((lease_source, _), _)| *lease_source == source)
+            .map(|((_, position), lease)| (*position, lease.token))
             .collect()
     }
 }
@@ -318,6 +331,7 @@ mod tests {
     fn delivery(position: i64, payload_bytes: usize) -> Delivery {
         Delivery {
             ack_id: AckId {
+                source: SourceId(0),
                 position,
                 attempt: 1,
                 lease_token: 7,
@@ -325,6 +339,7 @@ mod tests {
             attempt: 1,
             ack_deadline: Utc::now() + chrono::Duration::seconds(30),
             event: Event {
+                source: crate::domain::SourceName::default_source(),
                 id: Uuid::nil(),
                 aggregate_type: "a".into(),
                 aggregate_id: "1".into(),
@@ -363,7 +378,7 @@ mod tests {
         assert!(streams.claim_limits(500, &budget).is_none());
         assert!(streams.place(delivery(2, 10), &budget).is_err());
         assert!(receiver.try_recv().is_ok());
-        streams.forget(1);
+        streams.forget((SourceId(0), 1));
         assert!(streams.claim_limits(500, &budget).is_some());
 
         for position in 2..5 {
@@ -408,9 +423,12 @@ mod tests {
         let mut late = delivery(1, 10);
         late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
         streams.place(late, &budget).unwrap();
-        assert!(streams.forget_matching(1, 8).is_none(), "another token");
+        assert!(
+            streams.forget_matching((SourceId(0), 1), 8).is_none(),
+            "another token"
+        );
         assert!(streams.claim_limits(500, &budget).is_none());
-        assert!(streams.expire(Utc::now()));
+        assert_eq!(streams.expire(Utc::now()), vec![SourceId(0)]);
         assert!(!streams.has_leases());
         assert!(streams.claim_limits(500, &budget).is_some());
     }

@@ -13,8 +13,11 @@ mod stream;
 mod wake;
 
 use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -23,14 +26,16 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use dispatcher::{Dispatcher, Settlement};
-use flow::{BufferBudget, StreamLimits};
+use flow::{BufferBudget, LeaseKey, StreamLimits};
+use futures_util::future::join_all;
 pub use stream::DeliveryStream;
 
 use crate::{
-    domain::{AckId, MAX_BACKOFF, Subscription, SubscriptionName, check_text},
+    domain::{AckId, MAX_BACKOFF, SourceId, Subscription, SubscriptionName, check_text},
     error::{Error, Result},
     metrics,
-    storage::{NackOutcome, Settled, Store},
+    sources::{Source, Sources},
+    storage::{NackOutcome, Settled},
 };
 
 /// Relay settings; see the configuration reference.
@@ -83,89 +88,144 @@ pub struct Relay {
 }
 
 struct RelayInner {
-    store: Store,
+    sources: Sources,
     config: DeliveryConfig,
-    /// Bumped whenever new events may have committed.
+    /// Bumped whenever new events may have committed in any source.
     new_events: watch::Sender<u64>,
+    /// Per source (by id): bumped whenever new events may have committed there, so a
+    /// dispatcher claims only the sources with news.
+    source_events: Vec<AtomicU64>,
     /// Dispatchers of this process by subscription id.
     dispatchers: Mutex<HashMap<i64, Arc<Dispatcher>>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
-    peer_notifier: wake::PeerNotifier,
+    /// Per source (by id): tells the other gateways on that database of news here.
+    peer_notifiers: Vec<wake::PeerNotifier>,
     /// One permit per open Subscribe stream.
     stream_permits: Arc<tokio::sync::Semaphore>,
     /// Deliveries waiting in memory for their streams, across all subscriptions.
     buffer_budget: Arc<BufferBudget>,
 }
 
+/// What became of the ack ids of one Ack call.
+#[derive(Debug, Default)]
+pub struct AckOutcome {
+    /// Not applied: their lease expired, was taken over, or was settled already.
+    pub stale: Vec<AckId>,
+    /// Of sources that cannot be reached right now: retry them.
+    pub unavailable: Vec<AckId>,
+}
+
 impl Relay {
-    /// Starts the relay's background tasks: the NOTIFY listener and the notifier that
-    /// tells other gateways about this one's publishes.
-    pub fn start(store: Store, config: DeliveryConfig) -> Relay {
+    /// Starts the relay's background tasks: per source, the NOTIFY listener and the
+    /// notifier that tells other gateways about this one's news.
+    pub fn start(sources: Sources, config: DeliveryConfig) -> Relay {
         let (new_events, _) = watch::channel(0);
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
-        let peer_notifier = wake::PeerNotifier::start(store.clone(), &tasks, shutdown.clone());
+        let peer_notifiers = sources
+            .iter()
+            .map(|source| wake::PeerNotifier::start(source.store.clone(), &tasks, shutdown.clone()))
+            .collect();
         let relay = Relay {
             inner: Arc::new(RelayInner {
-                store,
+                source_events: sources.iter().map(|_| AtomicU64::new(0)).collect(),
+                sources,
                 new_events,
                 dispatchers: Mutex::new(HashMap::new()),
                 shutdown,
                 tasks,
-                peer_notifier,
+                peer_notifiers,
                 stream_permits: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
                 buffer_budget: Arc::new(BufferBudget::new(config.max_buffered_bytes)),
                 config,
             }),
         };
-        wake::spawn_listener(
-            relay.clone(),
-            relay.inner.store.clone(),
-            &relay.inner.tasks,
-            relay.inner.shutdown.clone(),
-        );
+        for source in relay.inner.sources.iter() {
+            wake::spawn_listener(
+                relay.clone(),
+                source.clone(),
+                &relay.inner.tasks,
+                relay.inner.shutdown.clone(),
+            );
+        }
         relay
     }
 
-    /// Events were committed by this process: wake local dispatchers now and tell the
-    /// other gateways with one coalesced notification.
-    pub fn events_committed(&self) {
-        metrics::wakeup("publish");
-        self.wake_all();
-        self.inner.peer_notifier.events();
+    pub fn sources(&self) -> &Sources {
+        &self.inner.sources
     }
 
-    /// Makes every local dispatcher look for work.
-    pub fn wake_all(&self) {
+    /// Events were committed in `source` by this process: wake local dispatchers now and
+    /// tell the other gateways with one coalesced notification.
+    pub fn events_committed(&self, source: SourceId) {
+        metrics::wakeup("publish");
+        self.wake(source);
+        if let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.0)) {
+            notifier.events();
+        }
+    }
+
+    /// Makes every local dispatcher look for new events in `source`.
+    fn wake(&self, source: SourceId) {
+        if let Some(generation) = self.inner.source_events.get(usize::from(source.0)) {
+            generation.fetch_add(1, Ordering::Relaxed);
+        }
         self.inner
             .new_events
             .send_modify(|generation| *generation += 1);
     }
 
-    /// Another gateway settled leases of the subscription: if they were this process's,
-    /// its dispatcher learns at once that their room is free again.
-    fn settled_elsewhere(&self, settled: Settled) {
+    /// Makes every local dispatcher look for work everywhere: new events in every source,
+    /// due deliveries, changed definitions.
+    pub fn wake_all(&self) {
+        for generation in &self.inner.source_events {
+            generation.fetch_add(1, Ordering::Relaxed);
+        }
+        for dispatcher in self.all_dispatchers() {
+            dispatcher.definition_changed();
+            for source in self.inner.sources.iter() {
+                dispatcher.due_in(source.id);
+            }
+        }
+        self.inner
+            .new_events
+            .send_modify(|generation| *generation += 1);
+    }
+
+    /// How many times new events were announced in `source` so far.
+    fn events_generation(&self, source: SourceId) -> u64 {
+        self.inner
+            .source_events
+            .get(usize::from(source.0))
+            .map_or(0, |generation| generation.load(Ordering::Relaxed))
+    }
+
+    /// Another gateway settled leases of the subscription in `source`: if they were this
+    /// process's, its dispatcher learns at once that their room is free again.
+    fn settled_elsewhere(&self, source: SourceId, settled: Settled) {
         if let Some(dispatcher) = self.dispatcher(settled.subscription_id) {
-            dispatcher.settled_elsewhere(settled.made_due, settled.leases.as_deref());
+            dispatcher.settled_elsewhere(source, settled.made_due, settled.leases.as_deref());
         }
     }
 
-    /// Notifications may have been lost (the LISTEN connection was re-established): look
-    /// for new events and re-read every lease.
-    fn missed_notifications(&self) {
-        let dispatchers: Vec<Arc<Dispatcher>> = self
-            .inner
+    /// Notifications of `source` may have been lost (its LISTEN connection was
+    /// re-established): look for new events there and re-read every lease there.
+    fn missed_notifications(&self, source: SourceId) {
+        for dispatcher in self.all_dispatchers() {
+            dispatcher.settled_elsewhere(source, true, None);
+        }
+        self.wake(source);
+    }
+
+    fn all_dispatchers(&self) -> Vec<Arc<Dispatcher>> {
+        self.inner
             .dispatchers
             .lock()
             .expect("dispatchers lock")
             .values()
             .cloned()
-            .collect();
-        for dispatcher in dispatchers {
-            dispatcher.settled_elsewhere(true, None);
-        }
-        self.wake_all();
+            .collect()
     }
 
     /// Tells the dispatcher of the subscription in this process about settled
@@ -175,20 +235,23 @@ impl Relay {
             Some(dispatcher) => dispatcher.settled(acks, settlement),
             None => acks.to_vec(),
         };
-        if elsewhere.is_empty() {
-            return;
+        let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
+        for ack in &elsewhere {
+            by_source
+                .entry(ack.source)
+                .or_default()
+                .push((ack.position, ack.lease_token));
         }
-        let leases = (elsewhere.len() <= Settled::MAX_NAMED_LEASES).then(|| {
-            elsewhere
-                .iter()
-                .map(|ack| (ack.position, ack.lease_token))
-                .collect()
-        });
-        self.inner.peer_notifier.settled(Settled {
-            subscription_id,
-            made_due: matches!(settlement, Settlement::Nacked { .. }),
-            leases,
-        });
+        for (source, leases) in by_source {
+            let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.0)) else {
+                continue;
+            };
+            notifier.settled(Settled {
+                subscription_id,
+                made_due: matches!(settlement, Settlement::Nacked { .. }),
+                leases: (leases.len() <= Settled::MAX_NAMED_LEASES).then_some(leases),
+            });
+        }
     }
 
     /// Opens a delivery stream on the subscription that holds at most `max_in_flight`
@@ -251,7 +314,7 @@ impl Relay {
             None => permit,
         };
         let dispatcher = Dispatcher::new(
-            self.inner.store.clone(),
+            self.inner.sources.clone(),
             self.inner.tasks.clone(),
             subscription,
             self.inner.buffer_budget.clone(),
@@ -266,23 +329,59 @@ impl Relay {
         Ok(stream)
     }
 
-    /// Acks deliveries; returns the ack ids that were stale.
-    pub async fn ack(&self, name: &SubscriptionName, acks: &[AckId]) -> Result<Vec<AckId>> {
+    /// Acks deliveries, in every source they came from at once. Ack ids of a source that
+    /// cannot be reached come back as unavailable, the others are applied.
+    pub async fn ack(&self, name: &SubscriptionName, acks: &[AckId]) -> Result<AckOutcome> {
         let subscription = self.find_subscription(name).await?;
-        let acked = self.inner.store.ack(&subscription, acks).await?;
-        let acked: std::collections::HashSet<i64> = acked.into_iter().collect();
-        let (settled, stale): (Vec<AckId>, Vec<AckId>) =
-            acks.iter().partition(|ack| acked.contains(&ack.position));
-        metrics::acked(name.as_str(), settled.len() as u64);
+        let mut by_source: HashMap<SourceId, Vec<AckId>> = HashMap::new();
+        for ack in acks {
+            by_source.entry(ack.source).or_default().push(*ack);
+        }
+        let applied = join_all(by_source.into_iter().map(|(source_id, acks)| {
+            let subscription = &subscription;
+            async move {
+                let outcome = match self.inner.sources.get(source_id) {
+                    Some(source) => source.store.ack(subscription, &acks).await,
+                    None => Ok(Vec::new()),
+                };
+                (source_id, acks, outcome)
+            }
+        }))
+        .await;
+        let mut outcome = AckOutcome::default();
+        let mut settled = Vec::new();
+        for (source, acks, applied) in applied {
+            let acked: HashSet<i64> = match applied {
+                Ok(positions) => positions.into_iter().collect(),
+                Err(error) if error.is_unavailable() => {
+                    tracing::debug!(source = source.0, %error, "acks of an unreachable source");
+                    outcome.unavailable.extend(acks);
+                    continue;
+                }
+                Err(error) => return Err(error.into()),
+            };
+            let (done, stale): (Vec<AckId>, Vec<AckId>) = acks
+                .into_iter()
+                .partition(|ack| acked.contains(&ack.position));
+            if let Some(name) = self.inner.sources.get(source) {
+                metrics::acked(
+                    subscription.name.as_str(),
+                    name.name.as_str(),
+                    done.len() as u64,
+                );
+            }
+            if subscription.settings.ordered && !done.is_empty() {
+                // The acks may have released waiting events of their aggregates; the
+                // stream that gets them may be on another gateway.
+                self.events_committed(source);
+            }
+            settled.extend(done);
+            outcome.stale.extend(stale);
+        }
         if !settled.is_empty() {
             self.settled(subscription.id, &settled, Settlement::Acked);
         }
-        if subscription.settings.ordered && !settled.is_empty() {
-            // The acks may have released waiting events of their aggregates; the stream
-            // that gets them may be on another gateway.
-            self.events_committed();
-        }
-        Ok(stale)
+        Ok(outcome)
     }
 
     /// Nacks one delivery; `None` when its lease is stale.
@@ -316,17 +415,18 @@ impl Relay {
                 .settings
                 .backoff(u32::try_from(ack.attempt).unwrap_or(1))
         });
-        let outcome = self
-            .inner
+        let source = self.source(ack.source)?;
+        let outcome = source
             .store
             .nack(&subscription, ack, reason, delay, dead_letter)
-            .await?;
+            .await
+            .map_err(|error| source.error(error))?;
         if let Some(outcome) = outcome {
-            metrics::nacked(name.as_str());
+            metrics::nacked(name.as_str(), source.name.as_str());
             if outcome.dead_lettered {
-                metrics::dead_lettered(name.as_str(), 1);
+                metrics::dead_lettered(name.as_str(), source.name.as_str(), 1);
                 if subscription.settings.ordered {
-                    self.events_committed();
+                    self.events_committed(ack.source);
                 }
             }
             self.settled(
@@ -340,7 +440,8 @@ impl Relay {
         Ok(outcome)
     }
 
-    /// Extends leases to `extension` from now; returns the stale ack ids.
+    /// Extends leases to `extension` from now; returns the stale ack ids. Refused as
+    /// unavailable when a source of the ack ids cannot be reached.
     pub async fn extend(
         &self,
         name: &SubscriptionName,
@@ -348,20 +449,49 @@ impl Relay {
         extension: Duration,
     ) -> Result<Vec<AckId>> {
         let subscription = self.find_subscription(name).await?;
-        let extended = self
-            .inner
-            .store
-            .extend_leases(subscription.id, acks, extension)
-            .await?;
-        let deadlines: HashMap<i64, DateTime<Utc>> = extended.into_iter().collect();
+        let mut by_source: HashMap<SourceId, Vec<AckId>> = HashMap::new();
+        for ack in acks {
+            by_source.entry(ack.source).or_default().push(*ack);
+        }
+        let mut deadlines: HashMap<LeaseKey, DateTime<Utc>> = HashMap::new();
+        for (source_id, acks) in by_source {
+            let source = self.source(source_id)?;
+            let extended = source
+                .store
+                .extend_leases(subscription.id, &acks, extension)
+                .await
+                .map_err(|error| source.error(error))?;
+            deadlines.extend(
+                extended
+                    .into_iter()
+                    .map(|(position, deadline)| ((source_id, position), deadline)),
+            );
+        }
         if let Some(dispatcher) = self.dispatcher(subscription.id) {
             dispatcher.extended(acks, &deadlines);
         }
         Ok(acks
             .iter()
-            .filter(|ack| !deadlines.contains_key(&ack.position))
+            .filter(|ack| !deadlines.contains_key(&(ack.source, ack.position)))
             .copied()
             .collect())
+    }
+
+    /// Something in `source` may have become due for the subscription (a requeue):
+    /// its dispatcher here looks, and other gateways hear of it.
+    pub fn due(&self, subscription_id: i64, source: SourceId) {
+        if let Some(dispatcher) = self.dispatcher(subscription_id) {
+            dispatcher.due_in(source);
+        }
+        self.events_committed(source);
+    }
+
+    /// The subscription's definition changed: dispatchers here read it again now.
+    pub fn subscription_changed(&self, subscription_id: i64) {
+        if let Some(dispatcher) = self.dispatcher(subscription_id) {
+            dispatcher.definition_changed();
+        }
+        self.wake_all();
     }
 
     /// Ends every stream, gives their leases back and waits for the relay's tasks.
@@ -371,20 +501,24 @@ impl Relay {
         self.inner.tasks.wait().await;
     }
 
+    fn source(&self, id: SourceId) -> Result<&Arc<Source>> {
+        self.inner
+            .sources
+            .get(id)
+            .ok_or_else(|| Error::invalid("ack_id", "names a source this gateway does not have"))
+    }
+
     /// The subscription as this process's dispatcher last saw it, or from the database.
     async fn find_subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
         let cached = self
-            .inner
-            .dispatchers
-            .lock()
-            .expect("dispatchers lock")
-            .values()
+            .all_dispatchers()
+            .iter()
             .map(|dispatcher| dispatcher.subscription())
             .find(|subscription| &subscription.name == name);
         if let Some(subscription) = cached {
             return Ok(subscription);
         }
-        crate::subscriptions::find(&self.inner.store, name).await
+        crate::subscriptions::find(&self.inner.sources.default_source().store, name).await
     }
 
     fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {

@@ -17,7 +17,10 @@ use tokio::sync::Notify;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use super::Relay;
-use crate::storage::{Notice, Settled, Store};
+use crate::{
+    sources::Source,
+    storage::{Notice, Settled, Store},
+};
 
 const PEER_NOTIFY_INTERVAL: Duration = Duration::from_millis(5);
 const LISTENER_RETRY_MIN: Duration = Duration::from_millis(100);
@@ -101,13 +104,13 @@ impl PeerNotifier {
     }
 }
 
-/// Listens for the notifications of direct writers and other gateways, re-connecting
-/// with backoff. New events wake every dispatcher; a settlement notice makes that
-/// subscription's dispatcher re-read its leases; a re-connect (notifications may have
-/// been missed) does both for all.
+/// Listens for the notifications of direct writers and other gateways on one source,
+/// re-connecting with backoff. New events wake the dispatchers for that source; a
+/// settlement notice makes that subscription's dispatcher forget or re-read its leases
+/// there; a re-connect (notifications may have been missed) does both for all.
 pub(super) fn spawn_listener(
     relay: Relay,
-    store: Store,
+    source: Arc<Source>,
     tasks: &TaskTracker,
     shutdown: CancellationToken,
 ) {
@@ -115,18 +118,20 @@ pub(super) fn spawn_listener(
         let mut retry_delay = LISTENER_RETRY_MIN;
         loop {
             let connected = tokio::select! {
-                connected = store.listen() => connected,
+                connected = source.store.listen() => connected,
                 _ = shutdown.cancelled() => return,
             };
             let mut listener = match connected {
                 Ok(listener) => {
-                    tracing::debug!("listening for outbox notifications");
+                    tracing::debug!(source = %source.name, "listening for outbox notifications");
                     retry_delay = LISTENER_RETRY_MIN;
-                    relay.missed_notifications();
+                    relay.missed_notifications(source.id);
                     listener
                 }
                 Err(error) => {
-                    tracing::warn!(%error, retry_in = ?retry_delay, "cannot listen for outbox notifications");
+                    // The source's health check reports the outage (once); this only
+                    // retries.
+                    tracing::debug!(source = %source.name, %error, retry_in = ?retry_delay, "cannot listen for outbox notifications");
                     tokio::select! {
                         _ = tokio::time::sleep(retry_delay) => {}
                         _ = shutdown.cancelled() => return,
@@ -143,12 +148,12 @@ pub(super) fn spawn_listener(
                 match received {
                     Ok(Notice::Events) => {
                         crate::metrics::wakeup("notify");
-                        relay.wake_all();
+                        relay.wake(source.id);
                     }
-                    Ok(Notice::Settled(settled)) => relay.settled_elsewhere(settled),
-                    Ok(Notice::Reconnected) => relay.missed_notifications(),
+                    Ok(Notice::Settled(settled)) => relay.settled_elsewhere(source.id, settled),
+                    Ok(Notice::Reconnected) => relay.missed_notifications(source.id),
                     Err(error) => {
-                        tracing::warn!(%error, "outbox notification connection lost");
+                        tracing::debug!(source = %source.name, %error, "outbox notification connection lost");
                         break;
                     }
                 }

@@ -1,20 +1,30 @@
-//! Ack ids: opaque to clients, they name one lease of one event — its position, the
-//! attempt and the lease holder's token — so settling a delivery is a compare-and-set
-//! that a late ack from a lost lease can never win.
+//! Ack ids: opaque to clients, they name one lease of one event — its source, its
+//! position, the attempt and the lease holder's token — so settling a delivery is a
+//! compare-and-set that a late ack from a lost lease can never win.
+//!
+//! Text form: `position-attempt-token` (decimal, decimal, 16 hex digits) for the
+//! `default` source, `source/position-attempt-token` for any other; ack ids issued before
+//! there were several sources stay valid.
 
-use std::fmt;
+use super::source::{SourceId, SourceName};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AckId {
+    pub source: SourceId,
     pub position: i64,
     pub attempt: i32,
     pub lease_token: i64,
 }
 
 impl AckId {
-    /// Parses the text form `position-attempt-token` (decimal, decimal, hex).
-    pub fn parse(text: &str) -> Option<AckId> {
-        let mut parts = text.splitn(3, '-');
+    /// Parses the text form; `source_id` finds a source by name (`None`: not one of this
+    /// gateway's). `None` for anything malformed.
+    pub fn parse(text: &str, source_id: impl Fn(&str) -> Option<SourceId>) -> Option<AckId> {
+        let (source, lease) = match text.split_once('/') {
+            Some((name, lease)) => (source_id(name)?, lease),
+            None => (source_id(super::source::DEFAULT_SOURCE)?, text),
+        };
+        let mut parts = lease.splitn(3, '-');
         let position = parts.next()?.parse::<i64>().ok().filter(|p| *p > 0)?;
         let attempt = parts.next()?.parse::<i32>().ok().filter(|a| *a > 0)?;
         let token = parts.next()?;
@@ -23,20 +33,24 @@ impl AckId {
         }
         let lease_token = u64::from_str_radix(token, 16).ok()? as i64;
         Some(AckId {
+            source,
             position,
             attempt,
             lease_token,
         })
     }
-}
 
-impl fmt::Display for AckId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
+    /// The text form, given the name of this ack id's source.
+    pub fn to_text(&self, source: &SourceName) -> String {
+        let lease = format!(
             "{}-{}-{:016x}",
             self.position, self.attempt, self.lease_token as u64
-        )
+        );
+        if source.is_default() {
+            lease
+        } else {
+            format!("{source}/{lease}")
+        }
     }
 }
 
@@ -44,14 +58,32 @@ impl fmt::Display for AckId {
 mod tests {
     use super::*;
 
+    fn sources(name: &str) -> Option<SourceId> {
+        match name {
+            "default" => Some(SourceId(0)),
+            "billing" => Some(SourceId(1)),
+            _ => None,
+        }
+    }
+
     #[test]
     fn round_trips_through_text() {
-        let ack = AckId {
-            position: 42,
-            attempt: 3,
-            lease_token: -7,
-        };
-        assert_eq!(AckId::parse(&ack.to_string()), Some(ack));
+        for (source, name) in [(0, "default"), (1, "billing")] {
+            let ack = AckId {
+                source: SourceId(source),
+                position: 42,
+                attempt: 3,
+                lease_token: -7,
+            };
+            let name = SourceName::parse("source", name).unwrap();
+            assert_eq!(AckId::parse(&ack.to_text(&name), sources), Some(ack));
+        }
+        assert!(
+            !AckId::parse("1-1-0000000000000001", sources)
+                .unwrap()
+                .to_text(&SourceName::default_source())
+                .contains('/')
+        );
     }
 
     #[test]
@@ -64,8 +96,11 @@ mod tests {
             "1-1-01",
             "-1-1-0000000000000001",
             "1-1-000000000000000g",
+            "unknown/1-1-0000000000000001",
+            "billing/",
+            "/1-1-0000000000000001",
         ] {
-            assert_eq!(AckId::parse(bad), None, "{bad:?}");
+            assert_eq!(AckId::parse(bad, sources), None, "{bad:?}");
         }
     }
 }

@@ -5,7 +5,10 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::input::{Echo, check_json, check_text, check_timestamp};
+use super::{
+    input::{Echo, check_json, check_text, check_timestamp},
+    source::SourceName,
+};
 use crate::error::{Error, Result};
 
 /// Longest aggregate type, aggregate id, event type or content type, in bytes.
@@ -181,6 +184,8 @@ impl NewEvent {
 /// An event as stored in the outbox.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
+    /// The database it was written to.
+    pub source: SourceName,
     pub id: Uuid,
     pub aggregate_type: String,
     pub aggregate_id: String,

@@ -7,6 +7,7 @@ mod event;
 mod input;
 mod operations;
 mod pattern;
+mod source;
 mod subscription;
 
 pub use ack::AckId;
@@ -22,6 +23,7 @@ pub use operations::{
     DeadLetter, DeadLetterSelection, OutboxStats, SubscriptionPatch, SubscriptionStats,
 };
 pub use pattern::{EventTypePattern, PatternSet};
+pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MIN_ACK_DEADLINE, StartPosition, Subscription,
     SubscriptionName, SubscriptionSettings,

@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, time::Duration};
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{Event, PatternSet, SubscriptionName, SubscriptionSettings};
+use super::{Event, PatternSet, SourceName, SubscriptionName, SubscriptionSettings};
 
 /// An event in a subscription's dead-letter queue.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,10 +38,12 @@ impl DeadLetterSelection {
     }
 }
 
-/// Delivery figures of one subscription.
+/// Delivery figures of one subscription, in one source or over all it reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubscriptionStats {
     pub name: SubscriptionName,
+    /// The source they count; `None` for the total over its sources.
+    pub source: Option<SourceName>,
     pub pending: u64,
     pub in_flight: u64,
     pub awaiting_retry: u64,
@@ -62,8 +64,8 @@ impl SubscriptionStats {
     }
 }
 
-/// Figures of the outbox as a whole.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Figures of an outbox.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct OutboxStats {
     pub events_stored: u64,
     pub oldest_event_at: Option<DateTime<Utc>>,

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use super::{
     input::{Echo, check_text, check_texts},
     pattern::PatternSet,
+    source::SourceName,
 };
 use crate::error::{Error, Result};
 
@@ -175,7 +176,28 @@ pub struct Subscription {
     pub id: i64,
     pub name: SubscriptionName,
     pub settings: SubscriptionSettings,
+    /// The sources it reads; empty: every source, including ones added later.
+    pub sources: Vec<SourceName>,
+    /// Where it started, applied in each source as it begins reading it.
+    pub start: StartPosition,
     pub created_at: DateTime<Utc>,
+}
+
+impl Subscription {
+    /// Whether it reads events of this source.
+    pub fn reads(&self, source: &SourceName) -> bool {
+        self.sources.is_empty() || self.sources.contains(source)
+    }
+
+    /// Where it starts in a source it begins reading only now (added later, or down when
+    /// the subscription was created): the same events as at creation. "Latest" meant the
+    /// events created from then on.
+    pub fn late_start(&self) -> StartPosition {
+        match self.start {
+            StartPosition::Latest => StartPosition::Time(self.created_at),
+            start => start,
+        }
+    }
 }
 
 #[cfg(test)]

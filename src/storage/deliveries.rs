@@ -12,9 +12,9 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 use super::{
     Result, Store, StoreError,
     events::event_from_row,
-    subscriptions::{metadata_filter, millis, subscription_with_cursor},
+    subscriptions::{cursor, metadata_filter, millis},
 };
-use crate::domain::{AckId, Delivery, Subscription, SubscriptionSettings};
+use crate::domain::{AckId, Delivery, Subscription};
 
 /// First key of the gateway's advisory locks; the second is the subscription id.
 pub(super) const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
@@ -26,8 +26,6 @@ pub struct Claim {
     pub deliveries: Vec<Delivery>,
     /// Expired leases that used their last attempt and went to the dead-letter queue.
     pub dead_lettered: u64,
-    /// The subscription's settings as of this claim.
-    pub settings: SubscriptionSettings,
 }
 
 /// How much one claim may lease.
@@ -47,21 +45,22 @@ pub struct NackOutcome {
 }
 
 impl Store {
-    /// Leases deliveries of the subscription to `lease_token`, within `limits`: first
-    /// expired leases and due retries (when `include_due`), then new events.
-    /// `None` when the subscription no longer exists.
+    /// Leases deliveries of the subscription in this database to `lease_token`, within
+    /// `limits`: first expired leases and due retries (when `include_due`), then new
+    /// events. `None` when the subscription has no read position here (it was deleted,
+    /// or has not started reading this database yet).
     pub async fn claim(
         &self,
-        subscription_id: i64,
+        subscription: &Subscription,
         lease_token: i64,
         limits: ClaimLimits,
         include_due: bool,
     ) -> Result<Option<Claim>> {
+        let subscription_id = subscription.id;
         let mut transaction = self.pool.begin().await?;
         lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        let Some((subscription, cursor)) =
-            subscription_with_cursor(&mut transaction, subscription_id).await?
-        else {
+        let Some(cursor) = cursor(&mut transaction, subscription_id).await? else {
+            transaction.rollback().await?;
             return Ok(None);
         };
         let settings = &subscription.settings;
@@ -88,7 +87,7 @@ impl Store {
         for row in &due_rows {
             let state: &str = row.try_get("state")?;
             if state == "in_flight" {
-                deliveries.push(delivery_from_row(row, lease_token)?);
+                deliveries.push(self.delivery_from_row(row, lease_token)?);
                 continue;
             }
             dead_lettered += 1;
@@ -123,7 +122,7 @@ impl Store {
                 .fetch_all(&mut *transaction)
                 .await?;
             for row in &new_rows {
-                deliveries.push(delivery_from_row(row, lease_token)?);
+                deliveries.push(self.delivery_from_row(row, lease_token)?);
             }
         } else if due_count > 0 {
             sqlx::query(include_str!("queries/count_deliveries.sql"))
@@ -136,7 +135,6 @@ impl Store {
         Ok(Some(Claim {
             deliveries,
             dead_lettered,
-            settings: subscription.settings,
         }))
     }
 
@@ -325,19 +323,23 @@ fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
     (positions, attempts, tokens)
 }
 
-fn delivery_from_row(row: &PgRow, lease_token: i64) -> Result<Delivery> {
-    let position: i64 = row.try_get("position")?;
-    let attempt: i32 = row.try_get("attempt")?;
-    let ack_deadline: Option<DateTime<Utc>> = row.try_get("due_at")?;
-    Ok(Delivery {
-        ack_id: AckId {
-            position,
-            attempt,
-            lease_token,
-        },
-        attempt: attempt.max(0) as u32,
-        ack_deadline: ack_deadline
-            .ok_or_else(|| StoreError::Corrupt(format!("lease of {position} has no deadline")))?,
-        event: event_from_row(row)?,
-    })
+impl Store {
+    fn delivery_from_row(&self, row: &PgRow, lease_token: i64) -> Result<Delivery> {
+        let position: i64 = row.try_get("position")?;
+        let attempt: i32 = row.try_get("attempt")?;
+        let ack_deadline: Option<DateTime<Utc>> = row.try_get("due_at")?;
+        Ok(Delivery {
+            ack_id: AckId {
+                source: self.source_id,
+                position,
+                attempt,
+                lease_token,
+            },
+            attempt: attempt.max(0) as u32,
+            ack_deadline: ack_deadline.ok_or_else(|| {
+                StoreError::Corrupt(format!("lease of {position} has no deadline"))
+            })?,
+            event: event_from_row(row, &self.source)?,
+        })
+    }
 }

@@ -13,12 +13,13 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError};
-use crate::domain::{Event, NewEvent};
+use crate::domain::{Event, NewEvent, SourceName};
 
 /// The connection one publish committer keeps from statement to statement. Taking a
 /// connection from sqlx's pool and giving it back costs more than a small INSERT: sqlx
 /// pings every connection it takes back, a round trip from a task of its own.
 pub struct PublishConnection {
+    source: SourceName,
     pool: PgPool,
     held: Option<PoolConnection<Postgres>>,
     last_used: Instant,
@@ -33,6 +34,7 @@ pub struct PublishConnection {
 /// rollback until the connection's next use, and a kept connection left idle in a
 /// transaction holds every relay's read horizon back.
 pub struct PublishTransaction<'c> {
+    source: SourceName,
     transaction: sqlx::Transaction<'c, Postgres>,
     broken: &'c mut bool,
 }
@@ -40,6 +42,7 @@ pub struct PublishTransaction<'c> {
 impl Store {
     pub fn publish_connection(&self) -> PublishConnection {
         PublishConnection {
+            source: self.source.clone(),
             pool: self.publish_pool.clone(),
             held: None,
             last_used: Instant::now(),
@@ -103,10 +106,16 @@ impl PublishConnection {
 
     pub async fn begin(&mut self) -> Result<PublishTransaction<'_>> {
         self.connection().await?;
-        let PublishConnection { held, broken, .. } = self;
+        let PublishConnection {
+            held,
+            broken,
+            source,
+            ..
+        } = self;
         let connection = held.as_mut().expect("connection() keeps one");
         match connection.begin().await {
             Ok(transaction) => Ok(PublishTransaction {
+                source: source.clone(),
                 transaction,
                 broken,
             }),
@@ -150,9 +159,10 @@ impl PublishTransaction<'_> {
         .bind(ids)
         .fetch_all(&mut *self.transaction)
         .await;
+        let source = self.source.clone();
         self.broken_on_error(rows)?
             .iter()
-            .map(event_from_row)
+            .map(|row| event_from_row(row, &source))
             .collect()
     }
 
@@ -160,6 +170,7 @@ impl PublishTransaction<'_> {
         let PublishTransaction {
             transaction,
             broken,
+            ..
         } = self;
         transaction.commit().await.map_err(|error| {
             *broken = true;
@@ -173,6 +184,7 @@ impl PublishTransaction<'_> {
         let PublishTransaction {
             transaction,
             broken,
+            ..
         } = self;
         transaction.rollback().await.map_err(|error| {
             *broken = true;
@@ -221,12 +233,13 @@ fn column<'q, T>(events: &[&'q NewEvent], field: impl Fn(&'q NewEvent) -> T) -> 
     events.iter().map(|event| field(event)).collect()
 }
 
-/// Reads the event columns (`id` through `created_at`) of a row.
-pub(super) fn event_from_row(row: &PgRow) -> Result<Event> {
+/// Reads the event columns (`id` through `created_at`) of a row of `source`.
+pub(super) fn event_from_row(row: &PgRow, source: &SourceName) -> Result<Event> {
     let metadata: Json<BTreeMap<String, String>> = row
         .try_get("metadata")
         .map_err(|error| StoreError::Corrupt(format!("event metadata: {error}")))?;
     Ok(Event {
+        source: source.clone(),
         id: row.try_get("id")?,
         aggregate_type: row.try_get("aggregate_type")?,
         aggregate_id: row.try_get("aggregate_id")?,

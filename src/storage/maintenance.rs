@@ -168,10 +168,10 @@ struct ReadByAll {
 
 async fn lowest_cursor(connection: &mut sqlx::PgConnection) -> Result<ReadByAll> {
     let row = sqlx::query(
-        "SELECT (SELECT ARRAY[cursor_xact_id, cursor_position] FROM outbox_subscriptions \
+        "SELECT (SELECT ARRAY[cursor_xact_id, cursor_position] FROM outbox_cursors \
                  ORDER BY cursor_xact_id, cursor_position LIMIT 1) AS lowest, \
                 (SELECT coalesce(array_agg(DISTINCT x), '{}') \
-                 FROM outbox_subscriptions, unnest(pending_xact_ids) AS x) AS pending",
+                 FROM outbox_cursors, unnest(pending_xact_ids) AS x) AS pending",
     )
     .fetch_one(connection)
     .await?;

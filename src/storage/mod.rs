@@ -7,15 +7,17 @@
 macro_rules! subscription_columns {
     () => {
         "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
-         retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, created_at"
+         retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
+         start_kind, start_time, created_at"
     };
 }
 
-/// Where a subscription starts reading, as one row (`xact_id`, `pending_xact_ids`,
-/// `pending_positions`), for a start (or seek) whose parameter `$latest` is true for the
-/// latest event, false for the earliest. The latest: every transaction that starts after
-/// this snapshot, and those running now (remembered as pending: they commit after the
-/// subscription began); nothing waits for the oldest of them.
+/// Where a subscription starts reading in one source, as one row (`xact_id`,
+/// `pending_xact_ids`, `pending_positions`), for a start (or seek) whose parameter
+/// `$latest` is true for the latest event, false for the earliest. The latest: every
+/// transaction that starts after this snapshot, and those running now (remembered as
+/// pending: they commit after the subscription began); nothing waits for the oldest of
+/// them.
 macro_rules! start_position_sql {
     ($latest:literal) => {
         concat!(
@@ -61,6 +63,8 @@ pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;
+
+use crate::domain::{SourceId, SourceName};
 
 /// Result alias of the storage layer.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -146,6 +150,9 @@ const IDLE_BEFORE_PING: Duration = Duration::from_secs(1);
 /// Where and how to connect.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
+    /// Which source this database is, and its place in the gateway's list of sources.
+    pub source: SourceName,
+    pub source_id: SourceId,
     pub database_url: String,
     pub max_connections: u32,
     pub acquire_timeout: Duration,
@@ -157,54 +164,94 @@ pub struct StoreConfig {
 /// committer.
 pub const PUBLISH_CONNECTIONS: usize = 4;
 
-/// Handle to the database; cheap to clone.
+/// Handle to one source database; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Store {
+    /// The source this database is; stamped on every event and ack id read from it.
+    source: SourceName,
+    source_id: SourceId,
     pool: PgPool,
     publish_pool: PgPool,
 }
 
 impl Store {
-    /// Connects, creating the database first when it does not exist yet.
+    /// Connects to the gateway's own database, creating it first when it does not exist
+    /// yet.
     pub async fn connect(config: &StoreConfig) -> Result<Store> {
-        let mut options = PgConnectOptions::from_str(&config.database_url)
-            .map_err(StoreError::Database)?
-            .application_name("outbox-gateway");
-        // TLS to a database on this machine protects nothing, and sqlx splits statements
-        // over 16 KiB into two TLS writes, the second waiting ~40 ms for a delayed ACK.
-        if !config.database_url.contains("sslmode") && is_loopback(options.get_host()) {
-            options = options.ssl_mode(PgSslMode::Disable);
-        }
-        // The gateway wakes its relay in process; its inserts must not NOTIFY. Every
-        // transaction the gateway opens is ended on every path; should one ever be left
-        // open, PostgreSQL ends the session rather than let it hold back the read horizon.
-        let idle_in_transaction = format!("{}", config.idle_in_transaction_timeout.as_millis());
-        let options = options.options([
-            ("outbox.suppress_notify", "on"),
-            (
-                "idle_in_transaction_session_timeout",
-                idle_in_transaction.as_str(),
-            ),
-        ]);
+        let options = connect_options(config)?;
         create_database_if_missing(&options).await?;
-        // A generic plan of the claim cannot see the cursor and the batch limit, and
-        // bitmap-scans and sorts the whole backlog on every claim (130 ms instead of
-        // 0.5 ms for 500 of 50,000 events): always plan with the actual parameters.
         let pool = pool_options(config.max_connections, config.acquire_timeout)
-            .connect_with(
-                options
-                    .clone()
-                    .options([("plan_cache_mode", "force_custom_plan")]),
-            )
+            .connect_with(claim_options(&options))
             .await?;
+        Ok(Store::with_pool(config, pool, options))
+    }
+
+    /// A handle to a service's database that connects on first use: a source that is
+    /// down when the gateway starts does not stop it. Its database is never created.
+    pub fn connect_lazy(config: &StoreConfig) -> Result<Store> {
+        let options = connect_options(config)?;
+        let pool = pool_options(config.max_connections, config.acquire_timeout)
+            .connect_lazy_with(claim_options(&options));
+        Ok(Store::with_pool(config, pool, options))
+    }
+
+    fn with_pool(config: &StoreConfig, pool: PgPool, options: PgConnectOptions) -> Store {
         // The publishing INSERT plans the same way whatever its arrays hold, so it keeps
         // PostgreSQL's cached plan (re-planning cost 0.2 ms of a 100-event call), and
         // its connections are its own: a committer keeps one while it publishes.
         let publish_pool = pool_options(PUBLISH_CONNECTIONS as u32, config.acquire_timeout)
             .connect_lazy_with(options);
-        Ok(Store { pool, publish_pool })
+        Store {
+            source: config.source.clone(),
+            source_id: config.source_id,
+            pool,
+            publish_pool,
+        }
     }
 
+    /// The source this database is.
+    pub fn source(&self) -> &SourceName {
+        &self.source
+    }
+
+    pub fn source_id(&self) -> SourceId {
+        self.source_id
+    }
+}
+
+/// How the gateway connects to a database.
+fn connect_options(config: &StoreConfig) -> Result<PgConnectOptions> {
+    let mut options = PgConnectOptions::from_str(&config.database_url)
+        .map_err(StoreError::Database)?
+        .application_name("outbox-gateway");
+    // TLS to a database on this machine protects nothing, and sqlx splits statements
+    // over 16 KiB into two TLS writes, the second waiting ~40 ms for a delayed ACK.
+    if !config.database_url.contains("sslmode") && is_loopback(options.get_host()) {
+        options = options.ssl_mode(PgSslMode::Disable);
+    }
+    // The gateway wakes its relay in process; its inserts must not NOTIFY. Every
+    // transaction the gateway opens is ended on every path; should one ever be left open,
+    // PostgreSQL ends the session rather than let it hold back vacuum.
+    let idle_in_transaction = format!("{}", config.idle_in_transaction_timeout.as_millis());
+    Ok(options.options([
+        ("outbox.suppress_notify", "on"),
+        (
+            "idle_in_transaction_session_timeout",
+            idle_in_transaction.as_str(),
+        ),
+    ]))
+}
+
+/// The options of the main pool: a generic plan of the claim cannot see the cursor and
+/// the batch limit, and bitmap-scans and sorts the whole backlog on every claim (130 ms
+/// instead of 0.5 ms for 500 of 50,000 events): always plan with the actual parameters.
+fn claim_options(options: &PgConnectOptions) -> PgConnectOptions {
+    options
+        .clone()
+        .options([("plan_cache_mode", "force_custom_plan")])
+}
+
+impl Store {
     /// Applies pending migrations. Safe to run from several gateways at once: sqlx holds
     /// an advisory lock meanwhile.
     pub async fn migrate(&self) -> Result<()> {
@@ -214,11 +261,11 @@ impl Store {
 
     /// True when every migration this build knows has been applied.
     pub async fn is_migrated(&self) -> Result<bool> {
-        let latest = sqlx::migrate!("./migrations")
-            .iter()
-            .map(|migration| migration.version)
-            .max()
-            .unwrap_or_default();
+        Ok(self.schema_version().await? >= latest_schema_version())
+    }
+
+    /// The newest migration applied to this database (0: none).
+    pub async fn schema_version(&self) -> Result<i64> {
         let applied: Option<i64> =
             sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
                 .fetch_one(&self.pool)
@@ -228,7 +275,7 @@ impl Store {
                     sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
                     _ => Err(error),
                 })?;
-        Ok(applied.unwrap_or_default() >= latest)
+        Ok(applied.unwrap_or_default())
     }
 
     pub async fn ping(&self) -> Result<()> {
@@ -276,6 +323,15 @@ impl Store {
             .await?;
         Ok(EventListener { listener })
     }
+}
+
+/// The newest migration this build knows.
+pub fn latest_schema_version() -> i64 {
+    sqlx::migrate!("./migrations")
+        .iter()
+        .map(|migration| migration.version)
+        .max()
+        .unwrap_or_default()
 }
 
 /// The channel `outbox_notify_insert()` notifies on.
@@ -382,6 +438,19 @@ fn is_loopback(host: &str) -> bool {
             .trim_matches(['[', ']'])
             .parse::<std::net::IpAddr>()
             .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// What makes two URLs the same database (host, port, database name), or why the URL
+/// cannot be read.
+pub fn database_identity(database_url: &str) -> std::result::Result<String, String> {
+    let options = PgConnectOptions::from_str(database_url)
+        .map_err(|_| "is not a PostgreSQL connection URL".to_owned())?;
+    Ok(format!(
+        "{}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or(options.get_username())
+    ))
 }
 
 /// Describes a connection target without its password, for messages.

@@ -11,8 +11,7 @@ use super::{
     deliveries::{LockMode, lock_subscription},
     events::event_from_row,
     subscriptions::{
-        Cursor, lock_by_name, metadata_filter, millis, start_columns, subscription_from_row,
-        subscription_with_cursor,
+        Cursor, cursor, metadata_filter, millis, start_columns, subscription_from_row,
     },
 };
 use crate::domain::{
@@ -37,8 +36,13 @@ impl Store {
         .bind(id)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|row| Ok((row.try_get("position")?, event_from_row(&row)?)))
-            .transpose()
+        row.map(|row| {
+            Ok((
+                row.try_get("position")?,
+                event_from_row(&row, &self.source)?,
+            ))
+        })
+        .transpose()
     }
 
     /// The most recent event of an aggregate with the given type.
@@ -60,8 +64,13 @@ impl Store {
         .bind(event_type)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|row| Ok((row.try_get("position")?, event_from_row(&row)?)))
-            .transpose()
+        row.map(|row| {
+            Ok((
+                row.try_get("position")?,
+                event_from_row(&row, &self.source)?,
+            ))
+        })
+        .transpose()
     }
 
     /// Makes one event deliverable again, attempts reset, on each given subscription
@@ -90,9 +99,7 @@ impl Store {
                     subscription: subscription.name.clone(),
                 }));
             }
-            let Some((_, cursor)) =
-                subscription_with_cursor(&mut transaction, subscription.id).await?
-            else {
+            let Some(cursor) = cursor(&mut transaction, subscription.id).await? else {
                 continue;
             };
             if handed_out(&mut transaction, &cursor, position).await?
@@ -153,7 +160,7 @@ impl Store {
             .fetch_all(&self.pool)
             .await?;
         rows.iter()
-            .map(|row| dead_letter_from_row(&subscription.name, row))
+            .map(|row| dead_letter_from_row(&subscription.name, &self.source, row))
             .collect()
     }
 
@@ -186,34 +193,34 @@ impl Store {
         .bind(notes)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|row| dead_letter_from_row(&subscription.name, &row))
+        row.map(|row| dead_letter_from_row(&subscription.name, &self.source, &row))
             .transpose()
     }
 
-    /// Moves a subscription's cursor; false when it does not exist.
-    pub async fn seek(&self, name: &SubscriptionName, to: StartPosition) -> Result<bool> {
+    /// Moves a subscription's read position in this database; false when it has none
+    /// here.
+    pub async fn seek(&self, subscription_id: i64, to: StartPosition) -> Result<bool> {
         let mut transaction = self.pool.begin().await?;
-        let Some(id) = lock_by_name(&mut transaction, name).await? else {
-            return Ok(false);
-        };
-        let (to_latest, not_before) = start_columns(to);
-        sqlx::query(concat!(
-            "UPDATE outbox_subscriptions s \
+        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
+        let (start_kind, not_before) = start_columns(to);
+        let moved = sqlx::query(concat!(
+            "UPDATE outbox_cursors c \
              SET cursor_xact_id = start.xact_id, cursor_position = 0, \
                  pending_xact_ids = start.pending_xact_ids, \
                  pending_positions = start.pending_positions, \
                  not_before = $3, updated_at = now() \
              FROM (",
             start_position_sql!("$2"),
-            ") AS start WHERE s.id = $1"
+            ") AS start WHERE c.subscription_id = $1"
         ))
-        .bind(id)
-        .bind(to_latest)
+        .bind(subscription_id)
+        .bind(start_kind == "latest")
         .bind(not_before)
         .execute(&mut *transaction)
-        .await?;
+        .await?
+        .rows_affected();
         transaction.commit().await?;
-        Ok(true)
+        Ok(moved > 0)
     }
 
     /// Stores a subscription's new settings (not its name, start or ordering).
@@ -249,8 +256,7 @@ impl Store {
         subscription: &Subscription,
     ) -> Result<Option<SubscriptionStats>> {
         let mut connection = self.pool.acquire().await?;
-        let Some((_, cursor)) = subscription_with_cursor(&mut connection, subscription.id).await?
-        else {
+        let Some(cursor) = cursor(&mut connection, subscription.id).await? else {
             return Ok(None);
         };
         let settings = &subscription.settings;
@@ -270,6 +276,7 @@ impl Store {
             |column: &str| -> Result<u64> { Ok(row.try_get::<i64, _>(column)?.max(0) as u64) };
         Ok(Some(SubscriptionStats {
             name: subscription.name.clone(),
+            source: Some(self.source.clone()),
             pending: count("pending")?,
             in_flight: count("in_flight")?,
             awaiting_retry: count("awaiting_retry")?,
@@ -342,12 +349,13 @@ async fn requeue_positions(
 
 fn dead_letter_from_row(
     subscription: &SubscriptionName,
+    source: &crate::domain::SourceName,
     row: &sqlx::postgres::PgRow,
 ) -> Result<DeadLetter> {
     let attempts: i32 = row.try_get("attempt")?;
     Ok(DeadLetter {
         subscription: subscription.clone(),
-        event: event_from_row(row)?,
+        event: event_from_row(row, source)?,
         position: row.try_get("position")?,
         attempts: attempts.max(0) as u32,
         last_error: row.try_get("last_error")?,

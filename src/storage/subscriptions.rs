@@ -1,38 +1,38 @@
-//! Subscription rows.
+//! Subscription definitions (kept in the `default` source) and read positions (kept in
+//! every source, one per subscription that reads it).
 
 use std::{collections::BTreeMap, time::Duration};
 
 use chrono::{DateTime, Utc};
-use sqlx::{Row, postgres::PgRow, types::Json};
+use sqlx::{PgConnection, Row, postgres::PgRow, types::Json};
 
 use super::{
     Result, Store, StoreError,
     deliveries::{LockMode, lock_subscription},
 };
 use crate::domain::{
-    PatternSet, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
 };
 
 impl Store {
-    /// Creates a subscription positioned at `start`. A taken name is
+    /// Stores a new subscription's definition and, when it reads this database too, its
+    /// read position here, in one transaction. A taken name is
     /// [`StoreError::UniqueViolation`].
     pub async fn create_subscription(
         &self,
         name: &SubscriptionName,
         settings: &SubscriptionSettings,
+        sources: &[SourceName],
         start: StartPosition,
+        reads_here: bool,
     ) -> Result<Subscription> {
-        let (start_latest, not_before) = start_columns(start);
+        let (start_kind, start_time) = start_columns(start);
+        let mut transaction = self.pool.begin().await?;
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-                 persistent_event_types, cursor_xact_id, cursor_position, pending_xact_ids, \
-                 pending_positions, not_before) \
-             SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, \
-                 start.xact_id, 0, start.pending_xact_ids, start.pending_positions, $12 \
-             FROM (",
-            start_position_sql!("$11"),
-            ") AS start \
+                 persistent_event_types, sources, start_kind, start_time) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -46,11 +46,17 @@ impl Store {
         .bind(millis(settings.retry_backoff_max))
         .bind(settings.ordered)
         .bind(settings.persistent_event_types.to_strings())
-        .bind(start_latest)
-        .bind(not_before)
-        .fetch_one(&self.pool)
+        .bind(source_names(sources))
+        .bind(start_kind)
+        .bind(start_time)
+        .fetch_one(&mut *transaction)
         .await?;
-        subscription_from_row(&row)
+        let subscription = subscription_from_row(&row)?;
+        if reads_here {
+            insert_cursor(&mut transaction, subscription.id, start).await?;
+        }
+        transaction.commit().await?;
+        Ok(subscription)
     }
 
     pub async fn subscription(&self, name: &SubscriptionName) -> Result<Option<Subscription>> {
@@ -60,6 +66,18 @@ impl Store {
             " FROM outbox_subscriptions WHERE name = $1"
         ))
         .bind(name.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
+    }
+
+    pub async fn subscription_by_id(&self, id: i64) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            subscription_columns!(),
+            " FROM outbox_subscriptions WHERE id = $1"
+        ))
+        .bind(id)
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()
@@ -76,48 +94,95 @@ impl Store {
         rows.iter().map(subscription_from_row).collect()
     }
 
-    /// Deletes a subscription and all its delivery records; false when it did not exist.
-    pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<bool> {
+    /// Deletes a subscription's definition, and its read position and delivery records
+    /// in this database; the id it had, or `None` when it did not exist.
+    pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<Option<i64>> {
         let mut transaction = self.pool.begin().await?;
-        // Waits for a running claim so it cannot leave records behind.
-        let Some(id) = lock_by_name(&mut transaction, name).await? else {
-            return Ok(false);
-        };
-        for statement in [
-            "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
-            "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
-        ] {
-            sqlx::query(statement)
-                .bind(id)
-                .execute(&mut *transaction)
+        let id: Option<i64> =
+            sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
+                .bind(name.as_str())
+                .fetch_optional(&mut *transaction)
                 .await?;
-        }
+        let Some(id) = id else {
+            return Ok(None);
+        };
+        // Waits for a running claim so it cannot leave records behind.
+        lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
+        delete_reading(&mut transaction, id).await?;
         sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
             .bind(id)
             .execute(&mut *transaction)
             .await?;
         transaction.commit().await?;
-        Ok(true)
+        Ok(Some(id))
+    }
+
+    /// Starts the subscription reading this database at `start`, unless it already does.
+    pub async fn create_cursor(&self, subscription_id: i64, start: StartPosition) -> Result<()> {
+        let mut connection = self.pool.acquire().await?;
+        insert_cursor(&mut connection, subscription_id, start).await
+    }
+
+    /// Forgets everything of the subscription in this database: its read position and
+    /// delivery records (dead letters included).
+    pub async fn delete_cursor(&self, subscription_id: i64) -> Result<()> {
+        let mut transaction = self.pool.begin().await?;
+        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
+        delete_reading(&mut transaction, subscription_id).await?;
+        transaction.commit().await?;
+        Ok(())
+    }
+
+    /// The subscriptions that read this database (have a read position here).
+    pub async fn cursor_subscription_ids(&self) -> Result<Vec<i64>> {
+        Ok(
+            sqlx::query_scalar("SELECT subscription_id FROM outbox_cursors ORDER BY 1")
+                .fetch_all(&self.pool)
+                .await?,
+        )
     }
 }
 
-/// Takes the named subscription's exclusive lock (waiting for a running claim) and
-/// returns its id; `None` when it does not exist.
-pub(super) async fn lock_by_name(
-    connection: &mut sqlx::PgConnection,
-    name: &SubscriptionName,
-) -> Result<Option<i64>> {
-    let id: Option<i64> = sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
-        .bind(name.as_str())
-        .fetch_optional(&mut *connection)
-        .await?;
-    if let Some(id) = id {
-        lock_subscription(connection, id, LockMode::Exclusive).await?;
-    }
-    Ok(id)
+async fn insert_cursor(
+    connection: &mut PgConnection,
+    subscription_id: i64,
+    start: StartPosition,
+) -> Result<()> {
+    let (start_kind, not_before) = start_columns(start);
+    sqlx::query(concat!(
+        "INSERT INTO outbox_cursors (subscription_id, cursor_xact_id, cursor_position, \
+             pending_xact_ids, pending_positions, not_before) \
+         SELECT $1, start.xact_id, 0, start.pending_xact_ids, start.pending_positions, $3 \
+         FROM (",
+        start_position_sql!("$2"),
+        ") AS start \
+         ON CONFLICT (subscription_id) DO NOTHING"
+    ))
+    .bind(subscription_id)
+    .bind(start_kind == "latest")
+    .bind(not_before)
+    .execute(connection)
+    .await?;
+    Ok(())
 }
 
-/// How far a subscription has read.
+/// Deletes a subscription's read position, delivery records and counters here; the
+/// caller holds the subscription's lock.
+async fn delete_reading(connection: &mut PgConnection, subscription_id: i64) -> Result<()> {
+    for statement in [
+        "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
+        "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
+        "DELETE FROM outbox_cursors WHERE subscription_id = $1",
+    ] {
+        sqlx::query(statement)
+            .bind(subscription_id)
+            .execute(&mut *connection)
+            .await?;
+    }
+    Ok(())
+}
+
+/// How far a subscription has read in one database.
 #[derive(Debug, Clone)]
 pub(super) struct Cursor {
     pub xact_id: i64,
@@ -130,39 +195,36 @@ pub(super) struct Cursor {
     pub not_before: Option<DateTime<Utc>>,
 }
 
-/// A subscription with its cursor; `None` when it does not exist.
-pub(super) async fn subscription_with_cursor(
-    connection: &mut sqlx::PgConnection,
+/// The subscription's read position in this database; `None` when it has none here.
+pub(super) async fn cursor(
+    connection: &mut PgConnection,
     subscription_id: i64,
-) -> Result<Option<(Subscription, Cursor)>> {
-    let row = sqlx::query(concat!(
-        "SELECT ",
-        subscription_columns!(),
-        ", cursor_xact_id, cursor_position, pending_xact_ids, pending_positions, not_before \
-         FROM outbox_subscriptions WHERE id = $1"
-    ))
+) -> Result<Option<Cursor>> {
+    let row = sqlx::query(
+        "SELECT cursor_xact_id, cursor_position, pending_xact_ids, pending_positions, not_before \
+         FROM outbox_cursors WHERE subscription_id = $1",
+    )
     .bind(subscription_id)
     .fetch_optional(connection)
     .await?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
-    let cursor = Cursor {
-        xact_id: row.try_get("cursor_xact_id")?,
-        position: row.try_get("cursor_position")?,
-        pending_xact_ids: row.try_get("pending_xact_ids")?,
-        pending_positions: row.try_get("pending_positions")?,
-        not_before: row.try_get("not_before")?,
-    };
-    Ok(Some((subscription_from_row(&row)?, cursor)))
+    row.map(|row| {
+        Ok(Cursor {
+            xact_id: row.try_get("cursor_xact_id")?,
+            position: row.try_get("cursor_position")?,
+            pending_xact_ids: row.try_get("pending_xact_ids")?,
+            pending_positions: row.try_get("pending_positions")?,
+            not_before: row.try_get("not_before")?,
+        })
+    })
+    .transpose()
 }
 
-/// Whether the cursor starts at the read horizon, and the earliest creation time.
-pub(super) fn start_columns(start: StartPosition) -> (bool, Option<DateTime<Utc>>) {
+/// A start position as stored: its kind ('latest', 'earliest' or 'time') and time.
+pub(super) fn start_columns(start: StartPosition) -> (&'static str, Option<DateTime<Utc>>) {
     match start {
-        StartPosition::Latest => (true, None),
-        StartPosition::Earliest => (false, None),
-        StartPosition::Time(time) => (false, Some(time)),
+        StartPosition::Latest => ("latest", None),
+        StartPosition::Earliest => ("earliest", None),
+        StartPosition::Time(time) => ("time", Some(time)),
     }
 }
 
@@ -176,6 +238,10 @@ pub(super) fn metadata_filter(
 
 pub(super) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn source_names(sources: &[SourceName]) -> Vec<&str> {
+    sources.iter().map(SourceName::as_str).collect()
 }
 
 fn patterns(row: &PgRow, column: &str) -> Result<PatternSet> {
@@ -195,10 +261,21 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         .try_get("metadata_match")
         .map_err(|error| StoreError::Corrupt(format!("metadata_match: {error}")))?;
     let max_attempts: i32 = row.try_get("max_attempts")?;
+    let corrupt = |error: crate::error::Error| StoreError::Corrupt(error.to_string());
+    let sources = row
+        .try_get::<Vec<String>, _>("sources")?
+        .iter()
+        .map(|source| SourceName::parse("sources", source).map_err(corrupt))
+        .collect::<Result<Vec<_>>>()?;
+    let start_kind: String = row.try_get("start_kind")?;
+    let start = match (start_kind.as_str(), row.try_get("start_time")?) {
+        ("earliest", _) => StartPosition::Earliest,
+        ("time", Some(time)) => StartPosition::Time(time),
+        _ => StartPosition::Latest,
+    };
     Ok(Subscription {
         id: row.try_get("id")?,
-        name: SubscriptionName::parse("name", &name)
-            .map_err(|error| StoreError::Corrupt(error.to_string()))?,
+        name: SubscriptionName::parse("name", &name).map_err(corrupt)?,
         settings: SubscriptionSettings {
             event_types: patterns(row, "event_types")?,
             aggregate_types: row.try_get("aggregate_types")?,
@@ -210,6 +287,8 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             ordered: row.try_get("ordered")?,
             persistent_event_types: patterns(row, "persistent_event_types")?,
         },
+        sources,
+        start,
         created_at: row.try_get("created_at")?,
     })
 }

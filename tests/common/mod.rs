@@ -51,7 +51,12 @@ pub struct TestDatabase {
 
 impl TestDatabase {
     pub async fn create() -> Arc<TestDatabase> {
-        let database = ThrowawayDatabase::create(&test_server_url(), "outbox_test")
+        Self::create_on(&test_server_url()).await
+    }
+
+    /// A database of its own on another server (see `outbox_testkit::PostgresServer`).
+    pub async fn create_on(server_url: &str) -> Arc<TestDatabase> {
+        let database = ThrowawayDatabase::create(server_url, "outbox_test")
             .await
             .expect("PostgreSQL must be running for the integration tests (see README)");
         Arc::new(TestDatabase { database })
@@ -224,7 +229,10 @@ pub async fn publish(
     gateway
         .publisher()
         .await
-        .publish(proto::PublishRequest { events })
+        .publish(proto::PublishRequest {
+            events,
+            ..Default::default()
+        })
         .await
         .expect("publish")
         .into_inner()

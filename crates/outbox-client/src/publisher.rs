@@ -36,6 +36,8 @@ pub struct Publisher {
     /// runtime); `None` when the connection settings are invalid, which `publish` reports.
     channel: Option<GatewayChannel>,
     max_attempts: u32,
+    /// The source (database) events go to; empty: the gateway's own.
+    source: String,
 }
 
 impl Publisher {
@@ -45,7 +47,14 @@ impl Publisher {
             channel: connection.connect_lazy().ok(),
             connection,
             max_attempts: 5,
+            source: String::new(),
         }
+    }
+
+    /// Publishes to this source (database) of the gateway instead of its own (`default`).
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
+        self
     }
 
     /// How many times a call is tried when the gateway is unavailable (default 5).
@@ -72,6 +81,7 @@ impl Publisher {
             let mut publisher = channel.publisher();
             let request = proto::PublishRequest {
                 events: events.clone(),
+                source: self.source.clone(),
             };
             async move { publisher.publish(request).await }
         };

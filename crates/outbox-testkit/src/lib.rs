@@ -7,13 +7,16 @@
 //!   sleeping a guessed time.
 //! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
 //!   migrating, waiting until it serves, stopping it.
+//! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start.
 
 mod database;
 pub mod gateway;
 mod poll;
+mod server;
 
 pub use database::{DatabaseError, ThrowawayDatabase};
 pub use poll::poll_until;
+pub use server::{PostgresServer, ServerError};
 
 /// The PostgreSQL server tests create their databases on: `TEST_POSTGRES_URL`, or the
 /// local server as user `postgres`.

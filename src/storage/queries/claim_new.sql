@@ -1,7 +1,7 @@
 -- Claims the next events of one subscription, records their deliveries and moves the
--- subscription's read position, in one statement. The caller holds the subscription's
--- lock and binds its read position as parameters (joining it would turn the index range
--- below into a filter over every earlier event).
+-- subscription's read position (its row of outbox_cursors), in one statement. The caller
+-- holds the subscription's lock and binds its read position as parameters (joining it
+-- would turn the index range below into a filter over every earlier event).
 --
 -- The read position is a cursor in (xact_id, position) order plus the transactions that
 -- were still running when the cursor passed them ("pending": their rows were invisible
@@ -160,21 +160,22 @@ still_pending AS (
       AND x.xact_id <> ALL ($12::bigint[])
 ),
 moved AS (
-    UPDATE outbox_subscriptions s
+    UPDATE outbox_cursors c
     SET cursor_xact_id = cursor_at.xact_id,
         cursor_position = cursor_at.position,
         pending_xact_ids = n.xact_ids,
-        pending_positions = n.positions
+        pending_positions = n.positions,
+        updated_at = now()
     FROM cursor_at,
          (SELECT coalesce(array_agg(xact_id ORDER BY xact_id), '{}') AS xact_ids,
                  coalesce(array_agg(taken ORDER BY xact_id), '{}') AS positions
           FROM still_pending) n
-    WHERE s.id = $1
-      AND ((s.cursor_xact_id, s.cursor_position)
+    WHERE c.subscription_id = $1
+      AND ((c.cursor_xact_id, c.cursor_position)
                IS DISTINCT FROM (cursor_at.xact_id, cursor_at.position)
-           OR s.pending_xact_ids IS DISTINCT FROM n.xact_ids
-           OR s.pending_positions IS DISTINCT FROM n.positions)
-    RETURNING s.id
+           OR c.pending_xact_ids IS DISTINCT FROM n.xact_ids
+           OR c.pending_positions IS DISTINCT FROM n.positions)
+    RETURNING c.subscription_id
 ),
 counted AS (
     -- Deliveries made, on this connection's counter shard (see count_deliveries.sql).

@@ -68,6 +68,7 @@ pub fn event_input(aggregate_id: String, metadata: HashMap<String, String>) -> p
 /// to the gateway, so every call stores new events.
 pub fn publish_request(caller: usize, size: usize) -> proto::PublishRequest {
     proto::PublishRequest {
+        source: String::new(),
         events: (0..size)
             .map(|index| event_input(aggregate_id(caller, index), tenant_metadata()))
             .collect(),
@@ -78,6 +79,7 @@ pub fn publish_request(caller: usize, size: usize) -> proto::PublishRequest {
 pub fn probe_request(sequence: u64) -> proto::PublishRequest {
     let metadata = HashMap::from([(SEQUENCE_KEY.to_owned(), sequence.to_string())]);
     proto::PublishRequest {
+        source: String::new(),
         events: vec![event_input(aggregate_id(0, sequence as usize), metadata)],
     }
 }

@@ -1,6 +1,6 @@
-//! The fault injector: at random intervals it `kill -9`s a gateway and restarts it, or
-//! terminates every database connection the gateways hold; once per run it restarts a
-//! gateway gracefully (SIGTERM). Its choices come from a seeded generator, so a run's
+//! The fault injector: at random intervals it `kill -9`s a gateway and restarts it,
+//! terminates every database connection the gateways hold, or takes the second source's
+//! server down for a moment; once per run it restarts a gateway gracefully (SIGTERM). Its choices come from a seeded generator, so a run's
 //! sequence of faults can be replayed with `--seed`.
 
 use std::{
@@ -14,7 +14,9 @@ use std::{
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::time::Instant;
 
-use crate::{check::Violation, cluster::Cluster, database::ChaosDatabase};
+use outbox_testkit::PostgresServer;
+
+use crate::{check::Violation, cluster::Cluster, database::Databases};
 
 /// What the fault injector did, and what went wrong while doing it.
 #[derive(Debug, Default)]
@@ -25,6 +27,8 @@ pub struct ChaosCounters {
     pub connection_cuts: AtomicU64,
     /// Connections terminated in those rounds.
     pub connections_cut: AtomicU64,
+    /// Times the second source's server was taken down and brought back.
+    pub source_outages: AtomicU64,
     /// Samples of the gateways' sessions taken by the idle-in-transaction watchdog.
     pub idle_in_transaction_checks: AtomicU64,
     violations: Mutex<Vec<Violation>>,
@@ -50,7 +54,8 @@ impl ChaosCounters {
 /// Injects faults for `duration`, then returns with every gateway running again.
 pub async fn run(
     cluster: Arc<Cluster>,
-    database: ChaosDatabase,
+    databases: Databases,
+    remote_server: Option<Arc<PostgresServer>>,
     counters: Arc<ChaosCounters>,
     seed: u64,
     duration: Duration,
@@ -71,11 +76,16 @@ pub async fn run(
         if !graceful_done && Instant::now() >= graceful_at {
             graceful_done = true;
             graceful_restart(&cluster, &counters, gateway, &mut rng).await;
+        } else if let Some(server) = remote_server
+            .as_ref()
+            .filter(|_| choose_outage(&counters, &mut rng))
+        {
+            source_outage(server, &counters, &mut rng).await;
         } else if choose_kill(&counters, &mut rng) {
             let also_cut = rng.random_bool(0.25);
-            crash(&cluster, &database, &counters, gateway, also_cut, &mut rng).await;
+            crash(&cluster, &databases, &counters, gateway, also_cut, &mut rng).await;
         } else {
-            cut_connections(&database, &counters).await;
+            cut_connections(&databases, &counters).await;
         }
     }
     if !graceful_done {
@@ -83,6 +93,43 @@ pub async fn run(
         graceful_restart(&cluster, &counters, gateway, &mut rng).await;
     }
     cluster.ensure_all_running(&counters).await;
+}
+
+/// A source outage now and then, at least once.
+fn choose_outage(counters: &ChaosCounters, rng: &mut StdRng) -> bool {
+    ChaosCounters::get(&counters.source_outages) == 0 || rng.random_bool(0.15)
+}
+
+/// Takes the second source's server down (like a crash) for a moment, then brings it
+/// back: the other source must keep flowing, and nothing of this one may be lost.
+async fn source_outage(server: &Arc<PostgresServer>, counters: &ChaosCounters, rng: &mut StdRng) {
+    let down_for = Duration::from_millis(rng.random_range(1000..3000));
+    let stopping = server.clone();
+    match tokio::task::spawn_blocking(move || stopping.stop()).await {
+        Ok(Ok(())) => eprintln!("outbox-chaos: source server down for {down_for:?}"),
+        outcome => {
+            counters.violation(Violation::new(
+                "source outage",
+                format!("cannot stop the source's server: {outcome:?}"),
+            ));
+            return;
+        }
+    }
+    counters.source_outages.fetch_add(1, Ordering::Relaxed);
+    tokio::time::sleep(down_for).await;
+    let starting = server.clone();
+    if let Ok(Err(error)) | Err(error) = tokio::task::spawn_blocking(move || starting.resume())
+        .await
+        .map_err(|error| outbox_testkit::ServerError::Command {
+            command: "resume".into(),
+            detail: error.to_string(),
+        })
+    {
+        counters.violation(Violation::new(
+            "source outage",
+            format!("cannot start the source's server again: {error}"),
+        ));
+    }
 }
 
 /// Kill or cut, at random, but each at least once as soon as the other happened.
@@ -100,7 +147,7 @@ fn choose_kill(counters: &ChaosCounters, rng: &mut StdRng) -> bool {
 /// connections while it is down.
 async fn crash(
     cluster: &Cluster,
-    database: &ChaosDatabase,
+    databases: &Databases,
     counters: &ChaosCounters,
     gateway: usize,
     also_cut: bool,
@@ -111,7 +158,7 @@ async fn crash(
         eprintln!("outbox-chaos: kill -9 gateway {gateway}");
     }
     if also_cut {
-        cut_connections(database, counters).await;
+        cut_connections(databases, counters).await;
     }
     tokio::time::sleep(Duration::from_millis(rng.random_range(200..2000))).await;
     restart(cluster, counters, gateway).await;
@@ -138,8 +185,8 @@ async fn restart(cluster: &Cluster, counters: &ChaosCounters, gateway: usize) {
     }
 }
 
-async fn cut_connections(database: &ChaosDatabase, counters: &ChaosCounters) {
-    match database.cut_gateway_connections().await {
+async fn cut_connections(databases: &Databases, counters: &ChaosCounters) {
+    match databases.cut_gateway_connections().await {
         Ok(cut) => {
             counters.connection_cuts.fetch_add(1, Ordering::Relaxed);
             counters.connections_cut.fetch_add(cut, Ordering::Relaxed);

@@ -50,6 +50,8 @@ const GATEWAY_FLAGS: &[&str] = &[
 pub struct Cluster {
     binary: PathBuf,
     database_url: String,
+    /// A configuration file with the other sources, when there are any.
+    config_file: Option<PathBuf>,
     log_dir: PathBuf,
     log_level: String,
     slots: Vec<Mutex<Slot>>,
@@ -76,6 +78,7 @@ impl Cluster {
     pub async fn start(
         binary: PathBuf,
         database_url: String,
+        config_file: Option<PathBuf>,
         log_dir: PathBuf,
         log_level: String,
         count: usize,
@@ -99,6 +102,7 @@ impl Cluster {
         let cluster = Cluster {
             binary,
             database_url,
+            config_file,
             log_dir,
             log_level,
             slots,
@@ -155,6 +159,11 @@ impl Cluster {
                 .arg(&self.database_url)
                 .args(["--log-level", &self.log_level])
                 .args(GATEWAY_FLAGS)
+                .args(
+                    self.config_file
+                        .iter()
+                        .flat_map(|path| ["--config".as_ref(), path.as_os_str()]),
+                )
                 .env_remove("RUST_LOG")
                 .env("NO_COLOR", "1")
                 .stdin(Stdio::null())

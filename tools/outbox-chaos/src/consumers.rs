@@ -494,18 +494,31 @@ impl Consumer {
         let sent = Instant::now();
         let outcome = timeout(CALL_TIMEOUT, client.ack(request)).await;
         let answered = Instant::now();
-        let (stale, failure): (HashSet<String>, Option<String>) = match outcome {
-            Ok(Ok(response)) => (
-                response.into_inner().stale_ack_ids.into_iter().collect(),
-                None,
-            ),
-            Ok(Err(status)) => (HashSet::new(), Some(format!("{:?}", status.code()))),
-            Err(_) => (HashSet::new(), Some("timeout".into())),
-        };
+        let (stale, unavailable, failure): (HashSet<String>, HashSet<String>, Option<String>) =
+            match outcome {
+                Ok(Ok(response)) => {
+                    let response = response.into_inner();
+                    (
+                        response.stale_ack_ids.into_iter().collect(),
+                        response.unavailable_ack_ids.into_iter().collect(),
+                        None,
+                    )
+                }
+                Ok(Err(status)) => (
+                    HashSet::new(),
+                    HashSet::new(),
+                    Some(format!("{:?}", status.code())),
+                ),
+                Err(_) => (HashSet::new(), HashSet::new(), Some("timeout".into())),
+            };
         for received in batch {
             let answer = match &failure {
                 Some(code) => Answer::Failed(code.clone()),
                 None if stale.contains(&received.ack_id) => Answer::Stale,
+                // Its source could not be reached: not applied; it comes back.
+                None if unavailable.contains(&received.ack_id) => {
+                    Answer::Failed("source unavailable".into())
+                }
                 None => Answer::Applied,
             };
             let settlement = Settlement {

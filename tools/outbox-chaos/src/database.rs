@@ -102,31 +102,76 @@ impl ChaosDatabase {
         )
     }
 
-    /// Delivery records that still exist (in flight, awaiting retry, waiting, dead).
-    pub async fn unsettled_records(&self) -> anyhow::Result<Unsettled> {
-        let rows: Vec<(String, Uuid, String)> = sqlx::query_as(
-            "SELECT s.name, e.id, d.state FROM outbox_deliveries d \
-             JOIN outbox_subscriptions s ON s.id = d.subscription_id \
+    /// Delivery records that still exist here (in flight, awaiting retry, waiting, dead),
+    /// with subscription names from `names` (definitions live in the gateway's database).
+    async fn unsettled_here(&self, names: &HashMap<i64, String>) -> anyhow::Result<Unsettled> {
+        let rows: Vec<(i64, Uuid, String)> = sqlx::query_as(
+            "SELECT d.subscription_id, e.id, d.state FROM outbox_deliveries d \
              JOIN outbox_events e ON e.position = d.position",
         )
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .map(|(subscription, id, state)| ((subscription, id), state))
+            .filter_map(|(subscription, id, state)| {
+                Some(((names.get(&subscription)?.clone(), id), state))
+            })
             .collect())
     }
 
-    pub async fn final_state(&self) -> anyhow::Result<Snapshot> {
-        let stored: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+    async fn subscription_names(&self) -> anyhow::Result<HashMap<i64, String>> {
+        let rows: Vec<(i64, String)> = sqlx::query_as("SELECT id, name FROM outbox_subscriptions")
             .fetch_all(&self.pool)
             .await?;
+        Ok(rows.into_iter().collect())
+    }
+}
+
+/// The databases of a run: the gateway's own first, then the other sources'.
+#[derive(Debug, Clone)]
+pub struct Databases(pub Vec<ChaosDatabase>);
+
+impl Databases {
+    pub fn gateway(&self) -> &ChaosDatabase {
+        &self.0[0]
+    }
+
+    /// Delivery records that still exist in any source.
+    pub async fn unsettled_records(&self) -> anyhow::Result<Unsettled> {
+        let names = self.gateway().subscription_names().await?;
+        let mut unsettled = Unsettled::new();
+        for database in &self.0 {
+            unsettled.extend(database.unsettled_here(&names).await?);
+        }
+        Ok(unsettled)
+    }
+
+    pub async fn final_state(&self) -> anyhow::Result<Snapshot> {
+        let mut stored = HashSet::new();
+        for database in &self.0 {
+            let ids: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+                .fetch_all(&database.pool)
+                .await?;
+            stored.extend(ids);
+        }
         Ok(Snapshot {
-            stored: stored.into_iter().collect(),
+            stored,
             unsettled: self.unsettled_records().await?,
         })
     }
 
+    /// Terminates the gateways' connections to every source.
+    pub async fn cut_gateway_connections(&self) -> anyhow::Result<u64> {
+        let mut cut = 0;
+        for database in &self.0 {
+            // A source that is down has nothing to cut.
+            cut += database.cut_gateway_connections().await.unwrap_or(0);
+        }
+        Ok(cut)
+    }
+}
+
+impl ChaosDatabase {
     /// Closes the pool, keeping the database.
     pub async fn close(&self) {
         self.pool.close().await;

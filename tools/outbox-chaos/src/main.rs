@@ -21,7 +21,7 @@ use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use clap::Parser;
-use outbox_testkit::gateway;
+use outbox_testkit::{PostgresServer, gateway};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -29,10 +29,13 @@ use crate::{
     chaos::ChaosCounters,
     cluster::Cluster,
     consumers::{Journal, SubscriptionSpec},
-    database::ChaosDatabase,
+    database::{ChaosDatabase, Databases},
     ledger::Ledger,
     report::{Timing, Totals},
 };
+
+/// Name of the second source in the gateways' configuration.
+pub const REMOTE_SOURCE: &str = "remote";
 
 /// Chaos test of outbox-gateway: crash, restart and cut off gateways while events flow,
 /// then check that nothing was lost, duplicated after an ack, or reordered.
@@ -80,6 +83,12 @@ struct Args {
     /// Keep the database after the run, for inspection.
     #[arg(long)]
     keep_database: bool,
+
+    /// Relay from the gateway's own database only. By default a second source database
+    /// runs on a PostgreSQL server of its own (started with the machine's initdb and
+    /// pg_ctl), which the fault injector takes down and brings back.
+    #[arg(long)]
+    single_source: bool,
 }
 
 #[tokio::main]
@@ -106,11 +115,31 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     };
     let database = ChaosDatabase::create(&args.postgres_url).await?;
     eprintln!("outbox-chaos: database {}", database.name());
+    let remote = match args.single_source {
+        true => None,
+        false => {
+            let server = tokio::task::spawn_blocking(PostgresServer::start)
+                .await?
+                .context("cannot start a second PostgreSQL server for the remote source")?;
+            let remote_database = ChaosDatabase::create(&server.url()).await?;
+            gateway::migrate(&gateway_bin, &remote_database.url()).map_err(anyhow::Error::msg)?;
+            Some((Arc::new(server), remote_database))
+        }
+    };
     let log_dir = match &args.log_dir {
         Some(dir) => dir.clone(),
         None => std::env::temp_dir().join(database.name()),
     };
-    let outcome = run_on(&args, gateway_bin, &database, &log_dir).await;
+    let mut databases = vec![database.clone()];
+    databases.extend(remote.iter().map(|(_, remote)| remote.clone()));
+    let outcome = run_on(
+        &args,
+        gateway_bin,
+        &Databases(databases),
+        remote.as_ref().map(|(server, _)| server.clone()),
+        &log_dir,
+    )
+    .await;
     // Logs of a clean run in a directory of our own are of no further use.
     if matches!(outcome, Ok(true)) && args.log_dir.is_none() {
         let _ = std::fs::remove_dir_all(&log_dir);
@@ -120,6 +149,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         database.close().await;
     } else {
         database.drop_database().await;
+        if let Some((_, remote)) = &remote {
+            remote.drop_database().await;
+        }
     }
     outcome
 }
@@ -127,9 +159,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 async fn run_on(
     args: &Args,
     gateway_bin: PathBuf,
-    database: &ChaosDatabase,
+    databases: &Databases,
+    remote_server: Option<Arc<PostgresServer>>,
     log_dir: &std::path::Path,
 ) -> anyhow::Result<bool> {
+    let database = databases.gateway();
     std::fs::create_dir_all(log_dir)
         .with_context(|| format!("cannot create {}", log_dir.display()))?;
     let seed = args.seed.unwrap_or_else(rand::random);
@@ -138,10 +172,26 @@ async fn run_on(
         log_dir.display()
     );
 
+    let config_file = match databases.0.get(1) {
+        Some(remote) => {
+            let path = log_dir.join("gateways.toml");
+            std::fs::write(
+                &path,
+                format!(
+                    "[[sources]]\nname = \"{REMOTE_SOURCE}\"\ndatabase_url = \"{}\"\n",
+                    remote.url()
+                ),
+            )
+            .with_context(|| format!("cannot write {}", path.display()))?;
+            Some(path)
+        }
+        None => None,
+    };
     let cluster = Arc::new(
         Cluster::start(
             gateway_bin,
             database.url(),
+            config_file,
             log_dir.to_path_buf(),
             args.gateway_log_level.clone(),
             3,
@@ -170,7 +220,7 @@ async fn run_on(
     let stop_producing = CancellationToken::new();
     let producers = producers::spawn_all(
         cluster.clone(),
-        database,
+        databases,
         ledger.clone(),
         args.rpc_producers,
         args.sql_producers,
@@ -178,7 +228,8 @@ async fn run_on(
     );
     let chaos = tokio::spawn(chaos::run(
         cluster.clone(),
-        database.clone(),
+        databases.clone(),
+        remote_server,
         counters.clone(),
         seed,
         args.duration,
@@ -208,14 +259,14 @@ async fn run_on(
     calm.cancel();
     eprintln!("outbox-chaos: draining");
     let drain_started = Instant::now();
-    let drained = drain(database, &ledger, &journal, args.drain_timeout).await?;
+    let drained = drain(databases, &ledger, &journal, args.drain_timeout).await?;
     let drain_time = drain_started.elapsed();
     stop_consumers.cancel();
     consumers.join().await;
     stop_watchdog.cancel();
     let _ = watchdog.await;
 
-    let snapshot = database.final_state().await?;
+    let snapshot = databases.final_state().await?;
     let shutdown_problems = cluster.stop_all().await;
     let panics = cluster.panics();
 
@@ -238,7 +289,7 @@ async fn run_on(
 /// Waits until every committed event is known to be acked on every subscription that
 /// matches it, or `timeout` passes. Returns whether the consumers drained.
 async fn drain(
-    database: &ChaosDatabase,
+    databases: &Databases,
     ledger: &Ledger,
     journal: &Journal,
     timeout: Duration,
@@ -246,7 +297,7 @@ async fn drain(
     let started = Instant::now();
     let mut next_progress = started;
     loop {
-        let unsettled = database.unsettled_records().await.unwrap_or_default();
+        let unsettled = databases.unsettled_records().await.unwrap_or_default();
         let outstanding = journal.outstanding(ledger, &unsettled);
         if outstanding.iter().all(|&count| count == 0) {
             return Ok(true);

@@ -16,7 +16,7 @@ use uuid::Uuid;
 use crate::{
     check::Violation,
     cluster::Cluster,
-    database::ChaosDatabase,
+    database::{ChaosDatabase, Databases},
     ledger::{Ledger, Published, Route},
 };
 
@@ -52,7 +52,7 @@ impl Producers {
 
 pub fn spawn_all(
     cluster: Arc<Cluster>,
-    database: &ChaosDatabase,
+    databases: &Databases,
     ledger: Arc<Ledger>,
     rpc_producers: usize,
     sql_producers: usize,
@@ -60,20 +60,30 @@ pub fn spawn_all(
 ) -> Producers {
     let mut tasks = JoinSet::new();
     for index in 0..rpc_producers {
+        // The first one publishes to the second source, when there is one.
+        let source = match (index, databases.0.len()) {
+            (0, 2..) => crate::REMOTE_SOURCE,
+            _ => "",
+        };
         let producer = RpcProducer {
             name: format!("rpc{index}"),
             publishers: cluster
                 .endpoints()
-                .map(|endpoint| Publisher::new(Connection::new(endpoint)).max_attempts(2))
+                .map(|endpoint| {
+                    Publisher::new(Connection::new(endpoint))
+                        .max_attempts(2)
+                        .source(source)
+                })
                 .collect(),
             ledger: ledger.clone(),
         };
         tasks.spawn(producer.run(stop.clone()));
     }
     for index in 0..sql_producers {
+        // Spread over the sources: each writes its own service's database.
         let producer = SqlProducer {
             name: format!("sql{index}"),
-            database: database.clone(),
+            database: databases.0[index % databases.0.len()].clone(),
             ledger: ledger.clone(),
         };
         tasks.spawn(producer.run(stop.clone()));

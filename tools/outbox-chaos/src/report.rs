@@ -55,6 +55,7 @@ pub struct Totals {
     pub graceful_restarts: u64,
     pub connection_cuts: u64,
     pub connections_cut: u64,
+    pub source_outages: u64,
     pub subscriptions: Vec<SubscriptionTotals>,
     /// On ordered subscriptions, from the ack of one event to the arrival of the next
     /// event of its aggregate (already committed then), by where the ack went.
@@ -264,6 +265,7 @@ impl Totals {
             graceful_restarts: ChaosCounters::get(&counters.graceful_restarts),
             connection_cuts: ChaosCounters::get(&counters.connection_cuts),
             connections_cut: ChaosCounters::get(&counters.connections_cut),
+            source_outages: ChaosCounters::get(&counters.source_outages),
             subscriptions,
             ordered_handoff_same_gateway,
             ordered_handoff_other_gateway,
@@ -343,6 +345,7 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
             "connection cuts (connections)",
             format!("{} ({})", totals.connection_cuts, totals.connections_cut),
         ),
+        ("source outages", totals.source_outages.to_string()),
         (
             "ordered handoff, ack to same gateway",
             totals.ordered_handoff_same_gateway.to_string(),

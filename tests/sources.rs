@@ -1,0 +1,620 @@
+//! Several source databases: every service's own database is relayed from, events know
+//! their source, subscriptions span sources, acks mix them, operations take a source, and
+//! a source that is down pauses only its own share.
+
+mod common;
+
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
+
+use common::*;
+use outbox_gateway::{Config, config::SourceConfig, proto};
+use outbox_testkit::PostgresServer;
+use tonic::Code;
+
+const WAIT: Duration = Duration::from_secs(15);
+const QUIET: Duration = Duration::from_millis(500);
+
+fn source(name: &str, database: &TestDatabase) -> SourceConfig {
+    SourceConfig {
+        name: name.into(),
+        database_url: database.url(),
+        max_connections: None,
+        migrate: None,
+    }
+}
+
+fn config_with(default: &TestDatabase, sources: Vec<SourceConfig>) -> Config {
+    let mut config = test_config(default.url());
+    config.sources = sources;
+    config
+}
+
+/// The gateway's database and two services' databases on the local server.
+struct ThreeSources {
+    default: Arc<TestDatabase>,
+    orders: Arc<TestDatabase>,
+    billing: Arc<TestDatabase>,
+    gateway: TestGateway,
+}
+
+impl ThreeSources {
+    async fn start() -> ThreeSources {
+        let (default, orders, billing) = (
+            TestDatabase::create().await,
+            TestDatabase::create().await,
+            TestDatabase::create().await,
+        );
+        let config = config_with(
+            &default,
+            vec![source("orders", &orders), source("billing", &billing)],
+        );
+        let gateway = TestGateway::start_with(&default, config).await;
+        ThreeSources {
+            default,
+            orders,
+            billing,
+            gateway,
+        }
+    }
+}
+
+async fn publish_to(
+    gateway: &TestGateway,
+    source: &str,
+    aggregate_id: &str,
+    event_type: &str,
+) -> String {
+    gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest {
+            events: vec![event(aggregate_id, event_type)],
+            source: source.into(),
+        })
+        .await
+        .unwrap_or_else(|status| panic!("publish to {source}: {status:?}"))
+        .into_inner()
+        .results[0]
+        .id
+        .clone()
+}
+
+fn with_sources(name: &str, sources: &[&str]) -> proto::Subscription {
+    proto::Subscription {
+        sources: sources.iter().map(|source| (*source).to_owned()).collect(),
+        ..subscription(name)
+    }
+}
+
+fn source_of(delivery: &proto::Delivery) -> String {
+    delivery.event.as_ref().expect("event").source.clone()
+}
+
+#[tokio::test]
+async fn events_from_every_source_reach_a_subscription_and_one_ack_settles_them_all() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    create_subscription(gateway, subscription("all")).await;
+    create_subscription(gateway, with_sources("orders-only", &["orders"])).await;
+    let mut filtered = with_sources("created-elsewhere", &["orders", "billing"]);
+    filtered.event_types = vec!["*.created".into()];
+    create_subscription(gateway, filtered).await;
+
+    publish_to(gateway, "", "d-1", "order.created").await;
+    publish_to(gateway, "orders", "o-1", "order.created").await;
+    publish_to(gateway, "orders", "o-2", "order.paid").await;
+    // A service writing its own database directly, in its own transaction.
+    sqlx::query("SELECT outbox_publish('invoice', 'b-1', 'invoice.created', '{}'::jsonb)")
+        .execute(&setup.billing.pool().await)
+        .await
+        .unwrap();
+
+    let mut all = Consumer::open(gateway, "all", 100).await;
+    let deliveries = all.take(4, WAIT).await;
+    let seen: BTreeSet<(String, String)> = deliveries
+        .iter()
+        .map(|d| (source_of(d), aggregate_of(d)))
+        .collect();
+    let expected: BTreeSet<(String, String)> = [
+        ("default", "d-1"),
+        ("orders", "o-1"),
+        ("orders", "o-2"),
+        ("billing", "b-1"),
+    ]
+    .iter()
+    .map(|(s, a)| ((*s).to_owned(), (*a).to_owned()))
+    .collect();
+    assert_eq!(seen, expected);
+    // Ack ids name their source; one call settles all four.
+    let ack_ids: Vec<String> = deliveries.iter().map(|d| d.ack_id.clone()).collect();
+    assert!(ack_ids.iter().any(|id| id.starts_with("billing/")));
+    let answer = gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: "all".into(),
+            ack_ids: ack_ids.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.stale_ack_ids.is_empty() && answer.unavailable_ack_ids.is_empty());
+    assert_eq!(
+        ack(gateway, "all", ack_ids.clone()).await,
+        ack_ids,
+        "settled for good"
+    );
+    assert!(all.next(QUIET).await.is_none());
+
+    let mut orders_only = Consumer::open(gateway, "orders-only", 100).await;
+    let orders: BTreeSet<String> = orders_only
+        .take(2, WAIT)
+        .await
+        .iter()
+        .map(aggregate_of)
+        .collect();
+    assert_eq!(orders, BTreeSet::from(["o-1".to_owned(), "o-2".to_owned()]));
+    assert!(
+        orders_only.next(QUIET).await.is_none(),
+        "nothing of other sources"
+    );
+
+    let mut filtered = Consumer::open(gateway, "created-elsewhere", 100).await;
+    let created: BTreeSet<String> = filtered
+        .take(2, WAIT)
+        .await
+        .iter()
+        .map(aggregate_of)
+        .collect();
+    assert_eq!(
+        created,
+        BTreeSet::from(["o-1".to_owned(), "b-1".to_owned()])
+    );
+    assert!(filtered.next(QUIET).await.is_none());
+
+    // Figures per source and in total.
+    let stats = gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: "all".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let total = &stats.subscriptions[0];
+    assert_eq!(total.acked_total, 4);
+    let per_source: BTreeSet<(String, u64)> = total
+        .sources
+        .iter()
+        .map(|s| (s.source.clone(), s.acked_total))
+        .collect();
+    assert_eq!(
+        per_source,
+        BTreeSet::from([
+            ("default".to_owned(), 1),
+            ("orders".to_owned(), 2),
+            ("billing".to_owned(), 1)
+        ])
+    );
+    assert_eq!(stats.outbox.unwrap().events_stored, 4);
+
+    let sources = gateway
+        .admin()
+        .await
+        .list_sources(proto::ListSourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sources;
+    let names: Vec<(String, i32, u64)> = sources
+        .iter()
+        .map(|s| (s.name.clone(), s.status, s.events_stored))
+        .collect();
+    let connected = proto::SourceStatus::Connected as i32;
+    assert_eq!(
+        names,
+        vec![
+            ("default".to_owned(), connected, 1),
+            ("orders".to_owned(), connected, 2),
+            ("billing".to_owned(), connected, 1)
+        ]
+    );
+    assert!(sources.iter().all(|s| s.schema_version > 0));
+    drop(setup.default);
+    drop(setup.orders);
+}
+
+#[tokio::test]
+async fn dead_letters_requeues_and_seeks_work_per_source() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    let mut definition = subscription("all");
+    definition.max_attempts = Some(1);
+    create_subscription(gateway, definition).await;
+    let billing_id = publish_to(gateway, "billing", "b-1", "invoice.created").await;
+    publish_to(gateway, "orders", "o-1", "order.created").await;
+
+    let mut consumer = Consumer::open(gateway, "all", 100).await;
+    for delivery in consumer.take(2, WAIT).await {
+        nack(
+            gateway,
+            proto::NackRequest {
+                subscription: "all".into(),
+                reason: format!("broken in {}", source_of(&delivery)),
+                ack_id: delivery.ack_id,
+                dead_letter: true,
+                ..Default::default()
+            },
+        )
+        .await;
+    }
+    let mut admin = gateway.admin().await;
+    let list = |source: &str| proto::ListDeadLettersRequest {
+        subscription: "all".into(),
+        source: source.into(),
+        ..Default::default()
+    };
+    let dead = admin
+        .list_dead_letters(list(""))
+        .await
+        .unwrap()
+        .into_inner();
+    let listed: BTreeSet<(String, String)> = dead
+        .dead_letters
+        .iter()
+        .map(|d| (d.source.clone(), d.last_error.clone()))
+        .collect();
+    assert_eq!(
+        listed,
+        BTreeSet::from([
+            ("billing".to_owned(), "broken in billing".to_owned()),
+            ("orders".to_owned(), "broken in orders".to_owned())
+        ])
+    );
+    let only_billing = admin
+        .list_dead_letters(list("billing"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(only_billing.dead_letters.len(), 1);
+    let unknown = admin.list_dead_letters(list("nope")).await;
+    assert_status(unknown, Code::InvalidArgument, "source");
+
+    // Pages go across sources.
+    let first = admin
+        .list_dead_letters(proto::ListDeadLettersRequest {
+            page_size: 1,
+            ..list("")
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let second = admin
+        .list_dead_letters(proto::ListDeadLettersRequest {
+            page_size: 1,
+            page_token: first.next_page_token.clone(),
+            ..list("")
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.dead_letters.len() + second.dead_letters.len(), 2);
+    assert_ne!(
+        first.dead_letters[0].source, second.dead_letters[0].source,
+        "the second page goes on in the other source"
+    );
+
+    // Requeue only billing's dead letters; it comes back, orders' stays dead.
+    let requeued = admin
+        .requeue_dead_letters(proto::RequeueDeadLettersRequest {
+            subscription: "all".into(),
+            all: true,
+            source: "billing".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(requeued.requeued_count, 1);
+    let again = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(source_of(&again), "billing");
+    ack(gateway, "all", vec![again.ack_id]).await;
+
+    // An event id is looked up in every source.
+    let requeued = admin
+        .requeue_event(proto::RequeueEventRequest {
+            id: billing_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(requeued.requeued_count, 1);
+    let again = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(again.event.as_ref().unwrap().id, billing_id);
+    ack(gateway, "all", vec![again.ack_id]).await;
+
+    // Seek replays every source.
+    admin
+        .seek_subscription(proto::SeekSubscriptionRequest {
+            subscription: "all".into(),
+            to: Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                )),
+            }),
+        })
+        .await
+        .unwrap();
+    let replayed = consumer.take(1, WAIT).await;
+    // orders' event is still a dead letter there: a replay never duplicates it.
+    assert_eq!(source_of(&replayed[0]), "billing");
+    assert!(consumer.next(QUIET).await.is_none());
+}
+
+#[tokio::test]
+async fn ordering_holds_per_aggregate_within_each_source() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    let mut ordered = subscription("ordered");
+    ordered.ordered = true;
+    create_subscription(gateway, ordered).await;
+    // The same aggregate id in two sources is two aggregates.
+    for step in ["order.first", "order.second"] {
+        publish_to(gateway, "orders", "a-1", step).await;
+        publish_to(gateway, "billing", "a-1", step).await;
+    }
+    let mut consumer = Consumer::open(gateway, "ordered", 100).await;
+    let first = consumer.take(2, WAIT).await;
+    let sources: BTreeSet<String> = first.iter().map(source_of).collect();
+    assert_eq!(sources.len(), 2, "one per source at a time");
+    assert!(
+        first
+            .iter()
+            .all(|d| d.event.as_ref().unwrap().event_type == "order.first")
+    );
+    assert!(consumer.next(QUIET).await.is_none());
+    ack(
+        gateway,
+        "ordered",
+        first.iter().map(|d| d.ack_id.clone()).collect(),
+    )
+    .await;
+    let second = consumer.take(2, WAIT).await;
+    assert!(
+        second
+            .iter()
+            .all(|d| d.event.as_ref().unwrap().event_type == "order.second")
+    );
+}
+
+#[tokio::test]
+async fn bad_sources_are_refused_with_the_source_named() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    let unknown = gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest {
+            events: vec![event("x", "order.created")],
+            source: "nope".into(),
+        })
+        .await;
+    assert_status(unknown, Code::InvalidArgument, "nope");
+    let malformed = gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest {
+            events: vec![event("x", "order.created")],
+            source: "Not/A/Name".into(),
+        })
+        .await;
+    assert_status(malformed, Code::InvalidArgument, "source");
+    let subscription = gateway
+        .admin()
+        .await
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(with_sources("s", &["orders", "nope"])),
+        })
+        .await;
+    assert_status(
+        subscription,
+        Code::InvalidArgument,
+        "subscription.sources[1]",
+    );
+    let stale = gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: "s".into(),
+            ack_ids: vec!["nope/1-1-0000000000000001".into()],
+        })
+        .await;
+    assert!(stale.is_err());
+    for pool in [setup.orders.pool().await, setup.billing.pool().await] {
+        assert_eq!(count_events(&pool).await, 0, "nothing written");
+    }
+}
+
+#[test]
+fn a_configuration_with_clashing_sources_is_refused_naming_the_source() {
+    let source = |name: &str, database: &str| SourceConfig {
+        name: name.into(),
+        database_url: format!("postgres://postgres@127.0.0.1:5432/{database}"),
+        max_connections: None,
+        migrate: None,
+    };
+    let cases = [
+        (vec![source("Orders", "orders")], "Orders"),
+        (vec![source("default", "orders")], "default"),
+        (
+            vec![source("orders", "orders"), source("orders", "other")],
+            "already used",
+        ),
+        (vec![source("orders", "gateway")], "same database"),
+        (
+            vec![source("a", "orders"), source("b", "orders")],
+            "same database",
+        ),
+    ];
+    for (sources, needle) in cases {
+        let settings = outbox_gateway::config::Settings {
+            database_url: Some("postgres://postgres@127.0.0.1:5432/gateway".into()),
+            sources: Some(sources.clone()),
+            ..Default::default()
+        };
+        let error = Config::from_settings(settings)
+            .err()
+            .unwrap_or_else(|| panic!("{sources:?} was accepted"))
+            .to_string();
+        assert!(
+            error.contains(needle),
+            "{error:?} does not mention {needle:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_source_not_migrated_with_migrate_off_stops_the_start_naming_it() {
+    let default = TestDatabase::create().await;
+    let service = TestDatabase::create().await;
+    let mut not_migrated = source("orders", &service);
+    not_migrated.migrate = Some(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let outcome = tokio::time::timeout(
+        WAIT,
+        outbox_gateway::run(
+            config_with(&default, vec![not_migrated]),
+            listener,
+            std::future::pending(),
+        ),
+    )
+    .await
+    .expect("the start is refused at once");
+    let error = outcome.expect_err("refused").to_string();
+    assert!(
+        error.contains("orders") && error.contains("migrate"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_source_that_goes_down_pauses_only_its_own_share() {
+    let server = tokio::task::spawn_blocking(PostgresServer::start)
+        .await
+        .unwrap()
+        .expect("a second PostgreSQL server");
+    let default = TestDatabase::create().await;
+    let remote = TestDatabase::create_on(&server.url()).await;
+    let mut config = config_with(&default, vec![source("remote", &remote)]);
+    config.db_acquire_timeout = Duration::from_secs(1);
+    let gateway = TestGateway::start_with(&default, config).await;
+    create_subscription(&gateway, subscription("all")).await;
+    let mut consumer = Consumer::open(&gateway, "all", 100).await;
+    publish_to(&gateway, "remote", "r-1", "order.created").await;
+    publish_to(&gateway, "", "d-1", "order.created").await;
+    let before = consumer.take(2, WAIT).await;
+    let remote_delivery = before
+        .iter()
+        .find(|d| source_of(d) == "remote")
+        .expect("the remote event")
+        .clone();
+    let default_delivery = before
+        .iter()
+        .find(|d| source_of(d) == "default")
+        .expect("the default event")
+        .clone();
+
+    server.stop().expect("stop the second server");
+
+    // The other source keeps flowing.
+    publish_to(&gateway, "", "d-2", "order.created").await;
+    let during = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(aggregate_of(&during), "d-2");
+    // Health and ListSources show the outage.
+    let health = |service: &'static str| {
+        let gateway = &gateway;
+        async move {
+            let mut client =
+                tonic_health::pb::health_client::HealthClient::new(gateway.channel().await);
+            client
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .map(|r| r.into_inner().status)
+        }
+    };
+    let not_serving = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    eventually("the source reports NOT_SERVING", WAIT, || async {
+        health("outbox.source.remote").await.ok() == Some(not_serving)
+    })
+    .await;
+    assert_eq!(
+        health("").await.ok(),
+        Some(serving),
+        "the gateway stays SERVING"
+    );
+    let sources = gateway
+        .admin()
+        .await
+        .list_sources(proto::ListSourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sources;
+    let remote_status = sources.iter().find(|s| s.name == "remote").unwrap();
+    assert_eq!(
+        remote_status.status,
+        proto::SourceStatus::Unavailable as i32
+    );
+    assert!(!remote_status.last_error.is_empty());
+    // Acks of its ids come back unavailable; the others are applied.
+    let answer = gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: "all".into(),
+            ack_ids: vec![
+                remote_delivery.ack_id.clone(),
+                default_delivery.ack_id.clone(),
+                during.ack_id.clone(),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.unavailable_ack_ids,
+        vec![remote_delivery.ack_id.clone()]
+    );
+    assert!(answer.stale_ack_ids.is_empty());
+    let nacked = gateway
+        .subscriber()
+        .await
+        .nack(proto::NackRequest {
+            subscription: "all".into(),
+            ack_id: remote_delivery.ack_id.clone(),
+            ..Default::default()
+        })
+        .await;
+    assert_status(nacked, Code::Unavailable, "remote");
+
+    // Back: delivery resumes by itself and nothing is lost.
+    server.resume().expect("start the second server again");
+    eventually("the source reports SERVING again", WAIT, || async {
+        health("outbox.source.remote").await.ok() == Some(serving)
+    })
+    .await;
+    publish_to(&gateway, "remote", "r-2", "order.created").await;
+    let after = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(aggregate_of(&after), "r-2");
+    // The unacked remote event comes back once its lease runs out, or is acked now.
+    let answer = ack(&gateway, "all", vec![remote_delivery.ack_id, after.ack_id]).await;
+    assert!(
+        answer.is_empty(),
+        "leases held through the outage: {answer:?}"
+    );
+}
