@@ -34,6 +34,8 @@ pub enum Notify {
 
 pub struct BenchDatabase {
     database: ThrowawayDatabase,
+    /// The server it lives on, for databases of other services on the same cluster.
+    server_url: String,
     /// Whether resets and fills end with a CHECKPOINT (off for smoke tests, where a
     /// checkpoint after a TRUNCATE can take longer than the measurement).
     checkpoints: bool,
@@ -67,6 +69,7 @@ impl BenchDatabase {
             })?;
         Ok(BenchDatabase {
             database,
+            server_url: server_url.clone(),
             checkpoints,
         })
     }
@@ -111,7 +114,7 @@ impl BenchDatabase {
     pub async fn reset(&self) -> anyhow::Result<()> {
         let mut connection = self.connect().await?;
         connection
-            .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_subscriptions CASCADE")
+            .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_cursors, outbox_subscriptions CASCADE")
             .await
             .context("cannot empty the outbox tables")?;
         self.checkpoint(&mut connection).await;
@@ -196,6 +199,26 @@ impl BenchDatabase {
         Ok(())
     }
 
+    /// Opens a transaction in another database of the same server that writes a row and
+    /// stays open until released: another service's batch job or a session left open.
+    pub async fn hold_transaction_elsewhere(&self) -> anyhow::Result<HeldTransaction> {
+        let database = ThrowawayDatabase::create(&self.server_url, "outbox_bench_other").await?;
+        let mut connection = PgConnection::connect_with(&database.connect_options())
+            .await
+            .with_context(|| format!("cannot connect to {}", database.name()))?;
+        connection
+            .execute(
+                "CREATE TABLE batch_job (id serial PRIMARY KEY, note text); \
+                 BEGIN; INSERT INTO batch_job (note) VALUES ('held open');",
+            )
+            .await
+            .context("cannot open the held transaction")?;
+        Ok(HeldTransaction {
+            database,
+            connection,
+        })
+    }
+
     /// Drops the database, cutting off any connection left.
     pub async fn drop_database(&self) -> anyhow::Result<()> {
         Ok(self.database.drop_database().await?)
@@ -222,6 +245,22 @@ impl BenchDatabase {
         self.database
             .connect_options()
             .application_name("outbox-bench")
+    }
+}
+
+/// A transaction open in another database; see
+/// [`BenchDatabase::hold_transaction_elsewhere`].
+pub struct HeldTransaction {
+    database: ThrowawayDatabase,
+    connection: PgConnection,
+}
+
+impl HeldTransaction {
+    /// Rolls the transaction back and drops its database.
+    pub async fn release(mut self) -> anyhow::Result<()> {
+        self.connection.execute("ROLLBACK").await?;
+        self.connection.close().await?;
+        Ok(self.database.drop_database().await?)
     }
 }
 

@@ -12,6 +12,7 @@
 //! - [`publish`], [`consume`]: closed-loop publishers, Subscribe-stream consumers;
 //! - [`gateway`]: the gateway child process, its gRPC channels and /proc readings;
 //! - [`database`]: the benchmark database, backlog fills, direct-SQL pools;
+//! - [`raw_delivery`]: the raw SQL ceiling of delivery;
 //! - [`workload`]: the events written and the direct-SQL statements;
 //! - [`measure`], [`report`], [`charts`]: figures, tables and JSON, SVG output.
 
@@ -21,6 +22,7 @@ mod database;
 mod gateway;
 mod measure;
 mod publish;
+mod raw_delivery;
 mod report;
 mod scenarios;
 mod workload;

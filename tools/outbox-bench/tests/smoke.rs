@@ -13,19 +13,21 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 8] = [
+const SCENARIOS: [&str; 10] = [
     "publish-batch",
     "publish-single",
     "deliver",
     "fanout",
     "latency",
+    "held-transaction",
+    "stalled-consumers",
     "backlog-scaling",
     "memory",
     "cost",
 ];
 
 /// The quick run takes well under a minute; past this it is stuck.
-const TIME_LIMIT: Duration = Duration::from_secs(85);
+const TIME_LIMIT: Duration = Duration::from_secs(150);
 
 #[test]
 fn quick_run_covers_every_scenario() {

@@ -1,6 +1,8 @@
 //! deliver and fanout: a backlog inserted straight into the outbox table, then consumed
 //! through Subscribe streams that ack in batches. deliver drains it through one fresh
 //! subscription with 1 and then 4 streams; fanout through four subscriptions at once.
+//! Each run is followed by the raw SQL ceiling doing the same work with as many workers
+//! ([`crate::raw_delivery`]), and the report gives gateway ÷ raw.
 
 use serde_json::json;
 
@@ -9,6 +11,7 @@ use crate::{
     consume::GroupOutcome,
     gateway::Gateway,
     measure::{CpuUse, round},
+    raw_delivery,
     report::{Report, Table, Target, format_number},
 };
 
@@ -34,6 +37,8 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             "events",
             "seconds",
             "events/s",
+            "raw SQL events/s",
+            "gateway ÷ raw",
             "drained",
             "gateway CPU s/M ev",
         ],
@@ -53,11 +58,22 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             )
             .await?;
         let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
+        bench.database.settle().await?;
+        let raw = raw_delivery::drain(
+            &bench.database,
+            1,
+            streams,
+            backlog,
+            bench.settings.deliver_limit,
+        )
+        .await?;
+        let ratio = outcome.per_second() / raw.per_second();
         progress(
             scenario,
             format!(
-                "{streams} stream(s): {} events/s",
-                format_number(outcome.per_second())
+                "{streams} stream(s): {} events/s, raw SQL {} events/s ({ratio:.2}x)",
+                format_number(outcome.per_second()),
+                format_number(raw.per_second())
             ),
         );
         table.row(vec![
@@ -65,6 +81,8 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             format_number(outcome.acked() as f64),
             format!("{:.2}", outcome.seconds),
             format_number(outcome.per_second()),
+            format_number(raw.per_second()),
+            format!("{ratio:.2}"),
             yes_no(outcome.completed()),
             format!("{:.1}", cpu.gateway_per_million(outcome.acked())),
         ]);
@@ -82,6 +100,8 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             "events": outcome.acked(),
             "seconds": round(outcome.seconds, 3),
             "events_per_s": round(outcome.per_second(), 1),
+            "raw_events_per_s": round(raw.per_second(), 1),
+            "gateway_to_raw": round(ratio, 3),
             "drained": outcome.completed(),
             "stale_acks": outcome.subscriptions.iter().map(|s| s.stale).sum::<u64>(),
             "cpu_s": cpu.to_json(),
@@ -95,6 +115,12 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
                 " events/s",
             ));
         }
+        report.targets.push(Target::at_least(
+            format!("{streams} stream(s), gateway ÷ raw SQL"),
+            ratio,
+            0.8,
+            "x",
+        ));
         // Vacuum the delivery records the acks deleted before the next run.
         bench.database.settle().await?;
     }
@@ -128,9 +154,23 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         )
         .await?;
     let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
+    bench.database.settle().await?;
+    let raw = raw_delivery::drain(
+        &bench.database,
+        FANOUT_SUBSCRIPTIONS,
+        1,
+        backlog,
+        bench.settings.deliver_limit,
+    )
+    .await?;
+    let ratio = outcome.per_second() / raw.per_second();
     progress(
         scenario,
-        format!("{} events/s in total", format_number(outcome.per_second())),
+        format!(
+            "{} events/s in total, raw SQL {} events/s ({ratio:.2}x)",
+            format_number(outcome.per_second()),
+            format_number(raw.per_second())
+        ),
     );
 
     let mut report = Report::new(
@@ -184,6 +224,8 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
     report.figure("total_events", outcome.acked());
     report.figure("total_seconds", round(outcome.seconds, 3));
     report.figure("total_events_per_s", round(outcome.per_second(), 1));
+    report.figure("raw_events_per_s", round(raw.per_second(), 1));
+    report.figure("gateway_to_raw", round(ratio, 3));
     report.figure("cpu_s", cpu.to_json());
     report.figure(
         "gateway_cpu_s_per_million",
@@ -194,6 +236,16 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         outcome.per_second(),
         20_000.0,
         " events/s",
+    ));
+    report.targets.push(Target::at_least(
+        "4 subscriptions, gateway ÷ raw SQL",
+        ratio,
+        0.8,
+        "x",
+    ));
+    report.notes.push(format!(
+        "raw SQL ceiling: {} events/s over {FANOUT_SUBSCRIPTIONS} subscriptions with one worker each",
+        format_number(raw.per_second())
     ));
     let mut series: Vec<_> = outcome
         .subscriptions

@@ -230,15 +230,15 @@ impl Probe {
 }
 
 /// Figures of one open-loop run.
-struct LatencyRun {
+pub(super) struct LatencyRun {
     writer: Writer,
     rate: u64,
     /// Events scheduled in the measured window (after the warm-up).
     scheduled: u64,
     /// Of those, events whose call returned successfully.
-    measured: u64,
+    pub(super) measured: u64,
     /// Returned but never received within the grace period.
-    lost: u64,
+    pub(super) lost: u64,
     /// Received before the call's reply reached the benchmark.
     overtook_reply: u64,
     skipped: u64,
@@ -259,7 +259,7 @@ impl LatencyRun {
         )
     }
 
-    fn commit_to_delivery(&self) -> LatencySummary {
+    pub(super) fn commit_to_delivery(&self) -> LatencySummary {
         LatencySummary::of(&self.commit_to_delivery)
     }
 
@@ -280,7 +280,7 @@ impl LatencyRun {
     }
 }
 
-async fn measure_run(
+pub(super) async fn measure_run(
     bench: &Bench,
     gateway: &Gateway,
     writer: Writer,

@@ -5,9 +5,11 @@
 mod backlog;
 mod cost;
 mod deliver;
+mod held;
 mod latency;
 mod memory;
 mod publish;
+mod stalled;
 
 use std::{path::PathBuf, time::Duration};
 
@@ -30,18 +32,22 @@ pub enum Scenario {
     Deliver,
     Fanout,
     Latency,
+    HeldTransaction,
+    StalledConsumers,
     BacklogScaling,
     Memory,
     Cost,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 8] = [
+    pub const ALL: [Scenario; 10] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
         Scenario::Fanout,
         Scenario::Latency,
+        Scenario::HeldTransaction,
+        Scenario::StalledConsumers,
         Scenario::BacklogScaling,
         Scenario::Memory,
         Scenario::Cost,
@@ -54,6 +60,8 @@ impl Scenario {
             Scenario::Deliver => "deliver",
             Scenario::Fanout => "fanout",
             Scenario::Latency => "latency",
+            Scenario::HeldTransaction => "held-transaction",
+            Scenario::StalledConsumers => "stalled-consumers",
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
             Scenario::Cost => "cost",
@@ -68,6 +76,8 @@ impl Scenario {
             Scenario::Deliver => deliver::deliver(bench, gateway).await,
             Scenario::Fanout => deliver::fanout(bench, gateway).await,
             Scenario::Latency => latency::run(bench, gateway).await,
+            Scenario::HeldTransaction => held::run(bench, gateway).await,
+            Scenario::StalledConsumers => stalled::run(bench, gateway).await,
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
             Scenario::Cost => cost::run(bench, gateway).await,
