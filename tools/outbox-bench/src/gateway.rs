@@ -67,6 +67,8 @@ impl GatewayLauncher {
             .arg("--database-url")
             .arg(&self.database_url)
             .args(["--log-level", "warn"])
+            // Several gateways may run at once; none needs the web console.
+            .args(["--console-listen", "off"])
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -21,6 +21,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let backlog = bench.settings.events(DELIVER_BACKLOG);
     let mut rates = Vec::new();
     let mut latencies = Vec::new();
+    let mut latency_runs = Vec::new();
     for held in [false, true] {
         let label = if held { "held" } else { "free" };
         // The transaction starts before the backlog is written, so every event of the run
@@ -54,6 +55,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         );
         rates.push((outcome.per_second(), outcome.completed()));
         latencies.push(summary);
+        latency_runs.push((format!("{label} at {LATENCY_RATE}/s"), latency));
         if let Some(holder) = holder {
             holder.release().await?;
         }
@@ -115,5 +117,15 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         2.0,
         " ms",
     ));
+    let curves: Vec<_> = latency_runs
+        .iter()
+        .map(|(label, run)| (label.clone(), run.commit_to_delivery_histogram()))
+        .collect();
+    bench.latency_chart(
+        &mut report,
+        "held-transaction-latency.svg",
+        "held-transaction: commit-to-delivery without and with the held transaction",
+        &curves,
+    )?;
     Ok(report)
 }

@@ -263,6 +263,11 @@ impl LatencyRun {
         LatencySummary::of(&self.commit_to_delivery)
     }
 
+    /// The commit-to-delivery histogram, for charts.
+    pub(super) fn commit_to_delivery_histogram(&self) -> &Histogram<u64> {
+        &self.commit_to_delivery
+    }
+
     fn to_json(&self) -> serde_json::Value {
         json!({
             "writer": self.writer.name(),

@@ -136,6 +136,15 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         1_000.0,
         " ms",
     ));
+    bench.latency_chart(
+        &mut report,
+        "stalled-consumers-latency.svg",
+        "stalled-consumers: the healthy subscription's commit-to-delivery",
+        &[(
+            format!("healthy at {LATENCY_RATE}/s"),
+            run.commit_to_delivery_histogram(),
+        )],
+    )?;
     Ok(report)
 }
 
