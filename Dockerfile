@@ -21,8 +21,9 @@ COPY --from=build /src/target/release/outbox-gateway /usr/local/bin/outbox-gatew
 USER 10001
 # Inside a container the gateway must listen beyond loopback.
 ENV OUTBOX_LISTEN=0.0.0.0:50051 \
-    OUTBOX_METRICS_LISTEN=0.0.0.0:9464
-EXPOSE 50051 9464
+    OUTBOX_METRICS_LISTEN=0.0.0.0:9464 \
+    OUTBOX_CONSOLE_LISTEN=0.0.0.0:9465
+EXPOSE 50051 9464 9465
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s \
     CMD ["outbox-gateway", "health", "--endpoint", "http://127.0.0.1:50051", "--timeout", "2s"]
 ENTRYPOINT ["outbox-gateway"]

@@ -41,6 +41,9 @@ pub enum Role {
     Publisher,
     Subscriber,
     Admin,
+    /// Reads figures, settings and dead letters (the web console's read-only pages and
+    /// the Admin service's reading calls) and changes nothing.
+    Viewer,
 }
 
 /// The authenticated caller and what it may do.
@@ -51,6 +54,7 @@ pub struct Principal {
     /// Subscription-name patterns it may read (empty: any).
     subscriber: Option<GlobSet>,
     admin: bool,
+    viewer: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -72,6 +76,7 @@ impl Principal {
             }),
             subscriber: Some(GlobSet::empty()),
             admin: true,
+            viewer: true,
         }
     }
 
@@ -124,6 +129,20 @@ impl Principal {
         } else {
             Err(self.denied("administer the gateway (the admin role)"))
         }
+    }
+
+    /// Reading figures, settings and dead letters: the viewer role, or the admin role.
+    pub fn check_view(&self) -> Result<()> {
+        if self.viewer || self.admin {
+            Ok(())
+        } else {
+            Err(self.denied("view the gateway's state (the viewer or admin role)"))
+        }
+    }
+
+    /// True when [`Principal::check_admin`] passes.
+    pub fn is_admin(&self) -> bool {
+        self.admin
     }
 
     fn denied(&self, what: &str) -> Error {
@@ -189,6 +208,7 @@ impl Authenticator {
                     }),
                     subscriber: has(Role::Subscriber).then_some(subscriptions),
                     admin: has(Role::Admin),
+                    viewer: has(Role::Viewer),
                 },
             ));
         }
@@ -207,6 +227,11 @@ impl Authenticator {
             .ok_or_else(|| {
                 Error::Unauthenticated("send a bearer token in the authorization metadata".into())
             })?;
+        self.authenticate_token(token)
+    }
+
+    /// The principal of a token itself (a console sign-in).
+    pub fn authenticate_token(&self, token: &str) -> Result<Principal> {
         let presented: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         // Compare against every digest without stopping early, in constant time each.
         let mut found = None;
@@ -283,6 +308,26 @@ mod tests {
                 .is_err(),
             "no publisher role"
         );
+        assert!(principal.check_view().is_err(), "no viewer role");
+    }
+
+    #[test]
+    fn viewers_read_and_admins_read_and_change() {
+        let auth = Authenticator::new(&[
+            TokenConfig {
+                name: "viewer".into(),
+                ..config("v", vec![Role::Viewer])
+            },
+            config("a", vec![Role::Admin]),
+        ])
+        .unwrap();
+        let viewer = auth.authenticate(Some("Bearer v")).unwrap();
+        viewer.check_view().unwrap();
+        assert!(viewer.check_admin().is_err());
+        assert!(!viewer.is_admin());
+        let admin = auth.authenticate(Some("Bearer a")).unwrap();
+        admin.check_view().unwrap();
+        admin.check_admin().unwrap();
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::{
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
+pub const DEFAULT_CONSOLE_LISTEN: &str = "127.0.0.1:9465";
 
 /// Settings of `outbox-gateway serve`. Each is a flag, an environment variable and a
 /// key of the configuration file.
@@ -178,6 +179,15 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_METRICS_REFRESH_INTERVAL")]
     pub metrics_refresh_interval: Option<DurationSetting>,
 
+    /// Address of the web console, or `off`. It uses the TLS flags of the gRPC server.
+    /// [default: 127.0.0.1:9465]
+    #[arg(long, env = "OUTBOX_CONSOLE_LISTEN")]
+    pub console_listen: Option<String>,
+
+    /// How long a console sign-in lasts. [default: 8h]
+    #[arg(long, env = "OUTBOX_CONSOLE_SESSION_TTL")]
+    pub console_session_ttl: Option<DurationSetting>,
+
     /// Log format: text or json. [default: text]
     #[arg(long, env = "OUTBOX_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -268,6 +278,13 @@ pub struct Config {
     /// `None`: no metrics endpoint.
     pub metrics_listen: Option<SocketAddr>,
     pub metrics_refresh_interval: Duration,
+    /// `None`: no web console.
+    pub console_listen: Option<SocketAddr>,
+    /// How long a console sign-in lasts.
+    pub console_session_ttl: Duration,
+    /// How often the console's delivery and ack rates are sampled (not a setting: tests
+    /// shorten it).
+    pub console_rate_interval: Duration,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -421,6 +438,22 @@ impl Config {
                 settings.metrics_refresh_interval,
                 Duration::from_secs(10),
             ),
+            console_listen: match settings
+                .console_listen
+                .as_deref()
+                .unwrap_or(DEFAULT_CONSOLE_LISTEN)
+            {
+                "off" => None,
+                address => Some(address.parse().map_err(|error| ConfigError::Invalid {
+                    setting: "console_listen",
+                    message: format!("{address:?} is neither an address nor \"off\": {error}"),
+                })?),
+            },
+            console_session_ttl: duration(
+                settings.console_session_ttl,
+                Duration::from_secs(8 * 60 * 60),
+            ),
+            console_rate_interval: Duration::from_secs(10),
             log_format: settings.log_format.unwrap_or_default(),
             log_level: settings.log_level.unwrap_or_else(|| "info".to_owned()),
         };
@@ -445,6 +478,21 @@ impl Config {
             });
         }
         self.validate_sources()?;
+        if let Some(console) = self.console_listen
+            && self.tokens.is_empty()
+            && !console.ip().is_loopback()
+            && !self.insecure_no_auth
+        {
+            return Err(ConfigError::Invalid {
+                setting: "console_listen",
+                message: format!(
+                    "serving the console on {console} without authentication would let anyone who reaches it administer the gateway: configure [[tokens]] in the configuration file, serve it on a loopback address, set it to \"off\", or pass --insecure-no-auth"
+                ),
+            });
+        }
+        if self.console_session_ttl < Duration::from_secs(1) {
+            return invalid("console_session_ttl", "must be at least 1s");
+        }
         if let Err(message) = crate::auth::Authenticator::new(&self.tokens) {
             return Err(ConfigError::Invalid {
                 setting: "tokens",
@@ -622,6 +670,8 @@ impl Settings {
             retention_batch_size,
             metrics_listen,
             metrics_refresh_interval,
+            console_listen,
+            console_session_ttl,
             log_format,
             log_level,
         )
@@ -645,6 +695,46 @@ mod tests {
         assert_eq!(config.limits.max_batch_events, 7);
         assert_eq!(config.database_url, DEFAULT_DATABASE_URL);
         assert!(config.migrate);
+        assert_eq!(
+            config.console_listen,
+            Some(DEFAULT_CONSOLE_LISTEN.parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn the_console_needs_tokens_beyond_loopback() {
+        let open = Settings {
+            console_listen: Some("0.0.0.0:9465".into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Config::from_settings(open.clone()),
+            Err(ConfigError::Invalid {
+                setting: "console_listen",
+                ..
+            })
+        ));
+        let insecure = Settings {
+            insecure_no_auth: Some(true),
+            ..open
+        };
+        assert!(Config::from_settings(insecure).is_ok());
+        let off = Settings {
+            console_listen: Some("off".into()),
+            ..Default::default()
+        };
+        assert_eq!(Config::from_settings(off).unwrap().console_listen, None);
+        let bad = Settings {
+            console_listen: Some("nowhere".into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Config::from_settings(bad),
+            Err(ConfigError::Invalid {
+                setting: "console_listen",
+                ..
+            })
+        ));
     }
 
     #[test]

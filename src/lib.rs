@@ -17,6 +17,8 @@
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`auth`]: bearer tokens, roles and their scopes.
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
+//! - [`console`]: the web console, an HTTP adapter over the same core operations.
+//! - [`rates`]: delivery and ack rates over the last 15 minutes, for the console.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
 //! - [`cli`]: the binary's client subcommands (health checks, administration), built on
@@ -28,6 +30,7 @@ pub mod api;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod delivery;
 pub mod domain;
 pub mod error;
@@ -35,6 +38,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod operations;
 pub mod publish;
+pub mod rates;
 pub mod sources;
 pub mod storage;
 pub mod subscriptions;
@@ -83,17 +87,47 @@ pub enum RunError {
     Tokens(String),
     #[error(transparent)]
     Sources(#[from] SourcesError),
+    #[error(
+        "cannot serve the console on {address}: {source}. Choose another address with --console-listen, or turn it off with --console-listen off"
+    )]
+    ConsoleListen {
+        address: std::net::SocketAddr,
+        source: std::io::Error,
+    },
 }
 
 /// Connects to the database (migrating it unless configured not to) and serves gRPC
-/// on `listener` until `shutdown` completes; then reports NOT_SERVING, ends the
-/// Subscribe streams (giving their leases back), lets in-flight calls finish within the
-/// grace period and closes the pool.
+/// on `listener`, and the web console on `config.console_listen`, until `shutdown`
+/// completes; then reports NOT_SERVING, ends the Subscribe streams (giving their leases
+/// back), lets in-flight calls finish within the grace period and closes the pool.
 pub async fn run(
     config: Config,
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RunError> {
+    let console = match config.console_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .map_err(|source| RunError::ConsoleListen { address, source })?,
+        ),
+        None => None,
+    };
+    run_with_console(config, listener, console, shutdown).await
+}
+
+/// [`run`] with the console on `console_listener` (whatever `config.console_listen`
+/// says), or without a console.
+pub async fn run_with_console(
+    config: Config,
+    listener: TcpListener,
+    console_listener: Option<TcpListener>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RunError> {
+    let console_tls = match (&console_listener, &config.tls) {
+        (Some(_), Some(files)) => Some(console::tls::server_config(files).map_err(RunError::Tls)?),
+        _ => None,
+    };
     let store = connect(&config).await?;
     if config.migrate {
         store.migrate().await.map_err(RunError::Migrate)?;
@@ -155,6 +189,28 @@ pub async fn run(
         .then(|| auth::Authenticator::new(&config.tokens))
         .transpose()
         .map_err(RunError::Tokens)?;
+    let console_server = console_listener.map(|listener| {
+        let rates = rates::DeliveryRates::start(
+            sources.clone(),
+            config.console_rate_interval,
+            stop_serving.clone(),
+        );
+        let sessions = console::Sessions::new(config.console_session_ttl, console_tls.is_some());
+        let console = console::Console::new(
+            subscriptions.clone(),
+            operations.clone(),
+            relay.clone(),
+            rates,
+            sessions,
+            authenticator.clone(),
+        );
+        tokio::spawn(console::serve(
+            console,
+            listener,
+            console_tls,
+            stop_serving.clone(),
+        ))
+    });
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(config.max_concurrent_streams)
         .timeout(config.rpc_timeout);
@@ -218,6 +274,17 @@ pub async fn run(
     // publish queue; once it is dropped the committers finish and give back the
     // connections they keep, which `store.close()` waits for.
     drop(server);
+    if let Some(mut console_server) = console_server {
+        stop_serving.cancel();
+        match tokio::time::timeout(config.shutdown_grace, &mut console_server).await {
+            Ok(Ok(Err(error))) => tracing::warn!(%error, "the console failed"),
+            Ok(_) => {}
+            Err(_) => {
+                console_server.abort();
+                tracing::warn!("console requests still running after the grace period were cut");
+            }
+        }
+    }
     health_monitor.abort();
     if let Some(figures) = figures {
         figures.abort();

@@ -9,13 +9,13 @@ use uuid::Uuid;
 use crate::{
     delivery::Relay,
     domain::{
-        DeadLetter, DeadLetterSelection, Event, OutboxStats, PatternSet, SourceName, Subscription,
-        SubscriptionName, SubscriptionStats, check_text,
+        DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event, EventDeliveries,
+        OutboxStats, SourceName, Subscription, SubscriptionName, SubscriptionStats, check_text,
     },
     error::{Error, Result},
     metrics,
     sources::{Source, SourceHealth},
-    storage::RequeueRefusal,
+    storage::{DeliveryFacts, RequeueRefusal},
 };
 
 /// Longest `resolved_by` and `notes` of a resolved dead letter.
@@ -24,6 +24,10 @@ const MAX_NOTES_BYTES: usize = 4096;
 /// Dead letters per page when the caller does not say, and at most.
 pub const DEFAULT_PAGE_SIZE: usize = 100;
 pub const MAX_PAGE_SIZE: usize = 1000;
+/// Most error groups a dead-letter summary shows.
+pub const MAX_DEAD_LETTER_GROUPS: usize = 50;
+/// Most events an aggregate lookup returns.
+pub const MAX_AGGREGATE_EVENTS: usize = 100;
 
 /// One page of dead letters and where the next one starts.
 #[derive(Debug)]
@@ -255,17 +259,17 @@ impl Operations {
         }
     }
 
-    /// One page of a subscription's dead letters over its sources (or the one named),
-    /// oldest first.
+    /// One page of a subscription's selected dead letters over its sources, oldest
+    /// first.
     pub async fn list_dead_letters(
         &self,
         name: &SubscriptionName,
-        event_types: &PatternSet,
+        selection: &DeadLetterSelection,
         include_resolved: bool,
         page_size: usize,
         page: Option<PageToken>,
-        source: Option<&SourceName>,
     ) -> Result<DeadLetterPage> {
+        selection.validate()?;
         let subscription = self.subscription(name).await?;
         let page_size = match page_size {
             0 => DEFAULT_PAGE_SIZE,
@@ -278,14 +282,14 @@ impl Operations {
             n => n,
         };
         let mut dead_letters = Vec::new();
-        for candidate in self.sources_of(&subscription, source)? {
+        for candidate in self.sources_of(&subscription, selection.source.as_ref())? {
             // One more than asked tells whether another page follows.
             dead_letters.extend(
                 candidate
                     .store
                     .dead_letters(
                         &subscription,
-                        event_types.to_regex(),
+                        selection,
                         include_resolved,
                         page.as_ref().map(|token| token.after_in(&candidate.name)),
                         page_size + 1,
@@ -317,33 +321,173 @@ impl Operations {
         })
     }
 
+    /// Sends the selected dead letters back for delivery with attempts reset, however
+    /// many they are; returns how many.
     pub async fn requeue_dead_letters(
         &self,
         name: &SubscriptionName,
         selection: DeadLetterSelection,
         all: bool,
-        source: Option<&SourceName>,
     ) -> Result<u64> {
-        if selection.is_empty() && !all {
-            return Err(Error::invalid(
-                "all",
-                "give ids, event_types or dead_lettered_before, or set all = true to requeue every dead letter",
-            ));
-        }
-        let subscription = self.subscription(name).await?;
+        let (subscription, sources) = self.bulk_target(name, &selection, all, "requeue").await?;
         let mut requeued = 0;
-        for candidate in self.sources_of(&subscription, source)? {
+        for candidate in sources {
             let here = candidate
                 .store
                 .requeue_dead_letters(&subscription, &selection)
                 .await
                 .map_err(|error| candidate.error(error))?;
             if here > 0 {
+                metrics::requeued(name.as_str(), candidate.name.as_str(), here);
                 self.relay.due(subscription.id, candidate.id);
             }
             requeued += here;
         }
         Ok(requeued)
+    }
+
+    /// How many dead letters [`Operations::requeue_dead_letters`] would requeue now.
+    pub async fn count_requeue_dead_letters(
+        &self,
+        name: &SubscriptionName,
+        selection: &DeadLetterSelection,
+        all: bool,
+    ) -> Result<u64> {
+        let (subscription, sources) = self.bulk_target(name, selection, all, "requeue").await?;
+        // Resolved dead letters are requeued only when chosen by id.
+        self.count_in(
+            &subscription,
+            &sources,
+            selection,
+            !selection.ids.is_empty(),
+        )
+        .await
+    }
+
+    /// How many dead letters the selection takes, resolved ones too when asked.
+    pub async fn count_dead_letters(
+        &self,
+        name: &SubscriptionName,
+        selection: &DeadLetterSelection,
+        include_resolved: bool,
+    ) -> Result<u64> {
+        selection.validate()?;
+        let subscription = self.subscription(name).await?;
+        let sources = self.sources_of(&subscription, selection.source.as_ref())?;
+        self.count_in(&subscription, &sources, selection, include_resolved)
+            .await
+    }
+
+    async fn count_in(
+        &self,
+        subscription: &Subscription,
+        sources: &[Arc<Source>],
+        selection: &DeadLetterSelection,
+        include_resolved: bool,
+    ) -> Result<u64> {
+        let mut count = 0;
+        for source in sources {
+            count += source
+                .store
+                .count_dead_letters(subscription, selection, include_resolved)
+                .await
+                .map_err(|error| source.error(error))?;
+        }
+        Ok(count)
+    }
+
+    /// The selected unresolved dead letters grouped by last error over the
+    /// subscription's sources, largest group first (at most [`MAX_DEAD_LETTER_GROUPS`]).
+    pub async fn dead_letter_groups(
+        &self,
+        name: &SubscriptionName,
+        selection: &DeadLetterSelection,
+    ) -> Result<Vec<DeadLetterGroup>> {
+        selection.validate()?;
+        let subscription = self.subscription(name).await?;
+        let mut groups: Vec<DeadLetterGroup> = Vec::new();
+        for source in self.sources_of(&subscription, selection.source.as_ref())? {
+            let here = source
+                .store
+                .dead_letter_groups(&subscription, selection, MAX_DEAD_LETTER_GROUPS)
+                .await
+                .map_err(|error| source.error(error))?;
+            for group in here {
+                match groups.iter_mut().find(|g| g.last_error == group.last_error) {
+                    Some(same) => same.merge(group),
+                    None => groups.push(group),
+                }
+            }
+        }
+        groups.sort_by(|a, b| {
+            b.count
+                .cmp(&a.count)
+                .then_with(|| a.last_error.cmp(&b.last_error))
+        });
+        groups.truncate(MAX_DEAD_LETTER_GROUPS);
+        Ok(groups)
+    }
+
+    /// Marks every selected unresolved dead letter handled without redelivering it,
+    /// however many they are; returns how many.
+    pub async fn resolve_dead_letters(
+        &self,
+        name: &SubscriptionName,
+        selection: DeadLetterSelection,
+        all: bool,
+        resolved_by: &str,
+        notes: &str,
+    ) -> Result<u64> {
+        check_resolution(resolved_by, notes)?;
+        let (subscription, sources) = self.bulk_target(name, &selection, all, "resolve").await?;
+        let mut resolved = 0;
+        for source in sources {
+            resolved += source
+                .store
+                .resolve_dead_letters(&subscription, &selection, resolved_by, notes)
+                .await
+                .map_err(|error| source.error(error))?;
+        }
+        Ok(resolved)
+    }
+
+    /// How many dead letters [`Operations::resolve_dead_letters`] would resolve now, with
+    /// the same checks.
+    pub async fn count_resolve_dead_letters(
+        &self,
+        name: &SubscriptionName,
+        selection: &DeadLetterSelection,
+        all: bool,
+        resolved_by: &str,
+        notes: &str,
+    ) -> Result<u64> {
+        check_resolution(resolved_by, notes)?;
+        let (subscription, sources) = self.bulk_target(name, selection, all, "resolve").await?;
+        self.count_in(&subscription, &sources, selection, false)
+            .await
+    }
+
+    /// The subscription and sources of a bulk action on dead letters, once the selection
+    /// is valid and says what it takes: at least one selector, or `all`.
+    async fn bulk_target(
+        &self,
+        name: &SubscriptionName,
+        selection: &DeadLetterSelection,
+        all: bool,
+        verb: &str,
+    ) -> Result<(Subscription, Vec<Arc<Source>>)> {
+        if selection.is_empty() && !all {
+            return Err(Error::invalid(
+                "all",
+                format!(
+                    "give a selector (ids, event_types, aggregate_type, aggregate_id, last_error, dead_lettered_after or dead_lettered_before), or set all = true to {verb} every dead letter"
+                ),
+            ));
+        }
+        selection.validate()?;
+        let subscription = self.subscription(name).await?;
+        let sources = self.sources_of(&subscription, selection.source.as_ref())?;
+        Ok((subscription, sources))
     }
 
     pub async fn resolve_dead_letter(
@@ -354,20 +498,7 @@ impl Operations {
         notes: &str,
         source: Option<&SourceName>,
     ) -> Result<DeadLetter> {
-        if resolved_by.is_empty() || resolved_by.len() > MAX_RESOLVED_BY_BYTES {
-            return Err(Error::invalid(
-                "resolved_by",
-                format!("must be 1 to {MAX_RESOLVED_BY_BYTES} bytes"),
-            ));
-        }
-        if notes.len() > MAX_NOTES_BYTES {
-            return Err(Error::invalid(
-                "notes",
-                format!("must be at most {MAX_NOTES_BYTES} bytes"),
-            ));
-        }
-        check_text("resolved_by", resolved_by)?;
-        check_text("notes", notes)?;
+        check_resolution(resolved_by, notes)?;
         let subscription = self.subscription(name).await?;
         for candidate in self.sources_of(&subscription, source)? {
             if let Some(dead_letter) = candidate
@@ -382,6 +513,81 @@ impl Operations {
         Err(Error::NotFound(format!(
             "event {id} is not a dead letter of subscription {name:?}"
         )))
+    }
+
+    /// An event and where it stands on every subscription. The event is looked up in the
+    /// named source, or in every source in configuration order.
+    pub async fn event_deliveries(
+        &self,
+        id: Uuid,
+        source: Option<&SourceName>,
+    ) -> Result<EventDeliveries> {
+        for candidate in self.sources(source)? {
+            let Some((position, event)) = candidate
+                .store
+                .event_by_id(id)
+                .await
+                .map_err(|error| candidate.error(error))?
+            else {
+                continue;
+            };
+            let subscriptions = self.subscriptions().await?;
+            let facts = candidate
+                .store
+                .delivery_facts(position, &subscriptions)
+                .await
+                .map_err(|error| candidate.error(error))?;
+            let subscriptions = subscriptions
+                .into_iter()
+                .zip(facts)
+                .map(|(subscription, facts)| {
+                    let state = if subscription.reads(&candidate.name) {
+                        delivery_state(&subscription, &event, &facts)
+                    } else {
+                        DeliveryState::NotMatched
+                    };
+                    (subscription.name, state)
+                })
+                .collect();
+            return Ok(EventDeliveries {
+                event,
+                subscriptions,
+            });
+        }
+        Err(Error::NotFound(format!("event {id} does not exist")))
+    }
+
+    /// The latest events of an aggregate over every source, newest first (at most
+    /// [`MAX_AGGREGATE_EVENTS`]).
+    pub async fn aggregate_events(
+        &self,
+        aggregate_type: &str,
+        aggregate_id: &str,
+    ) -> Result<Vec<Event>> {
+        for (field, value) in [
+            ("aggregate_type", aggregate_type),
+            ("aggregate_id", aggregate_id),
+        ] {
+            if value.is_empty() || value.len() > 255 {
+                return Err(Error::invalid(field, "must be 1 to 255 bytes"));
+            }
+            check_text(field, value)?;
+        }
+        let mut events = Vec::new();
+        for source in self.relay.sources().iter() {
+            events.extend(
+                source
+                    .store
+                    .aggregate_events(aggregate_type, aggregate_id, MAX_AGGREGATE_EVENTS)
+                    .await
+                    .map_err(|error| source.error(error))?
+                    .into_iter()
+                    .map(|(_, event)| event),
+            );
+        }
+        events.sort_by_key(|event| std::cmp::Reverse(event.created_at));
+        events.truncate(MAX_AGGREGATE_EVENTS);
+        Ok(events)
     }
 
     /// Figures of one subscription or of all — each in total and per source — and of
@@ -470,6 +676,69 @@ impl Operations {
             .store
             .subscriptions()
             .await?)
+    }
+}
+
+/// The resolver's name and notes of a resolved dead letter.
+fn check_resolution(resolved_by: &str, notes: &str) -> Result<()> {
+    if resolved_by.is_empty() || resolved_by.len() > MAX_RESOLVED_BY_BYTES {
+        return Err(Error::invalid(
+            "resolved_by",
+            format!("must be 1 to {MAX_RESOLVED_BY_BYTES} bytes"),
+        ));
+    }
+    if notes.len() > MAX_NOTES_BYTES {
+        return Err(Error::invalid(
+            "notes",
+            format!("must be at most {MAX_NOTES_BYTES} bytes"),
+        ));
+    }
+    check_text("resolved_by", resolved_by)?;
+    check_text("notes", notes)
+}
+
+/// Where an event stands on a subscription: its delivery record when it has one (in
+/// flight, awaiting retry, waiting or dead), otherwise what the subscription's filters,
+/// start time and cursor say. An expired lease counts as awaiting retry, as in the stats.
+fn delivery_state(
+    subscription: &Subscription,
+    event: &Event,
+    facts: &DeliveryFacts,
+) -> DeliveryState {
+    let Some(record) = &facts.record else {
+        return if !subscription.settings.matches(event) {
+            DeliveryState::NotMatched
+        } else if facts.skipped {
+            DeliveryState::Skipped
+        } else if facts.handed_out {
+            DeliveryState::Acked {
+                before_subscription: event.created_at < subscription.created_at,
+            }
+        } else {
+            DeliveryState::Pending
+        };
+    };
+    match (record.state.as_str(), record.due_at) {
+        ("in_flight", Some(deadline)) if !record.overdue => DeliveryState::InFlight {
+            attempt: record.attempt,
+            deadline,
+        },
+        ("in_flight" | "retry", Some(next_try)) => DeliveryState::AwaitingRetry {
+            attempt: record.attempt,
+            next_try,
+            last_error: record.last_error.clone(),
+        },
+        ("dead", _) => DeliveryState::Dead {
+            attempts: record.attempt,
+            last_error: record.last_error.clone(),
+            dead_lettered_at: record.dead_lettered_at,
+            resolved_at: record.resolved_at,
+            resolved_by: record.resolved_by.clone(),
+            notes: record.notes.clone(),
+        },
+        _ => DeliveryState::Waiting {
+            attempt: record.attempt,
+        },
     }
 }
 

@@ -10,7 +10,6 @@ use std::{
     collections::BTreeSet,
     fs::File,
     path::{Path, PathBuf},
-    process::Stdio,
     time::Duration,
 };
 
@@ -24,24 +23,6 @@ const RUN_TIME: Duration = Duration::from_secs(60);
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Runs `command` to completion and returns its standard output. Panics, naming `what`
-/// and showing its output, when it cannot start, fails or outlives `limit`.
-async fn run(what: &str, command: &mut Command, limit: Duration) -> String {
-    command.stdin(Stdio::null()).kill_on_drop(true);
-    let output = tokio::time::timeout(limit, command.output())
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
-        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
 }
 
 /// The examples' virtual environment, created under the target directory and rebuilt

@@ -524,6 +524,33 @@ fn every_rpc() -> Vec<Rpc> {
                 subscription: String::new()
             }
         ),
+        rpc!(
+            "/outbox.v1.Admin/ResolveDeadLetters",
+            proto::ResolveDeadLettersRequest,
+            proto::ResolveDeadLettersRequest {
+                subscription: "orders".into(),
+                last_error: "boom".into(),
+                resolved_by: "fuzz".into(),
+                validate_only: true,
+                ..Default::default()
+            }
+        ),
+        rpc!(
+            "/outbox.v1.Admin/SummarizeDeadLetters",
+            proto::SummarizeDeadLettersRequest,
+            proto::SummarizeDeadLettersRequest {
+                subscription: "orders".into(),
+                ..Default::default()
+            }
+        ),
+        rpc!(
+            "/outbox.v1.Admin/GetEvent",
+            proto::GetEventRequest,
+            proto::GetEventRequest {
+                id: uuid::Uuid::nil().to_string(),
+                ..Default::default()
+            }
+        ),
     ]
 }
 

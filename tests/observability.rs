@@ -56,6 +56,9 @@ impl GatewayProcess {
                 &format!("127.0.0.1:{port}"),
                 "--database-url",
                 &database.url(),
+                // Tests run gateways side by side; the console has tests of its own.
+                "--console-listen",
+                "off",
             ])
             .args(args)
             .env_remove("RUST_LOG")

@@ -408,3 +408,109 @@ async fn the_writer_role_may_only_add_events() {
     outcome.unwrap();
     assert_eq!(count_events(&database.pool().await).await, 2);
 }
+
+#[tokio::test]
+async fn viewers_may_read_the_admin_figures_and_change_nothing() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![
+        token("operator", vec![Role::Admin]),
+        token("watcher", vec![Role::Viewer]),
+    ];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut admin = AdminClient::new(gateway.channel().await);
+    admin
+        .create_subscription(with_token(
+            proto::CreateSubscriptionRequest {
+                subscription: Some(subscription("orders")),
+            },
+            "operator",
+        ))
+        .await
+        .unwrap();
+
+    let stats = admin
+        .get_stats(with_token(proto::GetStatsRequest::default(), "watcher"))
+        .await
+        .unwrap();
+    assert_eq!(stats.into_inner().subscriptions.len(), 1);
+    for result in [
+        admin
+            .list_dead_letters(with_token(
+                proto::ListDeadLettersRequest {
+                    subscription: "orders".into(),
+                    ..Default::default()
+                },
+                "watcher",
+            ))
+            .await
+            .map(|_| ()),
+        admin
+            .summarize_dead_letters(with_token(
+                proto::SummarizeDeadLettersRequest {
+                    subscription: "orders".into(),
+                    ..Default::default()
+                },
+                "watcher",
+            ))
+            .await
+            .map(|_| ()),
+        admin
+            .get_subscription(with_token(
+                proto::GetSubscriptionRequest {
+                    name: "orders".into(),
+                },
+                "watcher",
+            ))
+            .await
+            .map(|_| ()),
+    ] {
+        result.expect("a viewer may read");
+    }
+    assert_status(
+        admin
+            .get_event(with_token(
+                proto::GetEventRequest {
+                    id: uuid::Uuid::nil().to_string(),
+                    ..Default::default()
+                },
+                "watcher",
+            ))
+            .await,
+        Code::NotFound,
+        "does not exist",
+    );
+    assert_status(
+        admin
+            .requeue_dead_letters(with_token(
+                proto::RequeueDeadLettersRequest {
+                    subscription: "orders".into(),
+                    all: true,
+                    ..Default::default()
+                },
+                "watcher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    assert_status(
+        admin
+            .delete_subscription(with_token(
+                proto::DeleteSubscriptionRequest {
+                    name: "orders".into(),
+                },
+                "watcher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    assert_status(
+        PublisherClient::new(gateway.channel().await)
+            .publish(with_token(publish_request("order.created"), "watcher"))
+            .await,
+        Code::PermissionDenied,
+        "publisher role",
+    );
+}

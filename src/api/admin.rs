@@ -46,7 +46,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?.check_view()?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         let subscription = self.subscriptions.get(&name).await?;
         Ok(Response::new(convert::subscription(subscription)))
@@ -57,7 +57,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListSubscriptionsRequest>,
     ) -> Result<Response<proto::ListSubscriptionsResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?.check_view()?;
         let subscriptions = self.subscriptions.list().await?;
         Ok(Response::new(proto::ListSubscriptionsResponse {
             subscriptions: subscriptions
@@ -151,10 +151,19 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListDeadLettersRequest>,
     ) -> Result<Response<proto::ListDeadLettersResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?.check_view()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        let event_types = convert::event_type_patterns("event_types", &request.event_types)?;
+        let selection = convert::dead_letter_selection(convert::Selectors {
+            ids: &[],
+            event_types: &request.event_types,
+            aggregate_type: &request.aggregate_type,
+            aggregate_id: &request.aggregate_id,
+            last_error: &request.last_error,
+            dead_lettered_after: request.dead_lettered_after,
+            dead_lettered_before: request.dead_lettered_before,
+            source: &request.source,
+        })?;
         let page = match request.page_token.as_str() {
             "" => None,
             token => Some(PageToken::decode("page_token", token)?),
@@ -163,11 +172,10 @@ impl AdminService for AdminApi {
             .operations
             .list_dead_letters(
                 &name,
-                &event_types,
+                &selection,
                 request.include_resolved,
                 request.page_size as usize,
                 page,
-                convert::optional_source("source", &request.source)?.as_ref(),
             )
             .await?;
         Ok(Response::new(proto::ListDeadLettersResponse {
@@ -191,29 +199,25 @@ impl AdminService for AdminApi {
         auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        let ids = request
-            .ids
-            .iter()
-            .enumerate()
-            .map(|(index, id)| convert::event_id(&format!("ids[{index}]"), id))
-            .collect::<Result<Vec<_>, _>>()?;
-        let selection = DeadLetterSelection {
-            ids,
-            event_types: convert::event_type_patterns("event_types", &request.event_types)?,
-            dead_lettered_before: convert::optional_timestamp(
-                "dead_lettered_before",
-                request.dead_lettered_before,
-            )?,
+        let selection = convert::dead_letter_selection(convert::Selectors {
+            ids: &request.ids,
+            event_types: &request.event_types,
+            aggregate_type: &request.aggregate_type,
+            aggregate_id: &request.aggregate_id,
+            last_error: &request.last_error,
+            dead_lettered_after: request.dead_lettered_after,
+            dead_lettered_before: request.dead_lettered_before,
+            source: &request.source,
+        })?;
+        let requeued_count = if request.validate_only {
+            self.operations
+                .count_requeue_dead_letters(&name, &selection, request.all)
+                .await?
+        } else {
+            self.operations
+                .requeue_dead_letters(&name, selection, request.all)
+                .await?
         };
-        let requeued_count = self
-            .operations
-            .requeue_dead_letters(
-                &name,
-                selection,
-                request.all,
-                convert::optional_source("source", &request.source)?.as_ref(),
-            )
-            .await?;
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
 
@@ -239,12 +243,82 @@ impl AdminService for AdminApi {
         Ok(Response::new(convert::dead_letter(dead_letter)))
     }
 
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
+    async fn resolve_dead_letters(
+        &self,
+        request: Request<proto::ResolveDeadLettersRequest>,
+    ) -> Result<Response<proto::ResolveDeadLettersResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let selection = convert::dead_letter_selection(convert::Selectors {
+            ids: &request.ids,
+            event_types: &request.event_types,
+            aggregate_type: &request.aggregate_type,
+            aggregate_id: &request.aggregate_id,
+            last_error: &request.last_error,
+            dead_lettered_after: request.dead_lettered_after,
+            dead_lettered_before: request.dead_lettered_before,
+            source: &request.source,
+        })?;
+        let (by, notes) = (&request.resolved_by, &request.notes);
+        let resolved_count = if request.validate_only {
+            self.operations
+                .count_resolve_dead_letters(&name, &selection, request.all, by, notes)
+                .await?
+        } else {
+            self.operations
+                .resolve_dead_letters(&name, selection, request.all, by, notes)
+                .await?
+        };
+        Ok(Response::new(proto::ResolveDeadLettersResponse {
+            resolved_count,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
+    async fn summarize_dead_letters(
+        &self,
+        request: Request<proto::SummarizeDeadLettersRequest>,
+    ) -> Result<Response<proto::DeadLetterSummary>, Status> {
+        auth::principal(&request)?.check_view()?;
+        let request = request.into_inner();
+        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let selection = DeadLetterSelection {
+            source: convert::optional_source("source", &request.source)?,
+            ..DeadLetterSelection::default()
+        };
+        let groups = self
+            .operations
+            .dead_letter_groups(&name, &selection)
+            .await?;
+        Ok(Response::new(proto::DeadLetterSummary {
+            groups: groups.into_iter().map(convert::dead_letter_group).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(id = %request.get_ref().id))]
+    async fn get_event(
+        &self,
+        request: Request<proto::GetEventRequest>,
+    ) -> Result<Response<proto::EventDeliveries>, Status> {
+        auth::principal(&request)?.check_view()?;
+        let request = request.into_inner();
+        let id = convert::event_id("id", &request.id)?;
+        let source = convert::optional_source("source", &request.source)?;
+        let found = self
+            .operations
+            .event_deliveries(id, source.as_ref())
+            .await?;
+        Ok(Response::new(convert::event_deliveries(found)))
+    }
+
     #[tracing::instrument(skip_all)]
     async fn get_stats(
         &self,
         request: Request<proto::GetStatsRequest>,
     ) -> Result<Response<proto::Stats>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?.check_view()?;
         let name = convert::optional_subscription_name(
             "subscription",
             &request.into_inner().subscription,

@@ -8,9 +8,10 @@ use uuid::Uuid;
 
 use crate::{
     domain::{
-        AckId, DEFAULT_CONTENT_TYPE, DeadLetter, Delivery, Echo, Event, NewEvent, OutboxStats,
-        PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
-        SubscriptionSettings, SubscriptionStats, check_timestamp,
+        AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
+        DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, SourceName,
+        StartPosition, Subscription, SubscriptionName, SubscriptionPatch, SubscriptionSettings,
+        SubscriptionStats, check_timestamp,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionFigures},
@@ -373,6 +374,116 @@ pub(super) fn dead_letter(dead_letter: DeadLetter) -> proto::DeadLetter {
         resolved_by: dead_letter.resolved_by.unwrap_or_default(),
         notes: dead_letter.notes.unwrap_or_default(),
     }
+}
+
+/// The selectors of the dead-letter RPCs, as given.
+pub(super) struct Selectors<'a> {
+    pub ids: &'a [String],
+    pub event_types: &'a [String],
+    pub aggregate_type: &'a str,
+    pub aggregate_id: &'a str,
+    pub last_error: &'a str,
+    pub dead_lettered_after: Option<prost_types::Timestamp>,
+    pub dead_lettered_before: Option<prost_types::Timestamp>,
+    pub source: &'a str,
+}
+
+/// The selection the selectors make; empty strings and unset times select everything.
+pub(super) fn dead_letter_selection(given: Selectors<'_>) -> Result<DeadLetterSelection> {
+    let text = |text: &str| (!text.is_empty()).then(|| text.to_owned());
+    Ok(DeadLetterSelection {
+        ids: given
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(index, id)| event_id(&format!("ids[{index}]"), id))
+            .collect::<Result<Vec<_>>>()?,
+        event_types: event_type_patterns("event_types", given.event_types)?,
+        aggregate_type: text(given.aggregate_type),
+        aggregate_id: text(given.aggregate_id),
+        last_error: text(given.last_error),
+        dead_lettered_after: optional_timestamp("dead_lettered_after", given.dead_lettered_after)?,
+        dead_lettered_before: optional_timestamp(
+            "dead_lettered_before",
+            given.dead_lettered_before,
+        )?,
+        source: optional_source("source", given.source)?,
+    })
+}
+
+pub(super) fn dead_letter_group(group: DeadLetterGroup) -> proto::DeadLetterGroup {
+    proto::DeadLetterGroup {
+        last_error: group.last_error,
+        count: group.count,
+        first_dead_lettered_at: Some(datetime_to_timestamp(group.first_dead_lettered_at)),
+        last_dead_lettered_at: Some(datetime_to_timestamp(group.last_dead_lettered_at)),
+        example_event_id: group.example_event_id.to_string(),
+    }
+}
+
+pub(super) fn event_deliveries(found: EventDeliveries) -> proto::EventDeliveries {
+    proto::EventDeliveries {
+        event: Some(event(found.event)),
+        subscriptions: found
+            .subscriptions
+            .into_iter()
+            .map(|(name, state)| subscription_delivery(name, state))
+            .collect(),
+    }
+}
+
+fn subscription_delivery(
+    name: SubscriptionName,
+    state: DeliveryState,
+) -> proto::SubscriptionDelivery {
+    use proto::DeliveryState as State;
+    let mut delivery = proto::SubscriptionDelivery {
+        subscription: name.as_str().to_owned(),
+        ..Default::default()
+    };
+    let state = match state {
+        DeliveryState::NotMatched => State::NotMatched,
+        DeliveryState::Pending => State::Pending,
+        DeliveryState::Skipped => State::Skipped,
+        DeliveryState::Acked { .. } => State::Acked,
+        DeliveryState::InFlight { attempt, deadline } => {
+            delivery.attempt = attempt;
+            delivery.due_at = Some(datetime_to_timestamp(deadline));
+            State::InFlight
+        }
+        DeliveryState::AwaitingRetry {
+            attempt,
+            next_try,
+            last_error,
+        } => {
+            delivery.attempt = attempt;
+            delivery.due_at = Some(datetime_to_timestamp(next_try));
+            delivery.last_error = last_error.unwrap_or_default();
+            State::AwaitingRetry
+        }
+        DeliveryState::Waiting { attempt } => {
+            delivery.attempt = attempt;
+            State::Waiting
+        }
+        DeliveryState::Dead {
+            attempts,
+            last_error,
+            dead_lettered_at,
+            resolved_at,
+            resolved_by,
+            notes,
+        } => {
+            delivery.attempt = attempts;
+            delivery.last_error = last_error.unwrap_or_default();
+            delivery.dead_lettered_at = dead_lettered_at.map(datetime_to_timestamp);
+            delivery.resolved_at = resolved_at.map(datetime_to_timestamp);
+            delivery.resolved_by = resolved_by.unwrap_or_default();
+            delivery.notes = notes.unwrap_or_default();
+            State::Dead
+        }
+    };
+    delivery.state = state as i32;
+    delivery
 }
 
 pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats) -> proto::Stats {

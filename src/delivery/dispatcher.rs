@@ -138,6 +138,10 @@ impl Dispatcher {
         self.subscription_id
     }
 
+    pub(super) fn stream_count(&self) -> usize {
+        self.state.lock().expect("dispatcher lock").streams.len()
+    }
+
     pub(super) fn subscription(&self) -> Subscription {
         self.subscription.lock().expect("subscription lock").clone()
     }

@@ -127,6 +127,10 @@ impl Streams {
         self.slots.is_empty()
     }
 
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
     pub fn has_leases(&self) -> bool {
         !self.leases.is_empty()
     }

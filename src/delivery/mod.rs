@@ -521,6 +521,23 @@ impl Relay {
         crate::subscriptions::find(&self.inner.sources.default_source().store, name).await
     }
 
+    /// Subscribe streams open in this process, by subscription id.
+    pub fn stream_counts(&self) -> HashMap<i64, usize> {
+        // One lock at a time: the map is let go before each dispatcher's is taken.
+        let dispatchers: Vec<(i64, Arc<Dispatcher>)> = self
+            .inner
+            .dispatchers
+            .lock()
+            .expect("dispatchers lock")
+            .iter()
+            .map(|(id, dispatcher)| (*id, dispatcher.clone()))
+            .collect();
+        dispatchers
+            .into_iter()
+            .map(|(id, dispatcher)| (id, dispatcher.stream_count()))
+            .collect()
+    }
+
     fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {
         self.inner
             .dispatchers

@@ -20,7 +20,8 @@ pub use input::{
     latest_timestamp,
 };
 pub use operations::{
-    DeadLetter, DeadLetterSelection, OutboxStats, SubscriptionPatch, SubscriptionStats,
+    DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, EventDeliveries, OutboxStats,
+    SubscriptionPatch, SubscriptionStats,
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};

@@ -6,7 +6,11 @@ use std::{collections::BTreeMap, time::Duration};
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{Event, PatternSet, SourceName, SubscriptionName, SubscriptionSettings};
+use super::{
+    Event, PatternSet, SourceName, SubscriptionName, SubscriptionSettings, check_text,
+    check_timestamp,
+};
+use crate::error::{Error, Result};
 
 /// An event in a subscription's dead-letter queue.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,19 +27,155 @@ pub struct DeadLetter {
     pub notes: Option<String>,
 }
 
-/// Which dead letters a bulk requeue takes; every given selector must hold.
-#[derive(Debug, Clone, Default)]
+/// Which dead letters a listing, count, bulk requeue or bulk resolve takes; every given
+/// selector must hold.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeadLetterSelection {
     /// Event ids; dead letters chosen by id are requeued even when resolved.
     pub ids: Vec<Uuid>,
     pub event_types: PatternSet,
+    /// Exact aggregate type and id of the event.
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    /// Exact last error (a dead letter without one has the empty error).
+    pub last_error: Option<String>,
+    /// Dead-lettered at or after this time.
+    pub dead_lettered_after: Option<DateTime<Utc>>,
+    /// Dead-lettered before this time.
     pub dead_lettered_before: Option<DateTime<Utc>>,
+    /// Only dead letters of events in this source; it narrows the others, and alone
+    /// selects nothing in particular (a bulk action still needs `all`).
+    pub source: Option<SourceName>,
 }
 
 impl DeadLetterSelection {
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty() && self.event_types.is_empty() && self.dead_lettered_before.is_none()
+        self.ids.is_empty()
+            && self.event_types.is_empty()
+            && self.aggregate_type.is_none()
+            && self.aggregate_id.is_none()
+            && self.last_error.is_none()
+            && self.dead_lettered_after.is_none()
+            && self.dead_lettered_before.is_none()
     }
+
+    /// Refuses what no dead letter could match or the database could not take; the error
+    /// names the selector.
+    pub fn validate(&self) -> Result<()> {
+        for (field, value) in [
+            ("aggregate_type", &self.aggregate_type),
+            ("aggregate_id", &self.aggregate_id),
+        ] {
+            if let Some(value) = value {
+                if value.is_empty() || value.len() > 255 {
+                    return Err(Error::invalid(field, "must be 1 to 255 bytes"));
+                }
+                check_text(field, value)?;
+            }
+        }
+        if let Some(error) = &self.last_error {
+            check_text("last_error", error)?;
+        }
+        for (field, time) in [
+            ("dead_lettered_after", self.dead_lettered_after),
+            ("dead_lettered_before", self.dead_lettered_before),
+        ] {
+            if let Some(time) = time {
+                check_timestamp(field, time)?;
+            }
+        }
+        if let (Some(after), Some(before)) = (self.dead_lettered_after, self.dead_lettered_before)
+            && after >= before
+        {
+            return Err(Error::invalid(
+                "dead_lettered_after",
+                "must be earlier than dead_lettered_before",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Unresolved dead letters of a subscription that share their last error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterGroup {
+    /// The last error; empty for dead letters without one.
+    pub last_error: String,
+    pub count: u64,
+    pub first_dead_lettered_at: DateTime<Utc>,
+    pub last_dead_lettered_at: DateTime<Utc>,
+    /// The most recently dead-lettered event of the group.
+    pub example_event_id: Uuid,
+}
+
+impl DeadLetterGroup {
+    /// Adds the same error's group from another source.
+    pub fn merge(&mut self, other: DeadLetterGroup) {
+        self.count += other.count;
+        self.first_dead_lettered_at = self
+            .first_dead_lettered_at
+            .min(other.first_dead_lettered_at);
+        if other.last_dead_lettered_at > self.last_dead_lettered_at {
+            self.last_dead_lettered_at = other.last_dead_lettered_at;
+            self.example_event_id = other.example_event_id;
+        }
+    }
+}
+
+/// Where one event stands on one subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeliveryState {
+    /// The subscription's filters do not select the event.
+    NotMatched,
+    /// Not handed out yet.
+    Pending,
+    /// Written before the time the subscription was started or sought to.
+    Skipped,
+    /// Handed out and settled: acked, or passed over because the subscription started
+    /// after it was written (`before_subscription`).
+    Acked { before_subscription: bool },
+    /// Leased to a consumer until `deadline`.
+    InFlight {
+        attempt: u32,
+        deadline: DateTime<Utc>,
+    },
+    /// Due for another attempt at `next_try` (an expired lease is due at once).
+    AwaitingRetry {
+        attempt: u32,
+        next_try: DateTime<Utc>,
+        last_error: Option<String>,
+    },
+    /// Behind an unfinished earlier event of its aggregate (ordered subscriptions).
+    Waiting { attempt: u32 },
+    Dead {
+        attempts: u32,
+        last_error: Option<String>,
+        dead_lettered_at: Option<DateTime<Utc>>,
+        resolved_at: Option<DateTime<Utc>>,
+        resolved_by: Option<String>,
+        notes: Option<String>,
+    },
+}
+
+impl DeliveryState {
+    /// Whether a requeue of the event on this subscription can take effect now.
+    pub fn can_requeue(&self) -> bool {
+        matches!(
+            self,
+            DeliveryState::Acked { .. }
+                | DeliveryState::AwaitingRetry { .. }
+                | DeliveryState::Waiting { .. }
+                | DeliveryState::Dead { .. }
+        )
+    }
+}
+
+/// An event and where it stands on every subscription.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventDeliveries {
+    pub event: Event,
+    /// One entry per subscription, ordered by name.
+    pub subscriptions: Vec<(SubscriptionName, DeliveryState)>,
 }
 
 /// Delivery figures of one subscription, in one source or over all it reads.

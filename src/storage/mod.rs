@@ -46,8 +46,18 @@ macro_rules! event_columns {
     };
 }
 
+/// [`event_columns`] of the outbox table aliased `e`, for joins with tables that share
+/// column names.
+macro_rules! qualified_event_columns {
+    () => {
+        "e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload, \
+         e.content_type, e.metadata, e.occurred_at, e.created_at"
+    };
+}
+
 mod deliveries;
 mod events;
+mod inspection;
 mod maintenance;
 mod operations;
 mod subscriptions;
@@ -61,6 +71,7 @@ use sqlx::{
 
 pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
+pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
 pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;
 

@@ -112,8 +112,8 @@ impl Store {
         Ok(Ok(requeued))
     }
 
-    /// Sends the selected dead letters of a subscription back for delivery; `all` without
-    /// selectors takes every unresolved one.
+    /// Sends the selected dead letters of a subscription back for delivery; an empty
+    /// selection takes every unresolved one. Resolved ones only when chosen by id.
     pub async fn requeue_dead_letters(
         &self,
         subscription: &Subscription,
@@ -121,44 +121,56 @@ impl Store {
     ) -> Result<u64> {
         let mut transaction = self.pool.begin().await?;
         lock_subscription(&mut transaction, subscription.id, LockMode::Exclusive).await?;
-        let positions: Vec<i64> = sqlx::query_scalar(
-            "SELECT d.position FROM outbox_deliveries d \
-             JOIN outbox_events e ON e.position = d.position \
-             WHERE d.subscription_id = $1 AND d.state = 'dead' \
-               AND (cardinality($2::uuid[]) = 0 OR e.id = ANY ($2)) \
-               AND ($3::text IS NULL OR e.event_type ~ $3) \
-               AND ($4::timestamptz IS NULL OR d.dead_lettered_at < $4) \
-               AND (d.resolved_at IS NULL OR cardinality($2::uuid[]) > 0)",
+        let rows = bind_selection(
+            sqlx::query(concat!(
+                "SELECT d.position FROM outbox_deliveries d \
+                 JOIN outbox_events e ON e.position = d.position WHERE ",
+                include_str!("queries/dead_letter_selection.sql")
+            )),
+            subscription,
+            selection,
+            !selection.ids.is_empty(),
         )
-        .bind(subscription.id)
-        .bind(&selection.ids)
-        .bind(selection.event_types.to_regex())
-        .bind(selection.dead_lettered_before)
         .fetch_all(&mut *transaction)
         .await?;
+        let positions = rows
+            .iter()
+            .map(|row| row.try_get("position"))
+            .collect::<Result<Vec<i64>, _>>()?;
         let requeued = requeue_positions(&mut transaction, subscription, &positions).await?;
         transaction.commit().await?;
         Ok(requeued)
     }
 
-    /// One page of dead letters, oldest first, starting after `after`.
+    /// One page of the selected dead letters, oldest first, starting after `after`.
     pub async fn dead_letters(
         &self,
         subscription: &Subscription,
-        event_type_regex: Option<String>,
+        selection: &DeadLetterSelection,
         include_resolved: bool,
         after: Option<(DateTime<Utc>, i64)>,
         limit: usize,
     ) -> Result<Vec<DeadLetter>> {
-        let rows = sqlx::query(include_str!("queries/dead_letters.sql"))
-            .bind(subscription.id)
-            .bind(event_type_regex)
-            .bind(include_resolved)
-            .bind(after.map(|(at, _)| at))
-            .bind(after.map(|(_, position)| position))
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = bind_selection(
+            sqlx::query(concat!(
+                "SELECT d.attempt, d.last_error, d.dead_lettered_at, d.resolved_at, \
+                        d.resolved_by, d.notes, d.position, ",
+                qualified_event_columns!(),
+                " FROM outbox_deliveries d JOIN outbox_events e ON e.position = d.position \
+                 WHERE ",
+                include_str!("queries/dead_letter_selection.sql"),
+                " AND ($10::timestamptz IS NULL OR (d.dead_lettered_at, d.position) > ($10, $11)) \
+                 ORDER BY d.dead_lettered_at, d.position LIMIT $12"
+            )),
+            subscription,
+            selection,
+            include_resolved,
+        )
+        .bind(after.map(|(at, _)| at))
+        .bind(after.map(|(_, position)| position))
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter()
             .map(|row| dead_letter_from_row(&subscription.name, &self.source, row))
             .collect()
@@ -347,7 +359,26 @@ async fn requeue_positions(
     Ok(requeued.rows_affected())
 }
 
-fn dead_letter_from_row(
+/// Binds parameters $1 to $9 of `queries/dead_letter_selection.sql`.
+pub(super) fn bind_selection<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    subscription: &Subscription,
+    selection: &'q DeadLetterSelection,
+    include_resolved: bool,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(subscription.id)
+        .bind(&selection.ids)
+        .bind(selection.event_types.to_regex())
+        .bind(selection.aggregate_type.as_deref())
+        .bind(selection.aggregate_id.as_deref())
+        .bind(selection.last_error.as_deref())
+        .bind(selection.dead_lettered_after)
+        .bind(selection.dead_lettered_before)
+        .bind(include_resolved)
+}
+
+pub(super) fn dead_letter_from_row(
     subscription: &SubscriptionName,
     source: &crate::domain::SourceName,
     row: &sqlx::postgres::PgRow,

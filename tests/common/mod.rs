@@ -5,7 +5,7 @@
 
 pub mod proxy;
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{net::SocketAddr, process::Stdio, sync::Arc, time::Duration};
 
 use outbox_gateway::{
     Config,
@@ -17,11 +17,29 @@ use outbox_gateway::{
 pub use outbox_testkit::poll_until;
 use outbox_testkit::{ThrowawayDatabase, test_server_url};
 use sqlx::PgPool;
-use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tokio::{net::TcpListener, process::Command, sync::oneshot, task::JoinHandle};
 use tonic::transport::Channel;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
+
+/// Runs `command` to completion and returns its standard output. Panics, naming `what`
+/// and showing its output, when it cannot start, fails or outlives `limit`.
+pub async fn run(what: &str, command: &mut Command, limit: Duration) -> String {
+    command.stdin(Stdio::null()).kill_on_drop(true);
+    let output = tokio::time::timeout(limit, command.output())
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not finish within {limit:?}"))
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
 
 /// How often the tests poll for a condition (with `poll_until` and a deadline).
 pub const POLL: Duration = Duration::from_millis(50);
@@ -96,6 +114,8 @@ pub fn test_config(database_url: String) -> Config {
         db_acquire_timeout: Duration::from_secs(2),
         // The metrics recorder is process-wide: in-process gateways go without.
         metrics_listen: None,
+        // Tests that use the console give it a port of its own.
+        console_listen: None,
         ..Config::default()
     };
     config.delivery.poll_interval = Duration::from_secs(5);
@@ -105,6 +125,8 @@ pub fn test_config(database_url: String) -> Config {
 /// A real gateway serving on an ephemeral port.
 pub struct TestGateway {
     pub address: SocketAddr,
+    /// The web console's address, when started with one.
+    pub console: Option<SocketAddr>,
     pub database: Arc<TestDatabase>,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<Result<(), outbox_gateway::RunError>>>,
@@ -128,19 +150,47 @@ impl TestGateway {
         Self::spawn_on(database, config, listener).await
     }
 
+    /// Starts a gateway with its web console on an ephemeral port and waits until it
+    /// reports SERVING.
+    pub async fn start_with_console(database: &Arc<TestDatabase>, config: Config) -> TestGateway {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let console = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let gateway = Self::spawn_with(database, config, listener, Some(console)).await;
+        gateway.wait_for_health(ServingStatus::Serving).await;
+        gateway
+    }
+
     /// Starts a gateway on a given listener (to restart one on the same address).
     pub async fn spawn_on(
         database: &Arc<TestDatabase>,
         config: Config,
         listener: TcpListener,
     ) -> TestGateway {
+        Self::spawn_with(database, config, listener, None).await
+    }
+
+    async fn spawn_with(
+        database: &Arc<TestDatabase>,
+        config: Config,
+        listener: TcpListener,
+        console: Option<TcpListener>,
+    ) -> TestGateway {
         let address = listener.local_addr().expect("local address");
+        let console_address = console
+            .as_ref()
+            .map(|console| console.local_addr().expect("local address"));
         let (shutdown, stopped) = oneshot::channel::<()>();
-        let server = tokio::spawn(outbox_gateway::run(config, listener, async {
-            let _ = stopped.await;
-        }));
+        let server = tokio::spawn(outbox_gateway::run_with_console(
+            config,
+            listener,
+            console,
+            async {
+                let _ = stopped.await;
+            },
+        ));
         TestGateway {
             address,
+            console: console_address,
             database: database.clone(),
             shutdown: Some(shutdown),
             server: Some(server),

@@ -26,10 +26,12 @@ const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
 const EXIT_WITHIN: Duration = Duration::from_secs(15);
 
 /// Flags of every gateway: quick polls, health checks and maintenance, so that the
-/// faults are noticed and repaired within the run; no metrics endpoint.
+/// faults are noticed and repaired within the run; no metrics endpoint and no console.
 const GATEWAY_FLAGS: &[&str] = &[
     "--no-migrate",
     "--metrics-listen",
+    "off",
+    "--console-listen",
     "off",
     "--poll-interval",
     "200ms",

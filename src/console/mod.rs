@@ -1,0 +1,327 @@
+//! The web console: server-rendered pages over the same core operations the Admin RPCs
+//! call — figures, dead letters, events — and the forms that requeue, resolve and seek.
+//! Like `api`, it only translates (HTTP forms and pages to domain values and back),
+//! checks who may do what and maps errors, in [`ConsoleError`]'s one exhaustive mapping.
+//!
+//! Security as strict as gRPC: with tokens configured, signing in takes a token with the
+//! admin or viewer role (viewers see but change nothing); the session is an HttpOnly,
+//! SameSite=Strict cookie (Secure under TLS) that expires; every action is a POST
+//! carrying the session's CSRF token. Every asset is embedded, and a strict
+//! content-security policy allows no inline script or style.
+//!
+//! - [`session`]: sessions, cookies and CSRF tokens.
+//! - [`params`]: query strings and forms parsed into domain values.
+//! - [`pages`]: the handlers.
+//! - [`views`]: the HTML.
+//! - [`tls`]: TLS with the gRPC server's files.
+
+mod pages;
+mod params;
+mod session;
+pub mod tls;
+mod views;
+
+use std::sync::Arc;
+
+use axum::{
+    Router,
+    extract::{Request, State},
+    http::{HeaderValue, StatusCode, header},
+    middleware::{Next, from_fn_with_state, map_response},
+    response::{IntoResponse, Redirect, Response},
+    routing::{get, post},
+};
+use tokio::net::TcpListener;
+use tokio_rustls::rustls::ServerConfig;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    auth::{Authenticator, Principal},
+    delivery::Relay,
+    error::Error,
+    operations::Operations,
+    rates::DeliveryRates,
+    subscriptions::Subscriptions,
+};
+pub use session::{Session, SessionState, Sessions};
+
+/// Allows the console's own scripts, styles and images and nothing else: no inline
+/// script or style, no framing, forms only to itself.
+const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
+     img-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; \
+     base-uri 'none'";
+
+/// What the console's handlers share; cheap to clone.
+#[derive(Clone)]
+pub struct Console {
+    inner: Arc<ConsoleInner>,
+}
+
+struct ConsoleInner {
+    subscriptions: Subscriptions,
+    operations: Operations,
+    relay: Relay,
+    rates: DeliveryRates,
+    sessions: Sessions,
+    /// `None`: authentication is off, and every browser gets an anonymous admin session.
+    authenticator: Option<Authenticator>,
+}
+
+impl Console {
+    pub fn new(
+        subscriptions: Subscriptions,
+        operations: Operations,
+        relay: Relay,
+        rates: DeliveryRates,
+        sessions: Sessions,
+        authenticator: Option<Authenticator>,
+    ) -> Console {
+        Console {
+            inner: Arc::new(ConsoleInner {
+                subscriptions,
+                operations,
+                relay,
+                rates,
+                sessions,
+                authenticator,
+            }),
+        }
+    }
+
+    /// Every page, action and asset.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/", get(pages::overview))
+            .route("/sign-in", get(pages::sign_in_page).post(pages::sign_in))
+            .route("/sign-out", post(pages::sign_out))
+            .route("/subscriptions/{name}", get(pages::subscription))
+            .route(
+                "/subscriptions/{name}/dead-letters",
+                post(pages::dead_letter_action),
+            )
+            .route("/subscriptions/{name}/seek", post(pages::seek))
+            .route("/events", get(pages::find_event))
+            .route("/events/{id}", get(pages::event))
+            .route("/events/{id}/requeue", post(pages::requeue_event))
+            .route("/assets/{file}", get(pages::asset))
+            .fallback(pages::not_found)
+            .layer(from_fn_with_state(self.clone(), find_session))
+            .layer(map_response(security_headers))
+            .with_state(self)
+    }
+}
+
+/// Serves the console on `listener` (with TLS when `tls` is given) until `shutdown`.
+pub async fn serve(
+    console: Console,
+    listener: TcpListener,
+    tls: Option<Arc<ServerConfig>>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let address = listener.local_addr()?;
+    let router = console.router();
+    tracing::info!(%address, tls = tls.is_some(), "serving the web console");
+    match tls {
+        None => {
+            axum::serve(listener, router.into_make_service())
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        }
+        Some(config) => {
+            axum::serve(
+                tls::TlsListener::new(listener, config)?,
+                router.into_make_service(),
+            )
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+        }
+    }
+}
+
+/// Puts the [`SessionState`] the request's cookie names into its extensions. Without
+/// authentication a browser without a session gets an anonymous one, so that its forms
+/// carry a CSRF token too.
+async fn find_session(
+    State(console): State<Console>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let sessions = &console.inner.sessions;
+    let cookie_header = request
+        .headers()
+        .get(header::COOKIE)
+        .and_then(|value| value.to_str().ok());
+    let mut new_cookie = None;
+    let state = match sessions.find(cookie_header) {
+        SessionState::Active(session) => SessionState::Active(session),
+        ended_or_missing => {
+            if console.inner.authenticator.is_none() {
+                let (session, cookie) = sessions.create(Principal::anonymous());
+                new_cookie = Some(cookie);
+                SessionState::Active(Box::new(session))
+            } else {
+                ended_or_missing
+            }
+        }
+    };
+    request.extensions_mut().insert(state);
+    let mut response = next.run(request).await;
+    if let Some(cookie) = new_cookie.and_then(|cookie| HeaderValue::from_str(&cookie).ok()) {
+        response.headers_mut().append(header::SET_COOKIE, cookie);
+    }
+    response
+}
+
+async fn security_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CONTENT_SECURITY_POLICY),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::REFERRER_POLICY,
+        // Not no-referrer: with it, browsers send `Origin: null` on the console's own forms.
+        HeaderValue::from_static("same-origin"),
+    );
+    headers
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}
+
+/// Why a page or action was not served.
+#[derive(Debug)]
+pub enum ConsoleError {
+    /// What the core refused or failed at.
+    Domain(Error),
+    /// No session: a page sends the browser to sign in and back to `return_to`; an
+    /// action (no `return_to`) is refused. `ended` when the cookie named a session that
+    /// expired.
+    SignIn {
+        ended: bool,
+        return_to: Option<String>,
+    },
+    /// An action without this session's CSRF token, or from another site.
+    Forgery,
+    /// No such page.
+    NoPage,
+}
+
+impl From<Error> for ConsoleError {
+    fn from(error: Error) -> Self {
+        ConsoleError::Domain(error)
+    }
+}
+
+/// The one mapping from errors to HTTP answers. No wildcard arm: a new domain error must
+/// be given its status here.
+impl IntoResponse for ConsoleError {
+    fn into_response(self) -> Response {
+        let (status, title, message) = match self {
+            ConsoleError::SignIn {
+                ended,
+                return_to: Some(return_to),
+            } => {
+                let mut target = format!("/sign-in?next={}", encode(&return_to));
+                if ended {
+                    target.push_str("&ended=1");
+                }
+                return Redirect::to(&target).into_response();
+            }
+            ConsoleError::SignIn {
+                ended,
+                return_to: None,
+            } => (
+                StatusCode::UNAUTHORIZED,
+                "Sign in first",
+                if ended {
+                    "Your session has ended; sign in again. Nothing was changed."
+                } else {
+                    "Sign in to use the console. Nothing was changed."
+                }
+                .to_owned(),
+            ),
+            ConsoleError::Forgery => (
+                StatusCode::FORBIDDEN,
+                "Form expired",
+                "This form does not carry your session's token (it is from an older session or from another site). Reload the page and try again. Nothing was changed.".to_owned(),
+            ),
+            ConsoleError::NoPage => (
+                StatusCode::NOT_FOUND,
+                "Not found",
+                "The console has no such page. Nothing was changed.".to_owned(),
+            ),
+            ConsoleError::Domain(error) => match error {
+                Error::InvalidArgument { field, message } => (
+                    StatusCode::BAD_REQUEST,
+                    "Invalid input",
+                    format!("{field}: {message}. Nothing was changed."),
+                ),
+                Error::NotFound(message) => (
+                    StatusCode::NOT_FOUND,
+                    "Not found",
+                    format!("{message}. Nothing was changed."),
+                ),
+                Error::AlreadyExists(message) => (
+                    StatusCode::CONFLICT,
+                    "Already exists",
+                    format!("{message}. Nothing was changed."),
+                ),
+                Error::FailedPrecondition(message) => (
+                    StatusCode::CONFLICT,
+                    "Not possible now",
+                    format!("{message}. Nothing was changed."),
+                ),
+                Error::Unauthenticated(message) => {
+                    (StatusCode::UNAUTHORIZED, "Sign-in refused", message)
+                }
+                Error::PermissionDenied(message) => (
+                    StatusCode::FORBIDDEN,
+                    "No permission",
+                    format!("{message}. Nothing was changed."),
+                ),
+                Error::Unavailable(source) => {
+                    tracing::warn!(error = %source, "database unavailable");
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "Database unreachable",
+                        "The gateway cannot reach its database right now. This page retries by itself; delivery resumes once the database is back.".to_owned(),
+                    )
+                }
+                Error::SourceUnavailable(source) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Source unreachable",
+                    format!("The gateway cannot reach source {source} right now. This page retries by itself; nothing was changed."),
+                ),
+                Error::Overloaded(message) => {
+                    (StatusCode::SERVICE_UNAVAILABLE, "Overloaded", message)
+                }
+                Error::ShuttingDown => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Shutting down",
+                    "The gateway is shutting down.".to_owned(),
+                ),
+                Error::Internal(source) => {
+                    tracing::error!(error = %source, "internal error");
+                    (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "Internal error",
+                        "Something went wrong inside the gateway; its log has the details."
+                            .to_owned(),
+                    )
+                }
+            },
+        };
+        (status, views::error_page(status, title, &message)).into_response()
+    }
+}
+
+/// Percent-encodes a query value.
+fn encode(value: &str) -> String {
+    form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
