@@ -5,6 +5,7 @@
 mod backlog;
 mod cost;
 mod deliver;
+mod fan_in;
 mod held;
 mod latency;
 mod memory;
@@ -17,7 +18,7 @@ use crate::{
     charts,
     consume::{ConsumerConfig, ConsumerGroup, GroupOutcome, SubscriptionLoad},
     database::BenchDatabase,
-    gateway::Gateway,
+    gateway::{Gateway, GatewayLauncher},
     measure::{Series, Timing},
     report::Report,
 };
@@ -31,6 +32,7 @@ pub enum Scenario {
     PublishSingle,
     Deliver,
     Fanout,
+    FanIn,
     Latency,
     HeldTransaction,
     StalledConsumers,
@@ -40,11 +42,12 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 10] = [
+    pub const ALL: [Scenario; 11] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
         Scenario::Fanout,
+        Scenario::FanIn,
         Scenario::Latency,
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
@@ -59,6 +62,7 @@ impl Scenario {
             Scenario::PublishSingle => "publish-single",
             Scenario::Deliver => "deliver",
             Scenario::Fanout => "fanout",
+            Scenario::FanIn => "fan-in",
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
@@ -75,6 +79,7 @@ impl Scenario {
             Scenario::PublishSingle => publish::single(bench, gateway).await,
             Scenario::Deliver => deliver::deliver(bench, gateway).await,
             Scenario::Fanout => deliver::fanout(bench, gateway).await,
+            Scenario::FanIn => fan_in::run(bench).await,
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
@@ -99,6 +104,8 @@ pub struct Settings {
     pub deliver_limit: Duration,
     /// Pause before a memory reading, so the gateway settles.
     pub settle: Duration,
+    /// gRPC connections to each gateway.
+    pub channels: usize,
 }
 
 impl Settings {
@@ -113,6 +120,8 @@ pub struct Bench {
     pub settings: Settings,
     pub database: BenchDatabase,
     pub out_dir: PathBuf,
+    /// Starts gateways: each scenario's own, and any more a scenario needs.
+    pub launcher: GatewayLauncher,
 }
 
 impl Bench {
