@@ -698,3 +698,86 @@ async fn migrate_installs_the_schema_in_one_source_or_in_every_one() {
     publish_to(&gateway, "billing", "b-1", "invoice.sent").await;
     std::fs::remove_file(&config_file).unwrap();
 }
+
+#[tokio::test]
+async fn the_cli_lists_the_sources_and_their_state() {
+    let sources = ThreeSources::start().await;
+    // The gateway runs on this test's runtime: the CLI must not block it.
+    let cli = async |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+            .args(args)
+            .env("OUTBOX_ENDPOINT", sources.gateway.endpoint())
+            .output()
+            .await
+            .expect("run outbox-gateway")
+    };
+    let run = async |json: bool| {
+        let output = cli(if json {
+            &["sources", "--json"]
+        } else {
+            &["sources"]
+        })
+        .await;
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let publish = [
+        "publish",
+        "--aggregate-type",
+        "invoice",
+        "--aggregate-id",
+        "b-1",
+    ];
+    let published = cli(&[
+        &publish[..],
+        &["--event-type", "invoice.sent", "--source", "billing"],
+    ]
+    .concat())
+    .await;
+    assert!(
+        published.status.success(),
+        "{}",
+        String::from_utf8_lossy(&published.stderr)
+    );
+    let refused = cli(&[
+        &publish[..],
+        &["--event-type", "invoice.sent", "--source", "shipping"],
+    ]
+    .concat())
+    .await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("shipping"),
+        "{stderr}"
+    );
+
+    let listed: serde_json::Value = serde_json::from_str(run(true).await.trim()).unwrap();
+    let names: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|source| source["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["default", "orders", "billing"]);
+    for source in listed.as_array().unwrap() {
+        assert_eq!(source["status"], "connected", "{source}");
+    }
+    assert_eq!(listed[2]["events_stored"], 1);
+
+    let table = run(false).await;
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("SOURCE") && lines[0].contains("STATUS"),
+        "{table}"
+    );
+    for (line, name) in lines[1..].iter().zip(["default", "orders", "billing"]) {
+        assert!(
+            line.starts_with(name) && line.contains("connected"),
+            "{table}"
+        );
+    }
+}
