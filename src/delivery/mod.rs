@@ -116,6 +116,19 @@ pub struct AckOutcome {
     pub unavailable: Vec<AckId>,
 }
 
+/// The ids of `request` that are in `chosen`, in the request's order.
+fn in_request_order(request: &[AckId], chosen: &[AckId]) -> Vec<AckId> {
+    if chosen.is_empty() {
+        return Vec::new();
+    }
+    let chosen: HashSet<&AckId> = chosen.iter().collect();
+    request
+        .iter()
+        .filter(|ack| chosen.contains(ack))
+        .copied()
+        .collect()
+}
+
 impl Relay {
     /// Starts the relay's background tasks: per source, the NOTIFY listener and the
     /// notifier that tells other gateways about this one's news.
@@ -381,6 +394,9 @@ impl Relay {
         if !settled.is_empty() {
             self.settled(subscription.id, &settled, Settlement::Acked);
         }
+        // Sources answer in any order; callers get the ids back in the order they sent.
+        outcome.stale = in_request_order(acks, &outcome.stale);
+        outcome.unavailable = in_request_order(acks, &outcome.unavailable);
         Ok(outcome)
     }
 
