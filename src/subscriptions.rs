@@ -1,4 +1,5 @@
-//! Subscription management: create, read, list, change, seek and delete.
+//! Subscription management: create, read, list, change, pause and resume, seek and
+//! delete.
 //!
 //! Definitions live in the `default` source. Each source a subscription reads holds its
 //! read position there; it is created with the subscription, or — for a source that was
@@ -8,10 +9,12 @@
 
 use std::collections::HashSet;
 
+use chrono::{DateTime, Utc};
+
 use crate::{
     delivery::Relay,
     domain::{
-        SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
+        Pause, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
         SubscriptionSettings,
     },
     error::{Error, Result},
@@ -102,6 +105,37 @@ impl Subscriptions {
             .ok_or_else(|| not_found(name))?;
         self.relay.subscription_changed(updated.id);
         Ok(updated)
+    }
+
+    /// Stops new deliveries of the subscription until [`Subscriptions::resume`] or
+    /// `until`; deliveries already out still settle. Dispatchers here stop at once, on
+    /// other gateways when they next read the definition (within a poll interval). Also
+    /// how the gateway itself stops a subscription it cannot serve, with its own reason.
+    pub async fn pause(
+        &self,
+        name: &SubscriptionName,
+        reason: &str,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<Subscription> {
+        Pause::validate(reason, until, Utc::now())?;
+        let paused = self
+            .definitions()
+            .pause_subscription(name, reason, until)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.relay.subscription_changed(paused.id);
+        Ok(paused)
+    }
+
+    /// Ends the subscription's pause, whoever set it; a no-op when it is not paused.
+    pub async fn resume(&self, name: &SubscriptionName) -> Result<Subscription> {
+        let resumed = self
+            .definitions()
+            .resume_subscription(name)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.relay.subscription_changed(resumed.id);
+        Ok(resumed)
     }
 
     /// Moves the subscription's read position in every source it reads (replay or skip

@@ -544,6 +544,22 @@ fn every_rpc() -> Vec<Rpc> {
             }
         ),
         rpc!(
+            "/outbox.v1.Admin/PauseSubscription",
+            proto::PauseSubscriptionRequest,
+            proto::PauseSubscriptionRequest {
+                name: "orders".into(),
+                reason: "deploy".into(),
+                ..Default::default()
+            }
+        ),
+        rpc!(
+            "/outbox.v1.Admin/ResumeSubscription",
+            proto::ResumeSubscriptionRequest,
+            proto::ResumeSubscriptionRequest {
+                name: "orders".into()
+            }
+        ),
+        rpc!(
             "/outbox.v1.Admin/GetEvent",
             proto::GetEventRequest,
             proto::GetEventRequest {

@@ -165,8 +165,21 @@ pub(super) fn new_subscription(
 }
 
 pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
+    let pause = subscription.pause_in_force(Utc::now()).cloned();
     let settings = subscription.settings;
     proto::Subscription {
+        paused: pause.is_some(),
+        pause_reason: pause
+            .as_ref()
+            .map(|pause| pause.reason.clone())
+            .unwrap_or_default(),
+        paused_until: pause
+            .as_ref()
+            .and_then(|pause| pause.until)
+            .map(datetime_to_timestamp),
+        paused_at: pause
+            .as_ref()
+            .map(|pause| datetime_to_timestamp(pause.since)),
         name: subscription.name.as_str().to_owned(),
         event_types: settings.event_types.to_strings(),
         aggregate_types: settings.aggregate_types,
@@ -343,6 +356,15 @@ pub(super) fn subscription_patch(
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),
+                ));
+            }
+            "paused" | "pause_reason" | "paused_until" | "paused_at" => {
+                return Err(Error::invalid(
+                    format!("update_mask.paths[{index}]"),
+                    format!(
+                        "{} changes only through PauseSubscription and ResumeSubscription",
+                        Echo(path)
+                    ),
                 ));
             }
             _ => {

@@ -109,7 +109,7 @@ fn code_name(code: Code) -> &'static str {
 /// Client commands of the binary.
 #[derive(Debug, clap::Subcommand)]
 pub enum ClientCommand {
-    /// Create, list, show, change, delete or seek subscriptions.
+    /// Create, list, show, change, pause, resume, delete or seek subscriptions.
     Subscriptions {
         #[command(flatten)]
         target: Target,
@@ -260,6 +260,18 @@ pub enum SubscriptionCommand {
     },
     /// Delete a subscription with its delivery records and dead letters.
     Delete { name: String },
+    /// Stop handing out new deliveries (acks of those already out still apply).
+    Pause {
+        name: String,
+        /// Resume by itself then: an RFC 3339 time, or a duration from now ("30m").
+        #[arg(long, value_parser = parse_until)]
+        until: Option<prost_types::Timestamp>,
+        /// Why, shown with the subscription.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Hand out deliveries again after a pause.
+    Resume { name: String },
     /// Replay from a time or the earliest event, or skip ahead to now.
     Seek {
         name: String,
@@ -400,6 +412,23 @@ fn parse_time(text: &str) -> Result<prost_types::Timestamp, String> {
     })
 }
 
+/// A point in time: RFC 3339, or a duration from now.
+fn parse_until(text: &str) -> Result<prost_types::Timestamp, String> {
+    if let Ok(time) = parse_time(text) {
+        return Ok(time);
+    }
+    let delay = humantime::parse_duration(text)
+        .map_err(|_| format!("{text:?} is neither an RFC 3339 time nor a duration like 30m"))?;
+    let at = chrono::Duration::from_std(delay)
+        .ok()
+        .and_then(|delay| chrono::Utc::now().checked_add_signed(delay))
+        .ok_or_else(|| format!("{text:?} is too far in the future"))?;
+    Ok(prost_types::Timestamp {
+        seconds: at.timestamp(),
+        nanos: at.timestamp_subsec_nanos() as i32,
+    })
+}
+
 fn parse_position(text: &str) -> Result<proto::StartPosition, String> {
     use proto::start_position::Position;
     let position =
@@ -483,6 +512,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                             render::duration(&s.ack_deadline),
                             s.max_attempts.unwrap_or_default().to_string(),
                             s.ordered.to_string(),
+                            s.paused.to_string(),
                         ]
                     })
                     .collect();
@@ -494,6 +524,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                         "ACK DEADLINE",
                         "MAX ATTEMPTS",
                         "ORDERED",
+                        "PAUSED",
                     ],
                     &rows,
                 );
@@ -526,6 +557,28 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .await
                 .map_err(describe)?;
             target.print(json!({ "deleted": name }), || println!("deleted {name}"));
+        }
+        SubscriptionCommand::Pause {
+            name,
+            until,
+            reason,
+        } => {
+            let paused = admin
+                .pause_subscription(proto::PauseSubscriptionRequest {
+                    name,
+                    reason,
+                    until,
+                })
+                .await
+                .map_err(describe)?;
+            show(paused.into_inner());
+        }
+        SubscriptionCommand::Resume { name } => {
+            let resumed = admin
+                .resume_subscription(proto::ResumeSubscriptionRequest { name })
+                .await
+                .map_err(describe)?;
+            show(resumed.into_inner());
         }
         SubscriptionCommand::Seek { name, to } => {
             admin

@@ -90,6 +90,10 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
         "created_at": timestamp(&subscription.created_at),
+        "paused": subscription.paused,
+        "pause_reason": subscription.pause_reason,
+        "paused_at": timestamp(&subscription.paused_at),
+        "paused_until": timestamp(&subscription.paused_until),
     })
 }
 

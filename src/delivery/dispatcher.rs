@@ -6,7 +6,7 @@
 //! Each source is claimed on its own (a claim is one transaction in one database), when
 //! it has news: events were committed there, a delivery there became due, or the poll
 //! interval passed. A source that is down or failing is skipped until it is back, so it
-//! never holds the others up.
+//! never holds the others up. While the subscription is paused nothing is claimed.
 
 use std::{
     collections::HashMap,
@@ -422,8 +422,11 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 return;
             }
         }
-        if let Some(limits) = limits {
-            let subscription = dispatcher.subscription();
+        let subscription = dispatcher.subscription();
+        // Paused: nothing new goes out; settlements, lease expiry and definition reads go
+        // on, and the loop wakes when the pause ends by itself.
+        let paused = subscription.pause_in_force(Utc::now()).is_some();
+        if let Some(limits) = limits.filter(|_| !paused) {
             let sources = dispatcher.sources.of(&subscription);
             let count = sources.len().max(1);
             first_source = (first_source + 1) % count;
@@ -489,16 +492,21 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     }
 }
 
-/// Until the next lease deadline or scheduled retry, at most the poll interval; sooner
-/// when a failing source may be tried again.
+/// Until the next lease deadline, scheduled retry or end of a pause, at most the poll
+/// interval; sooner when a failing source may be tried again.
 fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
+    let pause_ends = dispatcher
+        .subscription()
+        .pause_in_force(Utc::now())
+        .and_then(|pause| pause.until);
     let state = dispatcher.state.lock().expect("dispatcher lock");
     let mut sleep_for = poll_interval;
     let instants = state
         .streams
         .next_deadline()
         .into_iter()
-        .chain(state.sources.values().filter_map(|source| source.retry_at));
+        .chain(state.sources.values().filter_map(|source| source.retry_at))
+        .chain(pause_ends);
     for at in instants {
         let until = (at - Utc::now()).to_std().unwrap_or_default();
         sleep_for = sleep_for.min(until + Duration::from_millis(1));

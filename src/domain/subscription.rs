@@ -181,12 +181,55 @@ pub struct Subscription {
     /// Where it started, applied in each source as it begins reading it.
     pub start: StartPosition,
     pub created_at: DateTime<Utc>,
+    /// Set while (or since) it was paused: as stored, possibly past its `until`; see
+    /// [`Subscription::pause_in_force`].
+    pub pause: Option<Pause>,
+}
+
+/// Longest pause reason kept.
+pub const MAX_PAUSE_REASON_BYTES: usize = 1024;
+
+/// A stop of new deliveries: set by an operator, or by the gateway itself when a
+/// subscription cannot be served (its reason says which); resuming clears it either way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pause {
+    pub reason: String,
+    /// When it was paused.
+    pub since: DateTime<Utc>,
+    /// It ends by itself at this time; `None`: until resumed.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Pause {
+    /// Checks a requested pause: a reason of plain, bounded text and an end in the future.
+    pub fn validate(reason: &str, until: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Result<()> {
+        if reason.len() > MAX_PAUSE_REASON_BYTES {
+            return Err(Error::invalid(
+                "reason",
+                format!("must be at most {MAX_PAUSE_REASON_BYTES} bytes"),
+            ));
+        }
+        check_text("reason", reason)?;
+        if until.is_some_and(|until| until <= now) {
+            return Err(Error::invalid("until", "must be in the future"));
+        }
+        Ok(())
+    }
+
+    pub fn in_force(&self, now: DateTime<Utc>) -> bool {
+        self.until.is_none_or(|until| now < until)
+    }
 }
 
 impl Subscription {
     /// Whether it reads events of this source.
     pub fn reads(&self, source: &SourceName) -> bool {
         self.sources.is_empty() || self.sources.contains(source)
+    }
+
+    /// The pause that holds now, if any (one whose `until` passed has ended).
+    pub fn pause_in_force(&self, now: DateTime<Utc>) -> Option<&Pause> {
+        self.pause.as_ref().filter(|pause| pause.in_force(now))
     }
 
     /// Where it starts in a source it begins reading only now (added later, or down when
@@ -222,6 +265,30 @@ mod tests {
         assert_eq!(settings.backoff(5), Duration::from_secs(16));
         assert_eq!(settings.backoff(11), Duration::from_secs(15 * 60));
         assert_eq!(settings.backoff(u32::MAX), Duration::from_secs(15 * 60));
+    }
+
+    #[test]
+    fn a_pause_ends_at_its_until() {
+        let now = Utc::now();
+        let mut pause = Pause {
+            reason: "deploy".into(),
+            since: now,
+            until: None,
+        };
+        assert!(pause.in_force(now + chrono::Duration::days(365)));
+        pause.until = Some(now + chrono::Duration::seconds(1));
+        assert!(pause.in_force(now));
+        assert!(!pause.in_force(now + chrono::Duration::seconds(1)));
+    }
+
+    #[test]
+    fn a_pause_must_end_in_the_future_with_a_plain_reason() {
+        let now = Utc::now();
+        Pause::validate("deploy", Some(now + chrono::Duration::seconds(1)), now).unwrap();
+        Pause::validate("", None, now).unwrap();
+        assert!(Pause::validate("deploy", Some(now), now).is_err());
+        assert!(Pause::validate(&"x".repeat(MAX_PAUSE_REASON_BYTES + 1), None, now).is_err());
+        assert!(Pause::validate("nul\0", None, now).is_err());
     }
 
     #[test]

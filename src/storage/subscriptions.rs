@@ -11,7 +11,8 @@ use super::{
     deliveries::{LockMode, lock_subscription},
 };
 use crate::domain::{
-    PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    PatternSet, Pause, SourceName, StartPosition, Subscription, SubscriptionName,
+    SubscriptionSettings,
 };
 
 impl Store {
@@ -115,6 +116,50 @@ impl Store {
             .await?;
         transaction.commit().await?;
         Ok(Some(id))
+    }
+
+    /// Pauses the subscription with `reason` until `until` (or until resumed). Pausing a
+    /// paused one replaces its reason and end but keeps when it began; a pause whose end
+    /// has passed is over, so pausing again begins a new one. `None` when it does not exist.
+    pub async fn pause_subscription(
+        &self,
+        name: &SubscriptionName,
+        reason: &str,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET \
+                 paused_at = CASE WHEN paused_at IS NOT NULL \
+                                   AND (paused_until IS NULL OR paused_until > now()) \
+                              THEN paused_at ELSE now() END, \
+                 pause_reason = $2, paused_until = $3, updated_at = now() \
+             WHERE name = $1 RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .bind(reason)
+        .bind(until)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
+    }
+
+    /// Ends the subscription's pause, if any; `None` when it does not exist.
+    pub async fn resume_subscription(
+        &self,
+        name: &SubscriptionName,
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET paused_at = NULL, pause_reason = NULL, \
+                 paused_until = NULL, \
+                 updated_at = CASE WHEN paused_at IS NULL THEN updated_at ELSE now() END \
+             WHERE name = $1 RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
     }
 
     /// Starts the subscription reading this database at `start`, unless it already does.
@@ -290,5 +335,17 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         sources,
         start,
         created_at: row.try_get("created_at")?,
+        pause: row
+            .try_get::<Option<DateTime<Utc>>, _>("paused_at")?
+            .map(|since| -> Result<Pause> {
+                Ok(Pause {
+                    reason: row
+                        .try_get::<Option<String>, _>("pause_reason")?
+                        .unwrap_or_default(),
+                    since,
+                    until: row.try_get("paused_until")?,
+                })
+            })
+            .transpose()?,
     })
 }

@@ -1,0 +1,388 @@
+//! Time controls: pausing and resuming a subscription.
+//!
+//! A paused subscription hands out nothing new on any gateway, while deliveries already
+//! out settle as usual; nothing is lost, and a pause with an end resumes by itself.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    process::Stdio,
+    time::{Duration, SystemTime},
+};
+
+use common::*;
+use outbox_gateway::proto;
+use serde_json::Value;
+use tokio::process::Command;
+use tonic::Code;
+
+/// Longest wait for something that should arrive; generous for a loaded machine.
+const ARRIVES: Duration = Duration::from_secs(30);
+/// How long a test watches for something that must not arrive.
+const QUIET: Duration = Duration::from_secs(2);
+
+async fn pause(
+    gateway: &TestGateway,
+    name: &str,
+    reason: &str,
+    until: Option<prost_types::Timestamp>,
+) -> Result<proto::Subscription, tonic::Status> {
+    gateway
+        .admin()
+        .await
+        .pause_subscription(proto::PauseSubscriptionRequest {
+            name: name.into(),
+            reason: reason.into(),
+            until,
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+async fn resume(gateway: &TestGateway, name: &str) -> proto::Subscription {
+    gateway
+        .admin()
+        .await
+        .resume_subscription(proto::ResumeSubscriptionRequest { name: name.into() })
+        .await
+        .expect("resume")
+        .into_inner()
+}
+
+async fn get(gateway: &TestGateway, name: &str) -> proto::Subscription {
+    gateway
+        .admin()
+        .await
+        .get_subscription(proto::GetSubscriptionRequest { name: name.into() })
+        .await
+        .expect("get subscription")
+        .into_inner()
+}
+
+/// `from_now` from now, as a protobuf timestamp.
+fn in_(from_now: Duration) -> prost_types::Timestamp {
+    prost_types::Timestamp::from(SystemTime::now() + from_now)
+}
+
+fn events(prefix: &str, count: usize) -> Vec<proto::EventInput> {
+    (0..count)
+        .map(|i| event(&format!("{prefix}-{i}"), "order.created"))
+        .collect()
+}
+
+fn aggregates(deliveries: &[proto::Delivery]) -> BTreeSet<String> {
+    deliveries.iter().map(aggregate_of).collect()
+}
+
+fn names(prefix: &str, count: usize) -> BTreeSet<String> {
+    (0..count).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+#[tokio::test]
+async fn a_paused_subscription_settles_what_is_out_and_hands_out_nothing_new() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    publish(&gateway, events("before", 3)).await;
+    let mut consumer = Consumer::open(&gateway, "work", 10).await;
+    let out = consumer.take(3, ARRIVES).await;
+
+    let paused = pause(&gateway, "work", "deploy", None)
+        .await
+        .expect("pause");
+    assert!(paused.paused);
+    assert_eq!(paused.pause_reason, "deploy");
+    assert!(paused.paused_at.is_some());
+    assert_eq!(paused.paused_until, None);
+    // Idempotent: the pause keeps when it began.
+    let again = pause(&gateway, "work", "deploy", None)
+        .await
+        .expect("pause");
+    assert_eq!(again.paused_at, paused.paused_at);
+    assert!(get(&gateway, "work").await.paused);
+
+    publish(&gateway, events("during", 3)).await;
+    // Acks, extensions and nacks of deliveries already out still apply.
+    let stale = ack(&gateway, "work", vec![out[0].ack_id.clone()]).await;
+    assert!(stale.is_empty(), "an ack while paused went stale");
+    let extended = gateway
+        .subscriber()
+        .await
+        .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
+            subscription: "work".into(),
+            ack_ids: vec![out[1].ack_id.clone()],
+            extension: seconds(60),
+        })
+        .await
+        .expect("extend")
+        .into_inner();
+    assert!(
+        extended.stale_ack_ids.is_empty(),
+        "an extension while paused went stale"
+    );
+    let nacked = nack(
+        &gateway,
+        proto::NackRequest {
+            subscription: "work".into(),
+            ack_id: out[2].ack_id.clone(),
+            reason: "later".into(),
+            retry_after: seconds(0),
+            dead_letter: false,
+        },
+    )
+    .await;
+    assert!(!nacked.dead_lettered);
+    // Neither the new events nor the retry go out, and the backlog counts.
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "a paused subscription handed out a delivery"
+    );
+    let stats = gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: "work".into(),
+        })
+        .await
+        .expect("stats")
+        .into_inner();
+    assert_eq!(stats.subscriptions[0].lag_events, 5, "{stats:?}");
+
+    // Resume: the same stream receives the backlog; nothing was lost.
+    let resumed = resume(&gateway, "work").await;
+    assert!(!resumed.paused);
+    assert_eq!(resumed.pause_reason, "");
+    assert_eq!(resumed.paused_at, None);
+    let backlog = consumer.take(4, ARRIVES).await;
+    let mut expected = names("during", 3);
+    expected.insert(aggregate_of(&out[2]));
+    assert_eq!(aggregates(&backlog), expected);
+    // Resuming an unpaused subscription is a no-op.
+    assert!(!resume(&gateway, "work").await.paused);
+}
+
+#[tokio::test]
+async fn a_pause_with_an_end_resumes_by_itself() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    let mut consumer = Consumer::open(&gateway, "work", 10).await;
+    let pause_for = Duration::from_secs(3);
+    let until = in_(pause_for);
+    let paused = pause(&gateway, "work", "maintenance window", Some(until))
+        .await
+        .expect("pause");
+    let ends = SystemTime::now() + pause_for;
+    assert_eq!(
+        paused.paused_until.map(|t| t.seconds),
+        Some(until.seconds),
+        "{paused:?}"
+    );
+    publish(&gateway, events("held", 2)).await;
+
+    let early = consumer.next(pause_for / 2).await;
+    assert!(early.is_none(), "delivered during the pause: {early:?}");
+    let deliveries = consumer.take(2, ARRIVES).await;
+    assert!(
+        SystemTime::now() >= ends - Duration::from_millis(50),
+        "delivered before the pause ended"
+    );
+    assert_eq!(aggregates(&deliveries), names("held", 2));
+    assert!(!get(&gateway, "work").await.paused, "the pause is over");
+}
+
+#[tokio::test]
+async fn a_pause_holds_on_every_gateway_and_across_restarts() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    let poll_interval = Duration::from_secs(1);
+    config.delivery.poll_interval = poll_interval;
+    let a = TestGateway::start_with(&database, config.clone()).await;
+    let b = TestGateway::start_with(&database, config.clone()).await;
+    create_subscription(&a, subscription("work")).await;
+    let mut on_b = Consumer::open(&b, "work", 10).await;
+    publish(&a, events("before", 1)).await;
+    let first = on_b.take(1, ARRIVES).await;
+    ack(&b, "work", vec![first[0].ack_id.clone()]).await;
+
+    pause(&a, "work", "data fix", None).await.expect("pause");
+    // The contract gives every gateway one poll interval to notice; wait it out twice.
+    tokio::time::sleep(2 * poll_interval).await;
+    publish(&a, events("during", 3)).await;
+    publish(&b, events("during-b", 1)).await;
+    let early = on_b.next(QUIET).await;
+    assert!(early.is_none(), "the other gateway delivered: {early:?}");
+    drop(on_b);
+
+    a.stop().await.expect("stop a");
+    b.stop().await.expect("stop b");
+    let c = TestGateway::start_with(&database, config).await;
+    let restarted = get(&c, "work").await;
+    assert!(restarted.paused, "the pause did not survive the restart");
+    assert_eq!(restarted.pause_reason, "data fix");
+    let mut on_c = Consumer::open(&c, "work", 10).await;
+    assert!(
+        on_c.next(QUIET).await.is_none(),
+        "delivered after the restart while paused"
+    );
+
+    resume(&c, "work").await;
+    let backlog = on_c.take(4, ARRIVES).await;
+    let mut expected = names("during", 3);
+    expected.extend(names("during-b", 1));
+    assert_eq!(aggregates(&backlog), expected);
+}
+
+#[tokio::test]
+async fn bad_pauses_are_refused_and_change_nothing() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+
+    let past = prost_types::Timestamp::from(SystemTime::now() - Duration::from_secs(60));
+    assert_status(
+        pause(&gateway, "work", "late", Some(past)).await,
+        Code::InvalidArgument,
+        "until",
+    );
+    assert_status(
+        pause(&gateway, "work", "nul\0", None).await,
+        Code::InvalidArgument,
+        "reason",
+    );
+    assert_status(
+        pause(&gateway, "work", &"x".repeat(1025), None).await,
+        Code::InvalidArgument,
+        "reason",
+    );
+    assert_status(
+        pause(&gateway, "Work!", "", None).await,
+        Code::InvalidArgument,
+        "name",
+    );
+    assert_status(
+        pause(&gateway, "missing", "", None).await,
+        Code::NotFound,
+        "missing",
+    );
+    assert_status(
+        gateway
+            .admin()
+            .await
+            .resume_subscription(proto::ResumeSubscriptionRequest {
+                name: "missing".into(),
+            })
+            .await,
+        Code::NotFound,
+        "missing",
+    );
+    assert_status(
+        gateway
+            .admin()
+            .await
+            .update_subscription(proto::UpdateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    name: "work".into(),
+                    paused: true,
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec!["paused".into()],
+                }),
+            })
+            .await,
+        Code::InvalidArgument,
+        "PauseSubscription",
+    );
+    let unchanged = get(&gateway, "work").await;
+    assert!(!unchanged.paused, "{unchanged:?}");
+    assert_eq!(unchanged.pause_reason, "");
+}
+
+/// Runs the CLI against `gateway` with `--json`; its JSON answer, or its error text.
+async fn cli(gateway: &TestGateway, args: &[&str]) -> Result<Value, String> {
+    let output = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(args)
+        .arg("--json")
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run the CLI");
+    if !output.status.success() {
+        return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice(&output.stdout).expect("JSON answer"))
+}
+
+#[tokio::test]
+async fn the_cli_pauses_and_resumes() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+
+    let paused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "pause",
+            "work",
+            "--until",
+            "1h",
+            "--reason",
+            "downstream outage",
+        ],
+    )
+    .await
+    .expect("pause");
+    assert_eq!(paused["paused"], true, "{paused}");
+    assert_eq!(paused["pause_reason"], "downstream outage");
+    let until = chrono::DateTime::parse_from_rfc3339(paused["paused_until"].as_str().unwrap())
+        .expect("paused_until");
+    let from_now = until.signed_duration_since(chrono::Utc::now());
+    assert!(
+        from_now > chrono::Duration::minutes(55) && from_now <= chrono::Duration::hours(1),
+        "{paused}"
+    );
+    let at = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "pause",
+            "work",
+            "--until",
+            "2099-01-01T00:00:00Z",
+        ],
+    )
+    .await
+    .expect("pause until a time");
+    assert_eq!(at["paused_until"], "2099-01-01T00:00:00.000000Z");
+
+    let resumed = cli(&gateway, &["subscriptions", "resume", "work"])
+        .await
+        .expect("resume");
+    assert_eq!(resumed["paused"], false, "{resumed}");
+
+    let refused = cli(
+        &gateway,
+        &["subscriptions", "pause", "work", "--until", "soon"],
+    )
+    .await
+    .expect_err("a bad --until");
+    assert!(refused.contains("soon"), "{refused}");
+    let refused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "pause",
+            "work",
+            "--until",
+            "2000-01-01T00:00:00Z",
+        ],
+    )
+    .await
+    .expect_err("an --until in the past");
+    assert!(refused.contains("until"), "{refused}");
+    assert!(!get(&gateway, "work").await.paused);
+}
