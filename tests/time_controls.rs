@@ -386,3 +386,319 @@ async fn the_cli_pauses_and_resumes() {
     assert!(refused.contains("until"), "{refused}");
     assert!(!get(&gateway, "work").await.paused);
 }
+
+// Expiry.
+
+async fn stats_of(gateway: &TestGateway, name: &str) -> proto::SubscriptionStats {
+    gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: name.into(),
+        })
+        .await
+        .expect("stats")
+        .into_inner()
+        .subscriptions
+        .remove(0)
+}
+
+async fn dead_letters(gateway: &TestGateway, name: &str) -> Vec<proto::DeadLetter> {
+    gateway
+        .admin()
+        .await
+        .list_dead_letters(proto::ListDeadLettersRequest {
+            subscription: name.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("dead letters")
+        .into_inner()
+        .dead_letters
+}
+
+/// Waits until the subscription has counted `count` expired events.
+async fn until_expired(gateway: &TestGateway, name: &str, count: u64) {
+    eventually(
+        &format!("{name} counts {count} expired events"),
+        ARRIVES,
+        || async { stats_of(gateway, name).await.expired_total == count },
+    )
+    .await;
+}
+
+/// An event that expired a second ago (it occurred an hour ago).
+fn already_expired(aggregate_id: &str) -> proto::EventInput {
+    proto::EventInput {
+        occurred_at: Some(prost_types::Timestamp::from(
+            SystemTime::now() - Duration::from_secs(3600),
+        )),
+        expires_at: Some(prost_types::Timestamp::from(
+            SystemTime::now() - Duration::from_secs(1),
+        )),
+        ..event(aggregate_id, "quote.offered")
+    }
+}
+
+#[tokio::test]
+async fn an_expired_event_is_counted_and_dead_lettered_only_when_asked() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("dropping")).await;
+    let keeping = create_subscription(
+        &gateway,
+        proto::Subscription {
+            dead_letter_expired: true,
+            ..subscription("keeping")
+        },
+    )
+    .await;
+    assert!(keeping.dead_letter_expired);
+    publish(
+        &gateway,
+        vec![already_expired("stale"), event("fresh", "quote.offered")],
+    )
+    .await;
+    let pool = database.pool().await;
+    sqlx::query(
+        "SELECT outbox_publish('order', 'stale-sql', 'quote.offered', '{}'::jsonb, \
+             p_occurred_at => now() - interval '1 hour', p_expires_at => now() - interval '1 minute')",
+    )
+    .execute(&pool)
+    .await
+    .expect("a direct writer's expiry");
+
+    for name in ["dropping", "keeping"] {
+        let mut consumer = Consumer::open(&gateway, name, 10).await;
+        let delivered = consumer.take(1, ARRIVES).await;
+        assert_eq!(aggregate_of(&delivered[0]), "fresh");
+        until_expired(&gateway, name, 2).await;
+        assert!(
+            consumer.next(QUIET).await.is_none(),
+            "{name} delivered an expired event"
+        );
+    }
+    assert!(dead_letters(&gateway, "dropping").await.is_empty());
+    let kept = dead_letters(&gateway, "keeping").await;
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for dead_letter in &kept {
+        assert_eq!(dead_letter.last_error, "expired");
+        assert!(dead_letter.event.as_ref().unwrap().expires_at.is_some());
+    }
+}
+
+#[tokio::test]
+async fn an_event_past_its_expiry_is_not_redelivered_but_its_ack_succeeds() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            dead_letter_expired: true,
+            ..subscription("work")
+        },
+    )
+    .await;
+    let lifetime = Duration::from_secs(3);
+    let expires_at = in_(lifetime);
+    let expires = SystemTime::now() + lifetime;
+    let expiring = |id: &str| proto::EventInput {
+        expires_at: Some(expires_at),
+        ..event(id, "code.issued")
+    };
+    publish(&gateway, vec![expiring("acked"), expiring("nacked")]).await;
+    let mut consumer = Consumer::open(&gateway, "work", 10).await;
+    let out = consumer.take(2, ARRIVES).await;
+    let delivery = |id: &str| out.iter().find(|d| aggregate_of(d) == id).unwrap().clone();
+    assert!(
+        SystemTime::now() < expires,
+        "the machine is too slow for this test"
+    );
+    poll_until(ARRIVES, POLL, || async {
+        (SystemTime::now() > expires).then_some(())
+    })
+    .await;
+
+    let stale = ack(&gateway, "work", vec![delivery("acked").ack_id]).await;
+    assert!(
+        stale.is_empty(),
+        "an ack after expiry of a live lease failed"
+    );
+    nack(
+        &gateway,
+        proto::NackRequest {
+            subscription: "work".into(),
+            ack_id: delivery("nacked").ack_id,
+            reason: "later".into(),
+            retry_after: seconds(0),
+            dead_letter: false,
+        },
+    )
+    .await;
+    until_expired(&gateway, "work", 1).await;
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "redelivered after expiry"
+    );
+    let kept = dead_letters(&gateway, "work").await;
+    assert_eq!(kept.len(), 1);
+    assert_eq!(kept[0].last_error, "expired");
+    assert_eq!(kept[0].event.as_ref().unwrap().aggregate_id, "nacked");
+}
+
+#[tokio::test]
+async fn a_subscription_lets_events_older_than_its_max_age_expire() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let created = create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_event_age: seconds(60),
+            ..subscription("recent")
+        },
+    )
+    .await;
+    assert_eq!(created.max_event_age, seconds(60));
+    create_subscription(&gateway, subscription("everything")).await;
+    let pool = database.pool().await;
+    // A direct writer's rows: one written two minutes ago, one now.
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+         VALUES ('price', 'old', 'price.quoted', '{}', now() - interval '2 minutes'), \
+                ('price', 'new', 'price.quoted', '{}', now())",
+    )
+    .execute(&pool)
+    .await
+    .expect("insert events");
+
+    let mut recent = Consumer::open(&gateway, "recent", 10).await;
+    assert_eq!(aggregate_of(&recent.take(1, ARRIVES).await[0]), "new");
+    until_expired(&gateway, "recent", 1).await;
+    assert!(recent.next(QUIET).await.is_none(), "an old event went out");
+    let mut everything = Consumer::open(&gateway, "everything", 10).await;
+    assert_eq!(
+        aggregates(&everything.take(2, ARRIVES).await),
+        BTreeSet::from(["old".to_owned(), "new".to_owned()])
+    );
+    assert_eq!(stats_of(&gateway, "everything").await.expired_total, 0);
+
+    // The limit can be lifted and the dead-lettering switched on.
+    let updated = gateway
+        .admin()
+        .await
+        .update_subscription(proto::UpdateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                name: "recent".into(),
+                dead_letter_expired: true,
+                ..Default::default()
+            }),
+            update_mask: Some(prost_types::FieldMask {
+                paths: vec!["max_event_age".into(), "dead_letter_expired".into()],
+            }),
+        })
+        .await
+        .expect("update")
+        .into_inner();
+    assert_eq!(updated.max_event_age, None);
+    assert!(updated.dead_letter_expired);
+}
+
+#[tokio::test]
+async fn bad_times_are_refused_and_write_nothing() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let pool = database.pool().await;
+    let refused = |input: proto::EventInput| {
+        let gateway = &gateway;
+        async move {
+            gateway
+                .publisher()
+                .await
+                .publish(proto::PublishRequest {
+                    events: vec![event("ok", "order.created"), input],
+                    ..Default::default()
+                })
+                .await
+        }
+    };
+    let hour = Duration::from_secs(3600);
+    assert_status(
+        refused(proto::EventInput {
+            occurred_at: Some(in_(hour)),
+            expires_at: Some(in_(hour / 2)),
+            ..event("o", "order.created")
+        })
+        .await,
+        Code::InvalidArgument,
+        "events[1].expires_at",
+    );
+    assert_status(
+        refused(proto::EventInput {
+            expires_at: Some(prost_types::Timestamp::from(SystemTime::now() - hour)),
+            ..event("o", "order.created")
+        })
+        .await,
+        Code::InvalidArgument,
+        "events[1].expires_at",
+    );
+    assert_status(
+        refused(proto::EventInput {
+            deliver_at: Some(in_(hour * 2)),
+            expires_at: Some(in_(hour)),
+            ..event("o", "order.created")
+        })
+        .await,
+        Code::InvalidArgument,
+        "events[1].expires_at",
+    );
+    assert_status(
+        refused(proto::EventInput {
+            deliver_at: Some(in_(hour * 24 * 91)),
+            ..event("o", "order.created")
+        })
+        .await,
+        Code::InvalidArgument,
+        "events[1].deliver_at",
+    );
+    assert_eq!(count_events(&pool).await, 0, "a refused batch wrote events");
+
+    for (age, name) in [
+        (
+            prost_types::Duration {
+                seconds: -5,
+                nanos: 0,
+            },
+            "negative",
+        ),
+        (
+            prost_types::Duration {
+                seconds: 0,
+                nanos: 0,
+            },
+            "zero",
+        ),
+    ] {
+        assert_status(
+            gateway
+                .admin()
+                .await
+                .create_subscription(proto::CreateSubscriptionRequest {
+                    subscription: Some(proto::Subscription {
+                        max_event_age: Some(age),
+                        ..subscription(name)
+                    }),
+                })
+                .await,
+            Code::InvalidArgument,
+            "subscription.max_event_age",
+        );
+    }
+    let listed = gateway
+        .admin()
+        .await
+        .list_subscriptions(proto::ListSubscriptionsRequest {})
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(listed.subscriptions.is_empty());
+}

@@ -442,13 +442,20 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     continue;
                 }
                 match claim(&dispatcher, &relay, &subscription, source, remaining).await {
-                    Claimed::Some { count, bytes } => {
+                    Claimed::Some {
+                        count,
+                        bytes,
+                        read_full_batch,
+                    } => {
                         remaining.count = remaining.count.saturating_sub(count);
                         remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
                         if remaining.count == 0 || bytes >= limits.bytes {
                             full_batch = true;
                             break;
                         }
+                        // Scheduled or expired events filled the read, not the room:
+                        // read on at once rather than at the next wake-up.
+                        full_batch |= read_full_batch;
                     }
                     Claimed::NotReadingYet => {
                         // Deleted, or not reading this source yet.
@@ -495,18 +502,23 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
 /// Until the next lease deadline, scheduled retry or end of a pause, at most the poll
 /// interval; sooner when a failing source may be tried again.
 fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
-    let pause_ends = dispatcher
-        .subscription()
-        .pause_in_force(Utc::now())
-        .and_then(|pause| pause.until);
+    let subscription = dispatcher.subscription();
+    let pause = subscription.pause_in_force(Utc::now());
     let state = dispatcher.state.lock().expect("dispatcher lock");
     let mut sleep_for = poll_interval;
+    // While paused a due retry is not claimed, so it must not wake the loop (it would
+    // spin); the end of the pause does.
+    let retries = state
+        .sources
+        .values()
+        .filter_map(|source| source.retry_at)
+        .filter(|_| pause.is_none());
     let instants = state
         .streams
         .next_deadline()
         .into_iter()
-        .chain(state.sources.values().filter_map(|source| source.retry_at))
-        .chain(pause_ends);
+        .chain(retries)
+        .chain(pause.and_then(|pause| pause.until));
     for at in instants {
         let until = (at - Utc::now()).to_std().unwrap_or_default();
         sleep_for = sleep_for.min(until + Duration::from_millis(1));
@@ -527,10 +539,12 @@ fn wants_claim(dispatcher: &Dispatcher, relay: &Relay, source: &Source) -> bool 
 }
 
 enum Claimed {
-    /// Claimed this many deliveries and bytes (perhaps none).
+    /// Claimed this many deliveries and bytes (perhaps none); `read_full_batch`: it read
+    /// all the new events it could, so more may be waiting.
     Some {
         count: usize,
         bytes: u64,
+        read_full_batch: bool,
     },
     /// The subscription has no read position in this source yet.
     NotReadingYet,
@@ -604,7 +618,12 @@ async fn claim(
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
         let known = state.sources.entry(source.id).or_default();
         known.failing = None;
-        known.more_waiting = count >= limits.count || bytes >= limits.bytes;
+        known.more_waiting =
+            count >= limits.count || bytes >= limits.bytes || claim.read_full_batch;
+        // Wake when the first event it scheduled here is due (the due claim takes it).
+        if let Some(due) = claim.next_scheduled {
+            known.retry_at = Some(known.retry_at.map_or(due, |at| at.min(due)));
+        }
     }
     if claim.dead_lettered > 0 {
         metrics::dead_lettered(
@@ -613,11 +632,18 @@ async fn claim(
             claim.dead_lettered,
         );
     }
+    if claim.expired > 0 {
+        metrics::expired(subscription.name.as_str(), claim.expired);
+    }
     let undelivered = dispatcher.distribute(claim.deliveries);
     if !undelivered.is_empty() {
         dispatcher.release_in_background(undelivered);
     }
-    Claimed::Some { count, bytes }
+    Claimed::Some {
+        count,
+        bytes,
+        read_full_batch: claim.read_full_batch,
+    }
 }
 
 /// The subscription reads a source it has no read position in yet (the source was added

@@ -84,6 +84,11 @@ pub struct SubscriptionSettings {
     pub retry_backoff_max: Duration,
     pub ordered: bool,
     pub persistent_event_types: PatternSet,
+    /// Events older than this (since they became deliverable) expire instead of going
+    /// out; `None`: no limit.
+    pub max_event_age: Option<Duration>,
+    /// Expired events go to the dead-letter queue (error "expired") instead of vanishing.
+    pub dead_letter_expired: bool,
 }
 
 impl Default for SubscriptionSettings {
@@ -98,6 +103,8 @@ impl Default for SubscriptionSettings {
             retry_backoff_max: Duration::from_secs(15 * 60),
             ordered: false,
             persistent_event_types: PatternSet::default(),
+            max_event_age: None,
+            dead_letter_expired: false,
         }
     }
 }
@@ -130,6 +137,12 @@ impl SubscriptionSettings {
             return Err(Error::invalid(
                 field("retry_backoff_min"),
                 "must not exceed retry_backoff_max",
+            ));
+        }
+        if self.max_event_age.is_some_and(|age| age.is_zero()) {
+            return Err(Error::invalid(
+                field("max_event_age"),
+                "must be positive (leave it unset for no limit)",
             ));
         }
         if self.max_attempts > MAX_ATTEMPTS {

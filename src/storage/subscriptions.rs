@@ -32,8 +32,9 @@ impl Store {
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-                 persistent_event_types, sources, start_kind, start_time) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+                 persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
+                 dead_letter_expired) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -50,6 +51,8 @@ impl Store {
         .bind(source_names(sources))
         .bind(start_kind)
         .bind(start_time)
+        .bind(settings.max_event_age.map(millis))
+        .bind(settings.dead_letter_expired)
         .fetch_one(&mut *transaction)
         .await?;
         let subscription = subscription_from_row(&row)?;
@@ -331,6 +334,10 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             retry_backoff_max: duration(row, "retry_backoff_max_ms")?,
             ordered: row.try_get("ordered")?,
             persistent_event_types: patterns(row, "persistent_event_types")?,
+            max_event_age: row
+                .try_get::<Option<i64>, _>("max_event_age_ms")?
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            dead_letter_expired: row.try_get("dead_letter_expired")?,
         },
         sources,
         start,
