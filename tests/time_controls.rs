@@ -702,3 +702,178 @@ async fn bad_times_are_refused_and_write_nothing() {
         .into_inner();
     assert!(listed.subscriptions.is_empty());
 }
+
+// Scheduled events.
+
+#[tokio::test]
+async fn a_scheduled_event_arrives_on_time_while_others_flow() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    let mut consumer = Consumer::open(&gateway, "work", 10).await;
+    let delay = Duration::from_secs(3);
+    let deliver_at = in_(delay);
+    let due = SystemTime::now() + delay;
+    publish(
+        &gateway,
+        vec![
+            proto::EventInput {
+                deliver_at: Some(deliver_at),
+                ..event("later", "reminder.due")
+            },
+            event("now-1", "order.created"),
+        ],
+    )
+    .await;
+    // A direct writer's scheduled rows, through the function and a plain insert.
+    let pool = database.pool().await;
+    sqlx::query(
+        "SELECT outbox_publish('reminder', 'later-sql', 'reminder.due', '{}'::jsonb, \
+             p_deliver_at => $1)",
+    )
+    .bind(chrono::DateTime::<chrono::Utc>::from(due))
+    .execute(&pool)
+    .await
+    .expect("outbox_publish with deliver_at");
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, deliver_at) \
+         VALUES ('reminder', 'later-insert', 'reminder.due', '{}', $1)",
+    )
+    .bind(chrono::DateTime::<chrono::Utc>::from(due))
+    .execute(&pool)
+    .await
+    .expect("insert with deliver_at");
+    publish(&gateway, vec![event("now-2", "order.created")]).await;
+
+    let unscheduled = consumer.take(2, ARRIVES).await;
+    assert_eq!(aggregates(&unscheduled), names("now", 3).split_off("now-1"));
+    eventually("stats show the scheduled events", ARRIVES, || async {
+        let stats = stats_of(&gateway, "work").await;
+        stats.scheduled == 3
+            && stats
+                .next_scheduled_at
+                .is_some_and(|at| at.seconds == deliver_at.seconds)
+    })
+    .await;
+
+    let scheduled = consumer.take(3, ARRIVES).await;
+    let arrived = SystemTime::now();
+    assert!(arrived >= due, "a scheduled event arrived early");
+    assert!(
+        arrived < due + Duration::from_secs(5),
+        "scheduled events arrived {:?} late",
+        arrived.duration_since(due).unwrap()
+    );
+    assert_eq!(
+        aggregates(&scheduled),
+        BTreeSet::from(["later".into(), "later-sql".into(), "later-insert".into()])
+    );
+    for delivery in &scheduled {
+        assert_eq!(delivery.attempt, 1, "a scheduled event's first delivery");
+    }
+    assert!(
+        scheduled
+            .iter()
+            .all(|delivery| delivery.event.as_ref().unwrap().deliver_at.is_some())
+    );
+    let stats = stats_of(&gateway, "work").await;
+    assert_eq!((stats.scheduled, stats.next_scheduled_at), (0, None));
+}
+
+#[tokio::test]
+async fn an_ordered_aggregate_keeps_its_order_across_a_scheduled_event() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            ..subscription("ordered")
+        },
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "ordered", 10).await;
+    let delay = Duration::from_secs(3);
+    let due = SystemTime::now() + delay;
+    let scheduled = proto::EventInput {
+        deliver_at: Some(in_(delay)),
+        ..event("x", "step.two")
+    };
+    publish(
+        &gateway,
+        vec![
+            event("x", "step.one"),
+            scheduled,
+            event("x", "step.three"),
+            event("y", "step.one"),
+        ],
+    )
+    .await;
+    let step = |delivery: &proto::Delivery| {
+        let event = delivery.event.as_ref().unwrap();
+        format!("{}:{}", event.aggregate_id, event.event_type)
+    };
+    let first = consumer.take(2, ARRIVES).await;
+    assert_eq!(
+        first.iter().map(step).collect::<BTreeSet<_>>(),
+        BTreeSet::from(["x:step.one".into(), "y:step.one".into()])
+    );
+    for delivery in &first {
+        ack(&gateway, "ordered", vec![delivery.ack_id.clone()]).await;
+    }
+    let second = consumer.take(1, ARRIVES).await;
+    assert!(SystemTime::now() >= due, "the scheduled event came early");
+    assert_eq!(step(&second[0]), "x:step.two");
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "the aggregate's next event overtook its unacked predecessor"
+    );
+    ack(&gateway, "ordered", vec![second[0].ack_id.clone()]).await;
+    let third = consumer.take(1, ARRIVES).await;
+    assert_eq!(step(&third[0]), "x:step.three");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_events_scheduled_ahead_do_not_hold_back_the_others() {
+    const SCHEDULED: i64 = 100_000;
+    const PLAIN: usize = 2_000;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    let pool = database.pool().await;
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, deliver_at) \
+         SELECT 'reminder', 'r-' || n, 'reminder.due', '{}', now() + interval '1 hour' \
+         FROM generate_series(1, $1) AS n",
+    )
+    .bind(SCHEDULED)
+    .execute(&pool)
+    .await
+    .expect("schedule events");
+    for chunk in 0..PLAIN / 500 {
+        publish(&gateway, events(&format!("plain{chunk}"), 500)).await;
+    }
+
+    let started = std::time::Instant::now();
+    let mut consumer = Consumer::open(&gateway, "work", 1000).await;
+    let mut received = 0;
+    while received < PLAIN {
+        let batch = consumer.take(1, Duration::from_secs(60)).await;
+        received += 1;
+        assert_eq!(batch[0].event.as_ref().unwrap().aggregate_type, "order");
+        ack(&gateway, "work", vec![batch[0].ack_id.clone()]).await;
+    }
+    let took = started.elapsed();
+    println!("{PLAIN} events behind {SCHEDULED} scheduled ones delivered and acked in {took:?}");
+    assert!(
+        took < Duration::from_secs(120),
+        "the scheduled events held the others back for {took:?}"
+    );
+    let stats = stats_of(&gateway, "work").await;
+    assert_eq!(stats.scheduled, SCHEDULED as u64);
+    assert_eq!(stats.pending, SCHEDULED as u64, "{stats:?}");
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "a scheduled event came early"
+    );
+}
