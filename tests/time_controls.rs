@@ -877,3 +877,105 @@ async fn many_events_scheduled_ahead_do_not_hold_back_the_others() {
         "a scheduled event came early"
     );
 }
+
+async fn stored_event(gateway: &TestGateway, id: &str) -> proto::Event {
+    gateway
+        .admin()
+        .await
+        .get_event(proto::GetEventRequest {
+            id: id.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("get event")
+        .into_inner()
+        .event
+        .expect("event")
+}
+
+#[tokio::test]
+async fn the_cli_publishes_scheduled_and_expiring_events() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let flags = [
+        "publish",
+        "--aggregate-type",
+        "order",
+        "--aggregate-id",
+        "o-1",
+        "--event-type",
+        "order.remind",
+    ];
+    let published_at = SystemTime::now();
+    let delayed = cli(
+        &gateway,
+        &[&flags[..], &["--delay", "1h", "--ttl", "10m"]].concat(),
+    )
+    .await
+    .expect("publish --delay --ttl");
+    let event = stored_event(&gateway, delayed["id"].as_str().unwrap()).await;
+    let deliver_at = event.deliver_at.expect("deliver_at");
+    let expires_at = event.expires_at.expect("expires_at");
+    let hour_later = prost_types::Timestamp::from(published_at + Duration::from_secs(3600));
+    assert!(
+        (deliver_at.seconds - hour_later.seconds).abs() <= 60,
+        "{event:?}"
+    );
+    assert_eq!(
+        expires_at.seconds - deliver_at.seconds,
+        600,
+        "the ttl counts from delivery"
+    );
+
+    let at = cli(
+        &gateway,
+        &[
+            &flags[..],
+            &[
+                "--deliver-at",
+                "2099-01-01T00:00:00Z",
+                "--expires-at",
+                "2099-01-02T00:00:00Z",
+            ],
+        ]
+        .concat(),
+    )
+    .await;
+    // Beyond the default 90 days ahead.
+    let refused = at.expect_err("deliver_at too far ahead");
+    assert!(refused.contains("deliver_at"), "{refused}");
+
+    let expiring = cli(&gateway, &[&flags[..], &["--ttl", "30s"]].concat())
+        .await
+        .expect("publish --ttl");
+    let event = stored_event(&gateway, expiring["id"].as_str().unwrap()).await;
+    assert_eq!(event.deliver_at, None);
+    assert!(event.expires_at.is_some());
+
+    let conflict = cli(
+        &gateway,
+        &[
+            &flags[..],
+            &["--delay", "1m", "--deliver-at", "2099-01-01T00:00:00Z"],
+        ]
+        .concat(),
+    )
+    .await
+    .expect_err("--delay with --deliver-at");
+    assert!(
+        conflict.contains("--delay") || conflict.contains("--deliver-at"),
+        "{conflict}"
+    );
+    let reversed = cli(
+        &gateway,
+        &[
+            &flags[..],
+            &["--delay", "1h", "--expires-at", "2000-01-01T00:00:00Z"],
+        ]
+        .concat(),
+    )
+    .await
+    .expect_err("an expiry before delivery");
+    assert!(reversed.contains("expires_at"), "{reversed}");
+    assert_eq!(count_events(&database.pool().await).await, 2);
+}

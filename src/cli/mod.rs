@@ -370,6 +370,54 @@ pub struct PublishArgs {
     /// Metadata entry KEY=VALUE; repeatable.
     #[arg(long = "metadata", value_parser = parse_key_value)]
     metadata: Vec<(String, String)>,
+    /// Deliver no earlier than this RFC 3339 time (every event published).
+    #[arg(long, value_parser = parse_time, conflicts_with = "delay")]
+    deliver_at: Option<prost_types::Timestamp>,
+    /// Deliver no earlier than this long from now, e.g. 15m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    delay: Option<std::time::Duration>,
+    /// Deliver no more from this RFC 3339 time on.
+    #[arg(long, value_parser = parse_time, conflicts_with = "ttl")]
+    expires_at: Option<prost_types::Timestamp>,
+    /// Deliver no more once the event has been deliverable this long (from now, or from
+    /// its delivery time when scheduled), e.g. 10m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Option<std::time::Duration>,
+}
+
+impl PublishArgs {
+    /// The delivery time and expiry the flags ask for, as absolute times.
+    fn times(
+        &self,
+    ) -> Result<
+        (
+            Option<prost_types::Timestamp>,
+            Option<prost_types::Timestamp>,
+        ),
+        String,
+    > {
+        let now = std::time::SystemTime::now();
+        let later = |flag: &str, from: std::time::SystemTime, by: std::time::Duration| {
+            from.checked_add(by)
+                .ok_or_else(|| format!("--{flag} {} is too long", humantime::format_duration(by)))
+        };
+        let deliver_at = match (self.deliver_at, self.delay) {
+            (Some(at), _) => Some(at),
+            (None, Some(delay)) => Some(later("delay", now, delay)?.into()),
+            (None, None) => None,
+        };
+        let expires_at = match (self.expires_at, self.ttl) {
+            (Some(at), _) => Some(at),
+            (None, Some(ttl)) => {
+                let deliverable = deliver_at
+                    .and_then(|at| std::time::SystemTime::try_from(at).ok())
+                    .map_or(now, |at| at.max(now));
+                Some(later("ttl", deliverable, ttl)?.into())
+            }
+            (None, None) => None,
+        };
+        Ok((deliver_at, expires_at))
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -797,6 +845,7 @@ struct EventLine {
 }
 
 async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
+    let (deliver_at, expires_at) = args.times()?;
     let events = if args.stdin {
         let mut events = Vec::new();
         for (number, line) in std::io::stdin().lock().lines().enumerate() {
@@ -814,6 +863,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
                 event_type: event.event_type,
                 payload: event.payload.to_string().into_bytes(),
                 metadata: event.metadata,
+                deliver_at,
+                expires_at,
                 ..Default::default()
             });
         }
@@ -829,6 +880,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
             event_type: args.event_type.unwrap_or_default(),
             payload: args.payload.into_bytes(),
             metadata: args.metadata.into_iter().collect(),
+            deliver_at,
+            expires_at,
             ..Default::default()
         }]
     };

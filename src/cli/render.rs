@@ -63,6 +63,8 @@ pub fn event(event: &proto::Event) -> Value {
         "metadata": event.metadata,
         "occurred_at": timestamp(&event.occurred_at),
         "created_at": timestamp(&event.created_at),
+        "deliver_at": timestamp(&event.deliver_at),
+        "expires_at": timestamp(&event.expires_at),
     });
     value[payload_key] = payload;
     value
@@ -125,6 +127,9 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "oldest_unacked_age_seconds": s.oldest_unacked_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
             "delivered_total": s.delivered_total,
             "acked_total": s.acked_total,
+            "expired_total": s.expired_total,
+            "scheduled": s.scheduled,
+            "next_scheduled_at": timestamp(&s.next_scheduled_at),
         })).collect::<Vec<_>>(),
         "outbox": {
             "events_stored": outbox.events_stored,
