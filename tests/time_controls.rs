@@ -359,6 +359,23 @@ async fn the_cli_pauses_and_resumes() {
     .expect("pause until a time");
     assert_eq!(at["paused_until"], "2099-01-01T00:00:00.000000Z");
 
+    let aged = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "work",
+            "--max-event-age",
+            "10m",
+            "--dead-letter-expired",
+        ],
+    )
+    .await
+    .expect("update the expiry settings");
+    assert_eq!(aged["max_event_age"], "10m", "{aged}");
+    assert_eq!(aged["dead_letter_expired"], true);
+    assert_eq!(aged["paused"], true, "an update keeps the pause");
+
     let resumed = cli(&gateway, &["subscriptions", "resume", "work"])
         .await
         .expect("resume");

@@ -191,6 +191,13 @@ pub struct SubscriptionSettingsArgs {
     /// Event-type pattern that never dead-letters; repeatable.
     #[arg(long = "persistent-event-type")]
     persistent_event_types: Vec<String>,
+    /// Let events older than this expire instead of delivering them, e.g. 10m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    max_event_age: Option<Duration>,
+    /// Dead-letter expired events (error "expired") instead of dropping them; `false` to
+    /// switch it off again.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    dead_letter_expired: Option<bool>,
 }
 
 impl SubscriptionSettingsArgs {
@@ -207,6 +214,8 @@ impl SubscriptionSettingsArgs {
             retry_backoff_min: duration(self.retry_backoff_min),
             retry_backoff_max: duration(self.retry_backoff_max),
             persistent_event_types: self.persistent_event_types,
+            max_event_age: duration(self.max_event_age),
+            dead_letter_expired: self.dead_letter_expired.unwrap_or(false),
             ..Default::default()
         }
     }
@@ -225,6 +234,8 @@ impl SubscriptionSettingsArgs {
                 "persistent_event_types",
                 !self.persistent_event_types.is_empty(),
             ),
+            ("max_event_age", self.max_event_age.is_some()),
+            ("dead_letter_expired", self.dead_letter_expired.is_some()),
         ];
         given
             .into_iter()

@@ -91,6 +91,8 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "retry_backoff_max": duration(&subscription.retry_backoff_max),
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
+        "max_event_age": subscription.max_event_age.map(|age| duration(&Some(age))),
+        "dead_letter_expired": subscription.dead_letter_expired,
         "created_at": timestamp(&subscription.created_at),
         "paused": subscription.paused,
         "pause_reason": subscription.pause_reason,
