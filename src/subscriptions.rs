@@ -108,9 +108,7 @@ impl Subscriptions {
     }
 
     /// Stops new deliveries of the subscription until [`Subscriptions::resume`] or
-    /// `until`; deliveries already out still settle. Dispatchers here stop at once, on
-    /// other gateways when they next read the definition (within a poll interval). Also
-    /// how the gateway itself stops a subscription it cannot serve, with its own reason.
+    /// `until`; deliveries already out still settle. See [`Relay::pause`].
     pub async fn pause(
         &self,
         name: &SubscriptionName,
@@ -118,13 +116,7 @@ impl Subscriptions {
         until: Option<DateTime<Utc>>,
     ) -> Result<Subscription> {
         Pause::validate(reason, until, Utc::now())?;
-        let paused = self
-            .definitions()
-            .pause_subscription(name, reason, until)
-            .await?
-            .ok_or_else(|| not_found(name))?;
-        self.relay.subscription_changed(paused.id);
-        Ok(paused)
+        self.relay.pause(name, reason, until).await
     }
 
     /// Ends the subscription's pause, whoever set it; a no-op when it is not paused.
@@ -214,6 +206,6 @@ pub(crate) async fn find(definitions: &Store, name: &SubscriptionName) -> Result
         .ok_or_else(|| not_found(name))
 }
 
-fn not_found(name: &SubscriptionName) -> Error {
+pub(crate) fn not_found(name: &SubscriptionName) -> Error {
     Error::NotFound(format!("subscription {name:?} does not exist"))
 }

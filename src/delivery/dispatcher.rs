@@ -506,8 +506,8 @@ fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
     let pause = subscription.pause_in_force(Utc::now());
     let state = dispatcher.state.lock().expect("dispatcher lock");
     let mut sleep_for = poll_interval;
-    // While paused a due retry is not claimed, so it must not wake the loop (it would
-    // spin); the end of the pause does.
+    // While paused nothing is claimed, so a due retry or a source to try again must not
+    // wake the loop (it would spin); the end of the pause does.
     let retries = state
         .sources
         .values()
@@ -524,7 +524,12 @@ fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
         sleep_for = sleep_for.min(until + Duration::from_millis(1));
     }
     let now = Instant::now();
-    for (not_before, _) in state.sources.values().filter_map(|source| source.failing) {
+    let retries_after_failure = state
+        .sources
+        .values()
+        .filter_map(|source| source.failing)
+        .filter(|_| pause.is_none());
+    for (not_before, _) in retries_after_failure {
         sleep_for = sleep_for.min(not_before.saturating_duration_since(now));
     }
     sleep_for
