@@ -381,6 +381,14 @@ impl Relay {
         if !settled.is_empty() {
             self.settled(subscription.id, &settled, Settlement::Acked);
         }
+        // Sources answer in no particular order; the caller's order is kept.
+        let given: HashMap<AckId, usize> = acks
+            .iter()
+            .enumerate()
+            .map(|(index, ack)| (*ack, index))
+            .collect();
+        outcome.stale.sort_by_key(|ack| given.get(ack));
+        outcome.unavailable.sort_by_key(|ack| given.get(ack));
         Ok(outcome)
     }
 
