@@ -331,9 +331,14 @@ impl Dispatcher {
         let source = deliveries[0].event.source.as_str();
         metrics::delivered(name.as_str(), source, deliveries.len() as u64, redelivered);
         for delivery in deliveries.iter().filter(|d| d.attempt == 1) {
-            let waited = (now - delivery.event.created_at)
-                .to_std()
-                .unwrap_or_default();
+            // A scheduled event counts from its delivery time, not from its writing.
+            let deliverable = delivery
+                .event
+                .deliver_at
+                .map_or(delivery.event.created_at, |at| {
+                    at.max(delivery.event.created_at)
+                });
+            let waited = (now - deliverable).to_std().unwrap_or_default();
             metrics::commit_to_delivery(name.as_str(), waited);
         }
         if telemetry::exporting() {
