@@ -1,7 +1,11 @@
-//! Time controls: pausing and resuming a subscription.
+//! Time controls: pausing and resuming a subscription, expiring events, and scheduling
+//! them for later.
 //!
 //! A paused subscription hands out nothing new on any gateway, while deliveries already
-//! out settle as usual; nothing is lost, and a pause with an end resumes by itself.
+//! out settle as usual; nothing is lost, and a pause with an end resumes by itself. An
+//! expired event is counted (and dead-lettered when asked) instead of delivered. A
+//! scheduled event arrives not before its time, holds nothing else back, and keeps its
+//! aggregate's order.
 
 mod common;
 
@@ -693,6 +697,13 @@ async fn bad_times_are_refused_and_write_nothing() {
                 nanos: 0,
             },
             "zero",
+        ),
+        (
+            prost_types::Duration {
+                seconds: 200 * 365 * 24 * 3600,
+                nanos: 0,
+            },
+            "ages",
         ),
     ] {
         assert_status(

@@ -15,6 +15,9 @@ pub const MIN_ACK_DEADLINE: Duration = Duration::from_secs(1);
 pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
 /// Longest retry backoff a subscription may set, and longest `retry_after` of a nack.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+/// Longest `max_event_age`: far beyond any retention, and within what the database's
+/// time arithmetic holds.
+pub const MAX_EVENT_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 /// Most deliveries a subscription may allow before dead-lettering (the database counts
 /// attempts in 32 bits).
 pub const MAX_ATTEMPTS: u32 = i32::MAX as u32;
@@ -139,10 +142,15 @@ impl SubscriptionSettings {
                 "must not exceed retry_backoff_max",
             ));
         }
-        if self.max_event_age.is_some_and(|age| age.is_zero()) {
+        if let Some(age) = self.max_event_age
+            && (age.is_zero() || age > MAX_EVENT_AGE)
+        {
             return Err(Error::invalid(
                 field("max_event_age"),
-                "must be positive (leave it unset for no limit)",
+                format!(
+                    "must be positive and at most {} (leave it unset for no limit)",
+                    humantime::format_duration(MAX_EVENT_AGE)
+                ),
             ));
         }
         if self.max_attempts > MAX_ATTEMPTS {
@@ -278,6 +286,19 @@ mod tests {
         assert_eq!(settings.backoff(5), Duration::from_secs(16));
         assert_eq!(settings.backoff(11), Duration::from_secs(15 * 60));
         assert_eq!(settings.backoff(u32::MAX), Duration::from_secs(15 * 60));
+    }
+
+    #[test]
+    fn max_event_age_is_positive_and_bounded() {
+        let mut settings = SubscriptionSettings {
+            max_event_age: Some(Duration::from_secs(60)),
+            ..Default::default()
+        };
+        settings.validate("subscription").unwrap();
+        for bad in [Duration::ZERO, MAX_EVENT_AGE + Duration::from_secs(1)] {
+            settings.max_event_age = Some(bad);
+            assert!(settings.validate("subscription").is_err(), "{bad:?}");
+        }
     }
 
     #[test]
