@@ -1007,3 +1007,46 @@ async fn the_cli_publishes_scheduled_and_expiring_events() {
     assert!(reversed.contains("expires_at"), "{reversed}");
     assert_eq!(count_events(&database.pool().await).await, 2);
 }
+
+#[tokio::test]
+async fn an_event_that_expires_while_waiting_in_order_frees_its_aggregate() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            ..subscription("ordered")
+        },
+    )
+    .await;
+    let lifetime = Duration::from_secs(2);
+    let expires = SystemTime::now() + lifetime;
+    publish(
+        &gateway,
+        vec![
+            event("x", "step.one"),
+            proto::EventInput {
+                expires_at: Some(in_(lifetime)),
+                ..event("x", "step.two")
+            },
+            event("x", "step.three"),
+        ],
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "ordered", 10).await;
+    let first = consumer.take(1, ARRIVES).await;
+    assert_eq!(first[0].event.as_ref().unwrap().event_type, "step.one");
+    poll_until(ARRIVES, POLL, || async {
+        (SystemTime::now() > expires).then_some(())
+    })
+    .await;
+    ack(&gateway, "ordered", vec![first[0].ack_id.clone()]).await;
+    let next = consumer.take(1, ARRIVES).await;
+    assert_eq!(
+        next[0].event.as_ref().unwrap().event_type,
+        "step.three",
+        "the expired event went out, or held its aggregate"
+    );
+    assert_eq!(stats_of(&gateway, "ordered").await.expired_total, 1);
+}

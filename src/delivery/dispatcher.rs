@@ -450,7 +450,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     Claimed::Some {
                         count,
                         bytes,
-                        read_full_batch,
+                        again,
                     } => {
                         remaining.count = remaining.count.saturating_sub(count);
                         remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
@@ -458,9 +458,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                             full_batch = true;
                             break;
                         }
-                        // Scheduled or expired events filled the read, not the room:
-                        // read on at once rather than at the next wake-up.
-                        full_batch |= read_full_batch;
+                        // Read on at once rather than at the next wake-up.
+                        full_batch |= again;
                     }
                     Claimed::NotReadingYet => {
                         // Deleted, or not reading this source yet.
@@ -549,12 +548,13 @@ fn wants_claim(dispatcher: &Dispatcher, relay: &Relay, source: &Source) -> bool 
 }
 
 enum Claimed {
-    /// Claimed this many deliveries and bytes (perhaps none); `read_full_batch`: it read
-    /// all the new events it could, so more may be waiting.
+    /// Claimed this many deliveries and bytes (perhaps none); `again`: claim again at
+    /// once, room or not used up — the read was full of events that did not go out
+    /// (scheduled, expired), or it freed aggregates whose next events are due now.
     Some {
         count: usize,
         bytes: u64,
-        read_full_batch: bool,
+        again: bool,
     },
     /// The subscription has no read position in this source yet.
     NotReadingYet,
@@ -630,6 +630,7 @@ async fn claim(
         known.failing = None;
         known.more_waiting =
             count >= limits.count || bytes >= limits.bytes || claim.read_full_batch;
+        known.due_pending |= claim.made_due;
         // Wake when the first event it scheduled here is due (the due claim takes it).
         if let Some(due) = claim.next_scheduled {
             known.retry_at = Some(known.retry_at.map_or(due, |at| at.min(due)));
@@ -652,7 +653,7 @@ async fn claim(
     Claimed::Some {
         count,
         bytes,
-        read_full_batch: claim.read_full_batch,
+        again: claim.read_full_batch || claim.made_due,
     }
 }
 

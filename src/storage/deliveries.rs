@@ -34,6 +34,9 @@ pub struct Claim {
     /// The claim read as many new events as it could (some of them scheduled or expired,
     /// so not delivered): more may be waiting even when few went out.
     pub read_full_batch: bool,
+    /// Records it dead-lettered or dropped freed their aggregates on an ordered
+    /// subscription: the next events of those are due now.
+    pub made_due: bool,
 }
 
 /// How much one claim may lease.
@@ -110,6 +113,7 @@ impl Store {
             }
         }
         promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
+        let made_due = !freed_keys.is_empty();
 
         let due_count = deliveries.len() as i64;
         let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
@@ -173,6 +177,7 @@ impl Store {
             expired,
             next_scheduled,
             read_full_batch,
+            made_due,
         }))
     }
 
