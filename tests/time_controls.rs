@@ -1050,3 +1050,55 @@ async fn an_event_that_expires_while_waiting_in_order_frees_its_aggregate() {
     );
     assert_eq!(stats_of(&gateway, "ordered").await.expired_total, 1);
 }
+
+#[tokio::test]
+async fn the_cli_takes_times_per_line_from_standard_input() {
+    use tokio::io::AsyncWriteExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["publish", "--stdin", "--ttl", "1h", "--json"])
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the CLI");
+    let deliver_at = chrono::Utc::now() + chrono::Duration::minutes(5);
+    let lines = format!(
+        "{{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-1\",\"event_type\":\"order.remind\",\"deliver_at\":\"{}\"}}\n\
+         {{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-2\",\"event_type\":\"order.remind\"}}\n",
+        deliver_at.to_rfc3339()
+    );
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(lines.as_bytes()).await.unwrap();
+    drop(stdin);
+    let output = child.wait_with_output().await.unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let ids: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| {
+            serde_json::from_str::<Value>(line).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    let scheduled = stored_event(&gateway, &ids[0]).await;
+    assert_eq!(
+        scheduled.deliver_at.map(|at| at.seconds),
+        Some(deliver_at.timestamp())
+    );
+    // The TTL counts from the line's own delivery time.
+    assert_eq!(
+        scheduled.expires_at.unwrap().seconds - scheduled.deliver_at.unwrap().seconds,
+        3600
+    );
+    let plain = stored_event(&gateway, &ids[1]).await;
+    assert_eq!(plain.deliver_at, None);
+    assert!(plain.expires_at.is_some());
+}

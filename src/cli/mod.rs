@@ -361,7 +361,8 @@ pub struct RequeueArgs {
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
     /// Read events as JSON lines from standard input instead of flags. Each line is an
-    /// object with the EventInput fields; `payload` is any JSON value.
+    /// object with the EventInput fields; `payload` is any JSON value, `deliver_at` and
+    /// `expires_at` RFC 3339 times.
     #[arg(long, conflicts_with_all = ["aggregate_type", "aggregate_id", "event_type"])]
     stdin: bool,
     #[arg(long, required_unless_present = "stdin")]
@@ -397,38 +398,48 @@ pub struct PublishArgs {
 }
 
 impl PublishArgs {
-    /// The delivery time and expiry the flags ask for, as absolute times.
-    fn times(
+    /// The delivery time the flags ask for.
+    fn deliver_at(&self) -> Result<Option<prost_types::Timestamp>, String> {
+        match (self.deliver_at, self.delay) {
+            (Some(at), _) => Ok(Some(at)),
+            (None, Some(delay)) => Ok(Some(from_now(
+                "delay",
+                std::time::SystemTime::now(),
+                delay,
+            )?)),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The expiry the flags ask for, for an event delivered at `deliver_at`: a TTL counts
+    /// from then (or from now, when that is earlier or unset).
+    fn expires_at(
         &self,
-    ) -> Result<
-        (
-            Option<prost_types::Timestamp>,
-            Option<prost_types::Timestamp>,
-        ),
-        String,
-    > {
-        let now = std::time::SystemTime::now();
-        let later = |flag: &str, from: std::time::SystemTime, by: std::time::Duration| {
-            from.checked_add(by)
-                .ok_or_else(|| format!("--{flag} {} is too long", humantime::format_duration(by)))
-        };
-        let deliver_at = match (self.deliver_at, self.delay) {
-            (Some(at), _) => Some(at),
-            (None, Some(delay)) => Some(later("delay", now, delay)?.into()),
-            (None, None) => None,
-        };
-        let expires_at = match (self.expires_at, self.ttl) {
-            (Some(at), _) => Some(at),
+        deliver_at: Option<prost_types::Timestamp>,
+    ) -> Result<Option<prost_types::Timestamp>, String> {
+        match (self.expires_at, self.ttl) {
+            (Some(at), _) => Ok(Some(at)),
             (None, Some(ttl)) => {
+                let now = std::time::SystemTime::now();
                 let deliverable = deliver_at
                     .and_then(|at| std::time::SystemTime::try_from(at).ok())
                     .map_or(now, |at| at.max(now));
-                Some(later("ttl", deliverable, ttl)?.into())
+                Ok(Some(from_now("ttl", deliverable, ttl)?))
             }
-            (None, None) => None,
-        };
-        Ok((deliver_at, expires_at))
+            (None, None) => Ok(None),
+        }
     }
+}
+
+/// `from` plus the duration given with `--flag`.
+fn from_now(
+    flag: &str,
+    from: std::time::SystemTime,
+    by: std::time::Duration,
+) -> Result<prost_types::Timestamp, String> {
+    from.checked_add(by)
+        .map(prost_types::Timestamp::from)
+        .ok_or_else(|| format!("--{flag} {} is too long", humantime::format_duration(by)))
 }
 
 #[derive(Debug, clap::Args)]
@@ -853,10 +864,26 @@ struct EventLine {
     payload: Value,
     #[serde(default)]
     metadata: HashMap<String, String>,
+    /// RFC 3339; overrides --deliver-at/--delay for this event.
+    #[serde(default)]
+    deliver_at: Option<String>,
+    /// RFC 3339; overrides --expires-at/--ttl for this event.
+    #[serde(default)]
+    expires_at: Option<String>,
+}
+
+/// An optional RFC 3339 time of a `publish --stdin` line.
+fn line_time(
+    number: usize,
+    field: &str,
+    text: Option<&str>,
+) -> Result<Option<prost_types::Timestamp>, String> {
+    text.map(|text| parse_time(text).map_err(|error| format!("line {number}: {field}: {error}")))
+        .transpose()
 }
 
 async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
-    let (deliver_at, expires_at) = args.times()?;
+    let deliver_at = args.deliver_at()?;
     let events = if args.stdin {
         let mut events = Vec::new();
         for (number, line) in std::io::stdin().lock().lines().enumerate() {
@@ -866,6 +893,13 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
             }
             let event: EventLine = serde_json::from_str(&line)
                 .map_err(|error| format!("line {}: {error}", number + 1))?;
+            let line_deliver_at =
+                line_time(number + 1, "deliver_at", event.deliver_at.as_deref())?.or(deliver_at);
+            let line_expires_at =
+                match line_time(number + 1, "expires_at", event.expires_at.as_deref())? {
+                    Some(at) => Some(at),
+                    None => args.expires_at(line_deliver_at)?,
+                };
             events.push(proto::EventInput {
                 id: event.id,
                 aggregate_type: event.aggregate_type,
@@ -874,8 +908,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
                 event_type: event.event_type,
                 payload: event.payload.to_string().into_bytes(),
                 metadata: event.metadata,
-                deliver_at,
-                expires_at,
+                deliver_at: line_deliver_at,
+                expires_at: line_expires_at,
                 ..Default::default()
             });
         }
@@ -883,6 +917,7 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     } else {
         serde_json::from_str::<Value>(&args.payload)
             .map_err(|error| format!("--payload is not JSON: {error}"))?;
+        let expires_at = args.expires_at(deliver_at)?;
         vec![proto::EventInput {
             id: args.id.unwrap_or_default(),
             aggregate_type: args.aggregate_type.unwrap_or_default(),
