@@ -20,10 +20,12 @@ $$;
 
 -- Only the columns a writer may set; position and xact_id are the database's.
 GRANT INSERT (id, aggregate_type, aggregate_id, aggregate_version, event_type, payload,
-              content_type, metadata, occurred_at)
+              content_type, metadata, occurred_at, deliver_at, expires_at)
     ON outbox_events TO outbox_writer;
 
-GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, jsonb, jsonb, uuid, bigint, timestamptz)
+GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, jsonb, jsonb, uuid, bigint, timestamptz,
+                                         timestamptz, timestamptz)
     TO outbox_writer;
-GRANT EXECUTE ON FUNCTION outbox_publish_bytes(text, text, text, bytea, text, jsonb, uuid, bigint, timestamptz)
+GRANT EXECUTE ON FUNCTION outbox_publish_bytes(text, text, text, bytea, text, jsonb, uuid, bigint,
+                                               timestamptz, timestamptz, timestamptz)
     TO outbox_writer;

@@ -111,6 +111,10 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_MAX_METADATA_BYTES")]
     pub max_metadata_bytes: Option<usize>,
 
+    /// Furthest ahead an event's deliver_at may be. [default: 90d]
+    #[arg(long, env = "OUTBOX_MAX_SCHEDULE_AHEAD")]
+    pub max_schedule_ahead: Option<DurationSetting>,
+
     /// Safety-net poll of the relay when no wake-up arrives. [default: 1s]
     #[arg(long, env = "OUTBOX_POLL_INTERVAL")]
     pub poll_interval: Option<DurationSetting>,
@@ -386,6 +390,10 @@ impl Config {
                 max_metadata_bytes: settings
                     .max_metadata_bytes
                     .unwrap_or(limit_defaults.max_metadata_bytes),
+                max_schedule_ahead: duration(
+                    settings.max_schedule_ahead,
+                    limit_defaults.max_schedule_ahead,
+                ),
             },
             delivery: DeliveryConfig {
                 poll_interval: duration(settings.poll_interval, delivery_defaults.poll_interval),
@@ -654,6 +662,7 @@ impl Settings {
             max_payload_bytes,
             max_metadata_entries,
             max_metadata_bytes,
+            max_schedule_ahead,
             poll_interval,
             default_max_in_flight,
             max_in_flight_limit,

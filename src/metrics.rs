@@ -103,6 +103,12 @@ pub fn dead_lettered(subscription: &str, source: &str, count: u64) {
     .increment(count);
 }
 
+/// Events a subscription let expire (dead-lettered or dropped) instead of delivering.
+pub fn expired(subscription: &str, count: u64) {
+    counter!("outbox_events_expired_total", "subscription" => subscription.to_owned())
+        .increment(count);
+}
+
 pub fn requeued(subscription: &str, source: &str, count: u64) {
     counter!("outbox_requeued_total", &per_source(subscription, source)).increment(count);
 }
@@ -135,6 +141,7 @@ pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chr
         .map_or(0.0, |at| (now - at).num_milliseconds().max(0) as f64 / 1e3);
     gauge!("outbox_subscription_oldest_unacked_age_seconds", &labels).set(age);
     gauge!("outbox_subscription_late_transactions", &labels).set(stats.late_transactions as f64);
+    gauge!("outbox_subscription_scheduled", &labels).set(stats.scheduled as f64);
 }
 
 /// 1 while the source can be reached, 0 while it cannot.

@@ -756,6 +756,9 @@ fn total(subscription: &Subscription, per_source: &[SubscriptionStats]) -> Subsc
         delivered_total: sum(|s| s.delivered_total),
         acked_total: sum(|s| s.acked_total),
         late_transactions: sum(|s| s.late_transactions),
+        expired_total: sum(|s| s.expired_total),
+        scheduled: sum(|s| s.scheduled),
+        next_scheduled_at: per_source.iter().filter_map(|s| s.next_scheduled_at).min(),
     }
 }
 

@@ -1,4 +1,5 @@
-//! Subscription management: create, read, list, change, seek and delete.
+//! Subscription management: create, read, list, change, pause and resume, seek and
+//! delete.
 //!
 //! Definitions live in the `default` source. Each source a subscription reads holds its
 //! read position there; it is created with the subscription, or — for a source that was
@@ -8,10 +9,12 @@
 
 use std::collections::HashSet;
 
+use chrono::{DateTime, Utc};
+
 use crate::{
     delivery::Relay,
     domain::{
-        SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
+        Pause, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
         SubscriptionSettings,
     },
     error::{Error, Result},
@@ -104,6 +107,29 @@ impl Subscriptions {
         Ok(updated)
     }
 
+    /// Stops new deliveries of the subscription until [`Subscriptions::resume`] or
+    /// `until`; deliveries already out still settle. See [`Relay::pause`].
+    pub async fn pause(
+        &self,
+        name: &SubscriptionName,
+        reason: &str,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<Subscription> {
+        Pause::validate(reason, until, Utc::now())?;
+        self.relay.pause(name, reason, until).await
+    }
+
+    /// Ends the subscription's pause, whoever set it; a no-op when it is not paused.
+    pub async fn resume(&self, name: &SubscriptionName) -> Result<Subscription> {
+        let resumed = self
+            .definitions()
+            .resume_subscription(name)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.relay.subscription_changed(resumed.id);
+        Ok(resumed)
+    }
+
     /// Moves the subscription's read position in every source it reads (replay or skip
     /// ahead). Refused, changing nothing, when one of them cannot be reached.
     pub async fn seek(&self, name: &SubscriptionName, to: StartPosition) -> Result<()> {
@@ -180,6 +206,6 @@ pub(crate) async fn find(definitions: &Store, name: &SubscriptionName) -> Result
         .ok_or_else(|| not_found(name))
 }
 
-fn not_found(name: &SubscriptionName) -> Error {
+pub(crate) fn not_found(name: &SubscriptionName) -> Error {
     Error::NotFound(format!("subscription {name:?} does not exist"))
 }

@@ -1118,3 +1118,46 @@ async fn under_tls_the_console_speaks_only_tls_and_its_cookie_is_secure() {
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test]
+async fn a_subscription_page_shows_its_pause_schedule_and_expiry() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_event_age: seconds(600),
+            dead_letter_expired: true,
+            ..subscription("reminders")
+        },
+    )
+    .await;
+    gateway
+        .admin()
+        .await
+        .pause_subscription(proto::PauseSubscriptionRequest {
+            name: "reminders".into(),
+            reason: "downstream outage".into(),
+            until: None,
+        })
+        .await
+        .expect("pause");
+    let in_an_hour =
+        prost_types::Timestamp::from(std::time::SystemTime::now() + Duration::from_secs(3600));
+    publish(
+        &gateway,
+        vec![proto::EventInput {
+            deliver_at: Some(in_an_hour),
+            ..event("r-1", "reminder.due")
+        }],
+    )
+    .await;
+
+    let mut browser = Browser::new(gateway.console.unwrap());
+    let page = browser.get("/subscriptions/reminders").await;
+    page.expect(StatusCode::OK, "downstream outage")
+        .expect(StatusCode::OK, "events older than 10 min")
+        .expect(StatusCode::OK, "expired events are dead-lettered");
+    assert_eq!(page.stat("reminders.scheduled"), 1);
+    assert_eq!(page.stat("reminders.expired_total"), 0);
+}

@@ -101,6 +101,8 @@ fn any_event() -> impl Strategy<Value = proto::EventInput> {
                     content_type,
                     metadata: metadata.into_iter().collect(),
                     occurred_at,
+                    deliver_at: None,
+                    expires_at: None,
                 }
             },
         )

@@ -75,6 +75,8 @@ fn valid_event() -> NewEvent {
         content_type: "application/json".into(),
         metadata: BTreeMap::new(),
         occurred_at: None,
+        deliver_at: None,
+        expires_at: None,
     }
 }
 
@@ -137,6 +139,8 @@ proptest! {
             content_type,
             metadata,
             occurred_at: None,
+            deliver_at: None,
+            expires_at: None,
         };
         if event.validate(0, &PublishLimits::default()).is_ok() {
             prop_assert!(check_regex_accepts(&event.event_type), "{:?}", event.event_type);
@@ -541,6 +545,22 @@ fn every_rpc() -> Vec<Rpc> {
             proto::SummarizeDeadLettersRequest {
                 subscription: "orders".into(),
                 ..Default::default()
+            }
+        ),
+        rpc!(
+            "/outbox.v1.Admin/PauseSubscription",
+            proto::PauseSubscriptionRequest,
+            proto::PauseSubscriptionRequest {
+                name: "orders".into(),
+                reason: "deploy".into(),
+                ..Default::default()
+            }
+        ),
+        rpc!(
+            "/outbox.v1.Admin/ResumeSubscription",
+            proto::ResumeSubscriptionRequest,
+            proto::ResumeSubscriptionRequest {
+                name: "orders".into()
             }
         ),
         rpc!(

@@ -218,6 +218,16 @@ async fn metrics_match_a_known_scenario_exactly() {
     )
     .await;
     let channel = gateway.channel().await;
+    // A direct writer's event that expired before anyone could read it.
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, \
+             occurred_at, expires_at) \
+         VALUES ('quote', 'q-1', 'quote.offered', '{}', now() - interval '1 hour', \
+                 now() - interval '1 minute')",
+    )
+    .execute(&database.pool().await)
+    .await
+    .unwrap();
     let events = vec![
         event("o-1", "order.created"),
         event("o-2", "order.created"),
@@ -257,7 +267,7 @@ async fn metrics_match_a_known_scenario_exactly() {
     .await;
     let metrics = Metrics::scrape(&url).await;
     let publish = ("method", "/outbox.v1.Publisher/Publish");
-    let expected: [(&str, Labels, f64); 14] = [
+    let expected: [(&str, Labels, f64); 15] = [
         (
             "outbox_events_published_total",
             &[("event_type", "order.created")],
@@ -276,7 +286,8 @@ async fn metrics_match_a_known_scenario_exactly() {
         ("outbox_subscription_in_flight", &orders, 1.0),
         ("outbox_subscription_awaiting_retry", &orders, 0.0),
         ("outbox_subscription_dead_letters", &orders, 1.0),
-        ("outbox_events_stored", &[], 5.0),
+        ("outbox_events_stored", &[], 6.0),
+        ("outbox_events_expired_total", &orders_only, 1.0),
         ("outbox_commit_to_delivery_seconds_count", &orders_only, 5.0),
         ("outbox_deliver_to_ack_seconds_count", &orders_only, 3.0),
         ("outbox_rpc_requests_total", &[publish, ("code", "Ok")], 1.0),

@@ -32,6 +32,15 @@ async fn publishes_one_event_with_every_field_stored() {
             seconds: 1_700_000_000,
             nanos: 123_456_789,
         }),
+        // Due at once (a past time), expiring in the far future.
+        deliver_at: Some(prost_types::Timestamp {
+            seconds: 1_700_000_001,
+            nanos: 0,
+        }),
+        expires_at: Some(prost_types::Timestamp {
+            seconds: 4_000_000_000,
+            nanos: 0,
+        }),
     };
     let results = publish(&gateway, vec![input]).await;
     assert_eq!(
@@ -45,7 +54,9 @@ async fn publishes_one_event_with_every_field_stored() {
     let pool = database.pool().await;
     let row = sqlx::query(
         "SELECT aggregate_type, aggregate_id, aggregate_version, event_type, payload, content_type, \
-         metadata->>'tenant' AS tenant, extract(epoch FROM occurred_at)::float8 AS occurred \
+         metadata->>'tenant' AS tenant, extract(epoch FROM occurred_at)::float8 AS occurred, \
+         extract(epoch FROM deliver_at)::float8 AS deliver, \
+         extract(epoch FROM expires_at)::float8 AS expires \
          FROM outbox_events WHERE id = $1::uuid",
     )
     .bind(&id)
@@ -60,6 +71,8 @@ async fn publishes_one_event_with_every_field_stored() {
     assert_eq!(row.get::<String, _>("content_type"), "application/json");
     assert_eq!(row.get::<String, _>("tenant"), "acme");
     assert!((row.get::<f64, _>("occurred") - 1_700_000_000.123_456).abs() < 1e-6);
+    assert_eq!(row.get::<f64, _>("deliver"), 1_700_000_001.0);
+    assert_eq!(row.get::<f64, _>("expires"), 4_000_000_000.0);
 }
 
 #[tokio::test]

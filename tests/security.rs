@@ -507,6 +507,31 @@ async fn viewers_may_read_the_admin_figures_and_change_nothing() {
         "admin role",
     );
     assert_status(
+        admin
+            .pause_subscription(with_token(
+                proto::PauseSubscriptionRequest {
+                    name: "orders".into(),
+                    ..Default::default()
+                },
+                "watcher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    assert_status(
+        admin
+            .resume_subscription(with_token(
+                proto::ResumeSubscriptionRequest {
+                    name: "orders".into(),
+                },
+                "watcher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    assert_status(
         PublisherClient::new(gateway.channel().await)
             .publish(with_token(publish_request("order.created"), "watcher"))
             .await,

@@ -781,3 +781,80 @@ async fn the_cli_lists_the_sources_and_their_state() {
         );
     }
 }
+
+#[tokio::test]
+async fn scheduled_and_expiring_events_work_in_every_source() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    create_subscription(
+        gateway,
+        proto::Subscription {
+            dead_letter_expired: true,
+            ..subscription("all")
+        },
+    )
+    .await;
+    let mut consumer = Consumer::open(gateway, "all", 10).await;
+    // In the orders database: one event due in two seconds and one already expired,
+    // written directly; in billing, one plain event.
+    let orders = setup.orders.pool().await;
+    sqlx::query(
+        "SELECT outbox_publish('order', 'o-later', 'order.remind', '{}'::jsonb, \
+             p_deliver_at => now() + interval '2 seconds')",
+    )
+    .execute(&orders)
+    .await
+    .unwrap();
+    sqlx::query(
+        "SELECT outbox_publish('order', 'o-stale', 'order.quote', '{}'::jsonb, \
+             p_occurred_at => now() - interval '1 hour', p_expires_at => now() - interval '1 minute')",
+    )
+    .execute(&orders)
+    .await
+    .unwrap();
+    publish_to(gateway, "billing", "b-1", "invoice.created").await;
+
+    let mut seen = BTreeSet::new();
+    for _ in 0..2 {
+        let delivery = consumer.take(1, WAIT).await.remove(0);
+        let event = delivery.event.as_ref().unwrap();
+        if let Some(deliver_at) = event.deliver_at {
+            let due = std::time::SystemTime::try_from(deliver_at).unwrap();
+            assert!(
+                std::time::SystemTime::now() >= due,
+                "delivered before its time"
+            );
+        }
+        seen.insert((source_of(&delivery), aggregate_of(&delivery)));
+    }
+    assert_eq!(
+        seen,
+        BTreeSet::from([
+            ("billing".to_owned(), "b-1".to_owned()),
+            ("orders".to_owned(), "o-later".to_owned())
+        ])
+    );
+    eventually(
+        "the expired event is a dead letter in orders",
+        WAIT,
+        || async {
+            let stats = gateway
+                .admin()
+                .await
+                .get_stats(proto::GetStatsRequest {
+                    subscription: "all".into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let total = &stats.subscriptions[0];
+            total.expired_total == 1
+                && total.dead_lettered == 1
+                && total.sources.iter().any(|per_source| {
+                    per_source.source == "orders" && per_source.expired_total == 1
+                })
+        },
+    )
+    .await;
+    assert!(consumer.next(QUIET).await.is_none());
+}

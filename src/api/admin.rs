@@ -90,6 +90,33 @@ impl AdminService for AdminApi {
         Ok(Response::new(convert::subscription(subscription)))
     }
 
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn pause_subscription(
+        &self,
+        request: Request<proto::PauseSubscriptionRequest>,
+    ) -> Result<Response<proto::Subscription>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let request = request.into_inner();
+        let name = convert::subscription_name("name", &request.name)?;
+        let until = convert::optional_timestamp("until", request.until)?;
+        let subscription = self
+            .subscriptions
+            .pause(&name, &request.reason, until)
+            .await?;
+        Ok(Response::new(convert::subscription(subscription)))
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn resume_subscription(
+        &self,
+        request: Request<proto::ResumeSubscriptionRequest>,
+    ) -> Result<Response<proto::Subscription>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let name = convert::subscription_name("name", &request.into_inner().name)?;
+        let subscription = self.subscriptions.resume(&name).await?;
+        Ok(Response::new(convert::subscription(subscription)))
+    }
+
     #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]
     async fn seek_subscription(
         &self,

@@ -44,6 +44,8 @@ pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEve
         },
         metadata: input.metadata.into_iter().collect(),
         occurred_at,
+        deliver_at: optional_timestamp(&field("deliver_at"), input.deliver_at)?,
+        expires_at: optional_timestamp(&field("expires_at"), input.expires_at)?,
     })
 }
 
@@ -60,6 +62,8 @@ pub(super) fn event(event: Event) -> proto::Event {
         metadata: event.metadata.into_iter().collect(),
         occurred_at: Some(datetime_to_timestamp(event.occurred_at)),
         created_at: Some(datetime_to_timestamp(event.created_at)),
+        deliver_at: event.deliver_at.map(datetime_to_timestamp),
+        expires_at: event.expires_at.map(datetime_to_timestamp),
     }
 }
 
@@ -153,6 +157,8 @@ pub(super) fn new_subscription(
             "subscription.persistent_event_types",
             &message.persistent_event_types,
         )?,
+        max_event_age: optional_duration("subscription.max_event_age", message.max_event_age)?,
+        dead_letter_expired: message.dead_letter_expired,
     };
     let start = start_position("subscription.start", message.start)?;
     let sources = message
@@ -165,8 +171,21 @@ pub(super) fn new_subscription(
 }
 
 pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
+    let pause = subscription.pause_in_force(Utc::now()).cloned();
     let settings = subscription.settings;
     proto::Subscription {
+        paused: pause.is_some(),
+        pause_reason: pause
+            .as_ref()
+            .map(|pause| pause.reason.clone())
+            .unwrap_or_default(),
+        paused_until: pause
+            .as_ref()
+            .and_then(|pause| pause.until)
+            .map(datetime_to_timestamp),
+        paused_at: pause
+            .as_ref()
+            .map(|pause| datetime_to_timestamp(pause.since)),
         name: subscription.name.as_str().to_owned(),
         event_types: settings.event_types.to_strings(),
         aggregate_types: settings.aggregate_types,
@@ -178,6 +197,8 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
         retry_backoff_max: Some(duration_to_proto(settings.retry_backoff_max)),
         ordered: settings.ordered,
         persistent_event_types: settings.persistent_event_types.to_strings(),
+        max_event_age: settings.max_event_age.map(duration_to_proto),
+        dead_letter_expired: settings.dead_letter_expired,
         created_at: Some(datetime_to_timestamp(subscription.created_at)),
         sources: subscription
             .sources
@@ -339,10 +360,24 @@ pub(super) fn subscription_patch(
                 patch.persistent_event_types =
                     Some(patterns(&field(path), &message.persistent_event_types)?);
             }
+            // Unset removes the limit.
+            "max_event_age" => {
+                patch.max_event_age = Some(optional_duration(&field(path), message.max_event_age)?);
+            }
+            "dead_letter_expired" => patch.dead_letter_expired = Some(message.dead_letter_expired),
             "name" | "start" | "ordered" | "created_at" | "sources" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),
+                ));
+            }
+            "paused" | "pause_reason" | "paused_until" | "paused_at" => {
+                return Err(Error::invalid(
+                    format!("update_mask.paths[{index}]"),
+                    format!(
+                        "{} changes only through PauseSubscription and ResumeSubscription",
+                        Echo(path)
+                    ),
                 ));
             }
             _ => {
@@ -542,6 +577,9 @@ fn subscription_stats(
         acked_total: stats.acked_total,
         late_transactions: stats.late_transactions,
         sources: Vec::new(),
+        expired_total: stats.expired_total,
+        scheduled: stats.scheduled,
+        next_scheduled_at: stats.next_scheduled_at.map(datetime_to_timestamp),
     }
 }
 

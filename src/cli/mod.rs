@@ -109,7 +109,7 @@ fn code_name(code: Code) -> &'static str {
 /// Client commands of the binary.
 #[derive(Debug, clap::Subcommand)]
 pub enum ClientCommand {
-    /// Create, list, show, change, delete or seek subscriptions.
+    /// Create, list, show, change, pause, resume, delete or seek subscriptions.
     Subscriptions {
         #[command(flatten)]
         target: Target,
@@ -196,6 +196,13 @@ pub struct SubscriptionSettingsArgs {
     /// Event-type pattern that never dead-letters; repeatable.
     #[arg(long = "persistent-event-type")]
     persistent_event_types: Vec<String>,
+    /// Let events older than this expire instead of delivering them, e.g. 10m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    max_event_age: Option<Duration>,
+    /// Dead-letter expired events (error "expired") instead of dropping them; `false` to
+    /// switch it off again.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    dead_letter_expired: Option<bool>,
 }
 
 impl SubscriptionSettingsArgs {
@@ -212,6 +219,8 @@ impl SubscriptionSettingsArgs {
             retry_backoff_min: duration(self.retry_backoff_min),
             retry_backoff_max: duration(self.retry_backoff_max),
             persistent_event_types: self.persistent_event_types,
+            max_event_age: duration(self.max_event_age),
+            dead_letter_expired: self.dead_letter_expired.unwrap_or(false),
             ..Default::default()
         }
     }
@@ -230,6 +239,8 @@ impl SubscriptionSettingsArgs {
                 "persistent_event_types",
                 !self.persistent_event_types.is_empty(),
             ),
+            ("max_event_age", self.max_event_age.is_some()),
+            ("dead_letter_expired", self.dead_letter_expired.is_some()),
         ];
         given
             .into_iter()
@@ -265,6 +276,18 @@ pub enum SubscriptionCommand {
     },
     /// Delete a subscription with its delivery records and dead letters.
     Delete { name: String },
+    /// Stop handing out new deliveries (acks of those already out still apply).
+    Pause {
+        name: String,
+        /// Resume by itself then: an RFC 3339 time, or a duration from now ("30m").
+        #[arg(long, value_parser = parse_until)]
+        until: Option<prost_types::Timestamp>,
+        /// Why, shown with the subscription.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Hand out deliveries again after a pause.
+    Resume { name: String },
     /// Replay from a time or the earliest event, or skip ahead to now.
     Seek {
         name: String,
@@ -358,7 +381,8 @@ pub struct RequeueArgs {
 #[derive(Debug, clap::Args)]
 pub struct PublishArgs {
     /// Read events as JSON lines from standard input instead of flags. Each line is an
-    /// object with the EventInput fields; `payload` is any JSON value.
+    /// object with the EventInput fields; `payload` is any JSON value, `deliver_at` and
+    /// `expires_at` RFC 3339 times.
     #[arg(long, conflicts_with_all = ["aggregate_type", "aggregate_id", "event_type"])]
     stdin: bool,
     #[arg(long, required_unless_present = "stdin")]
@@ -381,6 +405,64 @@ pub struct PublishArgs {
     /// The source database to write to (`default` when omitted).
     #[arg(long, default_value = "")]
     source: String,
+    /// Deliver no earlier than this RFC 3339 time (every event published).
+    #[arg(long, value_parser = parse_time, conflicts_with = "delay")]
+    deliver_at: Option<prost_types::Timestamp>,
+    /// Deliver no earlier than this long from now, e.g. 15m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    delay: Option<std::time::Duration>,
+    /// Deliver no more from this RFC 3339 time on.
+    #[arg(long, value_parser = parse_time, conflicts_with = "ttl")]
+    expires_at: Option<prost_types::Timestamp>,
+    /// Deliver no more once the event has been deliverable this long (from now, or from
+    /// its delivery time when scheduled), e.g. 10m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Option<std::time::Duration>,
+}
+
+impl PublishArgs {
+    /// The delivery time the flags ask for.
+    fn deliver_at(&self) -> Result<Option<prost_types::Timestamp>, String> {
+        match (self.deliver_at, self.delay) {
+            (Some(at), _) => Ok(Some(at)),
+            (None, Some(delay)) => Ok(Some(from_now(
+                "delay",
+                std::time::SystemTime::now(),
+                delay,
+            )?)),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The expiry the flags ask for, for an event delivered at `deliver_at`: a TTL counts
+    /// from then (or from now, when that is earlier or unset).
+    fn expires_at(
+        &self,
+        deliver_at: Option<prost_types::Timestamp>,
+    ) -> Result<Option<prost_types::Timestamp>, String> {
+        match (self.expires_at, self.ttl) {
+            (Some(at), _) => Ok(Some(at)),
+            (None, Some(ttl)) => {
+                let now = std::time::SystemTime::now();
+                let deliverable = deliver_at
+                    .and_then(|at| std::time::SystemTime::try_from(at).ok())
+                    .map_or(now, |at| at.max(now));
+                Ok(Some(from_now("ttl", deliverable, ttl)?))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// `from` plus the duration given with `--flag`.
+fn from_now(
+    flag: &str,
+    from: std::time::SystemTime,
+    by: std::time::Duration,
+) -> Result<prost_types::Timestamp, String> {
+    from.checked_add(by)
+        .map(prost_types::Timestamp::from)
+        .ok_or_else(|| format!("--{flag} {} is too long", humantime::format_duration(by)))
 }
 
 #[derive(Debug, clap::Args)]
@@ -420,6 +502,23 @@ fn parse_time(text: &str) -> Result<prost_types::Timestamp, String> {
     Ok(prost_types::Timestamp {
         seconds: time.timestamp(),
         nanos: time.timestamp_subsec_nanos() as i32,
+    })
+}
+
+/// A point in time: RFC 3339, or a duration from now.
+fn parse_until(text: &str) -> Result<prost_types::Timestamp, String> {
+    if let Ok(time) = parse_time(text) {
+        return Ok(time);
+    }
+    let delay = humantime::parse_duration(text)
+        .map_err(|_| format!("{text:?} is neither an RFC 3339 time nor a duration like 30m"))?;
+    let at = chrono::Duration::from_std(delay)
+        .ok()
+        .and_then(|delay| chrono::Utc::now().checked_add_signed(delay))
+        .ok_or_else(|| format!("{text:?} is too far in the future"))?;
+    Ok(prost_types::Timestamp {
+        seconds: at.timestamp(),
+        nanos: at.timestamp_subsec_nanos() as i32,
     })
 }
 
@@ -522,6 +621,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                             render::duration(&s.ack_deadline),
                             s.max_attempts.unwrap_or_default().to_string(),
                             s.ordered.to_string(),
+                            s.paused.to_string(),
                         ]
                     })
                     .collect();
@@ -533,6 +633,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                         "ACK DEADLINE",
                         "MAX ATTEMPTS",
                         "ORDERED",
+                        "PAUSED",
                     ],
                     &rows,
                 );
@@ -565,6 +666,28 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .await
                 .map_err(describe)?;
             target.print(json!({ "deleted": name }), || println!("deleted {name}"));
+        }
+        SubscriptionCommand::Pause {
+            name,
+            until,
+            reason,
+        } => {
+            let paused = admin
+                .pause_subscription(proto::PauseSubscriptionRequest {
+                    name,
+                    reason,
+                    until,
+                })
+                .await
+                .map_err(describe)?;
+            show(paused.into_inner());
+        }
+        SubscriptionCommand::Resume { name } => {
+            let resumed = admin
+                .resume_subscription(proto::ResumeSubscriptionRequest { name })
+                .await
+                .map_err(describe)?;
+            show(resumed.into_inner());
         }
         SubscriptionCommand::Seek { name, to } => {
             admin
@@ -785,9 +908,26 @@ struct EventLine {
     payload: Value,
     #[serde(default)]
     metadata: HashMap<String, String>,
+    /// RFC 3339; overrides --deliver-at/--delay for this event.
+    #[serde(default)]
+    deliver_at: Option<String>,
+    /// RFC 3339; overrides --expires-at/--ttl for this event.
+    #[serde(default)]
+    expires_at: Option<String>,
+}
+
+/// An optional RFC 3339 time of a `publish --stdin` line.
+fn line_time(
+    number: usize,
+    field: &str,
+    text: Option<&str>,
+) -> Result<Option<prost_types::Timestamp>, String> {
+    text.map(|text| parse_time(text).map_err(|error| format!("line {number}: {field}: {error}")))
+        .transpose()
 }
 
 async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
+    let deliver_at = args.deliver_at()?;
     let events = if args.stdin {
         let mut events = Vec::new();
         for (number, line) in std::io::stdin().lock().lines().enumerate() {
@@ -797,6 +937,13 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
             }
             let event: EventLine = serde_json::from_str(&line)
                 .map_err(|error| format!("line {}: {error}", number + 1))?;
+            let line_deliver_at =
+                line_time(number + 1, "deliver_at", event.deliver_at.as_deref())?.or(deliver_at);
+            let line_expires_at =
+                match line_time(number + 1, "expires_at", event.expires_at.as_deref())? {
+                    Some(at) => Some(at),
+                    None => args.expires_at(line_deliver_at)?,
+                };
             events.push(proto::EventInput {
                 id: event.id,
                 aggregate_type: event.aggregate_type,
@@ -805,6 +952,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
                 event_type: event.event_type,
                 payload: event.payload.to_string().into_bytes(),
                 metadata: event.metadata,
+                deliver_at: line_deliver_at,
+                expires_at: line_expires_at,
                 ..Default::default()
             });
         }
@@ -812,6 +961,7 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     } else {
         serde_json::from_str::<Value>(&args.payload)
             .map_err(|error| format!("--payload is not JSON: {error}"))?;
+        let expires_at = args.expires_at(deliver_at)?;
         vec![proto::EventInput {
             id: args.id.unwrap_or_default(),
             aggregate_type: args.aggregate_type.unwrap_or_default(),
@@ -820,6 +970,8 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
             event_type: args.event_type.unwrap_or_default(),
             payload: args.payload.into_bytes(),
             metadata: args.metadata.into_iter().collect(),
+            deliver_at,
+            expires_at,
             ..Default::default()
         }]
     };

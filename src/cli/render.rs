@@ -64,6 +64,8 @@ pub fn event(event: &proto::Event) -> Value {
         "occurred_at": timestamp(&event.occurred_at),
         "created_at": timestamp(&event.created_at),
         "source": event.source,
+        "deliver_at": timestamp(&event.deliver_at),
+        "expires_at": timestamp(&event.expires_at),
     });
     value[payload_key] = payload;
     value
@@ -90,7 +92,13 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "retry_backoff_max": duration(&subscription.retry_backoff_max),
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
+        "max_event_age": subscription.max_event_age.map(|age| duration(&Some(age))),
+        "dead_letter_expired": subscription.dead_letter_expired,
         "created_at": timestamp(&subscription.created_at),
+        "paused": subscription.paused,
+        "pause_reason": subscription.pause_reason,
+        "paused_at": timestamp(&subscription.paused_at),
+        "paused_until": timestamp(&subscription.paused_until),
     })
 }
 
@@ -122,6 +130,9 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "oldest_unacked_age_seconds": s.oldest_unacked_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
             "delivered_total": s.delivered_total,
             "acked_total": s.acked_total,
+            "expired_total": s.expired_total,
+            "scheduled": s.scheduled,
+            "next_scheduled_at": timestamp(&s.next_scheduled_at),
         })).collect::<Vec<_>>(),
         "outbox": {
             "events_stored": outbox.events_stored,

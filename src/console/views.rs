@@ -473,6 +473,16 @@ fn subscription_cards(view: &SubscriptionView) -> Markup {
                 }
             }
             div.card.warn[oldest_age > BEHIND_AFTER] { dt { "Oldest unacked" } dd { (optional_age(stats.oldest_unacked_at, view.now)) } }
+            div.card {
+                dt { "Scheduled" }
+                dd {
+                    (figure(name, "scheduled", stats.scheduled))
+                    @if let Some(next) = stats.next_scheduled_at {
+                        span.sub { " next " (time(next)) }
+                    }
+                }
+            }
+            div.card { dt { "Expired" } dd { (figure(name, "expired_total", stats.expired_total)) } }
             div.card { dt { "Delivered in total" } dd { (figure(name, "delivered_total", stats.delivered_total)) } }
             div.card { dt { "Acked in total" } dd { (figure(name, "acked_total", stats.acked_total)) } }
             div.card { dt { "Streams on this gateway" } dd { (view.streams) } }
@@ -546,6 +556,25 @@ fn settings(subscription: &Subscription) -> Markup {
             dt { "Never dead-lettered" } dd {
                 @if settings.persistent_event_types.is_empty() { span.sub { "none" } }
                 @else { (list(settings.persistent_event_types.to_strings())) }
+            }
+            dt { "Expiry" }
+            dd {
+                @match settings.max_event_age {
+                    Some(age) => { "events older than " (duration(age)) }
+                    None => { span.sub { "only events' own expires_at" } }
+                }
+                (if settings.dead_letter_expired { "; expired events are dead-lettered" } else { "; expired events are dropped" })
+            }
+            dt { "Paused" }
+            dd {
+                @match subscription.pause_in_force(Utc::now()) {
+                    Some(pause) => {
+                        strong { "paused" } " since " (time(pause.since))
+                        @if let Some(until) = pause.until { " until " (time(until)) }
+                        @if !pause.reason.is_empty() { ": " (pause.reason) }
+                    }
+                    None => { span.sub { "no" } }
+                }
             }
             dt { "Created" } dd { (time(subscription.created_at)) }
         }

@@ -6,7 +6,7 @@
 //! Each source is claimed on its own (a claim is one transaction in one database), when
 //! it has news: events were committed there, a delivery there became due, or the poll
 //! interval passed. A source that is down or failing is skipped until it is back, so it
-//! never holds the others up.
+//! never holds the others up. While the subscription is paused nothing is claimed.
 
 use std::{
     collections::HashMap,
@@ -331,9 +331,14 @@ impl Dispatcher {
         let source = deliveries[0].event.source.as_str();
         metrics::delivered(name.as_str(), source, deliveries.len() as u64, redelivered);
         for delivery in deliveries.iter().filter(|d| d.attempt == 1) {
-            let waited = (now - delivery.event.created_at)
-                .to_std()
-                .unwrap_or_default();
+            // A scheduled event counts from its delivery time, not from its writing.
+            let deliverable = delivery
+                .event
+                .deliver_at
+                .map_or(delivery.event.created_at, |at| {
+                    at.max(delivery.event.created_at)
+                });
+            let waited = (now - deliverable).to_std().unwrap_or_default();
             metrics::commit_to_delivery(name.as_str(), waited);
         }
         if telemetry::exporting() {
@@ -422,8 +427,11 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 return;
             }
         }
-        if let Some(limits) = limits {
-            let subscription = dispatcher.subscription();
+        let subscription = dispatcher.subscription();
+        // Paused: nothing new goes out; settlements, lease expiry and definition reads go
+        // on, and the loop wakes when the pause ends by itself.
+        let paused = subscription.pause_in_force(Utc::now()).is_some();
+        if let Some(limits) = limits.filter(|_| !paused) {
             let sources = dispatcher.sources.of(&subscription);
             let count = sources.len().max(1);
             first_source = (first_source + 1) % count;
@@ -439,13 +447,19 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     continue;
                 }
                 match claim(&dispatcher, &relay, &subscription, source, remaining).await {
-                    Claimed::Some { count, bytes } => {
+                    Claimed::Some {
+                        count,
+                        bytes,
+                        again,
+                    } => {
                         remaining.count = remaining.count.saturating_sub(count);
                         remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
                         if remaining.count == 0 || bytes >= limits.bytes {
                             full_batch = true;
                             break;
                         }
+                        // Read on at once rather than at the next wake-up.
+                        full_batch |= again;
                     }
                     Claimed::NotReadingYet => {
                         // Deleted, or not reading this source yet.
@@ -489,22 +503,37 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     }
 }
 
-/// Until the next lease deadline or scheduled retry, at most the poll interval; sooner
-/// when a failing source may be tried again.
+/// Until the next lease deadline, scheduled retry or end of a pause, at most the poll
+/// interval; sooner when a failing source may be tried again.
 fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
+    let subscription = dispatcher.subscription();
+    let pause = subscription.pause_in_force(Utc::now());
     let state = dispatcher.state.lock().expect("dispatcher lock");
     let mut sleep_for = poll_interval;
+    // While paused nothing is claimed, so a due retry or a source to try again must not
+    // wake the loop (it would spin); the end of the pause does.
+    let retries = state
+        .sources
+        .values()
+        .filter_map(|source| source.retry_at)
+        .filter(|_| pause.is_none());
     let instants = state
         .streams
         .next_deadline()
         .into_iter()
-        .chain(state.sources.values().filter_map(|source| source.retry_at));
+        .chain(retries)
+        .chain(pause.and_then(|pause| pause.until));
     for at in instants {
         let until = (at - Utc::now()).to_std().unwrap_or_default();
         sleep_for = sleep_for.min(until + Duration::from_millis(1));
     }
     let now = Instant::now();
-    for (not_before, _) in state.sources.values().filter_map(|source| source.failing) {
+    let retries_after_failure = state
+        .sources
+        .values()
+        .filter_map(|source| source.failing)
+        .filter(|_| pause.is_none());
+    for (not_before, _) in retries_after_failure {
         sleep_for = sleep_for.min(not_before.saturating_duration_since(now));
     }
     sleep_for
@@ -519,10 +548,13 @@ fn wants_claim(dispatcher: &Dispatcher, relay: &Relay, source: &Source) -> bool 
 }
 
 enum Claimed {
-    /// Claimed this many deliveries and bytes (perhaps none).
+    /// Claimed this many deliveries and bytes (perhaps none); `again`: claim again at
+    /// once, room or not used up — the read was full of events that did not go out
+    /// (scheduled, expired), or it freed aggregates whose next events are due now.
     Some {
         count: usize,
         bytes: u64,
+        again: bool,
     },
     /// The subscription has no read position in this source yet.
     NotReadingYet,
@@ -596,7 +628,13 @@ async fn claim(
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
         let known = state.sources.entry(source.id).or_default();
         known.failing = None;
-        known.more_waiting = count >= limits.count || bytes >= limits.bytes;
+        known.more_waiting =
+            count >= limits.count || bytes >= limits.bytes || claim.read_full_batch;
+        known.due_pending |= claim.made_due;
+        // Wake when the first event it scheduled here is due (the due claim takes it).
+        if let Some(due) = claim.next_scheduled {
+            known.retry_at = Some(known.retry_at.map_or(due, |at| at.min(due)));
+        }
     }
     if claim.dead_lettered > 0 {
         metrics::dead_lettered(
@@ -605,11 +643,18 @@ async fn claim(
             claim.dead_lettered,
         );
     }
+    if claim.expired > 0 {
+        metrics::expired(subscription.name.as_str(), claim.expired);
+    }
     let undelivered = dispatcher.distribute(claim.deliveries);
     if !undelivered.is_empty() {
         dispatcher.release_in_background(undelivered);
     }
-    Claimed::Some { count, bytes }
+    Claimed::Some {
+        count,
+        bytes,
+        again: claim.read_full_batch || claim.made_due,
+    }
 }
 
 /// The subscription reads a source it has no read position in yet (the source was added

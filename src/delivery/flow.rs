@@ -354,6 +354,8 @@ mod tests {
                 metadata: Default::default(),
                 occurred_at: Utc::now(),
                 created_at: Utc::now(),
+                deliver_at: None,
+                expires_at: None,
             },
         }
     }

@@ -510,6 +510,29 @@ impl Relay {
         self.wake_all();
     }
 
+    /// Pauses the subscription: nothing new goes out until it is resumed or `until`
+    /// passes; deliveries already out still settle. Dispatchers here stop at once, on
+    /// other gateways when they next read the definition (within a poll interval). The
+    /// relay calls this itself, with a reason saying why, when it has to stop a
+    /// subscription it cannot serve; ResumeSubscription clears such a pause like any.
+    pub async fn pause(
+        &self,
+        name: &SubscriptionName,
+        reason: &str,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<Subscription> {
+        let paused = self
+            .inner
+            .sources
+            .default_source()
+            .store
+            .pause_subscription(name, reason, until)
+            .await?
+            .ok_or_else(|| crate::subscriptions::not_found(name))?;
+        self.subscription_changed(paused.id);
+        Ok(paused)
+    }
+
     /// Ends every stream, gives their leases back and waits for the relay's tasks.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();

@@ -1,6 +1,6 @@
 //! Events as producers send them (`NewEvent`) and as the outbox stores them (`Event`).
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, time::Duration};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -27,6 +27,8 @@ pub struct PublishLimits {
     pub max_metadata_entries: usize,
     /// Sum of the lengths of all metadata keys and values of one event.
     pub max_metadata_bytes: usize,
+    /// Furthest ahead of now an event's `deliver_at` may be.
+    pub max_schedule_ahead: Duration,
 }
 
 impl Default for PublishLimits {
@@ -36,6 +38,7 @@ impl Default for PublishLimits {
             max_payload_bytes: 1024 * 1024,
             max_metadata_entries: 64,
             max_metadata_bytes: 16 * 1024,
+            max_schedule_ahead: Duration::from_secs(90 * 24 * 60 * 60),
         }
     }
 }
@@ -54,6 +57,10 @@ pub struct NewEvent {
     pub content_type: String,
     pub metadata: BTreeMap<String, String>,
     pub occurred_at: Option<DateTime<Utc>>,
+    /// Delivered to no subscription before this time.
+    pub deliver_at: Option<DateTime<Utc>>,
+    /// Delivered to no subscription from this time on.
+    pub expires_at: Option<DateTime<Utc>>,
 }
 
 impl NewEvent {
@@ -66,6 +73,7 @@ impl NewEvent {
         if let Some(occurred_at) = self.occurred_at {
             check_timestamp(field("occurred_at"), occurred_at)?;
         }
+        self.validate_times(limits, Utc::now(), field)?;
         check_event_type(&self.event_type)
             .map_err(|message| Error::invalid(field("event_type"), message))?;
         if let Some(version) = self.aggregate_version
@@ -116,6 +124,52 @@ impl NewEvent {
             ));
         }
         self.validate_metadata(limits, &field("metadata"))
+    }
+
+    /// `deliver_at` within the schedule horizon; `expires_at` not before `occurred_at`
+    /// (the publish time when unset) and after `deliver_at`, as the table's constraints
+    /// also require.
+    fn validate_times(
+        &self,
+        limits: &PublishLimits,
+        now: DateTime<Utc>,
+        field: impl Fn(&str) -> String,
+    ) -> Result<()> {
+        if let Some(deliver_at) = self.deliver_at {
+            check_timestamp(field("deliver_at"), deliver_at)?;
+            let horizon = chrono::Duration::from_std(limits.max_schedule_ahead)
+                .ok()
+                .and_then(|ahead| now.checked_add_signed(ahead))
+                .unwrap_or(DateTime::<Utc>::MAX_UTC);
+            if deliver_at > horizon {
+                return Err(Error::invalid(
+                    field("deliver_at"),
+                    format!(
+                        "must be at most {} ahead (--max-schedule-ahead)",
+                        humantime::format_duration(limits.max_schedule_ahead)
+                    ),
+                ));
+            }
+        }
+        if let Some(expires_at) = self.expires_at {
+            check_timestamp(field("expires_at"), expires_at)?;
+            if expires_at < self.occurred_at.unwrap_or(now) {
+                return Err(Error::invalid(
+                    field("expires_at"),
+                    "must not be before occurred_at (the publish time when unset)",
+                ));
+            }
+            if self
+                .deliver_at
+                .is_some_and(|deliver_at| expires_at <= deliver_at)
+            {
+                return Err(Error::invalid(
+                    field("expires_at"),
+                    "must be after deliver_at",
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_metadata(&self, limits: &PublishLimits, field: &str) -> Result<()> {
@@ -178,6 +232,12 @@ impl NewEvent {
             && self
                 .occurred_at
                 .is_none_or(|occurred_at| occurred_at == stored.occurred_at)
+            && self
+                .deliver_at
+                .is_none_or(|deliver_at| Some(deliver_at) == stored.deliver_at)
+            && self
+                .expires_at
+                .is_none_or(|expires_at| Some(expires_at) == stored.expires_at)
     }
 }
 
@@ -196,6 +256,8 @@ pub struct Event {
     pub metadata: BTreeMap<String, String>,
     pub occurred_at: DateTime<Utc>,
     pub created_at: DateTime<Utc>,
+    pub deliver_at: Option<DateTime<Utc>>,
+    pub expires_at: Option<DateTime<Utc>>,
 }
 
 /// `application/json` and `application/*+json`, parameters ignored; the same rule as the
@@ -276,6 +338,8 @@ mod tests {
             content_type: DEFAULT_CONTENT_TYPE.into(),
             metadata: BTreeMap::from([("tenant".into(), "acme".into())]),
             occurred_at: None,
+            deliver_at: None,
+            expires_at: None,
         }
     }
 
@@ -316,6 +380,42 @@ mod tests {
         let mut bad = event();
         bad.metadata.insert(String::new(), "v".into());
         assert_eq!(field_of(bad.validate(0, &limits)), "events[0].metadata");
+    }
+
+    #[test]
+    fn schedules_and_expiries_are_checked_against_each_other() {
+        let limits = PublishLimits::default();
+        let now = Utc::now();
+        let hours = chrono::Duration::hours;
+        let mut scheduled = event();
+        scheduled.deliver_at = Some(now + hours(24 * 89));
+        scheduled.expires_at = Some(now + hours(24 * 89 + 1));
+        scheduled.validate(0, &limits).unwrap();
+        scheduled.deliver_at = Some(now + hours(24 * 91));
+        assert_eq!(
+            field_of(scheduled.validate(0, &limits)),
+            "events[0].deliver_at"
+        );
+
+        let mut expiring = event();
+        expiring.deliver_at = Some(now + hours(2));
+        expiring.expires_at = Some(now + hours(1));
+        assert_eq!(
+            field_of(expiring.validate(0, &limits)),
+            "events[0].expires_at"
+        );
+        expiring.deliver_at = None;
+        expiring.occurred_at = Some(now + hours(3));
+        assert_eq!(
+            field_of(expiring.validate(0, &limits)),
+            "events[0].expires_at"
+        );
+        expiring.occurred_at = None;
+        expiring.expires_at = Some(now - hours(1));
+        assert_eq!(
+            field_of(expiring.validate(0, &limits)),
+            "events[0].expires_at"
+        );
     }
 
     #[test]

@@ -26,6 +26,6 @@ pub use operations::{
 pub use pattern::{EventTypePattern, PatternSet};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
-    MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MIN_ACK_DEADLINE, StartPosition, Subscription,
-    SubscriptionName, SubscriptionSettings,
+    MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES, MIN_ACK_DEADLINE, Pause,
+    StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
 };

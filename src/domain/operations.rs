@@ -196,6 +196,12 @@ pub struct SubscriptionStats {
     /// and have finished since: their events are picked up at the next claim, so this
     /// stays near zero.
     pub late_transactions: u64,
+    /// Events it let expire (dropped or dead-lettered) since it began.
+    pub expired_total: u64,
+    /// Events waiting for their `deliver_at` (counted in `pending` too).
+    pub scheduled: u64,
+    /// When the next of them is due.
+    pub next_scheduled_at: Option<DateTime<Utc>>,
 }
 
 impl SubscriptionStats {
@@ -225,6 +231,9 @@ pub struct SubscriptionPatch {
     pub retry_backoff_min: Option<Duration>,
     pub retry_backoff_max: Option<Duration>,
     pub persistent_event_types: Option<PatternSet>,
+    /// `Some(None)` removes the limit.
+    pub max_event_age: Option<Option<Duration>>,
+    pub dead_letter_expired: Option<bool>,
 }
 
 impl SubscriptionPatch {
@@ -242,7 +251,9 @@ impl SubscriptionPatch {
             max_attempts,
             retry_backoff_min,
             retry_backoff_max,
-            persistent_event_types
+            persistent_event_types,
+            max_event_age,
+            dead_letter_expired
         );
     }
 }

@@ -15,6 +15,9 @@ pub const MIN_ACK_DEADLINE: Duration = Duration::from_secs(1);
 pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
 /// Longest retry backoff a subscription may set, and longest `retry_after` of a nack.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+/// Longest `max_event_age`: far beyond any retention, and within what the database's
+/// time arithmetic holds.
+pub const MAX_EVENT_AGE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 /// Most deliveries a subscription may allow before dead-lettering (the database counts
 /// attempts in 32 bits).
 pub const MAX_ATTEMPTS: u32 = i32::MAX as u32;
@@ -84,6 +87,11 @@ pub struct SubscriptionSettings {
     pub retry_backoff_max: Duration,
     pub ordered: bool,
     pub persistent_event_types: PatternSet,
+    /// Events older than this (since they became deliverable) expire instead of going
+    /// out; `None`: no limit.
+    pub max_event_age: Option<Duration>,
+    /// Expired events go to the dead-letter queue (error "expired") instead of vanishing.
+    pub dead_letter_expired: bool,
 }
 
 impl Default for SubscriptionSettings {
@@ -98,6 +106,8 @@ impl Default for SubscriptionSettings {
             retry_backoff_max: Duration::from_secs(15 * 60),
             ordered: false,
             persistent_event_types: PatternSet::default(),
+            max_event_age: None,
+            dead_letter_expired: false,
         }
     }
 }
@@ -130,6 +140,17 @@ impl SubscriptionSettings {
             return Err(Error::invalid(
                 field("retry_backoff_min"),
                 "must not exceed retry_backoff_max",
+            ));
+        }
+        if let Some(age) = self.max_event_age
+            && (age.is_zero() || age > MAX_EVENT_AGE)
+        {
+            return Err(Error::invalid(
+                field("max_event_age"),
+                format!(
+                    "must be positive and at most {} (leave it unset for no limit)",
+                    humantime::format_duration(MAX_EVENT_AGE)
+                ),
             ));
         }
         if self.max_attempts > MAX_ATTEMPTS {
@@ -181,12 +202,55 @@ pub struct Subscription {
     /// Where it started, applied in each source as it begins reading it.
     pub start: StartPosition,
     pub created_at: DateTime<Utc>,
+    /// Set while (or since) it was paused: as stored, possibly past its `until`; see
+    /// [`Subscription::pause_in_force`].
+    pub pause: Option<Pause>,
+}
+
+/// Longest pause reason kept.
+pub const MAX_PAUSE_REASON_BYTES: usize = 1024;
+
+/// A stop of new deliveries: set by an operator, or by the gateway itself when a
+/// subscription cannot be served (its reason says which); resuming clears it either way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pause {
+    pub reason: String,
+    /// When it was paused.
+    pub since: DateTime<Utc>,
+    /// It ends by itself at this time; `None`: until resumed.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Pause {
+    /// Checks a requested pause: a reason of plain, bounded text and an end in the future.
+    pub fn validate(reason: &str, until: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Result<()> {
+        if reason.len() > MAX_PAUSE_REASON_BYTES {
+            return Err(Error::invalid(
+                "reason",
+                format!("must be at most {MAX_PAUSE_REASON_BYTES} bytes"),
+            ));
+        }
+        check_text("reason", reason)?;
+        if until.is_some_and(|until| until <= now) {
+            return Err(Error::invalid("until", "must be in the future"));
+        }
+        Ok(())
+    }
+
+    pub fn in_force(&self, now: DateTime<Utc>) -> bool {
+        self.until.is_none_or(|until| now < until)
+    }
 }
 
 impl Subscription {
     /// Whether it reads events of this source.
     pub fn reads(&self, source: &SourceName) -> bool {
         self.sources.is_empty() || self.sources.contains(source)
+    }
+
+    /// The pause that holds now, if any (one whose `until` passed has ended).
+    pub fn pause_in_force(&self, now: DateTime<Utc>) -> Option<&Pause> {
+        self.pause.as_ref().filter(|pause| pause.in_force(now))
     }
 
     /// Where it starts in a source it begins reading only now (added later, or down when
@@ -222,6 +286,43 @@ mod tests {
         assert_eq!(settings.backoff(5), Duration::from_secs(16));
         assert_eq!(settings.backoff(11), Duration::from_secs(15 * 60));
         assert_eq!(settings.backoff(u32::MAX), Duration::from_secs(15 * 60));
+    }
+
+    #[test]
+    fn max_event_age_is_positive_and_bounded() {
+        let mut settings = SubscriptionSettings {
+            max_event_age: Some(Duration::from_secs(60)),
+            ..Default::default()
+        };
+        settings.validate("subscription").unwrap();
+        for bad in [Duration::ZERO, MAX_EVENT_AGE + Duration::from_secs(1)] {
+            settings.max_event_age = Some(bad);
+            assert!(settings.validate("subscription").is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_pause_ends_at_its_until() {
+        let now = Utc::now();
+        let mut pause = Pause {
+            reason: "deploy".into(),
+            since: now,
+            until: None,
+        };
+        assert!(pause.in_force(now + chrono::Duration::days(365)));
+        pause.until = Some(now + chrono::Duration::seconds(1));
+        assert!(pause.in_force(now));
+        assert!(!pause.in_force(now + chrono::Duration::seconds(1)));
+    }
+
+    #[test]
+    fn a_pause_must_end_in_the_future_with_a_plain_reason() {
+        let now = Utc::now();
+        Pause::validate("deploy", Some(now + chrono::Duration::seconds(1)), now).unwrap();
+        Pause::validate("", None, now).unwrap();
+        assert!(Pause::validate("deploy", Some(now), now).is_err());
+        assert!(Pause::validate(&"x".repeat(MAX_PAUSE_REASON_BYTES + 1), None, now).is_err());
+        assert!(Pause::validate("nul\0", None, now).is_err());
     }
 
     #[test]

@@ -24,8 +24,19 @@ pub(super) const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
 pub struct Claim {
     /// Newly leased deliveries: due ones first, then new events in reading order.
     pub deliveries: Vec<Delivery>,
-    /// Expired leases that used their last attempt and went to the dead-letter queue.
+    /// Records that went to the dead-letter queue: expired leases that used their last
+    /// attempt, and expired events of subscriptions that dead-letter them.
     pub dead_lettered: u64,
+    /// Events that expired instead of going out (dead-lettered or dropped).
+    pub expired: u64,
+    /// The earliest deliver_at of the scheduled events this claim recorded.
+    pub next_scheduled: Option<DateTime<Utc>>,
+    /// The claim read as many new events as it could (some of them scheduled or expired,
+    /// so not delivered): more may be waiting even when few went out.
+    pub read_full_batch: bool,
+    /// Records it dead-lettered or dropped freed their aggregates on an ordered
+    /// subscription: the next events of those are due now.
+    pub made_due: bool,
 }
 
 /// How much one claim may lease.
@@ -64,6 +75,7 @@ impl Store {
             return Ok(None);
         };
         let settings = &subscription.settings;
+        let max_event_age = settings.max_event_age.map(millis);
         let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
         let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
 
@@ -76,6 +88,8 @@ impl Store {
                 .bind(settings.max_attempts as i32)
                 .bind(settings.persistent_event_types.to_regex())
                 .bind(byte_budget)
+                .bind(max_event_age)
+                .bind(settings.dead_letter_expired)
                 .fetch_all(&mut *transaction)
                 .await?
         } else {
@@ -84,24 +98,30 @@ impl Store {
         let mut deliveries = Vec::with_capacity(due_rows.len());
         let mut freed_keys = Vec::new();
         let mut dead_lettered = 0;
+        let mut expired = 0;
         for row in &due_rows {
             let state: &str = row.try_get("state")?;
             if state == "in_flight" {
                 deliveries.push(self.delivery_from_row(row, lease_token)?);
                 continue;
             }
-            dead_lettered += 1;
+            // Dead-lettered or dropped: either way its aggregate is free.
+            dead_lettered += u64::from(state == "dead");
+            expired += u64::from(row.try_get::<bool, _>("expired")?);
             if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
                 freed_keys.push(key);
             }
         }
         promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
+        let made_due = !freed_keys.is_empty();
 
         let due_count = deliveries.len() as i64;
         let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
         let remaining = limit - due_count;
         let remaining_bytes =
             byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
+        let mut next_scheduled = None;
+        let mut read_full_batch = false;
         if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
             let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
                 .bind(subscription_id)
@@ -119,10 +139,22 @@ impl Store {
                 .bind(&cursor.pending_positions)
                 .bind(remaining_bytes)
                 .bind(due_count)
+                .bind(max_event_age)
+                .bind(settings.dead_letter_expired)
                 .fetch_all(&mut *transaction)
                 .await?;
+            // Every row carries the batch's summary; a lone summary row has no position.
+            if let Some(summary) = new_rows.first() {
+                let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
+                dead_lettered += expired_dead_lettered;
+                expired += expired_dead_lettered + count(summary, "expired_dropped")?;
+                next_scheduled = summary.try_get("next_scheduled")?;
+                read_full_batch = summary.try_get("batch_full")?;
+            }
             for row in &new_rows {
-                deliveries.push(self.delivery_from_row(row, lease_token)?);
+                if row.try_get::<Option<i64>, _>("position")?.is_some() {
+                    deliveries.push(self.delivery_from_row(row, lease_token)?);
+                }
             }
         } else if due_count > 0 {
             sqlx::query(include_str!("queries/count_deliveries.sql"))
@@ -131,10 +163,21 @@ impl Store {
                 .execute(&mut *transaction)
                 .await?;
         }
+        if expired > 0 {
+            sqlx::query(include_str!("queries/count_expired.sql"))
+                .bind(subscription_id)
+                .bind(i64::try_from(expired).unwrap_or(i64::MAX))
+                .execute(&mut *transaction)
+                .await?;
+        }
         transaction.commit().await?;
         Ok(Some(Claim {
             deliveries,
             dead_lettered,
+            expired,
+            next_scheduled,
+            read_full_batch,
+            made_due,
         }))
     }
 
@@ -314,6 +357,10 @@ pub(super) async fn promote_waiting(
         .execute(connection)
         .await?;
     Ok(())
+}
+
+fn count(row: &PgRow, column: &str) -> Result<u64> {
+    Ok(row.try_get::<i64, _>(column)?.max(0) as u64)
 }
 
 fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {

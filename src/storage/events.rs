@@ -209,7 +209,7 @@ fn metadata_json(events: &[&NewEvent]) -> Vec<String> {
 }
 
 /// Binds a batch as the column arrays both insert statements take ($1 ids ... $9
-/// occurred_at).
+/// occurred_at, $10 deliver_at, $11 expires_at).
 fn bind_events<'q>(
     statement: Query<'q, Postgres, PgArguments>,
     ids: &'q [Uuid],
@@ -226,6 +226,8 @@ fn bind_events<'q>(
         .bind(column(events, |e| e.content_type.as_str()))
         .bind(metadata)
         .bind(column(events, |e| e.occurred_at))
+        .bind(column(events, |e| e.deliver_at))
+        .bind(column(events, |e| e.expires_at))
 }
 
 /// One field of every event, as the array bound to one column.
@@ -250,5 +252,7 @@ pub(super) fn event_from_row(row: &PgRow, source: &SourceName) -> Result<Event> 
         metadata: metadata.0,
         occurred_at: row.try_get("occurred_at")?,
         created_at: row.try_get("created_at")?,
+        deliver_at: row.try_get("deliver_at")?,
+        expires_at: row.try_get("expires_at")?,
     })
 }

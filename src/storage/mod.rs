@@ -8,7 +8,8 @@ macro_rules! subscription_columns {
     () => {
         "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
-         start_kind, start_time, created_at"
+         start_kind, start_time, created_at, paused_at, pause_reason, paused_until, \
+         max_event_age_ms, dead_letter_expired"
     };
 }
 
@@ -42,7 +43,7 @@ macro_rules! start_position_sql {
 macro_rules! event_columns {
     () => {
         "id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, content_type, \
-         metadata, occurred_at, created_at"
+         metadata, occurred_at, created_at, deliver_at, expires_at"
     };
 }
 
@@ -51,7 +52,7 @@ macro_rules! event_columns {
 macro_rules! qualified_event_columns {
     () => {
         "e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload, \
-         e.content_type, e.metadata, e.occurred_at, e.created_at"
+         e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at"
     };
 }
 

@@ -245,7 +245,8 @@ impl Store {
             "UPDATE outbox_subscriptions SET event_types = $2, aggregate_types = $3, \
                  metadata_match = $4, ack_deadline_ms = $5, max_attempts = $6, \
                  retry_backoff_min_ms = $7, retry_backoff_max_ms = $8, \
-                 persistent_event_types = $9, updated_at = now() \
+                 persistent_event_types = $9, max_event_age_ms = $10, \
+                 dead_letter_expired = $11, updated_at = now() \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -258,6 +259,8 @@ impl Store {
         .bind(millis(settings.retry_backoff_min))
         .bind(millis(settings.retry_backoff_max))
         .bind(settings.persistent_event_types.to_strings())
+        .bind(settings.max_event_age.map(millis))
+        .bind(settings.dead_letter_expired)
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()
@@ -297,6 +300,9 @@ impl Store {
             delivered_total: count("delivered")?,
             acked_total: count("acked")?,
             late_transactions: count("late_transactions")?,
+            expired_total: count("expired")?,
+            scheduled: count("scheduled")?,
+            next_scheduled_at: row.try_get("next_scheduled")?,
         }))
     }
 

@@ -11,7 +11,8 @@ use super::{
     deliveries::{LockMode, lock_subscription},
 };
 use crate::domain::{
-    PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    PatternSet, Pause, SourceName, StartPosition, Subscription, SubscriptionName,
+    SubscriptionSettings,
 };
 
 impl Store {
@@ -31,8 +32,9 @@ impl Store {
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-                 persistent_event_types, sources, start_kind, start_time) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+                 persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
+                 dead_letter_expired) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -49,6 +51,8 @@ impl Store {
         .bind(source_names(sources))
         .bind(start_kind)
         .bind(start_time)
+        .bind(settings.max_event_age.map(millis))
+        .bind(settings.dead_letter_expired)
         .fetch_one(&mut *transaction)
         .await?;
         let subscription = subscription_from_row(&row)?;
@@ -115,6 +119,50 @@ impl Store {
             .await?;
         transaction.commit().await?;
         Ok(Some(id))
+    }
+
+    /// Pauses the subscription with `reason` until `until` (or until resumed). Pausing a
+    /// paused one replaces its reason and end but keeps when it began; a pause whose end
+    /// has passed is over, so pausing again begins a new one. `None` when it does not exist.
+    pub async fn pause_subscription(
+        &self,
+        name: &SubscriptionName,
+        reason: &str,
+        until: Option<DateTime<Utc>>,
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET \
+                 paused_at = CASE WHEN paused_at IS NOT NULL \
+                                   AND (paused_until IS NULL OR paused_until > now()) \
+                              THEN paused_at ELSE now() END, \
+                 pause_reason = $2, paused_until = $3, updated_at = now() \
+             WHERE name = $1 RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .bind(reason)
+        .bind(until)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
+    }
+
+    /// Ends the subscription's pause, if any; `None` when it does not exist.
+    pub async fn resume_subscription(
+        &self,
+        name: &SubscriptionName,
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET paused_at = NULL, pause_reason = NULL, \
+                 paused_until = NULL, \
+                 updated_at = CASE WHEN paused_at IS NULL THEN updated_at ELSE now() END \
+             WHERE name = $1 RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
     }
 
     /// Starts the subscription reading this database at `start`, unless it already does.
@@ -286,9 +334,25 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             retry_backoff_max: duration(row, "retry_backoff_max_ms")?,
             ordered: row.try_get("ordered")?,
             persistent_event_types: patterns(row, "persistent_event_types")?,
+            max_event_age: row
+                .try_get::<Option<i64>, _>("max_event_age_ms")?
+                .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            dead_letter_expired: row.try_get("dead_letter_expired")?,
         },
         sources,
         start,
         created_at: row.try_get("created_at")?,
+        pause: row
+            .try_get::<Option<DateTime<Utc>>, _>("paused_at")?
+            .map(|since| -> Result<Pause> {
+                Ok(Pause {
+                    reason: row
+                        .try_get::<Option<String>, _>("pause_reason")?
+                        .unwrap_or_default(),
+                    since,
+                    until: row.try_get("paused_until")?,
+                })
+            })
+            .transpose()?,
     })
 }

@@ -1,10 +1,17 @@
--- Re-leases deliveries whose lease expired or whose retry is due, oldest first, within a
--- byte budget (the first is always taken). An expired lease that used the last attempt
--- goes to the dead-letter queue instead (unless its event type is persistent).
+-- Re-leases deliveries whose lease expired or whose retry is due (scheduled events
+-- included, at their deliver_at), oldest first, within a byte budget (the first is always
+-- taken). An expired lease that used the last attempt goes to the dead-letter queue
+-- instead (unless its event type is persistent). An event past its expires_at or the
+-- subscription's max event age is not redelivered: its record goes to the dead-letter
+-- queue with the error "expired" ($9), or is dropped.
 --
 -- $1 subscription id, $2 limit, $3 lease token, $4 ack deadline in ms,
 -- $5 max attempts (0: unlimited), $6 persistent event-type regex (NULL: none),
--- $7 byte budget.
+-- $7 byte budget, $8 max event age in ms (NULL: none), $9 dead-letter expired events.
+--
+-- Returns the leased rows with their events, and one row without an event for each
+-- record dead-lettered (state 'dead') or dropped (state 'expired'); `expired` says which
+-- of them expired.
 WITH due AS (
     SELECT d.position, d.state, d.attempt, d.due_at
     FROM outbox_deliveries d
@@ -15,6 +22,9 @@ WITH due AS (
 ),
 judged AS (
     SELECT due.position, due.due_at, due.state AS old_state,
+           (coalesce(e.expires_at <= now(), false)
+            OR coalesce(greatest(e.created_at, e.deliver_at)
+                        + $8::bigint * interval '1 millisecond' <= now(), false)) AS expired,
            (due.state = 'in_flight' AND $5 > 0 AND due.attempt >= $5
             AND ($6::text IS NULL OR e.event_type !~ $6)) AS exhausted,
            octet_length(e.payload) AS size
@@ -23,30 +33,44 @@ judged AS (
 ),
 sized AS (
     SELECT j.*,
-           coalesce(sum(CASE WHEN j.exhausted THEN 0 ELSE j.size + 256 END)
+           coalesce(sum(CASE WHEN j.exhausted OR j.expired THEN 0 ELSE j.size + 256 END)
                         OVER (ORDER BY j.due_at, j.position
                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
                AS bytes_before
     FROM judged j
 ),
+dropped AS (
+    DELETE FROM outbox_deliveries d
+    USING sized s
+    WHERE d.subscription_id = $1 AND d.position = s.position AND s.expired AND NOT $9
+    RETURNING d.position, d.ordering_key
+),
 updated AS (
     UPDATE outbox_deliveries d
-    SET state = CASE WHEN s.exhausted THEN 'dead' ELSE 'in_flight' END,
-        attempt = CASE WHEN s.exhausted THEN d.attempt ELSE d.attempt + 1 END,
-        lease_token = CASE WHEN s.exhausted THEN NULL ELSE $3::bigint END,
-        due_at = CASE WHEN s.exhausted THEN NULL ELSE now() + $4 * interval '1 millisecond' END,
-        last_error = CASE WHEN s.old_state = 'in_flight' THEN 'ack deadline exceeded'
+    SET state = CASE WHEN s.exhausted OR s.expired THEN 'dead' ELSE 'in_flight' END,
+        attempt = CASE WHEN s.exhausted OR s.expired THEN d.attempt ELSE d.attempt + 1 END,
+        lease_token = CASE WHEN s.exhausted OR s.expired THEN NULL ELSE $3::bigint END,
+        due_at = CASE WHEN s.exhausted OR s.expired THEN NULL
+                      ELSE now() + $4 * interval '1 millisecond' END,
+        last_error = CASE WHEN s.expired THEN 'expired'
+                          WHEN s.old_state = 'in_flight' THEN 'ack deadline exceeded'
                           ELSE d.last_error END,
-        dead_lettered_at = CASE WHEN s.exhausted THEN now() END,
+        dead_lettered_at = CASE WHEN s.exhausted OR s.expired THEN now() END,
         updated_at = now()
     FROM sized s
     WHERE d.subscription_id = $1 AND d.position = s.position
-      AND (s.exhausted OR s.bytes_before < $7)
-    RETURNING d.position, d.state, d.attempt, d.due_at, d.ordering_key
+      AND NOT (s.expired AND NOT $9)
+      AND (s.exhausted OR s.expired OR s.bytes_before < $7)
+    RETURNING d.position, d.state, d.attempt, d.due_at, d.ordering_key, s.expired
+),
+settled AS (
+    SELECT u.position, u.attempt, u.due_at, u.state, u.ordering_key, u.expired FROM updated u
+    UNION ALL
+    SELECT r.position, NULL, NULL, 'expired', r.ordering_key, true FROM dropped r
 )
-SELECT u.position, u.attempt, u.due_at, u.state, u.ordering_key,
+SELECT s.position, s.attempt, s.due_at, s.state, s.ordering_key, s.expired,
        e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-       e.content_type, e.metadata, e.occurred_at, e.created_at
-FROM updated u
-JOIN outbox_events e ON e.position = u.position
+       e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
+FROM settled s
+LEFT JOIN outbox_events e ON e.position = s.position AND s.state = 'in_flight'
 ORDER BY e.xact_id, e.position

@@ -16,7 +16,16 @@
 -- (NULL: all), $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms,
 -- $11 ordered, $12 pending transaction ids, $13 the position up to which each pending
 -- transaction's rows were already taken (0: none), $14 byte budget (the first event is
--- always taken), $15 deliveries already leased by this claim (for the counter).
+-- always taken), $15 deliveries already leased by this claim (for the counter),
+-- $16 max event age in ms (NULL: none), $17 dead-letter expired events.
+--
+-- Time controls: an event past its expires_at or the subscription's max event age gets
+-- no delivery (a dead letter "expired" with $17, else nothing: it is counted and
+-- passed). An event whose deliver_at is ahead gets a never-delivered retry record due
+-- then, which the due claim picks up at its time through the due index; it holds back
+-- nothing but the later events of its aggregate on ordered subscriptions. Neither takes
+-- room or bytes of the batch, but both count against its LIMIT: a batch full of them
+-- reports `batch_full` so the caller claims again at once.
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 ),
@@ -32,7 +41,7 @@ late AS (
     FROM pending p
     CROSS JOIN LATERAL (
         SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id,
-               octet_length(e.payload) AS size
+               octet_length(e.payload) AS size, e.created_at, e.deliver_at, e.expires_at
         FROM outbox_events e
         WHERE e.xact_id = p.xact_id AND e.position > p.taken
           AND ($5::text IS NULL OR e.event_type ~ $5)
@@ -50,7 +59,7 @@ late AS (
 -- these all come after the late rows in reading order.
 fresh AS (
     SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id,
-           octet_length(e.payload) AS size
+           octet_length(e.payload) AS size, e.created_at, e.deliver_at, e.expires_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND ($5::text IS NULL OR e.event_type ~ $5)
@@ -60,35 +69,54 @@ fresh AS (
     ORDER BY e.xact_id, e.position
     LIMIT $4
 ),
-candidates AS (
-    SELECT c.*, row_number() OVER w AS n,
-           coalesce(sum(c.size + 256) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
-               AS bytes_before
+-- Age counts from when the event became deliverable: its creation, or its deliver_at.
+expiring AS (
+    SELECT c.*,
+           coalesce(c.expires_at <= now(), false)
+           OR coalesce(greatest(c.created_at, c.deliver_at)
+                       + $16::bigint * interval '1 millisecond' <= now(), false) AS expired
     FROM (SELECT *, true AS is_late FROM late
           UNION ALL
           SELECT *, false AS is_late FROM fresh) c
+),
+flagged AS (
+    SELECT x.*, NOT x.expired AND coalesce(x.deliver_at > now(), false) AS scheduled
+    FROM expiring x
+),
+candidates AS (
+    SELECT c.*, row_number() OVER w AS n,
+           coalesce(sum(CASE WHEN c.expired OR c.scheduled THEN 0 ELSE c.size + 256 END)
+                        OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+               AS bytes_before
+    FROM flagged c
     WINDOW w AS (ORDER BY c.xact_id, c.position)
 ),
 batch AS (
     SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
 ),
 keyed AS (
-    SELECT b.position, b.xact_id,
+    SELECT b.position, b.xact_id, b.expired, b.scheduled, b.deliver_at,
            CASE WHEN $11 THEN hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) END
                AS ordering_key
     FROM batch b
 ),
 decided AS (
-    -- On ordered subscriptions an event goes out only when it is the first of its
-    -- aggregate in this batch and its aggregate has nothing unfinished; dead letters do
-    -- not hold an aggregate back.
-    SELECT k.position, k.xact_id, k.ordering_key,
-           k.ordering_key IS NULL
-           OR (row_number() OVER (PARTITION BY k.ordering_key ORDER BY k.xact_id, k.position) = 1
-               AND NOT EXISTS (SELECT 1 FROM outbox_deliveries d
-                               WHERE d.subscription_id = $1
-                                 AND d.ordering_key = k.ordering_key
-                                 AND d.state <> 'dead')) AS deliver_now
+    -- On ordered subscriptions an event goes out (or, when scheduled, waits for its time)
+    -- only when it is the first unexpired one of its aggregate in this batch and its
+    -- aggregate has nothing unfinished; dead letters do not hold an aggregate back.
+    -- State NULL: expired and dropped, no record.
+    SELECT k.position, k.xact_id, k.ordering_key, k.deliver_at, k.expired,
+           CASE WHEN k.expired THEN CASE WHEN $17 THEN 'dead' END
+                WHEN k.ordering_key IS NOT NULL
+                     AND (row_number() OVER (PARTITION BY k.ordering_key, k.expired
+                                             ORDER BY k.xact_id, k.position) > 1
+                          OR EXISTS (SELECT 1 FROM outbox_deliveries d
+                                     WHERE d.subscription_id = $1
+                                       AND d.ordering_key = k.ordering_key
+                                       AND d.state <> 'dead')) THEN 'waiting'
+                WHEN k.scheduled THEN 'retry'
+                ELSE 'in_flight'
+           END AS state
     FROM keyed k
 ),
 inserted AS (
@@ -96,14 +124,17 @@ inserted AS (
     -- column default, row by row in the order selected here: the order in which the
     -- events became visible to this subscription.
     INSERT INTO outbox_deliveries (subscription_id, position, state, attempt, lease_token,
-                                   due_at, ordering_key)
-    SELECT $1, d.position,
-           CASE WHEN d.deliver_now THEN 'in_flight' ELSE 'waiting' END,
-           CASE WHEN d.deliver_now THEN 1 ELSE 0 END,
-           CASE WHEN d.deliver_now THEN $9::bigint END,
-           CASE WHEN d.deliver_now THEN now() + $10 * interval '1 millisecond' END,
-           d.ordering_key
+                                   due_at, ordering_key, last_error, dead_lettered_at)
+    SELECT $1, d.position, d.state,
+           CASE WHEN d.state = 'in_flight' THEN 1 ELSE 0 END,
+           CASE WHEN d.state = 'in_flight' THEN $9::bigint END,
+           CASE d.state WHEN 'in_flight' THEN now() + $10 * interval '1 millisecond'
+                        WHEN 'retry' THEN d.deliver_at END,
+           d.ordering_key,
+           CASE WHEN d.state = 'dead' THEN 'expired' END,
+           CASE WHEN d.state = 'dead' THEN now() END
     FROM decided d
+    WHERE d.state IS NOT NULL
     ORDER BY d.xact_id, d.position
     -- A record left from before a seek keeps its state.
     ON CONFLICT (subscription_id, position) DO NOTHING
@@ -185,13 +216,33 @@ counted AS (
     HAVING count(*) + $15 > 0
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
+),
+-- What became of the batch besides its deliveries; on every row, and on one row of its
+-- own when nothing was delivered. An expired event that already had a record (from
+-- before a seek) was not expired by this claim.
+summary AS (
+    SELECT (SELECT count(*) FROM inserted WHERE state = 'dead') AS expired_dead_lettered,
+           (SELECT count(*) FROM decided d
+            WHERE d.expired AND d.state IS NULL
+              AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
+                              WHERE x.subscription_id = $1 AND x.position = d.position))
+               AS expired_dropped,
+           (SELECT min(due_at) FROM inserted WHERE state = 'retry') AS next_scheduled,
+           (SELECT count(*) FROM batch) >= $4 AS batch_full
 )
 -- The events are read back by position rather than joined with `batch`: the batch's
 -- row estimate is often 1, and a nested loop over two CTEs compares every pair.
-SELECT i.position, i.attempt, i.due_at,
-       e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-       e.content_type, e.metadata, e.occurred_at, e.created_at
-FROM inserted i
-JOIN outbox_events e ON e.position = i.position
-WHERE i.state = 'in_flight'
-ORDER BY e.xact_id, e.position
+SELECT s.expired_dead_lettered, s.expired_dropped, s.next_scheduled, s.batch_full,
+       r.position, r.attempt, r.due_at,
+       r.id, r.aggregate_type, r.aggregate_id, r.aggregate_version, r.event_type, r.payload,
+       r.content_type, r.metadata, r.occurred_at, r.created_at, r.deliver_at, r.expires_at
+FROM summary s
+LEFT JOIN LATERAL (
+    SELECT i.position, i.attempt, i.due_at, e.xact_id,
+           e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
+           e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
+    FROM inserted i
+    JOIN outbox_events e ON e.position = i.position
+    WHERE i.state = 'in_flight'
+) r ON true
+ORDER BY r.xact_id, r.position

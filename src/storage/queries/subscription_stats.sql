@@ -8,7 +8,7 @@ WITH pending AS (
     FROM unnest($8::bigint[], $9::bigint[]) AS p(xact_id, taken)
 ),
 not_handed_out AS (
-    SELECT e.created_at
+    SELECT e.created_at, e.deliver_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND ($4::text IS NULL OR e.event_type ~ $4)
@@ -17,7 +17,7 @@ not_handed_out AS (
       AND ($7::timestamptz IS NULL OR e.created_at >= $7)
     UNION ALL
     -- Rows of transactions that finished after the cursor passed them.
-    SELECT e.created_at
+    SELECT e.created_at, e.deliver_at
     FROM pending p
     JOIN outbox_events e ON e.xact_id = p.xact_id AND e.position > p.taken
     WHERE p.finished
@@ -26,10 +26,16 @@ not_handed_out AS (
       AND ($6::jsonb IS NULL OR e.metadata @> $6)
       AND ($7::timestamptz IS NULL OR e.created_at >= $7)
 ),
+-- A record that waits for its event's deliver_at is a retry record never delivered
+-- (attempt 0) whose time has not come.
 records AS (
     SELECT count(*) FILTER (WHERE d.state = 'in_flight' AND d.due_at > now()) AS in_flight,
-           count(*) FILTER (WHERE d.state = 'retry'
+           count(*) FILTER (WHERE (d.state = 'retry' AND NOT (d.attempt = 0 AND d.due_at > now()))
                                OR (d.state = 'in_flight' AND d.due_at <= now())) AS awaiting_retry,
+           count(*) FILTER (WHERE d.state = 'retry' AND d.attempt = 0 AND d.due_at > now())
+               AS scheduled,
+           min(d.due_at) FILTER (WHERE d.state = 'retry' AND d.attempt = 0 AND d.due_at > now())
+               AS next_scheduled,
            count(*) FILTER (WHERE d.state = 'waiting') AS waiting,
            count(*) FILTER (WHERE d.state = 'dead' AND d.resolved_at IS NULL) AS dead_lettered,
            min(e.created_at) FILTER (WHERE d.state <> 'dead') AS oldest_record
@@ -38,13 +44,18 @@ records AS (
     WHERE d.subscription_id = $1
 ),
 totals AS (
-    SELECT coalesce(sum(delivered), 0)::bigint AS delivered, coalesce(sum(acked), 0)::bigint AS acked
+    SELECT coalesce(sum(delivered), 0)::bigint AS delivered, coalesce(sum(acked), 0)::bigint AS acked,
+           coalesce(sum(expired), 0)::bigint AS expired
     FROM outbox_subscription_counters
     WHERE subscription_id = $1
 )
-SELECT (SELECT count(*) FROM not_handed_out) + r.waiting AS pending,
+SELECT (SELECT count(*) FROM not_handed_out) + r.waiting + r.scheduled AS pending,
        r.in_flight, r.awaiting_retry, r.dead_lettered,
        LEAST(r.oldest_record, (SELECT min(created_at) FROM not_handed_out)) AS oldest_unacked,
-       t.delivered, t.acked,
-       (SELECT count(*) FROM pending WHERE finished) AS late_transactions
+       t.delivered, t.acked, t.expired,
+       (SELECT count(*) FROM pending WHERE finished) AS late_transactions,
+       r.scheduled + (SELECT count(*) FROM not_handed_out WHERE deliver_at > now()) AS scheduled,
+       LEAST(r.next_scheduled,
+             (SELECT min(deliver_at) FROM not_handed_out WHERE deliver_at > now()))
+           AS next_scheduled
 FROM records r, totals t

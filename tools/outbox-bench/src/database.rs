@@ -126,6 +126,37 @@ impl BenchDatabase {
         Ok(())
     }
 
+    /// Inserts `events` events scheduled `ahead` from now (their deliver_at), straight
+    /// into the outbox table, then settles.
+    pub async fn fill_scheduled(&self, events: u64, ahead: Duration) -> anyhow::Result<()> {
+        let mut connection = self.connect().await?;
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, \
+                 deliver_at) \
+             SELECT 'reminder', 'rem-' || (n % 1000), 'reminder.due', '{}', \
+                    now() + $2 * interval '1 millisecond' \
+             FROM generate_series(1, $1) AS n",
+        )
+        .bind(i64::try_from(events).unwrap_or(i64::MAX))
+        .bind(i64::try_from(ahead.as_millis()).unwrap_or(i64::MAX))
+        .execute(&mut connection)
+        .await
+        .context("cannot insert the scheduled events")?;
+        drop(connection);
+        self.settle().await
+    }
+
+    /// Delivery records of every subscription: in flight, awaiting a retry or a
+    /// scheduled time, waiting, dead.
+    pub async fn delivery_records(&self) -> anyhow::Result<u64> {
+        let mut connection = self.connect().await?;
+        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
+            .fetch_one(&mut connection)
+            .await
+            .context("cannot count delivery records")?;
+        Ok(count.max(0) as u64)
+    }
+
     /// Empties the outbox table only (between runs that publish into it).
     pub async fn truncate_events(&self) -> anyhow::Result<()> {
         let mut connection = self.connect().await?;

@@ -10,6 +10,7 @@ mod held;
 mod latency;
 mod memory;
 mod publish;
+mod scheduled;
 mod stalled;
 
 use std::{path::PathBuf, time::Duration};
@@ -31,6 +32,7 @@ pub enum Scenario {
     PublishBatch,
     PublishSingle,
     Deliver,
+    DeliverScheduled,
     Fanout,
     FanIn,
     Latency,
@@ -42,10 +44,11 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 11] = [
+    pub const ALL: [Scenario; 12] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
+        Scenario::DeliverScheduled,
         Scenario::Fanout,
         Scenario::FanIn,
         Scenario::Latency,
@@ -61,6 +64,7 @@ impl Scenario {
             Scenario::PublishBatch => "publish-batch",
             Scenario::PublishSingle => "publish-single",
             Scenario::Deliver => "deliver",
+            Scenario::DeliverScheduled => "deliver-scheduled",
             Scenario::Fanout => "fanout",
             Scenario::FanIn => "fan-in",
             Scenario::Latency => "latency",
@@ -78,6 +82,7 @@ impl Scenario {
             Scenario::PublishBatch => publish::batch(bench, gateway).await,
             Scenario::PublishSingle => publish::single(bench, gateway).await,
             Scenario::Deliver => deliver::deliver(bench, gateway).await,
+            Scenario::DeliverScheduled => scheduled::run(bench, gateway).await,
             Scenario::Fanout => deliver::fanout(bench, gateway).await,
             Scenario::FanIn => fan_in::run(bench).await,
             Scenario::Latency => latency::run(bench, gateway).await,
@@ -143,6 +148,25 @@ impl Bench {
         for name in &names {
             gateway.create_subscription(name, true).await?;
         }
+        let outcome = self
+            .consume(gateway, &names, streams, target, limit)
+            .await?;
+        for name in &names {
+            gateway.delete_subscription(name).await?;
+        }
+        Ok(outcome)
+    }
+
+    /// Consumes existing subscriptions with `streams` streams each until each has acked
+    /// `target` events (or `limit` passes).
+    pub async fn consume(
+        &self,
+        gateway: &Gateway,
+        names: &[String],
+        streams: usize,
+        target: u64,
+        limit: Duration,
+    ) -> anyhow::Result<GroupOutcome> {
         let loads: Vec<SubscriptionLoad> = names
             .iter()
             .map(|name| SubscriptionLoad {
@@ -160,11 +184,7 @@ impl Bench {
         )
         .await?;
         group.wait(limit).await;
-        let outcome = group.finish().await?;
-        for name in &names {
-            gateway.delete_subscription(name).await?;
-        }
-        Ok(outcome)
+        group.finish().await
     }
 
     /// Where a chart file goes.
