@@ -315,6 +315,62 @@ async fn metrics_match_a_known_scenario_exactly() {
     gateway.stop().await;
 }
 
+#[tokio::test]
+async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
+    let database = TestDatabase::create().await;
+    let metrics_port = free_port();
+    let gateway = GatewayProcess::start(
+        &database,
+        &["--metrics-listen", &format!("127.0.0.1:{metrics_port}")],
+        &[],
+    )
+    .await;
+    let channel = gateway.channel().await;
+    let mut admin = proto::admin_client::AdminClient::new(channel.clone());
+    admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription("orders")),
+        })
+        .await
+        .unwrap();
+    let mut stream = proto::subscriber_client::SubscriberClient::new(channel)
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    admin
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("the stream ends once its subscription is deleted")
+        .expect_err("with an error");
+    assert_eq!(end.code(), tonic::Code::NotFound);
+
+    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let subscribe = ("method", "/outbox.v1.Subscriber/Subscribe");
+    eventually("the stream's final status is counted", WAIT, || async {
+        Metrics::scrape(&url).await.value(
+            "outbox_rpc_requests_total",
+            &[subscribe, ("code", "NotFound")],
+        ) == Some(1.0)
+    })
+    .await;
+    let metrics = Metrics::scrape(&url).await;
+    assert_eq!(
+        metrics.value("outbox_rpc_requests_total", &[subscribe, ("code", "Ok")]),
+        None,
+        "the stream's opening headers are not an Ok answer"
+    );
+    gateway.stop().await;
+}
+
 /// Receives OTLP trace exports.
 #[derive(Clone, Default)]
 struct Collector {
