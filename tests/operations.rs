@@ -1001,3 +1001,50 @@ async fn maintenance_vacuums_the_delivery_table_once_acks_left_enough_dead_rows(
     let (dead_rows, _) = delivery_table_vacuum_stats(&pool).await;
     assert!(dead_rows < 300, "{dead_rows} dead rows left after a vacuum");
 }
+
+/// A mask that names a setting without sending it is refused for every setting alike,
+/// so an update never resets one to its default by omission.
+#[tokio::test]
+async fn update_mask_naming_an_unsent_setting_is_refused() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_attempts: Some(3),
+            ack_deadline: seconds(45),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    let mut admin = gateway.admin().await;
+    for path in ["max_attempts", "ack_deadline", "retry_backoff_min"] {
+        let refused = admin
+            .update_subscription(proto::UpdateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    name: "orders".into(),
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec![path.into()],
+                }),
+            })
+            .await;
+        assert_status(
+            refused,
+            Code::InvalidArgument,
+            &format!("subscription.{path}"),
+        );
+    }
+    let unchanged = admin
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (unchanged.max_attempts, unchanged.ack_deadline),
+        (Some(3), seconds(45))
+    );
+}
