@@ -514,3 +514,46 @@ async fn viewers_may_read_the_admin_figures_and_change_nothing() {
         "publisher role",
     );
 }
+
+/// grpcurl and health probes work before a token is at hand: reflection and health are
+/// open, the API is not.
+#[tokio::test]
+async fn reflection_and_health_need_no_token() {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![token("svc", vec![Role::Admin])];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut responses = ServerReflectionClient::new(gateway.channel().await)
+        .server_reflection_info(tokio_stream::iter(vec![ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        }]))
+        .await
+        .expect("reflection answers without a token")
+        .into_inner();
+    let answer = tokio_stream::StreamExt::next(&mut responses)
+        .await
+        .unwrap()
+        .expect("reflection answers without a token");
+    assert!(
+        matches!(
+            answer.message_response,
+            Some(MessageResponse::ListServicesResponse(_))
+        ),
+        "{answer:?}"
+    );
+    assert_eq!(
+        gateway.health().await,
+        Some(tonic_health::pb::health_check_response::ServingStatus::Serving)
+    );
+    let refused = gateway
+        .admin()
+        .await
+        .list_subscriptions(proto::ListSubscriptionsRequest {})
+        .await;
+    assert_status(refused, Code::Unauthenticated, "");
+}
