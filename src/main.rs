@@ -3,12 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use outbox_gateway::{
-    Config, cli,
-    config::Settings,
-    storage::{Store, StoreConfig},
-    telemetry::Telemetry,
-};
+use outbox_gateway::{Config, cli, config::Settings, storage::StoreConfig, telemetry::Telemetry};
 use tokio::net::TcpListener;
 
 // Every Publish decodes and frees thousands of small strings and maps; glibc's malloc
@@ -90,18 +85,19 @@ async fn serve(config: Config) -> Result<(), String> {
 async fn migrate(config: Config) -> Result<(), String> {
     Telemetry::init(config.log_format, &config.log_level)?;
     let target = outbox_gateway::storage::describe_target(&config.database_url);
-    let store = Store::connect(&StoreConfig {
-        source: outbox_gateway::domain::SourceName::default_source(),
-        source_id: outbox_gateway::domain::SourceId(0),
-        database_url: config.database_url.clone(),
-        max_connections: 1,
-        acquire_timeout: config.db_acquire_timeout,
-        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
-    })
+    let store = outbox_gateway::connect_within(
+        &StoreConfig {
+            source: outbox_gateway::domain::SourceName::default_source(),
+            source_id: outbox_gateway::domain::SourceId(0),
+            database_url: config.database_url.clone(),
+            max_connections: 1,
+            acquire_timeout: config.db_acquire_timeout,
+            idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
+        },
+        config.db_connect_timeout,
+    )
     .await
-    .map_err(|error| {
-        format!("cannot connect to PostgreSQL at {target}: {error}. Point the gateway at your database with --database-url or DATABASE_URL")
-    })?;
+    .map_err(|error| error.to_string())?;
     store.migrate().await.map_err(|error| error.to_string())?;
     store.close().await;
     println!("schema of {target} is up to date");

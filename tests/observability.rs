@@ -312,6 +312,18 @@ async fn metrics_match_a_known_scenario_exactly() {
             .any(|sample| sample.metric == "outbox_relay_wakeups_total"
                 && sample.labels.get("cause") == Some("publish"))
     );
+    let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    for line in text.lines().filter(|line| line.starts_with("# TYPE ")) {
+        let name = line.split(' ').nth(2).unwrap();
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "{name} has no # HELP line"
+        );
+    }
+    let elsewhere = reqwest::get(format!("http://127.0.0.1:{metrics_port}/"))
+        .await
+        .unwrap();
+    assert_eq!(elsewhere.status(), reqwest::StatusCode::NOT_FOUND);
     gateway.stop().await;
 }
 
