@@ -391,12 +391,48 @@ async fn an_unreachable_gateway_is_a_clear_failure() {
     assert!(!run.success);
     assert!(
         run.stderr
-            .contains("cannot reach the gateway at http://127.0.0.1:1"),
+            .contains("cannot reach the gateway at http://127.0.0.1:1: connection refused"),
         "{}",
         run.stderr
     );
     let health = cli_with_input("http://127.0.0.1:1", &["health"], None).await;
     assert!(!health.success);
+    let unknown_host = cli_with_input("nosuchhost.invalid:50051", &["stats"], None).await;
+    assert!(
+        !unknown_host.success && unknown_host.stderr.contains("host name was not found"),
+        "{}",
+        unknown_host.stderr
+    );
+}
+
+#[tokio::test]
+async fn endpoints_without_a_scheme_work_and_tls_mismatches_are_named() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+    let run = cli_with_input(&address, &["health"], None).await;
+    assert!(run.success, "{}", run.stderr);
+    let tls = cli_with_input(&format!("https://{address}"), &["health"], None).await;
+    assert!(
+        !tls.success && tls.stderr.contains("does not speak TLS"),
+        "{}",
+        tls.stderr
+    );
+    // Accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_address = silent.local_addr().unwrap().to_string();
+    let _held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            connections.push(connection);
+        }
+    });
+    let timed_out = cli_with_input(&silent_address, &["stats", "--timeout", "1s"], None).await;
+    assert!(
+        !timed_out.success && timed_out.stderr.contains("no answer"),
+        "{}",
+        timed_out.stderr
+    );
 }
 
 #[tokio::test]

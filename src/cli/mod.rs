@@ -18,7 +18,8 @@ use crate::proto;
 /// Where a client subcommand finds the gateway, and how it prints.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
-    /// The gateway's gRPC endpoint.
+    /// The gateway's gRPC endpoint: http://HOST:PORT, https://HOST:PORT, or HOST:PORT
+    /// (plain, or TLS when --ca or --cert is given).
     #[arg(
         long,
         env = "OUTBOX_ENDPOINT",
@@ -47,10 +48,25 @@ pub struct Target {
 }
 
 impl Target {
+    /// The endpoint as a URL: `host:port` alone (as grpcurl takes it) means http://, or
+    /// https:// when a CA or client certificate is given.
+    fn endpoint_url(&self) -> String {
+        if self.endpoint.contains("://") {
+            return self.endpoint.clone();
+        }
+        let scheme = if self.ca.is_some() || self.cert.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.endpoint)
+    }
+
     /// Connects to the gateway; `per_call_timeout` applies --timeout to every call too
     /// (not to `tail`, whose stream lasts).
     async fn connect(&self, per_call_timeout: bool) -> Result<GatewayChannel, String> {
-        let mut connection = Connection::new(&self.endpoint).connect_timeout(self.timeout);
+        let endpoint = self.endpoint_url();
+        let mut connection = Connection::new(&endpoint).connect_timeout(self.timeout);
         if per_call_timeout {
             connection = connection.timeout(self.timeout);
         }
@@ -68,9 +84,13 @@ impl Target {
                 format!("invalid --endpoint {endpoint:?}: {reason}")
             }
             ClientError::InvalidToken => "--token must be printable ASCII".to_owned(),
-            ClientError::ReadFile { .. } | ClientError::Tls(_) | ClientError::Connect { .. } => {
-                error.to_string()
+            ClientError::Connect { endpoint, source } => {
+                format!(
+                    "cannot reach the gateway at {endpoint}: {}",
+                    explain_connect_failure(&source, &endpoint, self.timeout)
+                )
             }
+            ClientError::ReadFile { .. } | ClientError::Tls(_) => error.to_string(),
             ClientError::Refused(status) | ClientError::Unavailable(status) => describe(status),
         })
     }
@@ -85,8 +105,72 @@ impl Target {
     }
 }
 
+/// Says in a few words why a connection failed, from the transport error's causes.
+fn explain_connect_failure(
+    error: &(dyn std::error::Error + 'static),
+    endpoint: &str,
+    timeout: Duration,
+) -> String {
+    let mut causes = Vec::new();
+    let mut io_kind = None;
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = cause {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            io_kind.get_or_insert(io.kind());
+        }
+        causes.push(error.to_string().to_lowercase());
+        cause = error.source();
+    }
+    let said = |needle: &str| causes.iter().any(|text| text.contains(needle));
+    let tls = endpoint.starts_with("https://");
+    if said("dns error") || said("failed to lookup address") || said("name or service not known") {
+        return "the host name was not found".into();
+    }
+    match io_kind {
+        Some(std::io::ErrorKind::ConnectionRefused) => {
+            return "connection refused: is the gateway running and listening on that port?".into();
+        }
+        Some(std::io::ErrorKind::TimedOut) => {
+            return format!(
+                "no answer within {} (--timeout)",
+                humantime::format_duration(timeout)
+            );
+        }
+        _ => {}
+    }
+    if said("timed out") || said("deadline") {
+        return format!(
+            "no answer within {} (--timeout)",
+            humantime::format_duration(timeout)
+        );
+    }
+    if tls && (said("invalidcontenttype") || said("corrupt message") || said("invalid content")) {
+        return "the gateway does not speak TLS there: use http:// in --endpoint".into();
+    }
+    if tls && (said("certificate") || said("unknownissuer")) {
+        return format!(
+            "its TLS certificate is not trusted ({}): pass the CA that signed it with --ca",
+            causes.last().cloned().unwrap_or_default()
+        );
+    }
+    if !tls {
+        return format!(
+            "the connection failed during the HTTP/2 handshake ({}); if the gateway serves TLS, use https:// in --endpoint (and --ca)",
+            causes.last().cloned().unwrap_or_default()
+        );
+    }
+    causes
+        .last()
+        .cloned()
+        .unwrap_or_else(|| "unknown error".into())
+}
+
 /// One line for a refused call: the status code and the gateway's message.
 fn describe(status: Status) -> String {
+    // The client's own timer, not the gateway, ended the call.
+    if status.message() == "Timeout expired" {
+        return "no answer from the gateway within --timeout".into();
+    }
     match status.code() {
         Code::Unavailable => format!("gateway unavailable: {}", status.message()),
         code => format!("{}: {}", code_name(code), status.message()),
