@@ -447,3 +447,125 @@ async fn health_command_reports_a_serving_gateway() {
         run.stderr
     );
 }
+
+/// Names of the gateway's subscriptions.
+async fn subscription_names(gateway: &TestGateway) -> Vec<String> {
+    gateway
+        .admin()
+        .await
+        .list_subscriptions(outbox_gateway::proto::ListSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .subscriptions
+        .into_iter()
+        .map(|subscription| subscription.name)
+        .collect()
+}
+
+/// `tail` with an ephemeral subscription, standard output piped to the test.
+fn spawn_tail(endpoint: &str) -> tokio::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["tail", "--event-type", "order.*", "--from", "earliest"])
+        .env("OUTBOX_ENDPOINT", endpoint)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run tail")
+}
+
+async fn stderr_of(child: tokio::process::Child) -> (std::process::ExitStatus, String) {
+    let output = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .expect("tail exits")
+        .unwrap();
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+const WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
+#[tokio::test]
+async fn tail_into_a_closed_pipe_exits_quietly_and_cleans_up() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut tail = spawn_tail(&gateway.endpoint());
+    let mut lines = tokio::io::BufReader::new(tail.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("a delivery")
+        .unwrap()
+        .expect("a line");
+    assert!(first.contains("order.created"), "{first}");
+    // Like `tail ... | head -1`: the reader goes away, then more arrives.
+    drop(lines);
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    let (status, stderr) = stderr_of(tail).await;
+    assert!(status.success(), "{status}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn tail_ended_by_sigterm_deletes_its_ephemeral_subscription() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let tail = spawn_tail(&gateway.endpoint());
+    eventually("tail creates its subscription", WAIT, || async {
+        !subscription_names(&gateway).await.is_empty()
+    })
+    .await;
+    let pid = tail.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, stderr) = stderr_of(tail).await;
+    assert!(status.success(), "{status}: {stderr}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn tail_carries_on_after_a_gateway_restart() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["tail", "orders"])
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(tail.stdout.take().unwrap()).lines();
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.unwrap().contains("o-1"));
+
+    gateway.stop().await.unwrap();
+    let listener = tokio::net::TcpListener::bind(&address).await.unwrap();
+    let restarted = TestGateway::spawn_on(&database, test_config(database.url()), listener).await;
+    restarted
+        .wait_for_health(tonic_health::pb::health_check_response::ServingStatus::Serving)
+        .await;
+    publish(&restarted, vec![event("o-2", "order.created")]).await;
+    let second = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("tail reconnects and prints the next delivery")
+        .unwrap();
+    assert!(second.unwrap().contains("o-2"));
+}

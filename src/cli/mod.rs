@@ -919,15 +919,52 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
             .max(1),
         None => args.max_in_flight,
     };
-    let result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit).await;
-    if ephemeral {
-        let _ = admin
-            .delete_subscription(proto::DeleteSubscriptionRequest { name })
-            .await;
+    // Every way out (a signal, a closed pipe, the limit, an error) passes here, so an
+    // ephemeral subscription is always deleted.
+    let result = tokio::select! {
+        result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit) => result,
+        () = terminated() => Ok(()),
+    };
+    if ephemeral
+        && let Err(status) = admin
+            .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
+            .await
+    {
+        eprintln!(
+            "outbox-gateway: could not delete the ephemeral subscription {name} ({}); the gateway removes it once unused",
+            describe(status)
+        );
     }
     result
 }
 
+/// Completes on SIGINT (Ctrl-C) or SIGTERM.
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Longest wait between attempts to reach a gateway that went away.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
+
+/// Prints deliveries as JSON lines (acking each unless `ack` is false) until `limit`,
+/// the end of the stream, or a closed standard output. A stream broken because the
+/// gateway went away (a restart) is opened again once it is back.
 async fn stream_deliveries(
     gateway: &GatewayChannel,
     subscription: &str,
@@ -935,36 +972,73 @@ async fn stream_deliveries(
     ack: bool,
     limit: Option<u64>,
 ) -> Result<(), String> {
+    use std::io::Write;
     let mut subscriber = gateway.subscriber();
-    let mut stream = subscriber
-        .subscribe(proto::SubscribeRequest {
-            subscription: subscription.to_owned(),
-            max_in_flight,
-            ..Default::default()
-        })
-        .await
-        .map_err(describe)?
-        .into_inner();
     let mut seen = 0;
+    let mut reconnect_delay = Duration::from_millis(100);
+    let mut announced_loss = false;
     while limit.is_none_or(|limit| seen < limit) {
-        let delivery = tokio::select! {
-            message = stream.message() => match message.map_err(describe)? {
-                Some(delivery) => delivery,
-                None => return Ok(()),
-            },
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+        let opened = subscriber
+            .subscribe(proto::SubscribeRequest {
+                subscription: subscription.to_owned(),
+                max_in_flight,
+                ..Default::default()
+            })
+            .await;
+        let mut stream = match opened {
+            Ok(stream) => stream.into_inner(),
+            Err(status) if status.code() == Code::Unavailable => {
+                if !announced_loss {
+                    eprintln!("outbox-gateway: lost the gateway; reconnecting");
+                    announced_loss = true;
+                }
+                tokio::time::sleep(reconnect_delay).await;
+                reconnect_delay = (reconnect_delay * 2).min(MAX_RECONNECT_DELAY);
+                continue;
+            }
+            Err(status) => return Err(describe(status)),
         };
-        println!("{}", render::delivery(&delivery));
-        if ack {
-            subscriber
-                .ack(proto::AckRequest {
-                    subscription: subscription.to_owned(),
-                    ack_ids: vec![delivery.ack_id],
-                })
-                .await
-                .map_err(describe)?;
+        if announced_loss {
+            eprintln!("outbox-gateway: reconnected");
+            announced_loss = false;
         }
-        seen += 1;
+        reconnect_delay = Duration::from_millis(100);
+        while limit.is_none_or(|limit| seen < limit) {
+            let delivery = match stream.message().await {
+                Ok(Some(delivery)) => delivery,
+                Ok(None) => return Ok(()),
+                // The gateway stopped or the connection broke: open the stream again.
+                Err(status) if matches!(status.code(), Code::Unavailable | Code::Unknown) => {
+                    break;
+                }
+                Err(status) => return Err(describe(status)),
+            };
+            let mut stdout = std::io::stdout().lock();
+            let written =
+                writeln!(stdout, "{}", render::delivery(&delivery)).and_then(|()| stdout.flush());
+            match written {
+                Ok(()) => {}
+                // The reader went away (`tail | head -1`): a normal end, not an error.
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                Err(error) => return Err(format!("cannot write to standard output: {error}")),
+            }
+            drop(stdout);
+            seen += 1;
+            if ack {
+                let acked = subscriber
+                    .ack(proto::AckRequest {
+                        subscription: subscription.to_owned(),
+                        ack_ids: vec![delivery.ack_id],
+                    })
+                    .await;
+                match acked {
+                    Ok(_) => {}
+                    // Not applied: the delivery comes again once the gateway is back.
+                    Err(status) if status.code() == Code::Unavailable => break,
+                    Err(status) => return Err(describe(status)),
+                }
+            }
+        }
     }
     Ok(())
 }
