@@ -1048,3 +1048,58 @@ async fn update_mask_naming_an_unsent_setting_is_refused() {
         (Some(3), seconds(45))
     );
 }
+
+#[tokio::test]
+async fn a_subscription_unused_past_its_expire_after_idle_is_deleted() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut admin = gateway.admin().await;
+    let too_short = admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                expire_after_idle: seconds(1),
+                ..subscription("reader")
+            }),
+        })
+        .await;
+    assert_status(
+        too_short,
+        Code::InvalidArgument,
+        "subscription.expire_after_idle",
+    );
+    let created = create_subscription(
+        &gateway,
+        proto::Subscription {
+            expire_after_idle: seconds(10),
+            ..subscription("reader")
+        },
+    )
+    .await;
+    assert_eq!(created.expire_after_idle, seconds(10));
+    create_subscription(&gateway, subscription("durable")).await;
+    let names = || async {
+        let mut admin = gateway.admin().await;
+        let list = admin
+            .list_subscriptions(proto::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions;
+        list.into_iter().map(|s| s.name).collect::<Vec<_>>()
+    };
+
+    // A stream attached for longer than expire_after_idle keeps it.
+    let consumer = Consumer::open(&gateway, "reader", 0).await;
+    tokio::time::sleep(Duration::from_secs(14)).await;
+    assert_eq!(names().await, ["durable", "reader"]);
+
+    drop(consumer);
+    eventually(
+        "the unused subscription is deleted",
+        Duration::from_secs(60),
+        || async { names().await == ["durable"] },
+    )
+    .await;
+}

@@ -117,14 +117,16 @@ pub(super) fn optional_source(field: &str, name: &str) -> Result<Option<SourceNa
 
 /// A new subscription from its message: name, settings (defaults for unset fields),
 /// sources and start position.
-pub(super) fn new_subscription(
-    message: Option<proto::Subscription>,
-) -> Result<(
-    SubscriptionName,
-    SubscriptionSettings,
-    Vec<SourceName>,
-    StartPosition,
-)> {
+/// A CreateSubscription request, parsed.
+pub(super) struct NewSubscription {
+    pub name: SubscriptionName,
+    pub settings: SubscriptionSettings,
+    pub sources: Vec<SourceName>,
+    pub start: StartPosition,
+    pub expire_after_idle: Option<Duration>,
+}
+
+pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<NewSubscription> {
     let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
     let name = subscription_name("subscription.name", &message.name)?;
     let defaults = SubscriptionSettings::default();
@@ -161,7 +163,15 @@ pub(super) fn new_subscription(
         .enumerate()
         .map(|(index, source)| SourceName::parse(&format!("subscription.sources[{index}]"), source))
         .collect::<Result<Vec<_>>>()?;
-    Ok((name, settings, sources, start))
+    let expire_after_idle =
+        optional_duration("subscription.expire_after_idle", message.expire_after_idle)?;
+    Ok(NewSubscription {
+        name,
+        settings,
+        sources,
+        start,
+        expire_after_idle,
+    })
 }
 
 pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
@@ -179,6 +189,7 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
         ordered: settings.ordered,
         persistent_event_types: settings.persistent_event_types.to_strings(),
         created_at: Some(datetime_to_timestamp(subscription.created_at)),
+        expire_after_idle: subscription.expire_after_idle.map(duration_to_proto),
         sources: subscription
             .sources
             .iter()
@@ -339,7 +350,7 @@ pub(super) fn subscription_patch(
                 patch.persistent_event_types =
                     Some(patterns(&field(path), &message.persistent_event_types)?);
             }
-            "name" | "start" | "ordered" | "created_at" | "sources" => {
+            "name" | "start" | "ordered" | "created_at" | "sources" | "expire_after_idle" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),

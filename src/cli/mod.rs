@@ -331,6 +331,10 @@ pub enum SubscriptionCommand {
         /// Deliver the events of one aggregate one at a time, in order.
         #[arg(long)]
         ordered: bool,
+        /// Have the gateway delete it once no stream has read it for this long (at
+        /// least 10s), e.g. 1h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        expire_after_idle: Option<Duration>,
     },
     /// List all subscriptions.
     List,
@@ -447,7 +451,8 @@ pub struct PublishArgs {
 #[derive(Debug, clap::Args)]
 pub struct TailArgs {
     /// Subscription to read. Without it, an ephemeral subscription is created from the
-    /// filter flags and deleted on exit.
+    /// filter flags and deleted on exit (should tail be killed outright, the gateway
+    /// deletes it after 5 minutes without a reader).
     subscription: Option<String>,
     /// Do not ack: deliveries go back at their ack deadline.
     #[arg(long)]
@@ -534,10 +539,13 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
             settings,
             start,
             ordered,
+            expire_after_idle,
         } => {
             let subscription = proto::Subscription {
                 start: Some(start),
                 ordered,
+                expire_after_idle: expire_after_idle
+                    .and_then(|idle| prost_types::Duration::try_from(idle).ok()),
                 ..settings.into_subscription(name)
             };
             let created = admin
@@ -903,6 +911,8 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
                         event_types: args.event_types,
                         aggregate_types: args.aggregate_types,
                         start: Some(args.from),
+                        expire_after_idle: prost_types::Duration::try_from(TAIL_EXPIRE_AFTER_IDLE)
+                            .ok(),
                         ..Default::default()
                     }),
                 })
@@ -938,6 +948,11 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
     result
 }
 
+/// How long the ephemeral subscription of a `tail` that vanished without deleting it
+/// (killed with SIGKILL, its machine lost) outlives it: long enough to ride out a gateway
+/// restart while tail reconnects.
+const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
+
 /// Completes on SIGINT (Ctrl-C) or SIGTERM.
 async fn terminated() {
     #[cfg(unix)]
@@ -957,6 +972,27 @@ async fn terminated() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Whether a call failed because the gateway stopped or the connection broke (a
+/// restart), rather than because the gateway refused it.
+fn gateway_went_away(status: &Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::Cancelled => true,
+        // Transport failures surface as UNKNOWN with the transport's words.
+        Code::Unknown => {
+            let message = status.message();
+            [
+                "h2 protocol error",
+                "transport error",
+                "connection",
+                "broken pipe",
+            ]
+            .iter()
+            .any(|words| message.contains(words))
+        }
+        _ => false,
+    }
 }
 
 /// Longest wait between attempts to reach a gateway that went away.
@@ -987,7 +1023,7 @@ async fn stream_deliveries(
             .await;
         let mut stream = match opened {
             Ok(stream) => stream.into_inner(),
-            Err(status) if status.code() == Code::Unavailable => {
+            Err(status) if gateway_went_away(&status) => {
                 if !announced_loss {
                     eprintln!("outbox-gateway: lost the gateway; reconnecting");
                     announced_loss = true;
@@ -1008,9 +1044,7 @@ async fn stream_deliveries(
                 Ok(Some(delivery)) => delivery,
                 Ok(None) => return Ok(()),
                 // The gateway stopped or the connection broke: open the stream again.
-                Err(status) if matches!(status.code(), Code::Unavailable | Code::Unknown) => {
-                    break;
-                }
+                Err(status) if gateway_went_away(&status) => break,
                 Err(status) => return Err(describe(status)),
             };
             let mut stdout = std::io::stdout().lock();
@@ -1034,7 +1068,7 @@ async fn stream_deliveries(
                 match acked {
                     Ok(_) => {}
                     // Not applied: the delivery comes again once the gateway is back.
-                    Err(status) if status.code() == Code::Unavailable => break,
+                    Err(status) if gateway_went_away(&status) => break,
                     Err(status) => return Err(describe(status)),
                 }
             }

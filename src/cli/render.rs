@@ -90,6 +90,7 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
         "created_at": timestamp(&subscription.created_at),
+        "expire_after_idle": subscription.expire_after_idle.as_ref().map(|_| duration(&subscription.expire_after_idle)),
     })
 }
 

@@ -26,6 +26,7 @@ pub use operations::{
 pub use pattern::{EventTypePattern, PatternSet};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
-    MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MIN_ACK_DEADLINE, StartPosition, Subscription,
-    SubscriptionName, SubscriptionSettings,
+    ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MIN_ACK_DEADLINE,
+    MIN_EXPIRE_AFTER_IDLE, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    check_expire_after_idle,
 };
