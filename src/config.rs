@@ -203,6 +203,46 @@ pub struct Settings {
     pub log_level: Option<String>,
 }
 
+/// Settings of `outbox-gateway migrate`: only those it uses. The configuration file
+/// may hold the others (it is shared with `serve`).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct MigrateSettings {
+    /// TOML file with any of the `serve` settings (keys are the flag names with `_`).
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// PostgreSQL connection URL (postgres:// or postgresql://). The database is created
+    /// when missing. [default: postgres://postgres@127.0.0.1:5432/outbox]
+    // Its value may hold a password: never shown in --help.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// How long to wait for PostgreSQL to answer before giving up. [default: 10s]
+    #[arg(long, env = "OUTBOX_DB_CONNECT_TIMEOUT")]
+    pub db_connect_timeout: Option<DurationSetting>,
+
+    /// Log format: text or json. [default: text]
+    #[arg(long, env = "OUTBOX_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter in RUST_LOG syntax; RUST_LOG itself wins. [default: info]
+    #[arg(long, env = "OUTBOX_LOG_LEVEL")]
+    pub log_level: Option<String>,
+}
+
+impl From<MigrateSettings> for Settings {
+    fn from(migrate: MigrateSettings) -> Settings {
+        Settings {
+            config: migrate.config,
+            database_url: migrate.database_url,
+            db_connect_timeout: migrate.db_connect_timeout,
+            log_format: migrate.log_format,
+            log_level: migrate.log_level,
+            ..Settings::default()
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {

@@ -3,7 +3,12 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use outbox_gateway::{Config, cli, config::Settings, storage::StoreConfig, telemetry::Telemetry};
+use outbox_gateway::{
+    Config, cli,
+    config::{MigrateSettings, Settings},
+    storage::StoreConfig,
+    telemetry::Telemetry,
+};
 use tokio::net::TcpListener;
 
 // Every Publish decodes and frees thousands of small strings and maps; glibc's malloc
@@ -27,7 +32,7 @@ enum Command {
     /// Serve the gRPC API (applies pending migrations first unless --no-migrate).
     Serve(Settings),
     /// Apply pending schema migrations and exit.
-    Migrate(Settings),
+    Migrate(MigrateSettings),
     #[command(flatten)]
     Client(cli::ClientCommand),
     /// Create or hash bearer tokens for the configuration file.
@@ -42,7 +47,7 @@ async fn main() -> ExitCode {
             Ok(config) => serve(config).await,
             Err(code) => return code,
         },
-        Command::Migrate(settings) => match load_config(settings) {
+        Command::Migrate(settings) => match load_config(settings.into()) {
             Ok(config) => migrate(config).await,
             Err(code) => return code,
         },

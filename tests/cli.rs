@@ -147,7 +147,7 @@ async fn subscriptions_are_managed_end_to_end() {
         .success
     );
     assert!(
-        cli(&gateway, &["subscriptions", "delete", "orders"])
+        cli(&gateway, &["subscriptions", "delete", "orders", "--yes"])
             .await
             .success
     );
@@ -578,4 +578,179 @@ async fn tail_carries_on_after_a_gateway_restart() {
             }
         }
     }
+}
+
+/// Every option and argument of every command says what it is for.
+#[tokio::test]
+async fn every_flag_has_help_and_migrate_lists_only_its_own() {
+    let commands: &[&[&str]] = &[
+        &["serve"],
+        &["migrate"],
+        &["subscriptions", "create"],
+        &["subscriptions", "list"],
+        &["subscriptions", "get"],
+        &["subscriptions", "update"],
+        &["subscriptions", "delete"],
+        &["subscriptions", "seek"],
+        &["dlq", "list"],
+        &["dlq", "requeue"],
+        &["dlq", "resolve"],
+        &["requeue"],
+        &["stats"],
+        &["publish"],
+        &["tail"],
+        &["health"],
+        &["token", "generate"],
+        &["token", "hash"],
+    ];
+    for command in commands {
+        let mut args = command.to_vec();
+        args.push("--help");
+        let run = cli_with_input("http://127.0.0.1:1", &args, None).await;
+        assert!(run.success, "{command:?}: {}", run.stderr);
+        let lines: Vec<&str> = run.stdout.lines().collect();
+        for (index, line) in lines.iter().enumerate() {
+            let entry = line.trim_start();
+            let indent = line.len() - entry.len();
+            if !(2..10).contains(&indent) || !entry.starts_with(['-', '<', '[']) {
+                continue;
+            }
+            // Short help puts the text on the same line, after two spaces.
+            let same_line = entry
+                .split_once("  ")
+                .is_some_and(|(_, text)| !text.trim().is_empty());
+            let next_line = lines
+                .get(index + 1)
+                .is_some_and(|next| next.starts_with("          ") && !next.trim().is_empty());
+            assert!(
+                same_line || next_line,
+                "{command:?}: {line:?} has no help text"
+            );
+        }
+    }
+    let migrate = cli_with_input("http://127.0.0.1:1", &["migrate", "--help"], None).await;
+    assert!(
+        migrate.stdout.contains("--database-url"),
+        "{}",
+        migrate.stdout
+    );
+    for serve_only in [
+        "--listen",
+        "--retention",
+        "--metrics-listen",
+        "--insecure-no-auth",
+    ] {
+        assert!(
+            !migrate.stdout.contains(serve_only),
+            "migrate --help lists {serve_only}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn commands_speak_in_flags_plurals_and_exit_codes() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let created = cli(
+        &gateway,
+        &["subscriptions", "create", "orders", "--start", "earliest"],
+    )
+    .await;
+    assert!(created.success, "{}", created.stderr);
+    assert!(
+        !created.stdout.trim_start().starts_with('{') && created.stdout.contains("name:"),
+        "text without --json: {}",
+        created.stdout
+    );
+
+    let no_selector = cli(&gateway, &["dlq", "requeue", "orders"]).await;
+    assert!(!no_selector.success);
+    assert!(
+        no_selector.stderr.contains("--id") && no_selector.stderr.contains("--all"),
+        "{}",
+        no_selector.stderr
+    );
+    assert!(
+        !no_selector.stderr.contains("dead_lettered_before"),
+        "{}",
+        no_selector.stderr
+    );
+
+    let unknown = uuid::Uuid::new_v4().to_string();
+    let nothing = cli(&gateway, &["dlq", "requeue", "orders", "--id", &unknown]).await;
+    assert!(!nothing.success, "{}", nothing.stdout);
+    assert!(
+        nothing.stderr.contains("requeued 0 dead letters of 1"),
+        "{}",
+        nothing.stderr
+    );
+
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let delivery = consumer
+        .next(std::time::Duration::from_secs(10))
+        .await
+        .expect("a delivery");
+    let id = delivery.event.as_ref().unwrap().id.clone();
+    nack(
+        &gateway,
+        outbox_gateway::proto::NackRequest {
+            subscription: "orders".into(),
+            ack_id: delivery.ack_id,
+            dead_letter: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let one = cli(&gateway, &["dlq", "requeue", "orders", "--id", &id]).await;
+    assert!(one.success, "{}", one.stderr);
+    assert_eq!(one.stdout.trim(), "requeued 1 dead letter");
+
+    let token = cli(&gateway, &["token", "generate", "--json"]).await.json();
+    assert_eq!(token["token"].as_str().map(str::len), Some(64));
+    assert_eq!(token["sha256"].as_str().map(str::len), Some(64));
+}
+
+#[tokio::test]
+async fn destructive_commands_need_yes_without_a_terminal() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    for command in [
+        &["subscriptions", "delete", "orders"][..],
+        &["dlq", "requeue", "orders", "--all"],
+        &["subscriptions", "seek", "orders", "--to", "earliest"],
+    ] {
+        let refused = cli(&gateway, command).await;
+        assert!(!refused.success, "{command:?} ran without --yes");
+        assert!(
+            refused.stderr.contains("--yes"),
+            "{command:?}: {}",
+            refused.stderr
+        );
+    }
+    let refused = cli(&gateway, &["subscriptions", "delete", "orders"]).await;
+    assert!(
+        refused.stderr.contains("delete subscription orders")
+            && refused.stderr.contains("0 unresolved dead letters"),
+        "shows what it would affect: {}",
+        refused.stderr
+    );
+    assert_eq!(subscription_names(&gateway).await, ["orders"]);
+    for command in [
+        &["dlq", "requeue", "orders", "--all", "--yes"][..],
+        &[
+            "subscriptions",
+            "seek",
+            "orders",
+            "--to",
+            "earliest",
+            "--yes",
+        ],
+        &["subscriptions", "delete", "orders", "--yes"],
+    ] {
+        let run = cli(&gateway, command).await;
+        assert!(run.success, "{command:?}: {}", run.stderr);
+    }
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
 }

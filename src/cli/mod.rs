@@ -165,6 +165,36 @@ fn explain_connect_failure(
         .unwrap_or_else(|| "unknown error".into())
 }
 
+/// Asks on the terminal before a destructive step described by `what`; refuses when
+/// there is no terminal to ask (scripts pass --yes).
+fn confirm(what: &str) -> Result<(), String> {
+    use std::io::{IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        return Err(format!(
+            "this would {what}; pass --yes to confirm when not at a terminal"
+        ));
+    }
+    eprint!("This will {what}. Continue? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .read_line(&mut answer)
+        .map_err(|error| format!("cannot read the answer: {error}"))?;
+    match answer.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" => Ok(()),
+        _ => Err("cancelled; nothing was changed".into()),
+    }
+}
+
+/// "1 dead letter", "2 dead letters".
+fn count(number: u64, noun: &str) -> String {
+    match (number, noun.strip_suffix('y')) {
+        (1, _) => format!("1 {noun}"),
+        (_, Some(stem)) => format!("{number} {stem}ies"),
+        _ => format!("{number} {noun}s"),
+    }
+}
+
 /// One line for a refused call: the status code and the gateway's message.
 fn describe(status: Status) -> String {
     // The client's own timer, not the gateway, ended the call.
@@ -322,6 +352,7 @@ impl SubscriptionSettingsArgs {
 pub enum SubscriptionCommand {
     /// Create a subscription.
     Create {
+        /// Name: lowercase letters, digits, '.', '_' and '-' (e.g. billing.orders).
         name: String,
         #[command(flatten)]
         settings: SubscriptionSettingsArgs,
@@ -339,21 +370,35 @@ pub enum SubscriptionCommand {
     /// List all subscriptions.
     List,
     /// Show one subscription.
-    Get { name: String },
+    Get {
+        /// The subscription.
+        name: String,
+    },
     /// Change the given settings of a subscription (the others stay).
     Update {
+        /// The subscription.
         name: String,
         #[command(flatten)]
         settings: SubscriptionSettingsArgs,
     },
-    /// Delete a subscription with its delivery records and dead letters.
-    Delete { name: String },
+    /// Delete a subscription with its delivery records and dead letters (asks first).
+    Delete {
+        /// The subscription.
+        name: String,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
+    },
     /// Replay from a time or the earliest event, or skip ahead to now.
     Seek {
+        /// The subscription.
         name: String,
-        /// latest, earliest, or an RFC 3339 time.
+        /// latest, earliest (asks first: replays everything stored), or an RFC 3339 time.
         #[arg(long, value_parser = parse_position)]
         to: proto::StartPosition,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
 }
 
@@ -361,6 +406,7 @@ pub enum SubscriptionCommand {
 pub enum DeadLetterCommand {
     /// List dead letters, oldest first.
     List {
+        /// The subscription.
         subscription: String,
         /// Only events matching this pattern; repeatable.
         #[arg(long = "event-type")]
@@ -377,6 +423,7 @@ pub enum DeadLetterCommand {
     },
     /// Send dead letters back for delivery, attempts reset.
     Requeue {
+        /// The subscription.
         subscription: String,
         /// Event id; repeatable.
         #[arg(long = "id")]
@@ -387,13 +434,18 @@ pub enum DeadLetterCommand {
         /// Only dead letters dead-lettered before this RFC 3339 time.
         #[arg(long, value_parser = parse_time)]
         before: Option<prost_types::Timestamp>,
-        /// Requeue every unresolved dead letter.
+        /// Requeue every unresolved dead letter (asks first).
         #[arg(long)]
         all: bool,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
     /// Mark a dead letter handled without redelivering it.
     Resolve {
+        /// The subscription.
         subscription: String,
+        /// The dead letter's event id.
         id: String,
         /// Who handled it.
         #[arg(long = "by")]
@@ -412,10 +464,13 @@ pub struct RequeueArgs {
     /// Requeue the latest event of --aggregate-type/--aggregate-id with --event-type.
     #[arg(long, requires_all = ["aggregate_type", "aggregate_id", "event_type"])]
     latest: bool,
+    /// Aggregate type of the event (with --latest).
     #[arg(long)]
     aggregate_type: Option<String>,
+    /// Aggregate id of the event (with --latest).
     #[arg(long)]
     aggregate_id: Option<String>,
+    /// Event type of the event (with --latest).
     #[arg(long)]
     event_type: Option<String>,
     /// Only for this subscription (default: every matching one).
@@ -429,10 +484,13 @@ pub struct PublishArgs {
     /// object with the EventInput fields; `payload` is any JSON value.
     #[arg(long, conflicts_with_all = ["aggregate_type", "aggregate_id", "event_type"])]
     stdin: bool,
+    /// Aggregate type, e.g. order.
     #[arg(long, required_unless_present = "stdin")]
     aggregate_type: Option<String>,
+    /// Aggregate id, e.g. o-42.
     #[arg(long, required_unless_present = "stdin")]
     aggregate_id: Option<String>,
+    /// Event type, e.g. order.created.
     #[arg(long, required_unless_present = "stdin")]
     event_type: Option<String>,
     /// JSON payload.
@@ -441,6 +499,7 @@ pub struct PublishArgs {
     /// Event id (UUID); generated when omitted.
     #[arg(long)]
     id: Option<String>,
+    /// Version of the aggregate this event brings it to (optional).
     #[arg(long)]
     aggregate_version: Option<i64>,
     /// Metadata entry KEY=VALUE; repeatable.
@@ -526,12 +585,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
     let mut admin = target.connect(true).await?.admin();
     let show = |subscription: proto::Subscription| {
         let value = render::subscription(&subscription);
-        target.print(value.clone(), || {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&value).unwrap_or_default()
-            )
-        });
+        target.print(value, || render::subscription_text(&subscription));
     };
     match command {
         SubscriptionCommand::Create {
@@ -612,14 +666,48 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .map_err(describe)?;
             show(updated.into_inner());
         }
-        SubscriptionCommand::Delete { name } => {
+        SubscriptionCommand::Delete { name, yes } => {
+            if !yes {
+                let stats = admin
+                    .get_stats(proto::GetStatsRequest {
+                        subscription: name.clone(),
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner();
+                let figures = stats.subscriptions.first().cloned().unwrap_or_default();
+                confirm(&format!(
+                    "delete subscription {name}, dropping {} in flight, {} awaiting retry and {}",
+                    count(figures.in_flight, "delivery"),
+                    count(figures.awaiting_retry, "delivery"),
+                    count(figures.dead_lettered, "unresolved dead letter"),
+                ))?;
+            }
             admin
                 .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
                 .await
                 .map_err(describe)?;
             target.print(json!({ "deleted": name }), || println!("deleted {name}"));
         }
-        SubscriptionCommand::Seek { name, to } => {
+        SubscriptionCommand::Seek { name, to, yes } => {
+            let earliest = to.position
+                == Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                ));
+            if earliest && !yes {
+                let stats = admin
+                    .get_stats(proto::GetStatsRequest {
+                        subscription: name.clone(),
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner();
+                let stored = stats.outbox.map_or(0, |outbox| outbox.events_stored);
+                confirm(&format!(
+                    "replay subscription {name} from the earliest stored event ({} stored; those matching its filters are delivered again)",
+                    count(stored, "event")
+                ))?;
+            }
             admin
                 .seek_subscription(proto::SeekSubscriptionRequest {
                     subscription: name.clone(),
@@ -714,10 +802,32 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
             event_types,
             before,
             all,
+            yes,
         } => {
+            if ids.is_empty() && event_types.is_empty() && before.is_none() && !all {
+                return Err("choose dead letters with --id, --event-type or --before, or take every one with --all".into());
+            }
+            let asked_ids = ids.len() as u64;
+            if all && !yes {
+                let would = admin
+                    .requeue_dead_letters(proto::RequeueDeadLettersRequest {
+                        subscription: subscription.clone(),
+                        all: true,
+                        validate_only: true,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner()
+                    .requeued_count;
+                confirm(&format!(
+                    "requeue all {} of {subscription} for delivery",
+                    count(would, "unresolved dead letter")
+                ))?;
+            }
             let requeued = admin
                 .requeue_dead_letters(proto::RequeueDeadLettersRequest {
-                    subscription,
+                    subscription: subscription.clone(),
                     ids,
                     event_types,
                     dead_lettered_before: before,
@@ -728,8 +838,15 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                 .map_err(describe)?
                 .into_inner()
                 .requeued_count;
+            let subscription_name = subscription;
+            if asked_ids > 0 && requeued < asked_ids {
+                return Err(format!(
+                    "requeued {} of {asked_ids}: the others are not unresolved dead letters of {subscription_name} (see `dlq list {subscription_name} --include-resolved`)",
+                    count(requeued, "dead letter")
+                ));
+            }
             target.print(json!({ "requeued_count": requeued }), || {
-                println!("requeued {requeued} dead letters")
+                println!("requeued {}", count(requeued, "dead letter"))
             });
         }
         DeadLetterCommand::Resolve {
@@ -781,7 +898,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
     };
     let requeued = response.map_err(describe)?.into_inner().requeued_count;
     target.print(json!({ "requeued_count": requeued }), || {
-        println!("requeued on {requeued} subscriptions")
+        println!("requeued on {}", count(requeued, "subscription"))
     });
     Ok(())
 }
@@ -1104,33 +1221,50 @@ pub enum TokenCommand {
         /// Name of the token holder, for the printed configuration snippet.
         #[arg(long, default_value = "my-service")]
         name: String,
+        /// Print JSON (token, name, sha256) instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Print the SHA-256 of a token read from standard input.
-    Hash,
+    Hash {
+        /// Print JSON ({"sha256": ...}) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn token(command: TokenCommand) -> Result<(), String> {
     match command {
-        TokenCommand::Generate { name } => {
+        TokenCommand::Generate { name, json } => {
             let token: String = (0..32)
                 .map(|_| format!("{:02x}", rand::random::<u8>()))
                 .collect();
+            let sha256 = crate::auth::token_digest(&token);
+            if json {
+                println!(
+                    "{}",
+                    json!({ "token": token, "name": name, "sha256": sha256 })
+                );
+                return Ok(());
+            }
             println!("token:  {token}");
             println!();
             println!("[[tokens]]");
             println!("name = {name:?}");
-            println!("sha256 = \"{}\"", crate::auth::token_digest(&token));
+            println!("sha256 = \"{sha256}\"");
             println!("roles = [\"publisher\", \"subscriber\"]");
         }
-        TokenCommand::Hash => {
+        TokenCommand::Hash { json } => {
             let mut token = String::new();
             std::io::stdin()
                 .read_line(&mut token)
                 .map_err(|error| format!("cannot read standard input: {error}"))?;
-            println!(
-                "{}",
-                crate::auth::token_digest(token.trim_end_matches(['\r', '\n']))
-            );
+            let sha256 = crate::auth::token_digest(token.trim_end_matches(['\r', '\n']));
+            if json {
+                println!("{}", json!({ "sha256": sha256 }));
+            } else {
+                println!("{sha256}");
+            }
         }
     }
     Ok(())
