@@ -754,3 +754,72 @@ async fn destructive_commands_need_yes_without_a_terminal() {
     }
     assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
 }
+
+#[tokio::test]
+async fn pull_takes_prints_and_settles_deliveries() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        vec![
+            event("o-1", "order.created"),
+            event("o-2", "order.created"),
+            event("o-3", "order.created"),
+        ],
+    )
+    .await;
+    let aggregates = |lines: &[Value]| -> Vec<String> {
+        lines
+            .iter()
+            .map(|line| line["event"]["aggregate_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let acked = cli(
+        &gateway,
+        &["pull", "orders", "--max", "2", "--ack", "--json"],
+    )
+    .await
+    .json_lines();
+    assert_eq!(aggregates(&acked), ["o-1", "o-2"]);
+    assert!(acked.iter().all(|line| line["settled"] == "acked"));
+
+    let released = cli(&gateway, &["pull", "orders"]).await;
+    assert!(released.success, "{}", released.stderr);
+    assert!(
+        released.stdout.contains("o-3") && released.stdout.contains("released"),
+        "{}",
+        released.stdout
+    );
+    let dead = cli(
+        &gateway,
+        &[
+            "pull",
+            "orders",
+            "--dead-letter",
+            "--reason",
+            "bad data",
+            "--json",
+        ],
+    )
+    .await
+    .json_lines();
+    assert_eq!(aggregates(&dead), ["o-3"]);
+    // Released deliveries come again (a pull's stream may also have leased o-3 while
+    // the acks of the first pull were under way).
+    assert!(dead[0]["attempt"].as_u64() >= Some(2), "{dead:?}");
+    let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
+        .await
+        .json();
+    assert_eq!(letters["dead_letters"][0]["last_error"], "bad data");
+
+    let empty = cli(&gateway, &["pull", "orders", "--wait", "1s"]).await;
+    assert!(empty.success, "{}", empty.stderr);
+    assert!(empty.stderr.contains("no deliveries"), "{}", empty.stderr);
+    let no_reason = cli(&gateway, &["pull", "orders", "--dead-letter"]).await;
+    assert!(
+        !no_reason.success && no_reason.stderr.contains("--reason"),
+        "{}",
+        no_reason.stderr
+    );
+}
