@@ -823,3 +823,35 @@ async fn pull_takes_prints_and_settles_deliveries() {
         no_reason.stderr
     );
 }
+
+#[tokio::test]
+async fn publish_stdin_sends_large_inputs_in_batches_with_progress() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let lines: String = (0..1500)
+        .map(|n| {
+            format!(
+                "{{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-{n}\",\"event_type\":\"order.created\"}}\n"
+            )
+        })
+        .collect();
+    let run = cli_with_input(&gateway.endpoint(), &["publish", "--stdin"], Some(&lines)).await;
+    assert!(run.success, "{}", run.stderr);
+    assert_eq!(run.stdout.lines().count(), 1500);
+    assert!(
+        run.stderr.contains("published 1500 of 1500 events"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(count_events(&database.pool().await).await, 1500);
+
+    // Lines piped in without --stdin: say so rather than only "missing flags".
+    let one_line = lines.lines().next().unwrap();
+    let forgotten = cli_with_input(&gateway.endpoint(), &["publish"], Some(one_line)).await;
+    assert!(!forgotten.success);
+    assert!(
+        forgotten.stderr.contains("--aggregate-type") && forgotten.stderr.contains("add --stdin"),
+        "{}",
+        forgotten.stderr
+    );
+}

@@ -492,14 +492,18 @@ pub struct PublishArgs {
     /// object with the EventInput fields; `payload` is any JSON value.
     #[arg(long, conflicts_with_all = ["aggregate_type", "aggregate_id", "event_type"])]
     stdin: bool,
-    /// Aggregate type, e.g. order.
-    #[arg(long, required_unless_present = "stdin")]
+    /// Most events per Publish call with --stdin (the gateway's limit is
+    /// --max-batch-events, 1000 by default); calls also stay under 4 MiB.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: u32,
+    /// Aggregate type, e.g. order (required without --stdin).
+    #[arg(long)]
     aggregate_type: Option<String>,
-    /// Aggregate id, e.g. o-42.
-    #[arg(long, required_unless_present = "stdin")]
+    /// Aggregate id, e.g. o-42 (required without --stdin).
+    #[arg(long)]
     aggregate_id: Option<String>,
-    /// Event type, e.g. order.created.
-    #[arg(long, required_unless_present = "stdin")]
+    /// Event type, e.g. order.created (required without --stdin).
+    #[arg(long)]
     event_type: Option<String>,
     /// JSON payload.
     #[arg(long, default_value = "{}")]
@@ -989,29 +993,32 @@ struct EventLine {
     metadata: HashMap<String, String>,
 }
 
+/// Largest encoded size of one Publish call `publish --stdin` sends, well under the
+/// gateway's default 16 MiB message limit.
+const MAX_PUBLISH_CALL_BYTES: usize = 4 * 1024 * 1024;
+
 async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
+    use std::io::IsTerminal;
     let events = if args.stdin {
-        let mut events = Vec::new();
-        for (number, line) in std::io::stdin().lock().lines().enumerate() {
-            let line = line.map_err(|error| format!("cannot read standard input: {error}"))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let event: EventLine = serde_json::from_str(&line)
-                .map_err(|error| format!("line {}: {error}", number + 1))?;
-            events.push(proto::EventInput {
-                id: event.id,
-                aggregate_type: event.aggregate_type,
-                aggregate_id: event.aggregate_id,
-                aggregate_version: event.aggregate_version,
-                event_type: event.event_type,
-                payload: event.payload.to_string().into_bytes(),
-                metadata: event.metadata,
-                ..Default::default()
-            });
-        }
-        events
+        read_event_lines()?
     } else {
+        let missing: Vec<&str> = [
+            ("--aggregate-type", args.aggregate_type.is_none()),
+            ("--aggregate-id", args.aggregate_id.is_none()),
+            ("--event-type", args.event_type.is_none()),
+        ]
+        .into_iter()
+        .filter(|(_, missing)| *missing)
+        .map(|(flag, _)| flag)
+        .collect();
+        if !missing.is_empty() {
+            let hint = if std::io::stdin().is_terminal() {
+                ""
+            } else {
+                "; standard input is not a terminal: to publish the JSON lines piped into it, add --stdin"
+            };
+            return Err(format!("give {}{hint}", missing.join(", ")));
+        }
         serde_json::from_str::<Value>(&args.payload)
             .map_err(|error| format!("--payload is not JSON: {error}"))?;
         vec![proto::EventInput {
@@ -1028,27 +1035,109 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     if events.is_empty() {
         return Err("no events to publish".into());
     }
+    let total = events.len();
+    let batches = batches(events, args.batch_size as usize, MAX_PUBLISH_CALL_BYTES);
+    let show_progress = batches.len() > 1;
+    let progress_on_terminal = std::io::stderr().is_terminal();
     let mut publisher = target.connect(true).await?.publisher();
-    let results = publisher
-        .publish(proto::PublishRequest {
-            events,
-            ..Default::default()
-        })
-        .await
-        .map_err(describe)?
-        .into_inner()
-        .results;
-    for result in results {
-        let value = json!({ "id": result.id, "duplicate": result.duplicate });
-        target.print(value, || {
-            println!(
-                "{}{}",
-                result.id,
-                if result.duplicate { " (duplicate)" } else { "" }
-            )
-        });
+    let mut published = 0;
+    for batch in batches {
+        let size = batch.len();
+        let results = publisher
+            .publish(proto::PublishRequest {
+                events: batch,
+                ..Default::default()
+            })
+            .await
+            .map_err(|status| {
+                let failed = describe(status);
+                if published == 0 {
+                    failed
+                } else {
+                    format!(
+                        "events {} to {}: {failed}; the {} before were published",
+                        published + 1,
+                        published + size,
+                        count(published as u64, "event")
+                    )
+                }
+            })?
+            .into_inner()
+            .results;
+        for result in results {
+            let value = json!({ "id": result.id, "duplicate": result.duplicate });
+            target.print(value, || {
+                println!(
+                    "{}{}",
+                    result.id,
+                    if result.duplicate { " (duplicate)" } else { "" }
+                )
+            });
+        }
+        published += size;
+        if show_progress {
+            if progress_on_terminal {
+                eprint!("\rpublished {published} of {total} events");
+                if published == total {
+                    eprintln!();
+                }
+            } else {
+                eprintln!("published {published} of {total} events");
+            }
+        }
     }
     Ok(())
+}
+
+/// Reads `publish --stdin`'s JSON lines.
+fn read_event_lines() -> Result<Vec<proto::EventInput>, String> {
+    let mut events = Vec::new();
+    for (number, line) in std::io::stdin().lock().lines().enumerate() {
+        let line = line.map_err(|error| format!("cannot read standard input: {error}"))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let event: EventLine =
+            serde_json::from_str(&line).map_err(|error| format!("line {}: {error}", number + 1))?;
+        events.push(proto::EventInput {
+            id: event.id,
+            aggregate_type: event.aggregate_type,
+            aggregate_id: event.aggregate_id,
+            aggregate_version: event.aggregate_version,
+            event_type: event.event_type,
+            payload: event.payload.to_string().into_bytes(),
+            metadata: event.metadata,
+            ..Default::default()
+        });
+    }
+    Ok(events)
+}
+
+/// Splits events into Publish calls of at most `max_events` events and, unless one
+/// event alone is larger, `max_bytes` encoded.
+fn batches(
+    events: Vec<proto::EventInput>,
+    max_events: usize,
+    max_bytes: usize,
+) -> Vec<Vec<proto::EventInput>> {
+    use prost::Message;
+    let mut batches = Vec::new();
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    for event in events {
+        // Field tag and length prefix of the repeated field: a few bytes more.
+        let size = event.encoded_len() + 8;
+        if !batch.is_empty() && (batch.len() == max_events || bytes + size > max_bytes) {
+            batches.push(std::mem::take(&mut batch));
+            bytes = 0;
+        }
+        bytes += size;
+        batch.push(event);
+    }
+    if !batch.is_empty() {
+        batches.push(batch);
+    }
+    batches
 }
 
 async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
