@@ -333,10 +333,17 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
     let metrics_port = free_port();
     let gateway = GatewayProcess::start(
         &database,
-        &["--metrics-listen", &format!("127.0.0.1:{metrics_port}")],
+        &[
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+            "--metrics-refresh-interval",
+            "200ms",
+        ],
         &[],
     )
     .await;
+    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let orders = [("subscription", "orders"), ("source", "default")];
     let channel = gateway.channel().await;
     let mut admin = proto::admin_client::AdminClient::new(channel.clone());
     admin
@@ -353,6 +360,13 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
         .await
         .unwrap()
         .into_inner();
+    eventually("the subscription's gauges appear", WAIT, || async {
+        Metrics::scrape(&url)
+            .await
+            .value("outbox_subscription_backlog", &orders)
+            .is_some()
+    })
+    .await;
     admin
         .delete_subscription(proto::DeleteSubscriptionRequest {
             name: "orders".into(),
@@ -365,7 +379,6 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
         .expect_err("with an error");
     assert_eq!(end.code(), tonic::Code::NotFound);
 
-    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
     let subscribe = ("method", "/outbox.v1.Subscriber/Subscribe");
     eventually("the stream's final status is counted", WAIT, || async {
         Metrics::scrape(&url).await.value(
@@ -380,6 +393,14 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
         None,
         "the stream's opening headers are not an Ok answer"
     );
+    eventually("a deleted subscription's gauges go", WAIT, || async {
+        let metrics = Metrics::scrape(&url).await;
+        !metrics.0.iter().any(|sample| {
+            sample.labels.get("subscription") == Some("orders")
+                && sample.metric.starts_with("outbox_subscription_")
+        })
+    })
+    .await;
     gateway.stop().await;
 }
 
