@@ -371,6 +371,7 @@ pub async fn connect_within(
 async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Duration) {
     let mut serving = None;
     let mut source_serving: Vec<Option<bool>> = vec![None; sources.len()];
+    let mut last_error = None;
     loop {
         let default = &sources.default_source().store;
         let healthy = match default.is_migrated().await {
@@ -379,15 +380,18 @@ async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Du
                 tracing::warn!("the database schema is not migrated; run `outbox-gateway migrate`");
                 false
             }
+            // Logged once, when the state changes (see Source::record), not every check.
             Err(error) => {
-                tracing::warn!(%error, "database health check failed");
+                last_error = Some(error.to_string());
                 false
             }
         };
         sources.record_default(if healthy {
             Ok(())
         } else {
-            Err("cannot reach PostgreSQL, or its schema is not migrated".into())
+            Err(last_error
+                .take()
+                .unwrap_or_else(|| "its schema is not migrated".into()))
         });
         if serving != Some(healthy) {
             let status = serving_status(healthy);

@@ -61,12 +61,16 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = passes.tick() => {
-                if let Err(error) = expire_unused(&relay, &subscriptions).await {
-                    tracing::warn!(%error, "expiring unused subscriptions failed; retrying at the next interval");
+                match expire_unused(&relay, &subscriptions).await {
+                    Ok(()) => {}
+                    Err(error) if lost_connection(&error) => tracing::debug!(%error, "expiring unused subscriptions failed"),
+                    Err(error) => tracing::warn!(%error, "expiring unused subscriptions failed; retrying at the next interval"),
                 }
                 for source in relay.sources().iter().filter(|source| source.is_connected()) {
-                    if let Err(error) = pass(source, &relay, &subscriptions, &config).await {
-                        tracing::warn!(source = %source.name, %error, "maintenance pass failed; retrying at the next interval");
+                    match pass(source, &relay, &subscriptions, &config).await {
+                        Ok(()) => {}
+                        Err(error) if lost_connection(&error) => tracing::debug!(source = %source.name, %error, "maintenance pass failed"),
+                        Err(error) => tracing::warn!(source = %source.name, %error, "maintenance pass failed; retrying at the next interval"),
                     }
                 }
             }
@@ -75,6 +79,8 @@ pub async fn run(
                     match source.store.vacuum_deliveries(config.vacuum_min_dead_rows).await {
                         Ok(Some(dead_rows)) => tracing::debug!(source = %source.name, dead_rows, "vacuumed the delivery table"),
                         Ok(None) => {}
+                        // A lost connection is logged once, by the health monitor.
+                        Err(error) if error.is_unavailable() => tracing::debug!(source = %source.name, %error, "vacuuming the delivery table failed"),
                         Err(error) => tracing::warn!(source = %source.name, %error, "vacuuming the delivery table failed"),
                     }
                 }
@@ -82,6 +88,11 @@ pub async fn run(
             _ = shutdown.cancelled() => return,
         }
     }
+}
+
+/// A failure because a database went away: the health monitor logs that once.
+fn lost_connection(error: &Error) -> bool {
+    matches!(error, Error::Unavailable(_) | Error::SourceUnavailable(_))
 }
 
 /// Deletes the subscriptions whose `expire_after_idle` has passed with no stream

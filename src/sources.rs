@@ -78,7 +78,13 @@ impl Source {
         let connected = outcome.is_ok();
         let changed = health.connected != connected;
         match &outcome {
+            Ok(()) if changed && self.name.is_default() => {
+                tracing::info!("the database is reachable again")
+            }
             Ok(()) if changed => tracing::info!(source = %self.name, "source is reachable again"),
+            Err(error) if changed && self.name.is_default() => {
+                tracing::warn!(%error, "lost the database; calls answer UNAVAILABLE and deliveries pause until it is back")
+            }
             Err(error) if changed => {
                 tracing::warn!(source = %self.name, %error, "source is unreachable; its deliveries pause, the other sources go on")
             }

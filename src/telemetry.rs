@@ -39,7 +39,16 @@ impl Telemetry {
     /// service is named by `OTEL_SERVICE_NAME`, else `outbox-gateway`. Must be called
     /// inside the Tokio runtime.
     pub fn init(format: LogFormat, level: &str) -> Result<Telemetry, String> {
-        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+        // The driver's own warnings (a failed ping, a server notice per dropped
+        // connection) repeat what the gateway says once in its own words; they show
+        // when the filter names sqlx.
+        let directives = if level.contains("sqlx") {
+            level.to_owned()
+        } else {
+            format!("{level},sqlx=error")
+        };
+        let filter =
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(directives));
         let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
         let logs = match format {
             LogFormat::Text => logs.boxed(),

@@ -47,6 +47,11 @@ impl GatewayProcess {
         args: &[&str],
         env: &[(&str, String)],
     ) -> GatewayProcess {
+        Self::start_on(&database.url(), args, env).await
+    }
+
+    /// A gateway on the database at `database_url`.
+    async fn start_on(database_url: &str, args: &[&str], env: &[(&str, String)]) -> GatewayProcess {
         let port = free_port();
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
         command
@@ -55,7 +60,7 @@ impl GatewayProcess {
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--database-url",
-                &database.url(),
+                database_url,
                 // Tests run gateways side by side; the console has tests of its own.
                 "--console-listen",
                 "off",
@@ -402,6 +407,75 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
     })
     .await;
     gateway.stop().await;
+}
+
+#[tokio::test]
+async fn losing_the_database_is_one_line_and_its_return_another() {
+    let database = TestDatabase::create().await;
+    let proxy = common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let gateway = GatewayProcess::start_on(
+        &proxy.database_url(database.name()),
+        &[
+            "--metrics-listen",
+            "off",
+            "--health-check-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    // Some traffic, so calls and claims fail too while the database is away.
+    create_subscription_over(&gateway, "orders").await;
+    let _stream = proto::subscriber_client::SubscriberClient::new(gateway.channel().await)
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let logged = |needle: &str| {
+        gateway
+            .stderr
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line.contains(needle))
+            .count()
+    };
+    proxy.cut();
+    eventually("the loss is logged", WAIT, || async {
+        logged("lost the database") == 1
+    })
+    .await;
+    // Let many health checks (every 200 ms) and claims fail meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.restore();
+    eventually("the return is logged", WAIT, || async {
+        logged("reachable again") == 1
+    })
+    .await;
+    let lines = gateway.stderr.lock().unwrap().clone();
+    assert_eq!(logged("lost the database"), 1, "{lines:#?}");
+    let warnings: Vec<&String> = lines.iter().filter(|line| line.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning, the loss: {warnings:#?}");
+    for line in &lines {
+        assert!(!line.contains(" at line "), "driver noise: {line}");
+        assert!(
+            !(line.contains("WARN") && line.contains("sqlx")),
+            "raw driver warning: {line}"
+        );
+        assert!(!line.contains("health check failed"), "repeated: {line}");
+    }
+    gateway.stop().await;
+}
+
+async fn create_subscription_over(gateway: &GatewayProcess, name: &str) {
+    proto::admin_client::AdminClient::new(gateway.channel().await)
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription(name)),
+        })
+        .await
+        .unwrap();
 }
 
 /// Receives OTLP trace exports.
