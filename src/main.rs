@@ -40,6 +40,9 @@ enum Command {
     /// Create or hash bearer tokens for the configuration file.
     #[command(subcommand)]
     Token(cli::TokenCommand),
+    /// Save, list, select or delete connection profiles (endpoint, token, TLS files).
+    #[command(subcommand)]
+    Context(cli::context::ContextCommand),
 }
 
 #[tokio::main]
@@ -55,6 +58,7 @@ async fn main() -> ExitCode {
         },
         Command::Client(command) => cli::run(command).await,
         Command::Token(command) => cli::token(command),
+        Command::Context(command) => cli::context::run(command),
     };
     exit_with(result)
 }

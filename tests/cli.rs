@@ -39,6 +39,12 @@ async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> R
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
         .args(args)
         .env("OUTBOX_ENDPOINT", endpoint)
+        // No saved contexts of whoever runs the tests.
+        .env(
+            "XDG_CONFIG_HOME",
+            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+        )
+        .env_remove("OUTBOX_CONTEXT")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -602,6 +608,11 @@ async fn every_flag_has_help_and_migrate_lists_only_its_own() {
         &["health"],
         &["token", "generate"],
         &["token", "hash"],
+        &["pull"],
+        &["context", "save"],
+        &["context", "list"],
+        &["context", "select"],
+        &["context", "delete"],
     ];
     for command in commands {
         let mut args = command.to_vec();
@@ -854,4 +865,96 @@ async fn publish_stdin_sends_large_inputs_in_batches_with_progress() {
         "{}",
         forgotten.stderr
     );
+}
+
+/// The binary with a configuration directory of its own and no endpoint in the
+/// environment.
+async fn cli_in(config_home: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
+        .args(args)
+        .env("XDG_CONFIG_HOME", config_home)
+        .env_remove("OUTBOX_ENDPOINT")
+        .env_remove("OUTBOX_CONTEXT")
+        .env_remove("OUTBOX_TOKEN")
+        .stdin(Stdio::null());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let output = command.output().await.expect("run the CLI");
+    Run {
+        success: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+#[tokio::test]
+async fn contexts_save_connections_by_name() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let home = std::env::temp_dir().join(format!("outbox-contexts-{}", uuid::Uuid::new_v4()));
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+
+    let saved = cli_in(
+        &home,
+        &[
+            "context",
+            "save",
+            "local",
+            "--endpoint",
+            &address,
+            "--token",
+            "s3cret",
+        ],
+        &[],
+    )
+    .await;
+    assert!(saved.success, "{}", saved.stderr);
+    let file = home.join("outbox-gateway/contexts.toml");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the token is readable by its owner only"
+        );
+    }
+
+    let named = cli_in(&home, &["health", "--context", "local"], &[]).await;
+    assert!(named.success, "{}", named.stderr);
+    let by_env = cli_in(&home, &["health"], &[("OUTBOX_CONTEXT", "local")]).await;
+    assert!(by_env.success, "{}", by_env.stderr);
+    let selected = cli_in(&home, &["context", "select", "local"], &[]).await;
+    assert!(selected.success, "{}", selected.stderr);
+    let plain = cli_in(&home, &["health"], &[]).await;
+    assert!(plain.success, "{}", plain.stderr);
+    // A flag wins over the context.
+    let overridden = cli_in(&home, &["health", "--endpoint", "127.0.0.1:1"], &[]).await;
+    assert!(
+        !overridden.success && overridden.stderr.contains("connection refused"),
+        "{}",
+        overridden.stderr
+    );
+
+    let listed = cli_in(&home, &["context", "list"], &[]).await;
+    assert!(listed.stdout.contains("local *"), "{}", listed.stdout);
+    assert!(
+        !listed.stdout.contains("s3cret"),
+        "the token is shown: {}",
+        listed.stdout
+    );
+    let unknown = cli_in(&home, &["health", "--context", "prod"], &[]).await;
+    assert!(
+        !unknown.success
+            && unknown.stderr.contains("no context named \"prod\"")
+            && unknown.stderr.contains("local"),
+        "{}",
+        unknown.stderr
+    );
+    let deleted = cli_in(&home, &["context", "delete", "local"], &[]).await;
+    assert!(deleted.success, "{}", deleted.stderr);
+    let _ = std::fs::remove_dir_all(&home);
 }

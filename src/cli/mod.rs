@@ -2,6 +2,7 @@
 //! gateway over gRPC. Every command prints readable text, or JSON with `--json`, and
 //! exits non-zero with one clear line on failure.
 
+pub mod context;
 mod render;
 
 use std::{collections::HashMap, io::BufRead, time::Duration};
@@ -19,14 +20,14 @@ use crate::proto;
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
     /// The gateway's gRPC endpoint: http://HOST:PORT, https://HOST:PORT, or HOST:PORT
-    /// (plain, or TLS when --ca or --cert is given).
-    #[arg(
-        long,
-        env = "OUTBOX_ENDPOINT",
-        default_value = "http://127.0.0.1:50051",
-        global = true
-    )]
-    pub endpoint: String,
+    /// (plain, or TLS when --ca or --cert is given). [default: the context's, else
+    /// http://127.0.0.1:50051]
+    #[arg(long, env = "OUTBOX_ENDPOINT", global = true)]
+    pub endpoint: Option<String>,
+    /// Saved connection to use (see `outbox-gateway context`); flags and environment
+    /// variables given as well win over its settings.
+    #[arg(long, env = "OUTBOX_CONTEXT", global = true)]
+    pub context: Option<String>,
     /// Give up on a call after this long (not applied to `tail` streams).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub timeout: Duration,
@@ -47,36 +48,55 @@ pub struct Target {
     pub key: Option<std::path::PathBuf>,
 }
 
+/// The connection settings of a command: its flags and environment over its context.
+struct Resolved {
+    endpoint: String,
+    token: Option<String>,
+    ca: Option<std::path::PathBuf>,
+    cert: Option<std::path::PathBuf>,
+    key: Option<std::path::PathBuf>,
+}
+
+/// Where client commands look when neither a flag nor a context names a gateway.
+const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
+
 impl Target {
-    /// The endpoint as a URL: `host:port` alone (as grpcurl takes it) means http://, or
-    /// https:// when a CA or client certificate is given.
-    fn endpoint_url(&self) -> String {
-        if self.endpoint.contains("://") {
-            return self.endpoint.clone();
-        }
-        let scheme = if self.ca.is_some() || self.cert.is_some() {
-            "https"
-        } else {
-            "http"
+    fn resolve(&self) -> Result<Resolved, String> {
+        let saved = context::chosen(self.context.as_deref())?.unwrap_or_default();
+        // A client certificate comes with its key: both from the flags, or both saved.
+        let (cert, key) = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => (Some(cert.clone()), Some(key.clone())),
+            _ => (saved.cert, saved.key),
         };
-        format!("{scheme}://{}", self.endpoint)
+        Ok(Resolved {
+            endpoint: self
+                .endpoint
+                .clone()
+                .or(saved.endpoint)
+                .unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned()),
+            token: self.token.clone().or(saved.token),
+            ca: self.ca.clone().or(saved.ca),
+            cert,
+            key,
+        })
     }
 
     /// Connects to the gateway; `per_call_timeout` applies --timeout to every call too
     /// (not to `tail`, whose stream lasts).
     async fn connect(&self, per_call_timeout: bool) -> Result<GatewayChannel, String> {
-        let endpoint = self.endpoint_url();
+        let resolved = self.resolve()?;
+        let endpoint = endpoint_url(&resolved);
         let mut connection = Connection::new(&endpoint).connect_timeout(self.timeout);
         if per_call_timeout {
             connection = connection.timeout(self.timeout);
         }
-        if let Some(token) = &self.token {
+        if let Some(token) = &resolved.token {
             connection = connection.token(token);
         }
-        if let Some(ca) = &self.ca {
+        if let Some(ca) = &resolved.ca {
             connection = connection.ca_certificate(ca);
         }
-        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+        if let (Some(cert), Some(key)) = (&resolved.cert, &resolved.key) {
             connection = connection.identity(cert, key);
         }
         connection.connect().await.map_err(|error| match error {
@@ -103,6 +123,20 @@ impl Target {
             text();
         }
     }
+}
+
+/// The endpoint as a URL: `host:port` alone (as grpcurl takes it) means http://, or
+/// https:// when a CA or client certificate is given.
+fn endpoint_url(resolved: &Resolved) -> String {
+    if resolved.endpoint.contains("://") {
+        return resolved.endpoint.clone();
+    }
+    let scheme = if resolved.ca.is_some() || resolved.cert.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    format!("{scheme}://{}", resolved.endpoint)
 }
 
 /// Says in a few words why a connection failed, from the transport error's causes.
