@@ -931,8 +931,13 @@ async fn contexts_save_connections_by_name() {
     assert!(selected.success, "{}", selected.stderr);
     let plain = cli_in(&home, &["health"], &[]).await;
     assert!(plain.success, "{}", plain.stderr);
-    // A flag wins over the context.
-    let overridden = cli_in(&home, &["health", "--endpoint", "127.0.0.1:1"], &[]).await;
+    // A flag wins over the named context.
+    let overridden = cli_in(
+        &home,
+        &["health", "--context", "local", "--endpoint", "127.0.0.1:1"],
+        &[],
+    )
+    .await;
     assert!(
         !overridden.success && overridden.stderr.contains("connection refused"),
         "{}",

@@ -25,7 +25,8 @@ pub struct Target {
     #[arg(long, env = "OUTBOX_ENDPOINT", global = true)]
     pub endpoint: Option<String>,
     /// Saved connection to use (see `outbox-gateway context`); flags and environment
-    /// variables given as well win over its settings.
+    /// variables given as well win over its settings. Without it, the selected context
+    /// is used unless --endpoint names another gateway.
     #[arg(long, env = "OUTBOX_CONTEXT", global = true)]
     pub context: Option<String>,
     /// Give up on a call after this long (not applied to `tail` streams).
@@ -62,7 +63,14 @@ const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
 
 impl Target {
     fn resolve(&self) -> Result<Resolved, String> {
-        let saved = context::chosen(self.context.as_deref())?.unwrap_or_default();
+        let saved = match (&self.context, &self.endpoint) {
+            (Some(name), _) => context::chosen(Some(name))?,
+            // Another gateway than the selected context's: its token and files must not
+            // go there.
+            (None, Some(_)) => None,
+            (None, None) => context::chosen(None)?,
+        }
+        .unwrap_or_default();
         // A client certificate comes with its key: both from the flags, or both saved.
         let (cert, key) = match (&self.cert, &self.key) {
             (Some(cert), Some(key)) => (Some(cert.clone()), Some(key.clone())),
