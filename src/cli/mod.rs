@@ -160,10 +160,14 @@ fn explain_connect_failure(
         if let Some(io) = error.downcast_ref::<std::io::Error>() {
             io_kind.get_or_insert(io.kind());
         }
-        causes.push(error.to_string().to_lowercase());
+        causes.push(error.to_string());
         cause = error.source();
     }
-    let said = |needle: &str| causes.iter().any(|text| text.contains(needle));
+    let said = |needle: &str| {
+        causes
+            .iter()
+            .any(|text| text.to_lowercase().contains(needle))
+    };
     let tls = endpoint.starts_with("https://");
     if said("dns error") || said("failed to lookup address") || said("name or service not known") {
         return "the host name was not found".into();
@@ -242,6 +246,16 @@ fn describe(status: Status) -> String {
     // The client's own timer, not the gateway, ended the call.
     if status.message() == "Timeout expired" {
         return "no answer from the gateway within --timeout".into();
+    }
+    // What a plain HTTP/2 client sees of a server that expects TLS: the server hangs up.
+    let hung_up = status.message().contains("h2 protocol error")
+        || (status.code() == Code::Unknown && status.message() == "transport error")
+        || (status.code() == Code::Cancelled && status.message() == "operation was canceled");
+    if hung_up {
+        return format!(
+            "the gateway hung up ({}): if it serves TLS, use https:// in --endpoint (and --ca)",
+            status.message()
+        );
     }
     match status.code() {
         Code::Unavailable => format!("gateway unavailable: {}", status.message()),
@@ -1475,7 +1489,7 @@ pub async fn health(target: &Target) -> Result<(), String> {
             service: String::new(),
         })
         .await
-        .map_err(|status| format!("health check failed: {}", status.message()))?;
+        .map_err(|status| format!("health check failed: {}", describe(status)))?;
     match ServingStatus::try_from(response.into_inner().status) {
         Ok(ServingStatus::Serving) => {
             target.print(json!({ "status": "SERVING" }), || println!("SERVING"));
