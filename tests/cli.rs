@@ -284,11 +284,13 @@ async fn publish_tail_stats_and_dead_letters_work_from_the_command_line() {
         (Some(2), Some(1), Some(3))
     );
     assert_eq!(stats["outbox"]["events_stored"], 3);
+    let table = cli(&gateway, &["stats"]).await.stdout;
+    // Both ages, the one against the clock first.
     assert!(
-        cli(&gateway, &["stats"])
-            .await
-            .stdout
-            .contains("SUBSCRIPTION")
+        table.contains("SUBSCRIPTION")
+            && table.contains("OLDEST UNACKED")
+            && table.contains("BEHIND NEWEST"),
+        "{table}"
     );
 
     let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
