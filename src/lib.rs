@@ -433,6 +433,12 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
         match operations.stats(None).await {
             Ok((subscriptions, outbox)) => {
                 let now = chrono::Utc::now();
+                metrics::existing_subscriptions(
+                    subscriptions
+                        .iter()
+                        .map(|figures| figures.total.name.as_str().to_owned())
+                        .collect(),
+                );
                 for figures in &subscriptions {
                     for stats in &figures.per_source {
                         metrics::subscription_figures(stats, now);

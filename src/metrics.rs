@@ -76,7 +76,7 @@ impl MetricsEndpoint {
                             axum::http::header::CONTENT_TYPE,
                             "text/plain; version=0.0.4",
                         )],
-                        handle.render(),
+                        without_deleted_subscriptions(&handle.render()),
                     )
                 }
             }),
@@ -89,6 +89,39 @@ impl MetricsEndpoint {
         }
         upkeep.abort();
     }
+}
+
+/// The subscriptions that exist, as the last figures refresh saw them; `None` before
+/// the first. A deleted subscription's series (its counters too, which never go idle)
+/// leave the endpoint once it is gone from here.
+static EXISTING_SUBSCRIPTIONS: LazyLock<Mutex<Option<HashSet<String>>>> =
+    LazyLock::new(Default::default);
+
+/// Records the subscriptions that exist now.
+pub fn existing_subscriptions(names: HashSet<String>) {
+    *EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock") = Some(names);
+}
+
+/// The exposition text without the samples of subscriptions that no longer exist.
+fn without_deleted_subscriptions(text: &str) -> String {
+    let existing = EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock");
+    let Some(existing) = existing.as_ref() else {
+        return text.to_owned();
+    };
+    let mut kept = String::with_capacity(text.len());
+    for line in text.lines() {
+        // Subscription names are [a-z0-9._-]: no escapes inside the label value.
+        let subscription = line
+            .split_once("subscription=\"")
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(name, _)| name);
+        if subscription.is_some_and(|name| !existing.contains(name)) && !line.starts_with('#') {
+            continue;
+        }
+        kept.push_str(line);
+        kept.push('\n');
+    }
+    kept
 }
 
 /// `# HELP` text of every metric.

@@ -365,11 +365,24 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
         .await
         .unwrap()
         .into_inner();
-    eventually("the subscription's gauges appear", WAIT, || async {
-        Metrics::scrape(&url)
-            .await
+    proto::publisher_client::PublisherClient::new(gateway.channel().await)
+        .publish(proto::PublishRequest {
+            events: vec![event("o-1", "order.created")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("a delivery in time")
+        .unwrap()
+        .expect("a delivery");
+    eventually("the subscription's series appear", WAIT, || async {
+        let metrics = Metrics::scrape(&url).await;
+        metrics
             .value("outbox_subscription_backlog", &orders)
             .is_some()
+            && metrics.value("outbox_deliveries_total", &orders) == Some(1.0)
     })
     .await;
     admin
@@ -398,13 +411,17 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
         None,
         "the stream's opening headers are not an Ok answer"
     );
-    eventually("a deleted subscription's gauges go", WAIT, || async {
-        let metrics = Metrics::scrape(&url).await;
-        !metrics.0.iter().any(|sample| {
-            sample.labels.get("subscription") == Some("orders")
-                && sample.metric.starts_with("outbox_subscription_")
-        })
-    })
+    eventually(
+        "a deleted subscription's series go, counters too",
+        WAIT,
+        || async {
+            let metrics = Metrics::scrape(&url).await;
+            !metrics
+                .0
+                .iter()
+                .any(|sample| sample.labels.get("subscription") == Some("orders"))
+        },
+    )
     .await;
     gateway.stop().await;
 }
