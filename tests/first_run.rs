@@ -180,3 +180,27 @@ async fn host_names_are_accepted_where_addresses_are() {
     child.start_kill().unwrap();
     let _ = child.wait().await;
 }
+
+#[tokio::test]
+async fn database_errors_are_in_the_gateways_words() {
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--listen",
+        &free_address(),
+        "--database-url",
+        "postgres://no_such_role_for_outbox@127.0.0.1:5432/outbox",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+    ]))
+    .await;
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("does not exist (SQLSTATE 28000)"),
+        "PostgreSQL's message with its code: {stderr}"
+    );
+    assert!(!stderr.contains(" at line "), "driver noise: {stderr}");
+    assert!(!stderr.contains("error returned from database"), "{stderr}");
+}
