@@ -965,3 +965,55 @@ async fn contexts_save_connections_by_name() {
     assert!(deleted.success, "{}", deleted.stderr);
     let _ = std::fs::remove_dir_all(&home);
 }
+
+/// At a terminal (here a pseudo-terminal from util-linux `script`), a destructive
+/// command shows what it will affect and asks; only "y" goes ahead.
+#[tokio::test]
+async fn destructive_commands_ask_at_a_terminal() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let at_terminal = |answer: &'static str| {
+        let command = format!(
+            "{} subscriptions delete orders --endpoint {}",
+            env!("CARGO_BIN_EXE_outbox-gateway"),
+            gateway.endpoint()
+        );
+        async move {
+            let mut child = Command::new("script")
+                .args(["-qec", &command, "/dev/null"])
+                .env(
+                    "XDG_CONFIG_HOME",
+                    std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+                )
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("run script(1) from util-linux");
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(answer.as_bytes()).await.unwrap();
+            drop(stdin);
+            let output = tokio::time::timeout(WAIT, child.wait_with_output())
+                .await
+                .expect("answers")
+                .unwrap();
+            (
+                output.status.success(),
+                String::from_utf8_lossy(&output.stdout).into_owned(),
+            )
+        }
+    };
+    let (declined, screen) = at_terminal("n\n").await;
+    assert!(!declined, "{screen}");
+    assert!(
+        screen.contains("delete subscription orders") && screen.contains("Continue? [y/N]"),
+        "{screen}"
+    );
+    assert!(screen.contains("nothing was changed"), "{screen}");
+    assert_eq!(subscription_names(&gateway).await, ["orders"]);
+    let (confirmed, screen) = at_terminal("y\n").await;
+    assert!(confirmed, "{screen}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
