@@ -845,4 +845,33 @@ mod tests {
             })
         ));
     }
+
+    #[test]
+    fn addresses_take_host_names() {
+        let resolved = socket_address("listen", "localhost:50051").unwrap();
+        assert!(
+            resolved.ip().is_loopback() && resolved.port() == 50051,
+            "{resolved}"
+        );
+        assert_eq!(
+            socket_address("listen", "127.0.0.1:9").unwrap().to_string(),
+            "127.0.0.1:9"
+        );
+        for bad in ["localhost", "localhost:http", ":"] {
+            let error = socket_address("listen", bad).unwrap_err().to_string();
+            assert!(error.contains("HOST:PORT"), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn only_postgresql_urls_are_taken() {
+        check_database_url("postgres://u@h/db").unwrap();
+        check_database_url("postgresql://u@h/db").unwrap();
+        let mysql = check_database_url("mysql://root:hunter2@h/db").unwrap_err();
+        assert!(
+            mysql.contains("mysql://") && !mysql.contains("hunter2"),
+            "{mysql}"
+        );
+        assert!(check_database_url("h:5432/db").is_err());
+    }
 }

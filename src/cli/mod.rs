@@ -1556,3 +1556,47 @@ pub fn token(command: TokenCommand) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_read_naturally() {
+        assert_eq!(count(1, "dead letter"), "1 dead letter");
+        assert_eq!(count(0, "dead letter"), "0 dead letters");
+        assert_eq!(count(2, "delivery"), "2 deliveries");
+        assert_eq!(count(1, "delivery"), "1 delivery");
+    }
+
+    #[test]
+    fn batches_respect_the_count_and_the_size() {
+        let event = |payload_bytes: usize| proto::EventInput {
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            event_type: "order.created".into(),
+            payload: vec![b'x'; payload_bytes],
+            ..Default::default()
+        };
+        let sizes = |batches: Vec<Vec<proto::EventInput>>| -> Vec<usize> {
+            batches.iter().map(Vec::len).collect()
+        };
+        assert_eq!(
+            sizes(batches(
+                (0..1500).map(|_| event(10)).collect(),
+                500,
+                1 << 20
+            )),
+            [500, 500, 500]
+        );
+        assert_eq!(
+            sizes(batches((0..5).map(|_| event(400)).collect(), 500, 1000)),
+            [2, 2, 1]
+        );
+        // One event larger than the limit still goes, alone.
+        assert_eq!(
+            sizes(batches(vec![event(5000), event(10)], 500, 1000)),
+            [1, 1]
+        );
+    }
+}
