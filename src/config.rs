@@ -27,14 +27,16 @@ pub struct Settings {
     #[serde(skip)]
     pub config: Option<PathBuf>,
 
-    /// PostgreSQL connection URL. The database is created when missing.
-    /// [default: postgres://postgres@127.0.0.1:5432/outbox]
-    #[arg(long, env = "DATABASE_URL")]
+    /// PostgreSQL connection URL (postgres:// or postgresql://). The database is created
+    /// when missing. [default: postgres://postgres@127.0.0.1:5432/outbox]
+    // Its value may hold a password: never shown in --help.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 
-    /// Address the gRPC server listens on. [default: 127.0.0.1:50051]
+    /// Address the gRPC server listens on, HOST:PORT; a host name is resolved.
+    /// [default: 127.0.0.1:50051]
     #[arg(long, env = "OUTBOX_LISTEN")]
-    pub listen: Option<SocketAddr>,
+    pub listen: Option<String>,
 
     /// Bearer tokens and their roles; configuration file only (`[[tokens]]` tables).
     #[arg(skip)]
@@ -85,6 +87,10 @@ pub struct Settings {
     /// Most database connections in the pool. [default: 10]
     #[arg(long, env = "OUTBOX_DB_MAX_CONNECTIONS")]
     pub db_max_connections: Option<u32>,
+
+    /// How long start-up waits for PostgreSQL to answer before giving up. [default: 10s]
+    #[arg(long, env = "OUTBOX_DB_CONNECT_TIMEOUT")]
+    pub db_connect_timeout: Option<DurationSetting>,
 
     /// How long a request waits for a database connection before UNAVAILABLE. [default: 5s]
     #[arg(long, env = "OUTBOX_DB_ACQUIRE_TIMEOUT")]
@@ -201,6 +207,46 @@ pub struct Settings {
     pub log_level: Option<String>,
 }
 
+/// Settings of `outbox-gateway migrate`: only those it uses. The configuration file
+/// may hold the others (it is shared with `serve`).
+#[derive(Debug, Default, Clone, clap::Args)]
+pub struct MigrateSettings {
+    /// TOML file with any of the `serve` settings (keys are the flag names with `_`).
+    #[arg(long, env = "OUTBOX_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// PostgreSQL connection URL (postgres:// or postgresql://). The database is created
+    /// when missing. [default: postgres://postgres@127.0.0.1:5432/outbox]
+    // Its value may hold a password: never shown in --help.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+
+    /// How long to wait for PostgreSQL to answer before giving up. [default: 10s]
+    #[arg(long, env = "OUTBOX_DB_CONNECT_TIMEOUT")]
+    pub db_connect_timeout: Option<DurationSetting>,
+
+    /// Log format: text or json. [default: text]
+    #[arg(long, env = "OUTBOX_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter in RUST_LOG syntax; RUST_LOG itself wins. [default: info]
+    #[arg(long, env = "OUTBOX_LOG_LEVEL")]
+    pub log_level: Option<String>,
+}
+
+impl From<MigrateSettings> for Settings {
+    fn from(migrate: MigrateSettings) -> Settings {
+        Settings {
+            config: migrate.config,
+            database_url: migrate.database_url,
+            db_connect_timeout: migrate.db_connect_timeout,
+            log_format: migrate.log_format,
+            log_level: migrate.log_level,
+            ..Settings::default()
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -272,6 +318,8 @@ pub struct Config {
     pub rpc_timeout: Duration,
     pub migrate: bool,
     pub db_max_connections: u32,
+    /// Bound on connecting (and creating the database) at start-up.
+    pub db_connect_timeout: Duration,
     pub db_acquire_timeout: Duration,
     pub db_idle_in_transaction_timeout: Duration,
     pub limits: PublishLimits,
@@ -312,6 +360,45 @@ pub enum ConfigError {
     },
 }
 
+/// Parses `HOST:PORT` (an IP address or a host name, resolved now) for `setting`.
+fn socket_address(setting: &'static str, text: &str) -> Result<SocketAddr, ConfigError> {
+    use std::net::ToSocketAddrs;
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    let invalid = |message: String| ConfigError::Invalid { setting, message };
+    if text
+        .rsplit_once(':')
+        .is_none_or(|(_, port)| port.parse::<u16>().is_err())
+    {
+        return Err(invalid(format!("{text:?} is not HOST:PORT")));
+    }
+    let addresses: Vec<SocketAddr> = text
+        .to_socket_addrs()
+        .map_err(|error| invalid(format!("cannot resolve {text:?}: {error}")))?
+        .collect();
+    // `localhost` often resolves to ::1 first; IPv4 serves clients that dial 127.0.0.1
+    // as well as those that dial the name.
+    addresses
+        .iter()
+        .find(|address| address.is_ipv4())
+        .or(addresses.first())
+        .copied()
+        .ok_or_else(|| invalid(format!("{text:?} resolves to no address")))
+}
+
+/// Refuses a URL that is not PostgreSQL's, before anything connects with it. The
+/// message never repeats the URL: it may hold a password.
+pub fn check_database_url(database_url: &str) -> Result<(), String> {
+    match database_url.split_once("://") {
+        Some(("postgres" | "postgresql", _)) => Ok(()),
+        Some((scheme, _)) => Err(format!(
+            "must be a PostgreSQL URL (postgres://...), not {scheme}://"
+        )),
+        None => Err("must be a PostgreSQL URL such as postgres://user@host:5432/database".into()),
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config::from_settings(Settings::default()).expect("defaults are valid")
@@ -347,9 +434,10 @@ impl Config {
             database_url: settings
                 .database_url
                 .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
-            listen: settings
-                .listen
-                .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("valid default")),
+            listen: socket_address(
+                "listen",
+                settings.listen.as_deref().unwrap_or(DEFAULT_LISTEN),
+            )?,
             tokens: settings.tokens.unwrap_or_default(),
             sources: settings.sources.unwrap_or_default(),
             insecure_no_auth: settings.insecure_no_auth.unwrap_or(false),
@@ -372,6 +460,7 @@ impl Config {
             rpc_timeout: duration(settings.rpc_timeout, Duration::from_secs(30)),
             migrate: !settings.no_migrate.unwrap_or(false),
             db_max_connections: settings.db_max_connections.unwrap_or(10),
+            db_connect_timeout: duration(settings.db_connect_timeout, Duration::from_secs(10)),
             db_acquire_timeout: duration(settings.db_acquire_timeout, Duration::from_secs(5)),
             db_idle_in_transaction_timeout: duration(
                 settings.db_idle_in_transaction_timeout,
@@ -437,10 +526,7 @@ impl Config {
                 .unwrap_or(DEFAULT_METRICS_LISTEN)
             {
                 "off" => None,
-                address => Some(address.parse().map_err(|error| ConfigError::Invalid {
-                    setting: "metrics_listen",
-                    message: format!("{address:?} is neither an address nor \"off\": {error}"),
-                })?),
+                address => Some(socket_address("metrics_listen", address)?),
             },
             metrics_refresh_interval: duration(
                 settings.metrics_refresh_interval,
@@ -452,10 +538,7 @@ impl Config {
                 .unwrap_or(DEFAULT_CONSOLE_LISTEN)
             {
                 "off" => None,
-                address => Some(address.parse().map_err(|error| ConfigError::Invalid {
-                    setting: "console_listen",
-                    message: format!("{address:?} is neither an address nor \"off\": {error}"),
-                })?),
+                address => Some(socket_address("console_listen", address)?),
             },
             console_session_ttl: duration(
                 settings.console_session_ttl,
@@ -476,6 +559,12 @@ impl Config {
                 message: message.to_owned(),
             })
         };
+        if let Err(message) = check_database_url(&self.database_url) {
+            return Err(ConfigError::Invalid {
+                setting: "database_url",
+                message: format!("--database-url (DATABASE_URL) {message}"),
+            });
+        }
         if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure_no_auth {
             return Err(ConfigError::Invalid {
                 setting: "listen",
@@ -590,6 +679,9 @@ impl Config {
         for (index, source) in self.sources.iter().enumerate() {
             crate::domain::SourceName::parse("name", &source.name)
                 .map_err(|error| invalid(index, &source.name, error.to_string()))?;
+            check_database_url(&source.database_url).map_err(|message| {
+                invalid(index, &source.name, format!("database_url {message}"))
+            })?;
             let identity =
                 crate::storage::database_identity(&source.database_url).map_err(|message| {
                     invalid(index, &source.name, format!("database_url {message}"))
@@ -656,6 +748,7 @@ impl Settings {
             rpc_timeout,
             no_migrate,
             db_max_connections,
+            db_connect_timeout,
             db_acquire_timeout,
             db_idle_in_transaction_timeout,
             max_batch_events,
@@ -760,5 +853,34 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn addresses_take_host_names() {
+        let resolved = socket_address("listen", "localhost:50051").unwrap();
+        assert!(
+            resolved.ip().is_loopback() && resolved.port() == 50051,
+            "{resolved}"
+        );
+        assert_eq!(
+            socket_address("listen", "127.0.0.1:9").unwrap().to_string(),
+            "127.0.0.1:9"
+        );
+        for bad in ["localhost", "localhost:http", ":"] {
+            let error = socket_address("listen", bad).unwrap_err().to_string();
+            assert!(error.contains("HOST:PORT"), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn only_postgresql_urls_are_taken() {
+        check_database_url("postgres://u@h/db").unwrap();
+        check_database_url("postgresql://u@h/db").unwrap();
+        let mysql = check_database_url("mysql://root:hunter2@h/db").unwrap_err();
+        assert!(
+            mysql.contains("mysql://") && !mysql.contains("hunter2"),
+            "{mysql}"
+        );
+        assert!(check_database_url("h:5432/db").is_err());
     }
 }

@@ -77,6 +77,11 @@ pub enum RunError {
         "cannot connect to PostgreSQL at {target}: {source}. Point the gateway at your database with --database-url or DATABASE_URL"
     )]
     Connect { target: String, source: StoreError },
+    #[error(
+        "no answer from PostgreSQL at {target} within {}: is a PostgreSQL server listening there? Point the gateway at your database with --database-url or DATABASE_URL, or wait longer with --db-connect-timeout",
+        humantime::format_duration(*timeout)
+    )]
+    ConnectTimeout { target: String, timeout: Duration },
     #[error("cannot migrate the database schema: {0}")]
     Migrate(#[source] StoreError),
     #[error("gRPC server failed: {0}")]
@@ -87,6 +92,15 @@ pub enum RunError {
     Tokens(String),
     #[error(transparent)]
     Sources(#[from] SourcesError),
+    #[error(
+        "cannot serve metrics on {address}: {source}. Choose another address with --metrics-listen, or turn metrics off with --metrics-listen off"
+    )]
+    MetricsListen {
+        address: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Metrics(String),
     #[error(
         "cannot serve the console on {address}: {source}. Choose another address with --console-listen, or turn it off with --console-listen off"
     )]
@@ -134,13 +148,18 @@ pub async fn run_with_console(
     }
     let sources = Sources::new(store.clone(), &config)?;
     sources.prepare().await?;
-    if let Some(listen) = config.metrics_listen {
-        match metrics::install(listen, config.metrics_refresh_interval * 3) {
-            Ok(()) => tracing::info!(%listen, "serving metrics at /metrics"),
-            // Only the first gateway of a process can own the recorder (tests run many).
-            Err(error) => tracing::warn!(%error, "metrics disabled"),
-        }
+    let stop_metrics = tokio_util::sync::CancellationToken::new();
+    if let Some(address) = config.metrics_listen {
+        let listener = TcpListener::bind(address)
+            .await
+            .map_err(|source| RunError::MetricsListen { address, source })?;
+        let endpoint = metrics::MetricsEndpoint::install(config.metrics_refresh_interval * 3)
+            .map_err(RunError::Metrics)?;
+        tracing::info!(%address, "serving metrics at /metrics");
+        let stop = stop_metrics.clone();
+        tokio::spawn(endpoint.serve(listener, async move { stop.cancelled().await }));
     }
+    let _stop_metrics = stop_metrics.drop_guard();
     let relay = Relay::start(sources.clone(), config.delivery.clone());
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
     let subscriptions = Subscriptions::new(relay.clone());
@@ -327,12 +346,23 @@ async fn connect(config: &Config) -> Result<Store, RunError> {
         acquire_timeout: config.db_acquire_timeout,
         idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     };
-    Store::connect(&store_config)
-        .await
-        .map_err(|source| RunError::Connect {
-            target: storage::describe_target(&config.database_url),
-            source,
-        })
+    connect_within(&store_config, config.db_connect_timeout).await
+}
+
+/// Connects to a database at start-up (creating it when missing), saying what it waits
+/// for and giving up after `timeout`: a port that accepts connections but does not speak
+/// PostgreSQL would otherwise keep the gateway waiting silently.
+pub async fn connect_within(
+    store_config: &StoreConfig,
+    timeout: Duration,
+) -> Result<Store, RunError> {
+    let target = storage::describe_target(&store_config.database_url);
+    tracing::info!(%target, "connecting to PostgreSQL");
+    match tokio::time::timeout(timeout, Store::connect(store_config)).await {
+        Ok(Ok(store)) => Ok(store),
+        Ok(Err(source)) => Err(RunError::Connect { target, source }),
+        Err(_) => Err(RunError::ConnectTimeout { target, timeout }),
+    }
 }
 
 /// SERVING while the `default` database answers and its schema is current, NOT_SERVING
@@ -341,6 +371,7 @@ async fn connect(config: &Config) -> Result<Store, RunError> {
 async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Duration) {
     let mut serving = None;
     let mut source_serving: Vec<Option<bool>> = vec![None; sources.len()];
+    let mut last_error = None;
     loop {
         let default = &sources.default_source().store;
         let healthy = match default.is_migrated().await {
@@ -349,15 +380,18 @@ async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Du
                 tracing::warn!("the database schema is not migrated; run `outbox-gateway migrate`");
                 false
             }
+            // Logged once, when the state changes (see Source::record), not every check.
             Err(error) => {
-                tracing::warn!(%error, "database health check failed");
+                last_error = Some(error.to_string());
                 false
             }
         };
         sources.record_default(if healthy {
             Ok(())
         } else {
-            Err("cannot reach PostgreSQL, or its schema is not migrated".into())
+            Err(last_error
+                .take()
+                .unwrap_or_else(|| "its schema is not migrated".into()))
         });
         if serving != Some(healthy) {
             let status = serving_status(healthy);
@@ -399,6 +433,12 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
         match operations.stats(None).await {
             Ok((subscriptions, outbox)) => {
                 let now = chrono::Utc::now();
+                metrics::existing_subscriptions(
+                    subscriptions
+                        .iter()
+                        .map(|figures| figures.total.name.as_str().to_owned())
+                        .collect(),
+                );
                 for figures in &subscriptions {
                     for stats in &figures.per_source {
                         metrics::subscription_figures(stats, now);

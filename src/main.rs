@@ -3,7 +3,11 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use outbox_gateway::{Config, cli, config::Settings, telemetry::Telemetry};
+use outbox_gateway::{
+    Config, cli,
+    config::{MigrateSettings, Settings},
+    telemetry::Telemetry,
+};
 use tokio::net::TcpListener;
 
 // Every Publish decodes and frees thousands of small strings and maps; glibc's malloc
@@ -22,6 +26,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start-up: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Serve the gRPC API (applies pending migrations first unless --no-migrate).
@@ -33,6 +39,9 @@ enum Command {
     /// Create or hash bearer tokens for the configuration file.
     #[command(subcommand)]
     Token(cli::TokenCommand),
+    /// Save, list, select or delete connection profiles (endpoint, token, TLS files).
+    #[command(subcommand)]
+    Context(cli::context::ContextCommand),
 }
 
 #[derive(clap::Args)]
@@ -42,7 +51,7 @@ struct MigrateArgs {
     #[arg(long, value_name = "NAME")]
     source: Option<String>,
     #[command(flatten)]
-    settings: Settings,
+    settings: MigrateSettings,
 }
 
 #[tokio::main]
@@ -52,7 +61,7 @@ async fn main() -> ExitCode {
             Ok(config) => serve(config).await,
             Err(code) => return code,
         },
-        Command::Migrate(args) => match load_config(args.settings) {
+        Command::Migrate(args) => match load_config(args.settings.into()) {
             Ok(config) => {
                 if let Some(Err(message)) = args
                     .source
@@ -68,6 +77,7 @@ async fn main() -> ExitCode {
         },
         Command::Client(command) => cli::run(command).await,
         Command::Token(command) => cli::token(command),
+        Command::Context(command) => cli::context::run(command),
     };
     exit_with(result)
 }

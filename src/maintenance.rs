@@ -1,5 +1,6 @@
 //! Background maintenance of every source: brings read positions up to date with the
-//! subscription definitions, reclaims expired leases and enforces retention on a timer,
+//! subscription definitions, deletes subscriptions unused past their `expire_after_idle`,
+//! reclaims expired leases and enforces retention on a timer,
 //! and vacuums the delivery table as soon as enough acks have left dead rows in it. Safe
 //! with several gateways: no step waits for another gateway doing the same.
 
@@ -60,9 +61,16 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = passes.tick() => {
+                match expire_unused(&relay, &subscriptions).await {
+                    Ok(()) => {}
+                    Err(error) if lost_connection(&error) => tracing::debug!(%error, "expiring unused subscriptions failed"),
+                    Err(error) => tracing::warn!(%error, "expiring unused subscriptions failed; retrying at the next interval"),
+                }
                 for source in relay.sources().iter().filter(|source| source.is_connected()) {
-                    if let Err(error) = pass(source, &relay, &subscriptions, &config).await {
-                        tracing::warn!(source = %source.name, %error, "maintenance pass failed; retrying at the next interval");
+                    match pass(source, &relay, &subscriptions, &config).await {
+                        Ok(()) => {}
+                        Err(error) if lost_connection(&error) => tracing::debug!(source = %source.name, %error, "maintenance pass failed"),
+                        Err(error) => tracing::warn!(source = %source.name, %error, "maintenance pass failed; retrying at the next interval"),
                     }
                 }
             }
@@ -71,6 +79,8 @@ pub async fn run(
                     match source.store.vacuum_deliveries(config.vacuum_min_dead_rows).await {
                         Ok(Some(dead_rows)) => tracing::debug!(source = %source.name, dead_rows, "vacuumed the delivery table"),
                         Ok(None) => {}
+                        // A lost connection is logged once, by the health monitor.
+                        Err(error) if error.is_unavailable() => tracing::debug!(source = %source.name, %error, "vacuuming the delivery table failed"),
                         Err(error) => tracing::warn!(source = %source.name, %error, "vacuuming the delivery table failed"),
                     }
                 }
@@ -78,6 +88,32 @@ pub async fn run(
             _ = shutdown.cancelled() => return,
         }
     }
+}
+
+/// A failure because a database went away: the health monitor logs that once.
+fn lost_connection(error: &Error) -> bool {
+    matches!(error, Error::Unavailable(_) | Error::SourceUnavailable(_))
+}
+
+/// Deletes the subscriptions whose `expire_after_idle` has passed with no stream
+/// attached anywhere.
+async fn expire_unused(relay: &Relay, subscriptions: &Subscriptions) -> Result<(), Error> {
+    if !relay.sources().default_source().is_connected() {
+        return Ok(());
+    }
+    let attached_here = relay.attached_subscriptions();
+    let definitions = &relay.sources().default_source().store;
+    for name in definitions.idle_expired(&attached_here).await? {
+        match subscriptions.delete(&name).await {
+            Ok(()) => {
+                tracing::info!(subscription = %name, "deleted a subscription unused for longer than its expire_after_idle");
+            }
+            // Another gateway deleted it first.
+            Err(Error::NotFound(_)) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
 }
 
 /// One maintenance pass over one source: bring its read positions up to date with the

@@ -5,13 +5,12 @@
 
 use std::{
     collections::HashSet,
-    net::SocketAddr,
     sync::{LazyLock, Mutex},
     time::Duration,
 };
 
 use metrics::{counter, gauge, histogram};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use metrics_util::MetricKindMask;
 
 use crate::{domain::OutboxStats, domain::SubscriptionStats};
@@ -23,18 +22,195 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-/// Serves `/metrics` on `listen`. Gauges not refreshed for `stale_after` disappear (a
-/// deleted subscription's figures, for instance).
-pub fn install(listen: SocketAddr, stale_after: Duration) -> Result<(), String> {
-    PrometheusBuilder::new()
-        .with_http_listener(listen)
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
-        .and_then(|builder| {
-            builder
-                .idle_timeout(MetricKindMask::GAUGE, Some(stale_after))
-                .install()
-        })
-        .map_err(|error| format!("cannot serve metrics on {listen}: {error}"))
+/// The process's metrics, ready to be rendered for a scrape.
+#[derive(Clone)]
+pub struct MetricsEndpoint {
+    handle: PrometheusHandle,
+}
+
+impl MetricsEndpoint {
+    /// Installs the process-wide recorder, with a description of every metric. Gauges not
+    /// refreshed for `stale_after` disappear (a deleted subscription's figures, for
+    /// instance). Only the first gateway of a process owns the recorder: a later one
+    /// (tests run several) serves an endpoint of its own that stays empty.
+    pub fn install(stale_after: Duration) -> Result<MetricsEndpoint, String> {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+            .map(|builder| {
+                builder
+                    .idle_timeout(MetricKindMask::GAUGE, Some(stale_after))
+                    .build_recorder()
+            })
+            .map_err(|error| format!("cannot set up metrics: {error}"))?;
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!("metrics are already recorded by another gateway of this process");
+        }
+        describe();
+        Ok(MetricsEndpoint { handle })
+    }
+
+    /// Serves `GET /metrics` on `listener` until `shutdown`; every other path is 404.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let upkeep = self.handle.clone();
+        let upkeep = tokio::spawn(async move {
+            // Histograms keep their samples in buffers until drained.
+            let mut interval = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                interval.tick().await;
+                upkeep.run_upkeep();
+            }
+        });
+        let handle = self.handle;
+        let router = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        without_deleted_subscriptions(&handle.render()),
+                    )
+                }
+            }),
+        );
+        if let Err(error) = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::warn!(%error, "metrics endpoint stopped");
+        }
+        upkeep.abort();
+    }
+}
+
+/// The subscriptions that exist, as the last figures refresh saw them; `None` before
+/// the first. A deleted subscription's series (its counters too, which never go idle)
+/// leave the endpoint once it is gone from here.
+static EXISTING_SUBSCRIPTIONS: LazyLock<Mutex<Option<HashSet<String>>>> =
+    LazyLock::new(Default::default);
+
+/// Records the subscriptions that exist now.
+pub fn existing_subscriptions(names: HashSet<String>) {
+    *EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock") = Some(names);
+}
+
+/// The exposition text without the samples of subscriptions that no longer exist.
+fn without_deleted_subscriptions(text: &str) -> String {
+    let existing = EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock");
+    let Some(existing) = existing.as_ref() else {
+        return text.to_owned();
+    };
+    let mut kept = String::with_capacity(text.len());
+    for line in text.lines() {
+        // Subscription names are [a-z0-9._-]: no escapes inside the label value.
+        let subscription = line
+            .split_once("subscription=\"")
+            .and_then(|(_, rest)| rest.split_once('"'))
+            .map(|(name, _)| name);
+        if subscription.is_some_and(|name| !existing.contains(name)) && !line.starts_with('#') {
+            continue;
+        }
+        kept.push_str(line);
+        kept.push('\n');
+    }
+    kept
+}
+
+/// `# HELP` text of every metric.
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "outbox_rpc_requests_total",
+        "gRPC calls finished, by method and final status code (a stream counts when it ends)"
+    );
+    describe_histogram!(
+        "outbox_rpc_duration_seconds",
+        Unit::Seconds,
+        "duration of gRPC calls, by method (a stream's whole life)"
+    );
+    describe_counter!(
+        "outbox_events_published_total",
+        "events stored by Publish, by event type (at most 256 types, the rest as \"other\")"
+    );
+    describe_counter!(
+        "outbox_deliveries_total",
+        "deliveries handed to Subscribe streams, first attempts and redeliveries"
+    );
+    describe_counter!(
+        "outbox_redeliveries_total",
+        "deliveries after the first attempt (expired lease, nack or retry)"
+    );
+    describe_histogram!(
+        "outbox_commit_to_delivery_seconds",
+        Unit::Seconds,
+        "time from an event's creation to its first delivery"
+    );
+    describe_counter!("outbox_acks_total", "deliveries acknowledged");
+    describe_histogram!(
+        "outbox_deliver_to_ack_seconds",
+        Unit::Seconds,
+        "time from delivery to acknowledgement"
+    );
+    describe_counter!("outbox_nacks_total", "deliveries refused by their consumer");
+    describe_counter!(
+        "outbox_dead_letters_total",
+        "deliveries dead-lettered (attempts exhausted or refused for good)"
+    );
+    describe_counter!(
+        "outbox_requeued_total",
+        "dead letters or events sent back for delivery"
+    );
+    describe_counter!(
+        "outbox_relay_wakeups_total",
+        "times the relay looked for work, by cause: publish, notify or poll"
+    );
+    describe_gauge!(
+        "outbox_subscription_backlog",
+        "events matching the subscription not yet delivered"
+    );
+    describe_gauge!(
+        "outbox_subscription_in_flight",
+        "deliveries leased to a stream and not yet settled"
+    );
+    describe_gauge!(
+        "outbox_subscription_awaiting_retry",
+        "deliveries waiting for their retry backoff"
+    );
+    describe_gauge!(
+        "outbox_subscription_dead_letters",
+        "unresolved dead letters"
+    );
+    describe_gauge!(
+        "outbox_subscription_oldest_unacked_age_seconds",
+        Unit::Seconds,
+        "age of the oldest event delivered but not yet acknowledged, 0 when none"
+    );
+    describe_gauge!(
+        "outbox_subscription_late_transactions",
+        "transactions that finished after the subscription's cursor passed them; their events go out at the next claim"
+    );
+    describe_gauge!(
+        "outbox_source_up",
+        "1 while the source database can be reached, 0 while it cannot"
+    );
+    describe_gauge!("outbox_events_stored", "events in the outbox table");
+    describe_gauge!(
+        "outbox_oldest_open_transaction_age_seconds",
+        Unit::Seconds,
+        "age of the oldest open transaction in the cluster, which holds delivery back"
+    );
+    describe_gauge!(
+        "outbox_db_pool_connections",
+        "connections of the main pool, by state: idle or in_use"
+    );
 }
 
 pub fn rpc_finished(method: &str, code: tonic::Code, elapsed: Duration) {

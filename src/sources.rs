@@ -78,7 +78,13 @@ impl Source {
         let connected = outcome.is_ok();
         let changed = health.connected != connected;
         match &outcome {
+            Ok(()) if changed && self.name.is_default() => {
+                tracing::info!("the database is reachable again")
+            }
             Ok(()) if changed => tracing::info!(source = %self.name, "source is reachable again"),
+            Err(error) if changed && self.name.is_default() => {
+                tracing::warn!(%error, "lost the database; calls answer UNAVAILABLE and deliveries pause until it is back")
+            }
             Err(error) if changed => {
                 tracing::warn!(source = %self.name, %error, "source is unreachable; its deliveries pause, the other sources go on")
             }
@@ -259,22 +265,19 @@ pub async fn migrate(config: &Config, only: Option<&str>) -> Result<Vec<String>,
     let mut done = Vec::new();
     let wanted = |name: &str| only.is_none_or(|only| only == name);
     if wanted(DEFAULT_SOURCE) {
-        let store = Store::connect(&StoreConfig {
-            source: SourceName::default_source(),
-            source_id: SourceId(0),
-            database_url: config.database_url.clone(),
-            max_connections: 1,
-            acquire_timeout: config.db_acquire_timeout,
-            idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
-        })
+        let store = crate::connect_within(
+            &StoreConfig {
+                source: SourceName::default_source(),
+                source_id: SourceId(0),
+                database_url: config.database_url.clone(),
+                max_connections: 1,
+                acquire_timeout: config.db_acquire_timeout,
+                idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
+            },
+            config.db_connect_timeout,
+        )
         .await
-        .map_err(|error| {
-            format!(
-                "source \"default\": cannot connect to PostgreSQL at {}: {}. Point the gateway at your database with --database-url or DATABASE_URL",
-                crate::storage::describe_target(&config.database_url),
-                describe(&error)
-            )
-        })?;
+        .map_err(|error| format!("source \"default\": {error}"))?;
         done.push(migrate_store(&store, &config.database_url).await?);
     }
     for (index, source) in config.sources.iter().enumerate() {

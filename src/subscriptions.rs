@@ -7,7 +7,7 @@
 //! way ([`Subscription::late_start`]). [`Subscriptions::reconcile`] repairs what a source
 //! missed while it was down.
 
-use std::collections::HashSet;
+use std::{collections::HashSet, time::Duration};
 
 use chrono::{DateTime, Utc};
 
@@ -15,7 +15,7 @@ use crate::{
     delivery::Relay,
     domain::{
         Pause, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
-        SubscriptionSettings,
+        SubscriptionSettings, check_expire_after_idle,
     },
     error::{Error, Result},
     sources::Source,
@@ -42,8 +42,10 @@ impl Subscriptions {
         settings: SubscriptionSettings,
         sources: Vec<SourceName>,
         start: StartPosition,
+        expire_after_idle: Option<Duration>,
     ) -> Result<Subscription> {
         settings.validate("subscription")?;
+        check_expire_after_idle("subscription.expire_after_idle", expire_after_idle)?;
         for (index, source) in sources.iter().enumerate() {
             if self.relay.sources().by_name(source.as_str()).is_none() {
                 return Err(Error::invalid(
@@ -56,7 +58,14 @@ impl Subscriptions {
             sources.is_empty() || sources.contains(&self.relay.sources().default_source().name);
         let subscription = match self
             .definitions()
-            .create_subscription(&name, &settings, &sources, start, reads_default)
+            .create_subscription(
+                &name,
+                &settings,
+                &sources,
+                start,
+                expire_after_idle,
+                reads_default,
+            )
             .await
         {
             Err(StoreError::UniqueViolation { .. }) => {

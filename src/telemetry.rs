@@ -39,7 +39,16 @@ impl Telemetry {
     /// service is named by `OTEL_SERVICE_NAME`, else `outbox-gateway`. Must be called
     /// inside the Tokio runtime.
     pub fn init(format: LogFormat, level: &str) -> Result<Telemetry, String> {
-        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+        // The driver's own warnings (a failed ping, a server notice per dropped
+        // connection) repeat what the gateway says once in its own words; they show
+        // when the filter names sqlx.
+        let directives = if level.contains("sqlx") {
+            level.to_owned()
+        } else {
+            format!("{level},sqlx=error")
+        };
+        let filter =
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(directives));
         let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
         let logs = match format {
             LogFormat::Text => logs.boxed(),
@@ -208,7 +217,7 @@ where
     S::Future: Send + 'static,
     RequestBody: Send + 'static,
 {
-    type Response = S::Response;
+    type Response = http::Response<RecordedBody<ResponseBody>>;
     type Error = S::Error;
     type Future = BoxFuture<Result<Self::Response, Self::Error>>;
 
@@ -239,29 +248,120 @@ where
         let call = inner.call(request);
         Box::pin(
             async move {
-                let result = call.await;
-                // Errors and streams' first answer carry grpc-status in the headers; a
-                // successful unary answer puts it in the trailers.
-                let code = match &result {
-                    Ok(response) => response
-                        .headers()
-                        .get("grpc-status")
-                        .and_then(|value| value.to_str().ok())
-                        .and_then(|value| value.parse::<i32>().ok())
-                        .unwrap_or(0),
-                    Err(_) => tonic::Code::Unknown as i32,
+                let outcome = RpcOutcome {
+                    method,
+                    started,
+                    span: Span::current(),
                 };
-                let elapsed = started.elapsed();
-                let span = Span::current();
-                span.record("rpc.grpc.status_code", code);
-                span.record("duration_ms", elapsed.as_secs_f64() * 1e3);
-                let code = tonic::Code::from_i32(code);
-                crate::metrics::rpc_finished(&method, code, elapsed);
-                tracing::debug!(code = ?code, "rpc finished");
-                result
+                match call.await {
+                    Ok(response) => {
+                        // An error answered at once carries grpc-status in the headers
+                        // (trailers-only); otherwise the status comes in the trailers at
+                        // the end of the body, which for a stream can be hours later.
+                        match grpc_status(response.headers()) {
+                            Some(code) => {
+                                outcome.finish(code);
+                                Ok(response.map(|inner| RecordedBody {
+                                    inner,
+                                    outcome: None,
+                                }))
+                            }
+                            None => Ok(response.map(|inner| RecordedBody {
+                                inner,
+                                outcome: Some(outcome),
+                            })),
+                        }
+                    }
+                    Err(error) => {
+                        outcome.finish(tonic::Code::Unknown);
+                        Err(error)
+                    }
+                }
             }
             .instrument(span),
         )
+    }
+}
+
+/// The `grpc-status` of a header or trailer map, when it has one.
+fn grpc_status(headers: &http::HeaderMap) -> Option<tonic::Code> {
+    headers
+        .get("grpc-status")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<i32>().ok())
+        .map(tonic::Code::from_i32)
+}
+
+/// What is recorded when an RPC ends: its span gets the status and duration, and the
+/// RPC metrics count it.
+struct RpcOutcome {
+    method: String,
+    started: Instant,
+    /// Kept open until the answer ends, so a stream's span covers the whole stream.
+    span: Span,
+}
+
+impl RpcOutcome {
+    fn finish(self, code: tonic::Code) {
+        let elapsed = self.started.elapsed();
+        self.span.record("rpc.grpc.status_code", code as i32);
+        self.span.record("duration_ms", elapsed.as_secs_f64() * 1e3);
+        crate::metrics::rpc_finished(&self.method, code, elapsed);
+        self.span
+            .in_scope(|| tracing::debug!(code = ?code, "rpc finished"));
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that records the RPC's outcome from its trailers; a body dropped
+    /// before its trailers (the client went away) records CANCELLED.
+    pub struct RecordedBody<B> {
+        #[pin]
+        inner: B,
+        outcome: Option<RpcOutcome>,
+    }
+
+    impl<B> PinnedDrop for RecordedBody<B> {
+        fn drop(this: Pin<&mut Self>) {
+            if let Some(outcome) = this.project().outcome.take() {
+                outcome.finish(tonic::Code::Cancelled);
+            }
+        }
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for RecordedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let frame = std::task::ready!(this.inner.poll_frame(cx));
+        let code = match &frame {
+            Some(Ok(frame)) => frame
+                .trailers_ref()
+                .map(|trailers| grpc_status(trailers).unwrap_or(tonic::Code::Unknown)),
+            Some(Err(_)) => Some(tonic::Code::Unknown),
+            // Ended without trailers: not a proper gRPC answer.
+            None => Some(tonic::Code::Unknown),
+        };
+        if let Some(code) = code
+            && let Some(outcome) = this.outcome.take()
+        {
+            outcome.finish(code);
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -39,6 +39,12 @@ async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> R
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
         .args(args)
         .env("OUTBOX_ENDPOINT", endpoint)
+        // No saved contexts of whoever runs the tests.
+        .env(
+            "XDG_CONFIG_HOME",
+            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+        )
+        .env_remove("OUTBOX_CONTEXT")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -147,7 +153,7 @@ async fn subscriptions_are_managed_end_to_end() {
         .success
     );
     assert!(
-        cli(&gateway, &["subscriptions", "delete", "orders"])
+        cli(&gateway, &["subscriptions", "delete", "orders", "--yes"])
             .await
             .success
     );
@@ -278,11 +284,13 @@ async fn publish_tail_stats_and_dead_letters_work_from_the_command_line() {
         (Some(2), Some(1), Some(3))
     );
     assert_eq!(stats["outbox"]["events_stored"], 3);
+    let table = cli(&gateway, &["stats"]).await.stdout;
+    // Both ages, the one against the clock first.
     assert!(
-        cli(&gateway, &["stats"])
-            .await
-            .stdout
-            .contains("SUBSCRIPTION")
+        table.contains("SUBSCRIPTION")
+            && table.contains("OLDEST UNACKED")
+            && table.contains("BEHIND NEWEST"),
+        "{table}"
     );
 
     let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
@@ -391,12 +399,48 @@ async fn an_unreachable_gateway_is_a_clear_failure() {
     assert!(!run.success);
     assert!(
         run.stderr
-            .contains("cannot reach the gateway at http://127.0.0.1:1"),
+            .contains("cannot reach the gateway at http://127.0.0.1:1: connection refused"),
         "{}",
         run.stderr
     );
     let health = cli_with_input("http://127.0.0.1:1", &["health"], None).await;
     assert!(!health.success);
+    let unknown_host = cli_with_input("nosuchhost.invalid:50051", &["stats"], None).await;
+    assert!(
+        !unknown_host.success && unknown_host.stderr.contains("host name was not found"),
+        "{}",
+        unknown_host.stderr
+    );
+}
+
+#[tokio::test]
+async fn endpoints_without_a_scheme_work_and_tls_mismatches_are_named() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+    let run = cli_with_input(&address, &["health"], None).await;
+    assert!(run.success, "{}", run.stderr);
+    let tls = cli_with_input(&format!("https://{address}"), &["health"], None).await;
+    assert!(
+        !tls.success && tls.stderr.contains("does not speak TLS"),
+        "{}",
+        tls.stderr
+    );
+    // Accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_address = silent.local_addr().unwrap().to_string();
+    let _held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            connections.push(connection);
+        }
+    });
+    let timed_out = cli_with_input(&silent_address, &["stats", "--timeout", "1s"], None).await;
+    assert!(
+        !timed_out.success && timed_out.stderr.contains("no answer"),
+        "{}",
+        timed_out.stderr
+    );
 }
 
 #[tokio::test]
@@ -410,4 +454,566 @@ async fn health_command_reports_a_serving_gateway() {
         run.stdout,
         run.stderr
     );
+}
+
+/// Names of the gateway's subscriptions.
+async fn subscription_names(gateway: &TestGateway) -> Vec<String> {
+    gateway
+        .admin()
+        .await
+        .list_subscriptions(outbox_gateway::proto::ListSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .subscriptions
+        .into_iter()
+        .map(|subscription| subscription.name)
+        .collect()
+}
+
+/// `tail` with an ephemeral subscription, standard output piped to the test.
+fn spawn_tail(endpoint: &str) -> tokio::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["tail", "--event-type", "order.*", "--from", "earliest"])
+        .env("OUTBOX_ENDPOINT", endpoint)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run tail")
+}
+
+async fn stderr_of(child: tokio::process::Child) -> (std::process::ExitStatus, String) {
+    let output = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .expect("tail exits")
+        .unwrap();
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+const WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
+#[tokio::test]
+async fn tail_into_a_closed_pipe_exits_quietly_and_cleans_up() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut tail = spawn_tail(&gateway.endpoint());
+    let mut lines = tokio::io::BufReader::new(tail.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("a delivery")
+        .unwrap()
+        .expect("a line");
+    assert!(first.contains("order.created"), "{first}");
+    // Like `tail ... | head -1`: the reader goes away, then more arrives.
+    drop(lines);
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    let (status, stderr) = stderr_of(tail).await;
+    assert!(status.success(), "{status}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn tail_ended_by_sigterm_deletes_its_ephemeral_subscription() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let tail = spawn_tail(&gateway.endpoint());
+    eventually("tail creates its subscription", WAIT, || async {
+        !subscription_names(&gateway).await.is_empty()
+    })
+    .await;
+    let pid = tail.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, stderr) = stderr_of(tail).await;
+    assert!(status.success(), "{status}: {stderr}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn tail_carries_on_after_a_gateway_restart() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["tail", "orders"])
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(tail.stdout.take().unwrap()).lines();
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.unwrap().contains("o-1"));
+
+    gateway.stop().await.unwrap();
+    let listener = tokio::net::TcpListener::bind(&address).await.unwrap();
+    let restarted = TestGateway::spawn_on(&database, test_config(database.url()), listener).await;
+    restarted
+        .wait_for_health(tonic_health::pb::health_check_response::ServingStatus::Serving)
+        .await;
+    publish(&restarted, vec![event("o-2", "order.created")]).await;
+    // o-1 may come again first: its ack can be cut off by the restart.
+    loop {
+        let next = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .expect("tail reconnects and prints the next delivery")
+            .unwrap();
+        match next {
+            Some(line) if line.contains("o-2") => break,
+            Some(line) => assert!(line.contains("o-1"), "{line}"),
+            None => {
+                let (status, stderr) = stderr_of(tail).await;
+                panic!("tail ended ({status}): {stderr}");
+            }
+        }
+    }
+}
+
+/// Every option and argument of every command says what it is for.
+#[tokio::test]
+async fn every_flag_has_help_and_migrate_lists_only_its_own() {
+    let commands: &[&[&str]] = &[
+        &["serve"],
+        &["migrate"],
+        &["subscriptions", "create"],
+        &["subscriptions", "list"],
+        &["subscriptions", "get"],
+        &["subscriptions", "update"],
+        &["subscriptions", "delete"],
+        &["subscriptions", "seek"],
+        &["dlq", "list"],
+        &["dlq", "requeue"],
+        &["dlq", "resolve"],
+        &["requeue"],
+        &["stats"],
+        &["publish"],
+        &["tail"],
+        &["health"],
+        &["token", "generate"],
+        &["token", "hash"],
+        &["pull"],
+        &["context", "save"],
+        &["context", "list"],
+        &["context", "select"],
+        &["context", "delete"],
+    ];
+    for command in commands {
+        let mut args = command.to_vec();
+        args.push("--help");
+        let run = cli_with_input("http://127.0.0.1:1", &args, None).await;
+        assert!(run.success, "{command:?}: {}", run.stderr);
+        let lines: Vec<&str> = run.stdout.lines().collect();
+        for (index, line) in lines.iter().enumerate() {
+            let entry = line.trim_start();
+            let indent = line.len() - entry.len();
+            if !(2..10).contains(&indent) || !entry.starts_with(['-', '<', '[']) {
+                continue;
+            }
+            // Short help puts the text on the same line, after two spaces.
+            let same_line = entry
+                .split_once("  ")
+                .is_some_and(|(_, text)| !text.trim().is_empty());
+            let next_line = lines
+                .get(index + 1)
+                .is_some_and(|next| next.starts_with("          ") && !next.trim().is_empty());
+            assert!(
+                same_line || next_line,
+                "{command:?}: {line:?} has no help text"
+            );
+        }
+    }
+    let migrate = cli_with_input("http://127.0.0.1:1", &["migrate", "--help"], None).await;
+    assert!(
+        migrate.stdout.contains("--database-url"),
+        "{}",
+        migrate.stdout
+    );
+    for serve_only in [
+        "--listen",
+        "--retention",
+        "--metrics-listen",
+        "--insecure-no-auth",
+    ] {
+        assert!(
+            !migrate.stdout.contains(serve_only),
+            "migrate --help lists {serve_only}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn commands_speak_in_flags_plurals_and_exit_codes() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let created = cli(
+        &gateway,
+        &["subscriptions", "create", "orders", "--start", "earliest"],
+    )
+    .await;
+    assert!(created.success, "{}", created.stderr);
+    assert!(
+        !created.stdout.trim_start().starts_with('{') && created.stdout.contains("name:"),
+        "text without --json: {}",
+        created.stdout
+    );
+
+    let no_selector = cli(&gateway, &["dlq", "requeue", "orders"]).await;
+    assert!(!no_selector.success);
+    assert!(
+        no_selector.stderr.contains("--id") && no_selector.stderr.contains("--all"),
+        "{}",
+        no_selector.stderr
+    );
+    assert!(
+        !no_selector.stderr.contains("dead_lettered_before"),
+        "{}",
+        no_selector.stderr
+    );
+
+    let unknown = uuid::Uuid::new_v4().to_string();
+    let nothing = cli(&gateway, &["dlq", "requeue", "orders", "--id", &unknown]).await;
+    assert!(!nothing.success, "{}", nothing.stdout);
+    assert!(
+        nothing.stderr.contains("requeued 0 dead letters of 1"),
+        "{}",
+        nothing.stderr
+    );
+
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let delivery = consumer
+        .next(std::time::Duration::from_secs(10))
+        .await
+        .expect("a delivery");
+    let id = delivery.event.as_ref().unwrap().id.clone();
+    nack(
+        &gateway,
+        outbox_gateway::proto::NackRequest {
+            subscription: "orders".into(),
+            ack_id: delivery.ack_id,
+            dead_letter: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let one = cli(&gateway, &["dlq", "requeue", "orders", "--id", &id]).await;
+    assert!(one.success, "{}", one.stderr);
+    assert_eq!(one.stdout.trim(), "requeued 1 dead letter");
+
+    let token = cli(&gateway, &["token", "generate", "--json"]).await.json();
+    assert_eq!(token["token"].as_str().map(str::len), Some(64));
+    assert_eq!(token["sha256"].as_str().map(str::len), Some(64));
+}
+
+#[tokio::test]
+async fn destructive_commands_need_yes_without_a_terminal() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    for command in [
+        &["subscriptions", "delete", "orders"][..],
+        &["dlq", "requeue", "orders", "--all"],
+        &["subscriptions", "seek", "orders", "--to", "earliest"],
+    ] {
+        let refused = cli(&gateway, command).await;
+        assert!(!refused.success, "{command:?} ran without --yes");
+        assert!(
+            refused.stderr.contains("--yes"),
+            "{command:?}: {}",
+            refused.stderr
+        );
+    }
+    let refused = cli(&gateway, &["subscriptions", "delete", "orders"]).await;
+    assert!(
+        refused.stderr.contains("delete subscription orders")
+            && refused.stderr.contains("0 unresolved dead letters"),
+        "shows what it would affect: {}",
+        refused.stderr
+    );
+    assert_eq!(subscription_names(&gateway).await, ["orders"]);
+    for command in [
+        &["dlq", "requeue", "orders", "--all", "--yes"][..],
+        &[
+            "subscriptions",
+            "seek",
+            "orders",
+            "--to",
+            "earliest",
+            "--yes",
+        ],
+        &["subscriptions", "delete", "orders", "--yes"],
+    ] {
+        let run = cli(&gateway, command).await;
+        assert!(run.success, "{command:?}: {}", run.stderr);
+    }
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn pull_takes_prints_and_settles_deliveries() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        vec![
+            event("o-1", "order.created"),
+            event("o-2", "order.created"),
+            event("o-3", "order.created"),
+        ],
+    )
+    .await;
+    let aggregates = |lines: &[Value]| -> Vec<String> {
+        lines
+            .iter()
+            .map(|line| line["event"]["aggregate_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let acked = cli(
+        &gateway,
+        &["pull", "orders", "--max", "2", "--ack", "--json"],
+    )
+    .await
+    .json_lines();
+    assert_eq!(aggregates(&acked), ["o-1", "o-2"]);
+    assert!(acked.iter().all(|line| line["settled"] == "acked"));
+
+    let released = cli(&gateway, &["pull", "orders"]).await;
+    assert!(released.success, "{}", released.stderr);
+    assert!(
+        released.stdout.contains("o-3") && released.stdout.contains("released"),
+        "{}",
+        released.stdout
+    );
+    let dead = cli(
+        &gateway,
+        &[
+            "pull",
+            "orders",
+            "--dead-letter",
+            "--reason",
+            "bad data",
+            "--json",
+        ],
+    )
+    .await
+    .json_lines();
+    assert_eq!(aggregates(&dead), ["o-3"]);
+    // Released deliveries come again (a pull's stream may also have leased o-3 while
+    // the acks of the first pull were under way).
+    assert!(dead[0]["attempt"].as_u64() >= Some(2), "{dead:?}");
+    let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
+        .await
+        .json();
+    assert_eq!(letters["dead_letters"][0]["last_error"], "bad data");
+
+    let empty = cli(&gateway, &["pull", "orders", "--wait", "1s"]).await;
+    assert!(empty.success, "{}", empty.stderr);
+    assert!(empty.stderr.contains("no deliveries"), "{}", empty.stderr);
+    let no_reason = cli(&gateway, &["pull", "orders", "--dead-letter"]).await;
+    assert!(
+        !no_reason.success && no_reason.stderr.contains("--reason"),
+        "{}",
+        no_reason.stderr
+    );
+}
+
+#[tokio::test]
+async fn publish_stdin_sends_large_inputs_in_batches_with_progress() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let lines: String = (0..1500)
+        .map(|n| {
+            format!(
+                "{{\"aggregate_type\":\"order\",\"aggregate_id\":\"o-{n}\",\"event_type\":\"order.created\"}}\n"
+            )
+        })
+        .collect();
+    let run = cli_with_input(&gateway.endpoint(), &["publish", "--stdin"], Some(&lines)).await;
+    assert!(run.success, "{}", run.stderr);
+    assert_eq!(run.stdout.lines().count(), 1500);
+    assert!(
+        run.stderr.contains("published 1500 of 1500 events"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(count_events(&database.pool().await).await, 1500);
+
+    // Lines piped in without --stdin: say so rather than only "missing flags".
+    let one_line = lines.lines().next().unwrap();
+    let forgotten = cli_with_input(&gateway.endpoint(), &["publish"], Some(one_line)).await;
+    assert!(!forgotten.success);
+    assert!(
+        forgotten.stderr.contains("--aggregate-type") && forgotten.stderr.contains("add --stdin"),
+        "{}",
+        forgotten.stderr
+    );
+}
+
+/// The binary with a configuration directory of its own and no endpoint in the
+/// environment.
+async fn cli_in(config_home: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
+        .args(args)
+        .env("XDG_CONFIG_HOME", config_home)
+        .env_remove("OUTBOX_ENDPOINT")
+        .env_remove("OUTBOX_CONTEXT")
+        .env_remove("OUTBOX_TOKEN")
+        .stdin(Stdio::null());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let output = command.output().await.expect("run the CLI");
+    Run {
+        success: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+#[tokio::test]
+async fn contexts_save_connections_by_name() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let home = std::env::temp_dir().join(format!("outbox-contexts-{}", uuid::Uuid::new_v4()));
+    let address = gateway.endpoint().trim_start_matches("http://").to_owned();
+
+    let saved = cli_in(
+        &home,
+        &[
+            "context",
+            "save",
+            "local",
+            "--endpoint",
+            &address,
+            "--token",
+            "s3cret",
+        ],
+        &[],
+    )
+    .await;
+    assert!(saved.success, "{}", saved.stderr);
+    let file = home.join("outbox-gateway/contexts.toml");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "the token is readable by its owner only"
+        );
+    }
+
+    let named = cli_in(&home, &["health", "--context", "local"], &[]).await;
+    assert!(named.success, "{}", named.stderr);
+    let by_env = cli_in(&home, &["health"], &[("OUTBOX_CONTEXT", "local")]).await;
+    assert!(by_env.success, "{}", by_env.stderr);
+    let selected = cli_in(&home, &["context", "select", "local"], &[]).await;
+    assert!(selected.success, "{}", selected.stderr);
+    let plain = cli_in(&home, &["health"], &[]).await;
+    assert!(plain.success, "{}", plain.stderr);
+    // A flag wins over the named context.
+    let overridden = cli_in(
+        &home,
+        &["health", "--context", "local", "--endpoint", "127.0.0.1:1"],
+        &[],
+    )
+    .await;
+    assert!(
+        !overridden.success && overridden.stderr.contains("connection refused"),
+        "{}",
+        overridden.stderr
+    );
+
+    let listed = cli_in(&home, &["context", "list"], &[]).await;
+    assert!(listed.stdout.contains("local *"), "{}", listed.stdout);
+    assert!(
+        !listed.stdout.contains("s3cret"),
+        "the token is shown: {}",
+        listed.stdout
+    );
+    let unknown = cli_in(&home, &["health", "--context", "prod"], &[]).await;
+    assert!(
+        !unknown.success
+            && unknown.stderr.contains("no context named \"prod\"")
+            && unknown.stderr.contains("local"),
+        "{}",
+        unknown.stderr
+    );
+    let deleted = cli_in(&home, &["context", "delete", "local"], &[]).await;
+    assert!(deleted.success, "{}", deleted.stderr);
+    let _ = std::fs::remove_dir_all(&home);
+}
+
+/// At a terminal (here a pseudo-terminal from util-linux `script`), a destructive
+/// command shows what it will affect and asks; only "y" goes ahead.
+#[tokio::test]
+async fn destructive_commands_ask_at_a_terminal() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let at_terminal = |answer: &'static str| {
+        let command = format!(
+            "{} subscriptions delete orders --endpoint {}",
+            env!("CARGO_BIN_EXE_outbox-gateway"),
+            gateway.endpoint()
+        );
+        async move {
+            let mut child = Command::new("script")
+                .args(["-qec", &command, "/dev/null"])
+                .env(
+                    "XDG_CONFIG_HOME",
+                    std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+                )
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("run script(1) from util-linux");
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(answer.as_bytes()).await.unwrap();
+            drop(stdin);
+            let output = tokio::time::timeout(WAIT, child.wait_with_output())
+                .await
+                .expect("answers")
+                .unwrap();
+            (
+                output.status.success(),
+                String::from_utf8_lossy(&output.stdout).into_owned(),
+            )
+        }
+    };
+    let (declined, screen) = at_terminal("n\n").await;
+    assert!(!declined, "{screen}");
+    assert!(
+        screen.contains("delete subscription orders") && screen.contains("Continue? [y/N]"),
+        "{screen}"
+    );
+    assert!(screen.contains("nothing was changed"), "{screen}");
+    assert_eq!(subscription_names(&gateway).await, ["orders"]);
+    let (confirmed, screen) = at_terminal("y\n").await;
+    assert!(confirmed, "{screen}");
+    assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
 }

@@ -47,6 +47,11 @@ impl GatewayProcess {
         args: &[&str],
         env: &[(&str, String)],
     ) -> GatewayProcess {
+        Self::start_on(&database.url(), args, env).await
+    }
+
+    /// A gateway on the database at `database_url`.
+    async fn start_on(database_url: &str, args: &[&str], env: &[(&str, String)]) -> GatewayProcess {
         let port = free_port();
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
         command
@@ -55,7 +60,7 @@ impl GatewayProcess {
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--database-url",
-                &database.url(),
+                database_url,
                 // Tests run gateways side by side; the console has tests of its own.
                 "--console-listen",
                 "off",
@@ -323,7 +328,182 @@ async fn metrics_match_a_known_scenario_exactly() {
             .any(|sample| sample.metric == "outbox_relay_wakeups_total"
                 && sample.labels.get("cause") == Some("publish"))
     );
+    let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    for line in text.lines().filter(|line| line.starts_with("# TYPE ")) {
+        let name = line.split(' ').nth(2).unwrap();
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "{name} has no # HELP line"
+        );
+    }
+    let elsewhere = reqwest::get(format!("http://127.0.0.1:{metrics_port}/"))
+        .await
+        .unwrap();
+    assert_eq!(elsewhere.status(), reqwest::StatusCode::NOT_FOUND);
     gateway.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
+    let database = TestDatabase::create().await;
+    let metrics_port = free_port();
+    let gateway = GatewayProcess::start(
+        &database,
+        &[
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+            "--metrics-refresh-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let orders = [("subscription", "orders"), ("source", "default")];
+    let channel = gateway.channel().await;
+    let mut admin = proto::admin_client::AdminClient::new(channel.clone());
+    admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription("orders")),
+        })
+        .await
+        .unwrap();
+    let mut stream = proto::subscriber_client::SubscriberClient::new(channel)
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    proto::publisher_client::PublisherClient::new(gateway.channel().await)
+        .publish(proto::PublishRequest {
+            events: vec![event("o-1", "order.created")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("a delivery in time")
+        .unwrap()
+        .expect("a delivery");
+    eventually("the subscription's series appear", WAIT, || async {
+        let metrics = Metrics::scrape(&url).await;
+        metrics
+            .value("outbox_subscription_backlog", &orders)
+            .is_some()
+            && metrics.value("outbox_deliveries_total", &orders) == Some(1.0)
+    })
+    .await;
+    admin
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(WAIT, stream.message())
+        .await
+        .expect("the stream ends once its subscription is deleted")
+        .expect_err("with an error");
+    assert_eq!(end.code(), tonic::Code::NotFound);
+
+    let subscribe = ("method", "/outbox.v1.Subscriber/Subscribe");
+    eventually("the stream's final status is counted", WAIT, || async {
+        Metrics::scrape(&url).await.value(
+            "outbox_rpc_requests_total",
+            &[subscribe, ("code", "NotFound")],
+        ) == Some(1.0)
+    })
+    .await;
+    let metrics = Metrics::scrape(&url).await;
+    assert_eq!(
+        metrics.value("outbox_rpc_requests_total", &[subscribe, ("code", "Ok")]),
+        None,
+        "the stream's opening headers are not an Ok answer"
+    );
+    eventually(
+        "a deleted subscription's series go, counters too",
+        WAIT,
+        || async {
+            let metrics = Metrics::scrape(&url).await;
+            !metrics
+                .0
+                .iter()
+                .any(|sample| sample.labels.get("subscription") == Some("orders"))
+        },
+    )
+    .await;
+    gateway.stop().await;
+}
+
+#[tokio::test]
+async fn losing_the_database_is_one_line_and_its_return_another() {
+    let database = TestDatabase::create().await;
+    let proxy = common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let gateway = GatewayProcess::start_on(
+        &proxy.database_url(database.name()),
+        &[
+            "--metrics-listen",
+            "off",
+            "--health-check-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    // Some traffic, so calls and claims fail too while the database is away.
+    create_subscription_over(&gateway, "orders").await;
+    let _stream = proto::subscriber_client::SubscriberClient::new(gateway.channel().await)
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let logged = |needle: &str| {
+        gateway
+            .stderr
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line.contains(needle))
+            .count()
+    };
+    proxy.cut();
+    eventually("the loss is logged", WAIT, || async {
+        logged("lost the database") == 1
+    })
+    .await;
+    // Let many health checks (every 200 ms) and claims fail meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    proxy.restore();
+    eventually("the return is logged", WAIT, || async {
+        logged("reachable again") == 1
+    })
+    .await;
+    let lines = gateway.stderr.lock().unwrap().clone();
+    assert_eq!(logged("lost the database"), 1, "{lines:#?}");
+    let warnings: Vec<&String> = lines.iter().filter(|line| line.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning, the loss: {warnings:#?}");
+    for line in &lines {
+        assert!(!line.contains(" at line "), "driver noise: {line}");
+        assert!(
+            !(line.contains("WARN") && line.contains("sqlx")),
+            "raw driver warning: {line}"
+        );
+        assert!(!line.contains("health check failed"), "repeated: {line}");
+    }
+    gateway.stop().await;
+}
+
+async fn create_subscription_over(gateway: &GatewayProcess, name: &str) {
+    proto::admin_client::AdminClient::new(gateway.channel().await)
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription(name)),
+        })
+        .await
+        .unwrap();
 }
 
 /// Receives OTLP trace exports.

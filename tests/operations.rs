@@ -1001,3 +1001,105 @@ async fn maintenance_vacuums_the_delivery_table_once_acks_left_enough_dead_rows(
     let (dead_rows, _) = delivery_table_vacuum_stats(&pool).await;
     assert!(dead_rows < 300, "{dead_rows} dead rows left after a vacuum");
 }
+
+/// A mask that names a setting without sending it is refused for every setting alike,
+/// so an update never resets one to its default by omission.
+#[tokio::test]
+async fn update_mask_naming_an_unsent_setting_is_refused() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_attempts: Some(3),
+            ack_deadline: seconds(45),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    let mut admin = gateway.admin().await;
+    for path in ["max_attempts", "ack_deadline", "retry_backoff_min"] {
+        let refused = admin
+            .update_subscription(proto::UpdateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    name: "orders".into(),
+                    ..Default::default()
+                }),
+                update_mask: Some(prost_types::FieldMask {
+                    paths: vec![path.into()],
+                }),
+            })
+            .await;
+        assert_status(
+            refused,
+            Code::InvalidArgument,
+            &format!("subscription.{path}"),
+        );
+    }
+    let unchanged = admin
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (unchanged.max_attempts, unchanged.ack_deadline),
+        (Some(3), seconds(45))
+    );
+}
+
+#[tokio::test]
+async fn a_subscription_unused_past_its_expire_after_idle_is_deleted() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut admin = gateway.admin().await;
+    let too_short = admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                expire_after_idle: seconds(1),
+                ..subscription("reader")
+            }),
+        })
+        .await;
+    assert_status(
+        too_short,
+        Code::InvalidArgument,
+        "subscription.expire_after_idle",
+    );
+    let created = create_subscription(
+        &gateway,
+        proto::Subscription {
+            expire_after_idle: seconds(10),
+            ..subscription("reader")
+        },
+    )
+    .await;
+    assert_eq!(created.expire_after_idle, seconds(10));
+    create_subscription(&gateway, subscription("durable")).await;
+    let names = || async {
+        let mut admin = gateway.admin().await;
+        let list = admin
+            .list_subscriptions(proto::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions;
+        list.into_iter().map(|s| s.name).collect::<Vec<_>>()
+    };
+
+    // A stream attached for longer than expire_after_idle keeps it.
+    let consumer = Consumer::open(&gateway, "reader", 0).await;
+    tokio::time::sleep(Duration::from_secs(14)).await;
+    assert_eq!(names().await, ["durable", "reader"]);
+
+    drop(consumer);
+    eventually(
+        "the unused subscription is deleted",
+        Duration::from_secs(60),
+        || async { names().await == ["durable"] },
+    )
+    .await;
+}

@@ -584,3 +584,93 @@ async fn a_shutdown_past_its_grace_period_ends_once_a_blocked_publish_is_release
     assert!(stopped.is_ok(), "{stopped:?}");
     call.abort();
 }
+
+/// The Publish RPC and `outbox_publish()` judge a re-published event alike: trace
+/// context alone never makes it a conflict, any other metadata does.
+#[tokio::test]
+async fn rpc_and_sql_agree_on_duplicates_and_conflicts() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let pool = database.pool().await;
+    let trace_a = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let trace_b = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let metadata = |entries: &[(&str, &str)]| -> HashMap<String, String> {
+        entries
+            .iter()
+            .map(|(key, value)| (key.to_string(), value.to_string()))
+            .collect()
+    };
+    // (stored metadata, re-published metadata, is a duplicate)
+    let cases = [
+        (
+            metadata(&[("tenant", "acme"), ("traceparent", trace_a)]),
+            metadata(&[("tenant", "acme"), ("traceparent", trace_b)]),
+            true,
+        ),
+        (
+            metadata(&[("traceparent", trace_a), ("tracestate", "a=1")]),
+            metadata(&[("traceparent", trace_a), ("tracestate", "b=2")]),
+            true,
+        ),
+        (
+            metadata(&[("tenant", "acme")]),
+            metadata(&[
+                ("tenant", "acme"),
+                ("traceparent", trace_b),
+                ("tracestate", "b=2"),
+            ]),
+            true,
+        ),
+        (
+            metadata(&[("tenant", "acme"), ("traceparent", trace_a)]),
+            metadata(&[("tenant", "other"), ("traceparent", trace_a)]),
+            false,
+        ),
+    ];
+    for (number, (stored, republished, duplicate)) in cases.into_iter().enumerate() {
+        let event_with = |id: &str, metadata: HashMap<String, String>| proto::EventInput {
+            id: id.to_owned(),
+            metadata,
+            ..event("o-1", "order.created")
+        };
+        let rpc_id = uuid::Uuid::new_v4().to_string();
+        publish(&gateway, vec![event_with(&rpc_id, stored.clone())]).await;
+        let rpc = gateway
+            .publisher()
+            .await
+            .publish(PublishRequest {
+                events: vec![event_with(&rpc_id, republished.clone())],
+                ..Default::default()
+            })
+            .await;
+        match (duplicate, rpc) {
+            (true, Ok(response)) => assert!(
+                response.into_inner().results[0].duplicate,
+                "case {number}: the RPC calls it a duplicate"
+            ),
+            (false, Err(status)) => assert_eq!(status.code(), Code::AlreadyExists, "case {number}"),
+            (_, outcome) => panic!("case {number}: the RPC answered {outcome:?}"),
+        }
+
+        let sql_id = uuid::Uuid::new_v4();
+        let sql_publish = |metadata: HashMap<String, String>| {
+            sqlx::query(
+                "SELECT outbox_publish('order', 'o-1', 'order.created', '{}'::jsonb, $1, $2)",
+            )
+            .bind(sqlx::types::Json(metadata))
+            .bind(sql_id)
+            .execute(&pool)
+        };
+        sql_publish(stored).await.unwrap();
+        let sql = sql_publish(republished).await;
+        match (duplicate, sql) {
+            (true, Ok(_)) => {}
+            (false, Err(error)) => assert_eq!(
+                error.as_database_error().and_then(|e| e.code()).as_deref(),
+                Some("23505"),
+                "case {number}"
+            ),
+            (_, outcome) => panic!("case {number}: outbox_publish answered {outcome:?}"),
+        }
+    }
+}

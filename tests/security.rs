@@ -539,3 +539,103 @@ async fn viewers_may_read_the_admin_figures_and_change_nothing() {
         "publisher role",
     );
 }
+
+/// grpcurl and health probes work before a token is at hand: reflection and health are
+/// open, the API is not.
+#[tokio::test]
+async fn reflection_and_health_need_no_token() {
+    use tonic_reflection::pb::v1::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![token("svc", vec![Role::Admin])];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut responses = ServerReflectionClient::new(gateway.channel().await)
+        .server_reflection_info(tokio_stream::iter(vec![ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        }]))
+        .await
+        .expect("reflection answers without a token")
+        .into_inner();
+    let answer = tokio_stream::StreamExt::next(&mut responses)
+        .await
+        .unwrap()
+        .expect("reflection answers without a token");
+    assert!(
+        matches!(
+            answer.message_response,
+            Some(MessageResponse::ListServicesResponse(_))
+        ),
+        "{answer:?}"
+    );
+    assert_eq!(
+        gateway.health().await,
+        Some(tonic_health::pb::health_check_response::ServingStatus::Serving)
+    );
+    let refused = gateway
+        .admin()
+        .await
+        .list_subscriptions(proto::ListSubscriptionsRequest {})
+        .await;
+    assert_status(refused, Code::Unauthenticated, "");
+}
+
+/// The CLI says which side of a TLS mismatch the user is on.
+#[tokio::test]
+async fn the_cli_names_tls_mismatches() {
+    let pki = pki();
+    let dir = std::env::temp_dir().join(format!("outbox-tls-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, pem: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        path
+    };
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    let ca = write("ca.pem", &pki.ca);
+    config.tls = Some(outbox_gateway::config::TlsFiles {
+        cert: write("server.pem", &pki.server_cert),
+        key: write("server.key", &pki.server_key),
+        client_ca: None,
+    });
+    let gateway = TestGateway::spawn(&database, config).await;
+    let port = gateway.address.port();
+    let cli = |endpoint: String, ca: Option<std::path::PathBuf>| async move {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+        command
+            .args(["health", "--timeout", "5s", "--endpoint", &endpoint])
+            .env(
+                "XDG_CONFIG_HOME",
+                std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+            )
+            .env_remove("OUTBOX_CONTEXT")
+            .env_remove("OUTBOX_CA");
+        if let Some(ca) = ca {
+            command.arg("--ca").arg(ca);
+        }
+        let output = command.output().await.unwrap();
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    // host:port with --ca means TLS.
+    let served = poll_until(Duration::from_secs(20), POLL, || {
+        let attempt = cli(format!("localhost:{port}"), Some(ca.clone()));
+        async move { attempt.await.0.then_some(()) }
+    })
+    .await;
+    assert!(served.is_some(), "served over TLS with --ca");
+    let (plain, stderr) = cli(format!("http://localhost:{port}"), None).await;
+    assert!(!plain && stderr.contains("use https://"), "{stderr}");
+    let (untrusted, stderr) = cli(format!("https://localhost:{port}"), None).await;
+    assert!(
+        !untrusted && stderr.contains("not trusted") && stderr.contains("--ca"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -32,11 +32,16 @@ impl AdminService for AdminApi {
         request: Request<proto::CreateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
         auth::principal(&request)?.check_admin()?;
-        let (name, settings, sources, start) =
-            convert::new_subscription(request.into_inner().subscription)?;
+        let convert::NewSubscription {
+            name,
+            settings,
+            sources,
+            start,
+            expire_after_idle,
+        } = convert::new_subscription(request.into_inner().subscription)?;
         let subscription = self
             .subscriptions
-            .create(name, settings, sources, start)
+            .create(name, settings, sources, start, expire_after_idle)
             .await?;
         Ok(Response::new(convert::subscription(subscription)))
     }

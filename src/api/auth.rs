@@ -1,6 +1,6 @@
 //! Authentication of every call: a tower layer that turns the `authorization` metadata
-//! into a [`Principal`] in the request extensions, or answers UNAUTHENTICATED. The
-//! health service stays open. Handlers authorize with [`principal`].
+//! into a [`Principal`] in the request extensions, or answers UNAUTHENTICATED. Health
+//! and reflection stay open. Handlers authorize with [`principal`].
 
 use std::{
     sync::Arc,
@@ -11,8 +11,14 @@ use tonic::{Request, Status};
 
 use crate::auth::{Authenticator, Principal};
 
-/// Paths served without credentials: orchestrators probe health unauthenticated.
-const OPEN_PREFIX: &str = "/grpc.health.v1.Health/";
+/// Paths served without credentials: orchestrators probe health unauthenticated, and
+/// tools such as grpcurl list and describe the API before a token is at hand. Reflection
+/// describes only the public API, which is published anyway.
+const OPEN_PREFIXES: [&str; 3] = [
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
 
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
@@ -64,7 +70,13 @@ where
     fn call(&mut self, mut request: http::Request<RequestBody>) -> Self::Future {
         let principal = match &self.authenticator {
             None => Ok(Principal::anonymous()),
-            Some(_) if request.uri().path().starts_with(OPEN_PREFIX) => Ok(Principal::anonymous()),
+            Some(_)
+                if OPEN_PREFIXES
+                    .iter()
+                    .any(|prefix| request.uri().path().starts_with(prefix)) =>
+            {
+                Ok(Principal::anonymous())
+            }
             Some(authenticator) => authenticator.authenticate(
                 request
                     .headers()

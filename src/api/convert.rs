@@ -121,14 +121,16 @@ pub(super) fn optional_source(field: &str, name: &str) -> Result<Option<SourceNa
 
 /// A new subscription from its message: name, settings (defaults for unset fields),
 /// sources and start position.
-pub(super) fn new_subscription(
-    message: Option<proto::Subscription>,
-) -> Result<(
-    SubscriptionName,
-    SubscriptionSettings,
-    Vec<SourceName>,
-    StartPosition,
-)> {
+/// A CreateSubscription request, parsed.
+pub(super) struct NewSubscription {
+    pub name: SubscriptionName,
+    pub settings: SubscriptionSettings,
+    pub sources: Vec<SourceName>,
+    pub start: StartPosition,
+    pub expire_after_idle: Option<Duration>,
+}
+
+pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<NewSubscription> {
     let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
     let name = subscription_name("subscription.name", &message.name)?;
     let defaults = SubscriptionSettings::default();
@@ -167,7 +169,15 @@ pub(super) fn new_subscription(
         .enumerate()
         .map(|(index, source)| SourceName::parse(&format!("subscription.sources[{index}]"), source))
         .collect::<Result<Vec<_>>>()?;
-    Ok((name, settings, sources, start))
+    let expire_after_idle =
+        optional_duration("subscription.expire_after_idle", message.expire_after_idle)?;
+    Ok(NewSubscription {
+        name,
+        settings,
+        sources,
+        start,
+        expire_after_idle,
+    })
 }
 
 pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
@@ -200,6 +210,7 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
         max_event_age: settings.max_event_age.map(duration_to_proto),
         dead_letter_expired: settings.dead_letter_expired,
         created_at: Some(datetime_to_timestamp(subscription.created_at)),
+        expire_after_idle: subscription.expire_after_idle.map(duration_to_proto),
         sources: subscription
             .sources
             .iter()
@@ -365,7 +376,7 @@ pub(super) fn subscription_patch(
                 patch.max_event_age = Some(optional_duration(&field(path), message.max_event_age)?);
             }
             "dead_letter_expired" => patch.dead_letter_expired = Some(message.dead_letter_expired),
-            "name" | "start" | "ordered" | "created_at" | "sources" => {
+            "name" | "start" | "ordered" | "created_at" | "sources" | "expire_after_idle" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),

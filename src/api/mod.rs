@@ -32,7 +32,8 @@ pub(crate) fn status_from(error: Error) -> Status {
         Error::Unauthenticated(message) => Status::unauthenticated(bounded(message)),
         Error::PermissionDenied(message) => Status::permission_denied(bounded(message)),
         Error::Unavailable(source) => {
-            tracing::warn!(error = %source, "database unavailable");
+            // The loss itself is logged once by the health monitor, not once per call.
+            tracing::debug!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")
         }
         Error::SourceUnavailable(source) => Status::unavailable(format!(

@@ -2,6 +2,7 @@
 //! gateway over gRPC. Every command prints readable text, or JSON with `--json`, and
 //! exits non-zero with one clear line on failure.
 
+pub mod context;
 mod render;
 
 use std::{collections::HashMap, io::BufRead, time::Duration};
@@ -18,14 +19,16 @@ use crate::proto;
 /// Where a client subcommand finds the gateway, and how it prints.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
-    /// The gateway's gRPC endpoint.
-    #[arg(
-        long,
-        env = "OUTBOX_ENDPOINT",
-        default_value = "http://127.0.0.1:50051",
-        global = true
-    )]
-    pub endpoint: String,
+    /// The gateway's gRPC endpoint: http://HOST:PORT, https://HOST:PORT, or HOST:PORT
+    /// (plain, or TLS when --ca or --cert is given). [default: the context's, else
+    /// http://127.0.0.1:50051]
+    #[arg(long, env = "OUTBOX_ENDPOINT", global = true)]
+    pub endpoint: Option<String>,
+    /// Saved connection to use (see `outbox-gateway context`); flags and environment
+    /// variables given as well win over its settings. Without it, the selected context
+    /// is used unless --endpoint names another gateway.
+    #[arg(long, env = "OUTBOX_CONTEXT", global = true)]
+    pub context: Option<String>,
     /// Give up on a call after this long (not applied to `tail` streams).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, global = true)]
     pub timeout: Duration,
@@ -46,21 +49,62 @@ pub struct Target {
     pub key: Option<std::path::PathBuf>,
 }
 
+/// The connection settings of a command: its flags and environment over its context.
+struct Resolved {
+    endpoint: String,
+    token: Option<String>,
+    ca: Option<std::path::PathBuf>,
+    cert: Option<std::path::PathBuf>,
+    key: Option<std::path::PathBuf>,
+}
+
+/// Where client commands look when neither a flag nor a context names a gateway.
+const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
+
 impl Target {
+    fn resolve(&self) -> Result<Resolved, String> {
+        let saved = match (&self.context, &self.endpoint) {
+            (Some(name), _) => context::chosen(Some(name))?,
+            // Another gateway than the selected context's: its token and files must not
+            // go there.
+            (None, Some(_)) => None,
+            (None, None) => context::chosen(None)?,
+        }
+        .unwrap_or_default();
+        // A client certificate comes with its key: both from the flags, or both saved.
+        let (cert, key) = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => (Some(cert.clone()), Some(key.clone())),
+            _ => (saved.cert, saved.key),
+        };
+        Ok(Resolved {
+            endpoint: self
+                .endpoint
+                .clone()
+                .or(saved.endpoint)
+                .unwrap_or_else(|| DEFAULT_ENDPOINT.to_owned()),
+            token: self.token.clone().or(saved.token),
+            ca: self.ca.clone().or(saved.ca),
+            cert,
+            key,
+        })
+    }
+
     /// Connects to the gateway; `per_call_timeout` applies --timeout to every call too
     /// (not to `tail`, whose stream lasts).
     async fn connect(&self, per_call_timeout: bool) -> Result<GatewayChannel, String> {
-        let mut connection = Connection::new(&self.endpoint).connect_timeout(self.timeout);
+        let resolved = self.resolve()?;
+        let endpoint = endpoint_url(&resolved);
+        let mut connection = Connection::new(&endpoint).connect_timeout(self.timeout);
         if per_call_timeout {
             connection = connection.timeout(self.timeout);
         }
-        if let Some(token) = &self.token {
+        if let Some(token) = &resolved.token {
             connection = connection.token(token);
         }
-        if let Some(ca) = &self.ca {
+        if let Some(ca) = &resolved.ca {
             connection = connection.ca_certificate(ca);
         }
-        if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
+        if let (Some(cert), Some(key)) = (&resolved.cert, &resolved.key) {
             connection = connection.identity(cert, key);
         }
         connection.connect().await.map_err(|error| match error {
@@ -68,9 +112,13 @@ impl Target {
                 format!("invalid --endpoint {endpoint:?}: {reason}")
             }
             ClientError::InvalidToken => "--token must be printable ASCII".to_owned(),
-            ClientError::ReadFile { .. } | ClientError::Tls(_) | ClientError::Connect { .. } => {
-                error.to_string()
+            ClientError::Connect { endpoint, source } => {
+                format!(
+                    "cannot reach the gateway at {endpoint}: {}",
+                    explain_connect_failure(&source, &endpoint, self.timeout)
+                )
             }
+            ClientError::ReadFile { .. } | ClientError::Tls(_) => error.to_string(),
             ClientError::Refused(status) | ClientError::Unavailable(status) => describe(status),
         })
     }
@@ -85,8 +133,130 @@ impl Target {
     }
 }
 
+/// The endpoint as a URL: `host:port` alone (as grpcurl takes it) means http://, or
+/// https:// when a CA or client certificate is given.
+fn endpoint_url(resolved: &Resolved) -> String {
+    if resolved.endpoint.contains("://") {
+        return resolved.endpoint.clone();
+    }
+    let scheme = if resolved.ca.is_some() || resolved.cert.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    format!("{scheme}://{}", resolved.endpoint)
+}
+
+/// Says in a few words why a connection failed, from the transport error's causes.
+fn explain_connect_failure(
+    error: &(dyn std::error::Error + 'static),
+    endpoint: &str,
+    timeout: Duration,
+) -> String {
+    let mut causes = Vec::new();
+    let mut io_kind = None;
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = cause {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            io_kind.get_or_insert(io.kind());
+        }
+        causes.push(error.to_string());
+        cause = error.source();
+    }
+    let said = |needle: &str| {
+        causes
+            .iter()
+            .any(|text| text.to_lowercase().contains(needle))
+    };
+    let tls = endpoint.starts_with("https://");
+    if said("dns error") || said("failed to lookup address") || said("name or service not known") {
+        return "the host name was not found".into();
+    }
+    match io_kind {
+        Some(std::io::ErrorKind::ConnectionRefused) => {
+            return "connection refused: is the gateway running and listening on that port?".into();
+        }
+        Some(std::io::ErrorKind::TimedOut) => {
+            return format!(
+                "no answer within {} (--timeout)",
+                humantime::format_duration(timeout)
+            );
+        }
+        _ => {}
+    }
+    if said("timed out") || said("deadline") {
+        return format!(
+            "no answer within {} (--timeout)",
+            humantime::format_duration(timeout)
+        );
+    }
+    if tls && (said("invalidcontenttype") || said("corrupt message") || said("invalid content")) {
+        return "the gateway does not speak TLS there: use http:// in --endpoint".into();
+    }
+    if tls && (said("certificate") || said("unknownissuer")) {
+        return format!(
+            "its TLS certificate is not trusted ({}): pass the CA that signed it with --ca",
+            causes.last().cloned().unwrap_or_default()
+        );
+    }
+    if !tls {
+        return format!(
+            "the connection failed during the HTTP/2 handshake ({}); if the gateway serves TLS, use https:// in --endpoint (and --ca)",
+            causes.last().cloned().unwrap_or_default()
+        );
+    }
+    causes
+        .last()
+        .cloned()
+        .unwrap_or_else(|| "unknown error".into())
+}
+
+/// Asks on the terminal before a destructive step described by `what`; refuses when
+/// there is no terminal to ask (scripts pass --yes).
+fn confirm(what: &str) -> Result<(), String> {
+    use std::io::{IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        return Err(format!(
+            "this would {what}; pass --yes to confirm when not at a terminal"
+        ));
+    }
+    eprint!("This will {what}. Continue? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .read_line(&mut answer)
+        .map_err(|error| format!("cannot read the answer: {error}"))?;
+    match answer.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" => Ok(()),
+        _ => Err("cancelled; nothing was changed".into()),
+    }
+}
+
+/// "1 dead letter", "2 dead letters".
+fn count(number: u64, noun: &str) -> String {
+    match (number, noun.strip_suffix('y')) {
+        (1, _) => format!("1 {noun}"),
+        (_, Some(stem)) => format!("{number} {stem}ies"),
+        _ => format!("{number} {noun}s"),
+    }
+}
+
 /// One line for a refused call: the status code and the gateway's message.
 fn describe(status: Status) -> String {
+    // The client's own timer, not the gateway, ended the call.
+    if status.message() == "Timeout expired" {
+        return "no answer from the gateway within --timeout".into();
+    }
+    // What a plain HTTP/2 client sees of a server that expects TLS: the server hangs up.
+    let hung_up = status.message().contains("h2 protocol error")
+        || (status.code() == Code::Unknown && status.message() == "transport error")
+        || (status.code() == Code::Cancelled && status.message() == "operation was canceled");
+    if hung_up {
+        return format!(
+            "the gateway hung up ({}): if it serves TLS, use https:// in --endpoint (and --ca)",
+            status.message()
+        );
+    }
     match status.code() {
         Code::Unavailable => format!("gateway unavailable: {}", status.message()),
         code => format!("{}: {}", code_name(code), status.message()),
@@ -162,6 +332,14 @@ pub enum ClientCommand {
     Sources {
         #[command(flatten)]
         target: Target,
+    },
+    /// Take up to --max deliveries of a subscription, print them, and settle them:
+    /// --ack, --nack (retry later) or --dead-letter; without one they go back at once.
+    Pull {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        args: PullArgs,
     },
     /// Ask the gateway whether it is healthy (exit 0 when SERVING).
     Health {
@@ -254,6 +432,7 @@ impl SubscriptionSettingsArgs {
 pub enum SubscriptionCommand {
     /// Create a subscription.
     Create {
+        /// Name: lowercase letters, digits, '.', '_' and '-' (e.g. billing.orders).
         name: String,
         #[command(flatten)]
         settings: SubscriptionSettingsArgs,
@@ -263,21 +442,28 @@ pub enum SubscriptionCommand {
         /// Deliver the events of one aggregate one at a time, in order.
         #[arg(long)]
         ordered: bool,
+        /// Have the gateway delete it once no stream has read it for this long (at
+        /// least 10s), e.g. 1h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        expire_after_idle: Option<Duration>,
     },
     /// List all subscriptions.
     List,
     /// Show one subscription.
-    Get { name: String },
+    Get {
+        /// The subscription.
+        name: String,
+    },
     /// Change the given settings of a subscription (the others stay).
     Update {
+        /// The subscription.
         name: String,
         #[command(flatten)]
         settings: SubscriptionSettingsArgs,
     },
-    /// Delete a subscription with its delivery records and dead letters.
-    Delete { name: String },
     /// Stop handing out new deliveries (acks of those already out still apply).
     Pause {
+        /// The subscription.
         name: String,
         /// Resume by itself then: an RFC 3339 time, or a duration from now ("30m").
         #[arg(long, value_parser = parse_until)]
@@ -287,13 +473,28 @@ pub enum SubscriptionCommand {
         reason: String,
     },
     /// Hand out deliveries again after a pause.
-    Resume { name: String },
+    Resume {
+        /// The subscription.
+        name: String,
+    },
+    /// Delete a subscription with its delivery records and dead letters (asks first).
+    Delete {
+        /// The subscription.
+        name: String,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
+    },
     /// Replay from a time or the earliest event, or skip ahead to now.
     Seek {
+        /// The subscription.
         name: String,
-        /// latest, earliest, or an RFC 3339 time.
+        /// latest, earliest (asks first: replays everything stored), or an RFC 3339 time.
         #[arg(long, value_parser = parse_position)]
         to: proto::StartPosition,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
 }
 
@@ -301,6 +502,7 @@ pub enum SubscriptionCommand {
 pub enum DeadLetterCommand {
     /// List dead letters, oldest first.
     List {
+        /// The subscription.
         subscription: String,
         /// Only events matching this pattern; repeatable.
         #[arg(long = "event-type")]
@@ -321,6 +523,7 @@ pub enum DeadLetterCommand {
     },
     /// Send dead letters back for delivery, attempts reset.
     Requeue {
+        /// The subscription.
         subscription: String,
         /// Event id; repeatable.
         #[arg(long = "id")]
@@ -331,17 +534,22 @@ pub enum DeadLetterCommand {
         /// Only dead letters dead-lettered before this RFC 3339 time.
         #[arg(long, value_parser = parse_time)]
         before: Option<prost_types::Timestamp>,
-        /// Requeue every unresolved dead letter.
+        /// Requeue every unresolved dead letter (asks first).
         #[arg(long)]
         all: bool,
         /// Only this source database (`default`, or a `[[sources]]` name); every source
         /// when omitted.
         #[arg(long, default_value = "")]
         source: String,
+        /// Do not ask for confirmation (for scripts).
+        #[arg(long, short = 'y')]
+        yes: bool,
     },
     /// Mark a dead letter handled without redelivering it.
     Resolve {
+        /// The subscription.
         subscription: String,
+        /// The dead letter's event id.
         id: String,
         /// Who handled it.
         #[arg(long = "by")]
@@ -364,10 +572,13 @@ pub struct RequeueArgs {
     /// Requeue the latest event of --aggregate-type/--aggregate-id with --event-type.
     #[arg(long, requires_all = ["aggregate_type", "aggregate_id", "event_type"])]
     latest: bool,
+    /// Aggregate type of the event (with --latest).
     #[arg(long)]
     aggregate_type: Option<String>,
+    /// Aggregate id of the event (with --latest).
     #[arg(long)]
     aggregate_id: Option<String>,
+    /// Event type of the event (with --latest).
     #[arg(long)]
     event_type: Option<String>,
     /// Only for this subscription (default: every matching one).
@@ -385,11 +596,18 @@ pub struct PublishArgs {
     /// `expires_at` RFC 3339 times.
     #[arg(long, conflicts_with_all = ["aggregate_type", "aggregate_id", "event_type"])]
     stdin: bool,
-    #[arg(long, required_unless_present = "stdin")]
+    /// Most events per Publish call with --stdin (the gateway's limit is
+    /// --max-batch-events, 1000 by default); calls also stay under 4 MiB.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: u32,
+    /// Aggregate type, e.g. order (required without --stdin).
+    #[arg(long)]
     aggregate_type: Option<String>,
-    #[arg(long, required_unless_present = "stdin")]
+    /// Aggregate id, e.g. o-42 (required without --stdin).
+    #[arg(long)]
     aggregate_id: Option<String>,
-    #[arg(long, required_unless_present = "stdin")]
+    /// Event type, e.g. order.created (required without --stdin).
+    #[arg(long)]
     event_type: Option<String>,
     /// JSON payload.
     #[arg(long, default_value = "{}")]
@@ -397,6 +615,7 @@ pub struct PublishArgs {
     /// Event id (UUID); generated when omitted.
     #[arg(long)]
     id: Option<String>,
+    /// Version of the aggregate this event brings it to (optional).
     #[arg(long)]
     aggregate_version: Option<i64>,
     /// Metadata entry KEY=VALUE; repeatable.
@@ -466,9 +685,38 @@ fn from_now(
 }
 
 #[derive(Debug, clap::Args)]
+pub struct PullArgs {
+    /// Subscription to pull from.
+    subscription: String,
+    /// Most deliveries to take (1 to 1000).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    max: u32,
+    /// How long to wait for the first delivery.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    wait: Duration,
+    /// Acknowledge what was pulled: done, never delivered again.
+    #[arg(long, group = "settlement")]
+    ack: bool,
+    /// Give what was pulled back for a retry (after the subscription's backoff, or
+    /// --retry-after).
+    #[arg(long, group = "settlement")]
+    nack: bool,
+    /// With --nack: retry after this long instead of the subscription's backoff.
+    #[arg(long, requires = "nack", value_parser = humantime::parse_duration)]
+    retry_after: Option<Duration>,
+    /// Send what was pulled to the dead-letter queue now; needs --reason.
+    #[arg(long, group = "settlement", requires = "reason")]
+    dead_letter: bool,
+    /// Why (recorded as the delivery's last error) with --nack or --dead-letter.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct TailArgs {
     /// Subscription to read. Without it, an ephemeral subscription is created from the
-    /// filter flags and deleted on exit.
+    /// filter flags and deleted on exit (should tail be killed outright, the gateway
+    /// deletes it after 5 minutes without a reader).
     subscription: Option<String>,
     /// Do not ack: deliveries go back at their ack deadline.
     #[arg(long)]
@@ -552,6 +800,7 @@ pub async fn run(command: ClientCommand) -> Result<(), String> {
         ClientCommand::Publish { target, args } => publish(&target, args).await,
         ClientCommand::Tail { target, args } => tail(&target, args).await,
         ClientCommand::Sources { target } => sources(&target).await,
+        ClientCommand::Pull { target, args } => pull(&target, args).await,
         ClientCommand::Health { target } => health(&target).await,
     }
 }
@@ -575,12 +824,7 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
     let mut admin = target.connect(true).await?.admin();
     let show = |subscription: proto::Subscription| {
         let value = render::subscription(&subscription);
-        target.print(value.clone(), || {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&value).unwrap_or_default()
-            )
-        });
+        target.print(value, || render::subscription_text(&subscription));
     };
     match command {
         SubscriptionCommand::Create {
@@ -588,10 +832,13 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
             settings,
             start,
             ordered,
+            expire_after_idle,
         } => {
             let subscription = proto::Subscription {
                 start: Some(start),
                 ordered,
+                expire_after_idle: expire_after_idle
+                    .and_then(|idle| prost_types::Duration::try_from(idle).ok()),
                 ..settings.into_subscription(name)
             };
             let created = admin
@@ -660,7 +907,23 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .map_err(describe)?;
             show(updated.into_inner());
         }
-        SubscriptionCommand::Delete { name } => {
+        SubscriptionCommand::Delete { name, yes } => {
+            if !yes {
+                let stats = admin
+                    .get_stats(proto::GetStatsRequest {
+                        subscription: name.clone(),
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner();
+                let figures = stats.subscriptions.first().cloned().unwrap_or_default();
+                confirm(&format!(
+                    "delete subscription {name}, dropping {} in flight, {} awaiting retry and {}",
+                    count(figures.in_flight, "delivery"),
+                    count(figures.awaiting_retry, "delivery"),
+                    count(figures.dead_lettered, "unresolved dead letter"),
+                ))?;
+            }
             admin
                 .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
                 .await
@@ -689,7 +952,25 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .map_err(describe)?;
             show(resumed.into_inner());
         }
-        SubscriptionCommand::Seek { name, to } => {
+        SubscriptionCommand::Seek { name, to, yes } => {
+            let earliest = to.position
+                == Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                ));
+            if earliest && !yes {
+                let stats = admin
+                    .get_stats(proto::GetStatsRequest {
+                        subscription: name.clone(),
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner();
+                let stored = stats.outbox.map_or(0, |outbox| outbox.events_stored);
+                confirm(&format!(
+                    "replay subscription {name} from the earliest stored event ({} stored; those matching its filters are delivered again)",
+                    count(stored, "event")
+                ))?;
+            }
             admin
                 .seek_subscription(proto::SeekSubscriptionRequest {
                     subscription: name.clone(),
@@ -787,10 +1068,33 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
             before,
             all,
             source,
+            yes,
         } => {
+            if ids.is_empty() && event_types.is_empty() && before.is_none() && !all {
+                return Err("choose dead letters with --id, --event-type or --before, or take every one with --all".into());
+            }
+            let asked_ids = ids.len() as u64;
+            if all && !yes {
+                let would = admin
+                    .requeue_dead_letters(proto::RequeueDeadLettersRequest {
+                        subscription: subscription.clone(),
+                        all: true,
+                        validate_only: true,
+                        source: source.clone(),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner()
+                    .requeued_count;
+                confirm(&format!(
+                    "requeue all {} of {subscription} for delivery",
+                    count(would, "unresolved dead letter")
+                ))?;
+            }
             let requeued = admin
                 .requeue_dead_letters(proto::RequeueDeadLettersRequest {
-                    subscription,
+                    subscription: subscription.clone(),
                     ids,
                     event_types,
                     dead_lettered_before: before,
@@ -802,8 +1106,15 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                 .map_err(describe)?
                 .into_inner()
                 .requeued_count;
+            let subscription_name = subscription;
+            if asked_ids > 0 && requeued < asked_ids {
+                return Err(format!(
+                    "requeued {} of {asked_ids}: the others are not unresolved dead letters of {subscription_name} (see `dlq list {subscription_name} --include-resolved`)",
+                    count(requeued, "dead letter")
+                ));
+            }
             target.print(json!({ "requeued_count": requeued }), || {
-                println!("requeued {requeued} dead letters")
+                println!("requeued {}", count(requeued, "dead letter"))
             });
         }
         DeadLetterCommand::Resolve {
@@ -856,7 +1167,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
     };
     let requeued = response.map_err(describe)?.into_inner().requeued_count;
     target.print(json!({ "requeued_count": requeued }), || {
-        println!("requeued on {requeued} subscriptions")
+        println!("requeued on {}", count(requeued, "subscription"))
     });
     Ok(())
 }
@@ -926,39 +1237,33 @@ fn line_time(
         .transpose()
 }
 
+/// Largest encoded size of one Publish call `publish --stdin` sends, well under the
+/// gateway's default 16 MiB message limit.
+const MAX_PUBLISH_CALL_BYTES: usize = 4 * 1024 * 1024;
+
 async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
+    use std::io::IsTerminal;
     let deliver_at = args.deliver_at()?;
     let events = if args.stdin {
-        let mut events = Vec::new();
-        for (number, line) in std::io::stdin().lock().lines().enumerate() {
-            let line = line.map_err(|error| format!("cannot read standard input: {error}"))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let event: EventLine = serde_json::from_str(&line)
-                .map_err(|error| format!("line {}: {error}", number + 1))?;
-            let line_deliver_at =
-                line_time(number + 1, "deliver_at", event.deliver_at.as_deref())?.or(deliver_at);
-            let line_expires_at =
-                match line_time(number + 1, "expires_at", event.expires_at.as_deref())? {
-                    Some(at) => Some(at),
-                    None => args.expires_at(line_deliver_at)?,
-                };
-            events.push(proto::EventInput {
-                id: event.id,
-                aggregate_type: event.aggregate_type,
-                aggregate_id: event.aggregate_id,
-                aggregate_version: event.aggregate_version,
-                event_type: event.event_type,
-                payload: event.payload.to_string().into_bytes(),
-                metadata: event.metadata,
-                deliver_at: line_deliver_at,
-                expires_at: line_expires_at,
-                ..Default::default()
-            });
-        }
-        events
+        read_event_lines(&args, deliver_at)?
     } else {
+        let missing: Vec<&str> = [
+            ("--aggregate-type", args.aggregate_type.is_none()),
+            ("--aggregate-id", args.aggregate_id.is_none()),
+            ("--event-type", args.event_type.is_none()),
+        ]
+        .into_iter()
+        .filter(|(_, missing)| *missing)
+        .map(|(flag, _)| flag)
+        .collect();
+        if !missing.is_empty() {
+            let hint = if std::io::stdin().is_terminal() {
+                ""
+            } else {
+                "; standard input is not a terminal: to publish the JSON lines piped into it, add --stdin"
+            };
+            return Err(format!("give {}{hint}", missing.join(", ")));
+        }
         serde_json::from_str::<Value>(&args.payload)
             .map_err(|error| format!("--payload is not JSON: {error}"))?;
         let expires_at = args.expires_at(deliver_at)?;
@@ -978,27 +1283,121 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     if events.is_empty() {
         return Err("no events to publish".into());
     }
+    let total = events.len();
+    let batches = batches(events, args.batch_size as usize, MAX_PUBLISH_CALL_BYTES);
+    let show_progress = batches.len() > 1;
+    let progress_on_terminal = std::io::stderr().is_terminal();
     let mut publisher = target.connect(true).await?.publisher();
-    let results = publisher
-        .publish(proto::PublishRequest {
-            events,
-            source: args.source,
-        })
-        .await
-        .map_err(describe)?
-        .into_inner()
-        .results;
-    for result in results {
-        let value = json!({ "id": result.id, "duplicate": result.duplicate });
-        target.print(value, || {
-            println!(
-                "{}{}",
-                result.id,
-                if result.duplicate { " (duplicate)" } else { "" }
-            )
-        });
+    let mut published = 0;
+    for batch in batches {
+        let size = batch.len();
+        let results = publisher
+            .publish(proto::PublishRequest {
+                events: batch,
+                source: args.source.clone(),
+            })
+            .await
+            .map_err(|status| {
+                let failed = describe(status);
+                if published == 0 {
+                    failed
+                } else {
+                    format!(
+                        "events {} to {}: {failed}; the {} before were published",
+                        published + 1,
+                        published + size,
+                        count(published as u64, "event")
+                    )
+                }
+            })?
+            .into_inner()
+            .results;
+        for result in results {
+            let value = json!({ "id": result.id, "duplicate": result.duplicate });
+            target.print(value, || {
+                println!(
+                    "{}{}",
+                    result.id,
+                    if result.duplicate { " (duplicate)" } else { "" }
+                )
+            });
+        }
+        published += size;
+        if show_progress {
+            if progress_on_terminal {
+                eprint!("\rpublished {published} of {total} events");
+                if published == total {
+                    eprintln!();
+                }
+            } else {
+                eprintln!("published {published} of {total} events");
+            }
+        }
     }
     Ok(())
+}
+
+/// Reads `publish --stdin`'s JSON lines.
+fn read_event_lines(
+    args: &PublishArgs,
+    deliver_at: Option<prost_types::Timestamp>,
+) -> Result<Vec<proto::EventInput>, String> {
+    let mut events = Vec::new();
+    for (number, line) in std::io::stdin().lock().lines().enumerate() {
+        let line = line.map_err(|error| format!("cannot read standard input: {error}"))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let event: EventLine =
+            serde_json::from_str(&line).map_err(|error| format!("line {}: {error}", number + 1))?;
+        let line_deliver_at =
+            line_time(number + 1, "deliver_at", event.deliver_at.as_deref())?.or(deliver_at);
+        let line_expires_at =
+            match line_time(number + 1, "expires_at", event.expires_at.as_deref())? {
+                Some(at) => Some(at),
+                None => args.expires_at(line_deliver_at)?,
+            };
+        events.push(proto::EventInput {
+            deliver_at: line_deliver_at,
+            expires_at: line_expires_at,
+            id: event.id,
+            aggregate_type: event.aggregate_type,
+            aggregate_id: event.aggregate_id,
+            aggregate_version: event.aggregate_version,
+            event_type: event.event_type,
+            payload: event.payload.to_string().into_bytes(),
+            metadata: event.metadata,
+            ..Default::default()
+        });
+    }
+    Ok(events)
+}
+
+/// Splits events into Publish calls of at most `max_events` events and, unless one
+/// event alone is larger, `max_bytes` encoded.
+fn batches(
+    events: Vec<proto::EventInput>,
+    max_events: usize,
+    max_bytes: usize,
+) -> Vec<Vec<proto::EventInput>> {
+    use prost::Message;
+    let mut batches = Vec::new();
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    for event in events {
+        // Field tag and length prefix of the repeated field: a few bytes more.
+        let size = event.encoded_len() + 8;
+        if !batch.is_empty() && (batch.len() == max_events || bytes + size > max_bytes) {
+            batches.push(std::mem::take(&mut batch));
+            bytes = 0;
+        }
+        bytes += size;
+        batch.push(event);
+    }
+    if !batch.is_empty() {
+        batches.push(batch);
+    }
+    batches
 }
 
 async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
@@ -1015,6 +1414,8 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
                         event_types: args.event_types,
                         aggregate_types: args.aggregate_types,
                         start: Some(args.from),
+                        expire_after_idle: prost_types::Duration::try_from(TAIL_EXPIRE_AFTER_IDLE)
+                            .ok(),
                         ..Default::default()
                     }),
                 })
@@ -1031,15 +1432,78 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
             .max(1),
         None => args.max_in_flight,
     };
-    let result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit).await;
-    if ephemeral {
-        let _ = admin
-            .delete_subscription(proto::DeleteSubscriptionRequest { name })
-            .await;
+    // Every way out (a signal, a closed pipe, the limit, an error) passes here, so an
+    // ephemeral subscription is always deleted.
+    let result = tokio::select! {
+        result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit) => result,
+        () = terminated() => Ok(()),
+    };
+    if ephemeral
+        && let Err(status) = admin
+            .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
+            .await
+    {
+        eprintln!(
+            "outbox-gateway: could not delete the ephemeral subscription {name} ({}); the gateway removes it once unused",
+            describe(status)
+        );
     }
     result
 }
 
+/// How long the ephemeral subscription of a `tail` that vanished without deleting it
+/// (killed with SIGKILL, its machine lost) outlives it: long enough to ride out a gateway
+/// restart while tail reconnects.
+const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
+
+/// Completes on SIGINT (Ctrl-C) or SIGTERM.
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Whether a call failed because the gateway stopped or the connection broke (a
+/// restart), rather than because the gateway refused it.
+fn gateway_went_away(status: &Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::Cancelled => true,
+        // Transport failures surface as UNKNOWN with the transport's words.
+        Code::Unknown => {
+            let message = status.message();
+            [
+                "h2 protocol error",
+                "transport error",
+                "connection",
+                "broken pipe",
+            ]
+            .iter()
+            .any(|words| message.contains(words))
+        }
+        _ => false,
+    }
+}
+
+/// Longest wait between attempts to reach a gateway that went away.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
+
+/// Prints deliveries as JSON lines (acking each unless `ack` is false) until `limit`,
+/// the end of the stream, or a closed standard output. A stream broken because the
+/// gateway went away (a restart) is opened again once it is back.
 async fn stream_deliveries(
     gateway: &GatewayChannel,
     subscription: &str,
@@ -1047,36 +1511,176 @@ async fn stream_deliveries(
     ack: bool,
     limit: Option<u64>,
 ) -> Result<(), String> {
+    use std::io::Write;
+    let mut subscriber = gateway.subscriber();
+    let mut seen = 0;
+    let mut reconnect_delay = Duration::from_millis(100);
+    let mut announced_loss = false;
+    while limit.is_none_or(|limit| seen < limit) {
+        let opened = subscriber
+            .subscribe(proto::SubscribeRequest {
+                subscription: subscription.to_owned(),
+                max_in_flight,
+                ..Default::default()
+            })
+            .await;
+        let mut stream = match opened {
+            Ok(stream) => stream.into_inner(),
+            Err(status) if gateway_went_away(&status) => {
+                if !announced_loss {
+                    eprintln!("outbox-gateway: lost the gateway; reconnecting");
+                    announced_loss = true;
+                }
+                tokio::time::sleep(reconnect_delay).await;
+                reconnect_delay = (reconnect_delay * 2).min(MAX_RECONNECT_DELAY);
+                continue;
+            }
+            Err(status) => return Err(describe(status)),
+        };
+        if announced_loss {
+            eprintln!("outbox-gateway: reconnected");
+            announced_loss = false;
+        }
+        reconnect_delay = Duration::from_millis(100);
+        while limit.is_none_or(|limit| seen < limit) {
+            let delivery = match stream.message().await {
+                Ok(Some(delivery)) => delivery,
+                Ok(None) => return Ok(()),
+                // The gateway stopped or the connection broke: open the stream again.
+                Err(status) if gateway_went_away(&status) => break,
+                Err(status) => return Err(describe(status)),
+            };
+            let mut stdout = std::io::stdout().lock();
+            let written =
+                writeln!(stdout, "{}", render::delivery(&delivery)).and_then(|()| stdout.flush());
+            match written {
+                Ok(()) => {}
+                // The reader went away (`tail | head -1`): a normal end, not an error.
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                Err(error) => return Err(format!("cannot write to standard output: {error}")),
+            }
+            drop(stdout);
+            seen += 1;
+            if ack {
+                let acked = subscriber
+                    .ack(proto::AckRequest {
+                        subscription: subscription.to_owned(),
+                        ack_ids: vec![delivery.ack_id],
+                    })
+                    .await;
+                match acked {
+                    Ok(_) => {}
+                    // Not applied: the delivery comes again once the gateway is back.
+                    Err(status) if gateway_went_away(&status) => break,
+                    Err(status) => return Err(describe(status)),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After the first delivery, how long `pull` waits for more before it settles.
+const PULL_LINGER: Duration = Duration::from_millis(300);
+
+/// Takes up to `--max` deliveries on a stream of its own, prints them and settles them
+/// before the stream closes (closing it gives unsettled deliveries back at once).
+async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
+    if args.reason.is_some() && !(args.nack || args.dead_letter) {
+        return Err("--reason goes with --nack or --dead-letter".into());
+    }
+    let gateway = target.connect(false).await?;
     let mut subscriber = gateway.subscriber();
     let mut stream = subscriber
         .subscribe(proto::SubscribeRequest {
-            subscription: subscription.to_owned(),
-            max_in_flight,
+            subscription: args.subscription.clone(),
+            max_in_flight: args.max,
             ..Default::default()
         })
         .await
         .map_err(describe)?
         .into_inner();
-    let mut seen = 0;
-    while limit.is_none_or(|limit| seen < limit) {
-        let delivery = tokio::select! {
-            message = stream.message() => match message.map_err(describe)? {
-                Some(delivery) => delivery,
-                None => return Ok(()),
-            },
-            _ = tokio::signal::ctrl_c() => return Ok(()),
-        };
-        println!("{}", render::delivery(&delivery));
-        if ack {
+    let mut deliveries = Vec::new();
+    let mut wait = args.wait;
+    while deliveries.len() < args.max as usize {
+        match tokio::time::timeout(wait, stream.message()).await {
+            Ok(Ok(Some(delivery))) => deliveries.push(delivery),
+            Ok(Ok(None)) | Err(_) => break,
+            Ok(Err(status)) => return Err(describe(status)),
+        }
+        wait = PULL_LINGER;
+    }
+    let settlement = if args.ack {
+        "acked"
+    } else if args.dead_letter {
+        "dead-lettered"
+    } else if args.nack {
+        "nacked"
+    } else {
+        "released"
+    };
+    let retry_after = args
+        .retry_after
+        .and_then(|delay| prost_types::Duration::try_from(delay).ok());
+    if args.ack && !deliveries.is_empty() {
+        let answer = subscriber
+            .ack(proto::AckRequest {
+                subscription: args.subscription.clone(),
+                ack_ids: deliveries.iter().map(|d| d.ack_id.clone()).collect(),
+            })
+            .await
+            .map_err(describe)?
+            .into_inner();
+        if !answer.stale_ack_ids.is_empty() || !answer.unavailable_ack_ids.is_empty() {
+            return Err(format!(
+                "{} not acked (lease lost or source unreachable): {}",
+                count(
+                    (answer.stale_ack_ids.len() + answer.unavailable_ack_ids.len()) as u64,
+                    "delivery"
+                ),
+                [answer.stale_ack_ids, answer.unavailable_ack_ids]
+                    .concat()
+                    .join(", ")
+            ));
+        }
+    }
+    if args.nack || args.dead_letter {
+        for delivery in &deliveries {
             subscriber
-                .ack(proto::AckRequest {
-                    subscription: subscription.to_owned(),
-                    ack_ids: vec![delivery.ack_id],
+                .nack(proto::NackRequest {
+                    subscription: args.subscription.clone(),
+                    ack_id: delivery.ack_id.clone(),
+                    reason: args.reason.clone().unwrap_or_default(),
+                    retry_after,
+                    dead_letter: args.dead_letter,
                 })
                 .await
                 .map_err(describe)?;
         }
-        seen += 1;
+    }
+    drop(stream);
+    for delivery in &deliveries {
+        let mut value = render::delivery(delivery);
+        value["settled"] = json!(settlement);
+        target.print(value, || {
+            let event = delivery.event.clone().unwrap_or_default();
+            println!(
+                "{}  {}  {}/{}  attempt {}  {}  {}",
+                event.id,
+                event.event_type,
+                event.aggregate_type,
+                event.aggregate_id,
+                delivery.attempt,
+                settlement,
+                String::from_utf8_lossy(&event.payload)
+            );
+        });
+    }
+    if deliveries.is_empty() && !target.json {
+        eprintln!(
+            "no deliveries within {}",
+            humantime::format_duration(args.wait)
+        );
     }
     Ok(())
 }
@@ -1089,7 +1693,7 @@ pub async fn health(target: &Target) -> Result<(), String> {
             service: String::new(),
         })
         .await
-        .map_err(|status| format!("health check failed: {}", status.message()))?;
+        .map_err(|status| format!("health check failed: {}", describe(status)))?;
     match ServingStatus::try_from(response.into_inner().status) {
         Ok(ServingStatus::Serving) => {
             target.print(json!({ "status": "SERVING" }), || println!("SERVING"));
@@ -1108,34 +1712,95 @@ pub enum TokenCommand {
         /// Name of the token holder, for the printed configuration snippet.
         #[arg(long, default_value = "my-service")]
         name: String,
+        /// Print JSON (token, name, sha256) instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Print the SHA-256 of a token read from standard input.
-    Hash,
+    Hash {
+        /// Print JSON ({"sha256": ...}) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn token(command: TokenCommand) -> Result<(), String> {
     match command {
-        TokenCommand::Generate { name } => {
+        TokenCommand::Generate { name, json } => {
             let token: String = (0..32)
                 .map(|_| format!("{:02x}", rand::random::<u8>()))
                 .collect();
+            let sha256 = crate::auth::token_digest(&token);
+            if json {
+                println!(
+                    "{}",
+                    json!({ "token": token, "name": name, "sha256": sha256 })
+                );
+                return Ok(());
+            }
             println!("token:  {token}");
             println!();
             println!("[[tokens]]");
             println!("name = {name:?}");
-            println!("sha256 = \"{}\"", crate::auth::token_digest(&token));
+            println!("sha256 = \"{sha256}\"");
             println!("roles = [\"publisher\", \"subscriber\"]");
         }
-        TokenCommand::Hash => {
+        TokenCommand::Hash { json } => {
             let mut token = String::new();
             std::io::stdin()
                 .read_line(&mut token)
                 .map_err(|error| format!("cannot read standard input: {error}"))?;
-            println!(
-                "{}",
-                crate::auth::token_digest(token.trim_end_matches(['\r', '\n']))
-            );
+            let sha256 = crate::auth::token_digest(token.trim_end_matches(['\r', '\n']));
+            if json {
+                println!("{}", json!({ "sha256": sha256 }));
+            } else {
+                println!("{sha256}");
+            }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_read_naturally() {
+        assert_eq!(count(1, "dead letter"), "1 dead letter");
+        assert_eq!(count(0, "dead letter"), "0 dead letters");
+        assert_eq!(count(2, "delivery"), "2 deliveries");
+        assert_eq!(count(1, "delivery"), "1 delivery");
+    }
+
+    #[test]
+    fn batches_respect_the_count_and_the_size() {
+        let event = |payload_bytes: usize| proto::EventInput {
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            event_type: "order.created".into(),
+            payload: vec![b'x'; payload_bytes],
+            ..Default::default()
+        };
+        let sizes = |batches: Vec<Vec<proto::EventInput>>| -> Vec<usize> {
+            batches.iter().map(Vec::len).collect()
+        };
+        assert_eq!(
+            sizes(batches(
+                (0..1500).map(|_| event(10)).collect(),
+                500,
+                1 << 20
+            )),
+            [500, 500, 500]
+        );
+        assert_eq!(
+            sizes(batches((0..5).map(|_| event(400)).collect(), 500, 1000)),
+            [2, 2, 1]
+        );
+        // One event larger than the limit still goes, alone.
+        assert_eq!(
+            sizes(batches(vec![event(5000), event(10)], 500, 1000)),
+            [1, 1]
+        );
+    }
 }

@@ -99,7 +99,86 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "pause_reason": subscription.pause_reason,
         "paused_at": timestamp(&subscription.paused_at),
         "paused_until": timestamp(&subscription.paused_until),
+        "expire_after_idle": subscription.expire_after_idle.as_ref().map(|_| duration(&subscription.expire_after_idle)),
     })
+}
+
+/// A subscription as `key: value` lines.
+pub fn subscription_text(subscription: &proto::Subscription) {
+    let list = |values: &[String]| {
+        if values.is_empty() {
+            "*".to_owned()
+        } else {
+            values.join(", ")
+        }
+    };
+    let mut metadata: Vec<String> = subscription
+        .metadata_match
+        .iter()
+        .map(|(key, value)| format!("{key}={value}"))
+        .collect();
+    metadata.sort();
+    let max_attempts = match subscription.max_attempts {
+        Some(0) => "0 (retries forever)".to_owned(),
+        Some(attempts) => attempts.to_string(),
+        None => "-".to_owned(),
+    };
+    let lines = [
+        ("name", subscription.name.clone()),
+        ("event types", list(&subscription.event_types)),
+        ("aggregate types", list(&subscription.aggregate_types)),
+        ("metadata match", list(&metadata)),
+        ("ack deadline", duration(&subscription.ack_deadline)),
+        ("max attempts", max_attempts),
+        (
+            "retry backoff",
+            format!(
+                "{} to {}",
+                duration(&subscription.retry_backoff_min),
+                duration(&subscription.retry_backoff_max)
+            ),
+        ),
+        (
+            "ordered",
+            if subscription.ordered { "yes" } else { "no" }.into(),
+        ),
+        (
+            "persistent event types",
+            if subscription.persistent_event_types.is_empty() {
+                "-".into()
+            } else {
+                subscription.persistent_event_types.join(", ")
+            },
+        ),
+        (
+            "sources",
+            if subscription.sources.is_empty() {
+                "all".into()
+            } else {
+                subscription.sources.join(", ")
+            },
+        ),
+        (
+            "expires",
+            match subscription.expire_after_idle {
+                Some(_) => format!(
+                    "after {} without a reader",
+                    duration(&subscription.expire_after_idle)
+                ),
+                None => "never".into(),
+            },
+        ),
+        (
+            "created at",
+            timestamp(&subscription.created_at)
+                .as_str()
+                .unwrap_or("-")
+                .to_owned(),
+        ),
+    ];
+    for (label, value) in lines {
+        println!("{:<23} {value}", format!("{label}:"));
+    }
 }
 
 pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
@@ -195,6 +274,19 @@ pub fn sources_table(sources: &[proto::Source]) {
 }
 
 /// Prints rows as left-aligned columns under a header.
+/// An age rounded to what a reader takes in at a glance: whole seconds beyond a minute,
+/// milliseconds below; `-` for none.
+fn age(duration: &Option<prost_types::Duration>) -> String {
+    match duration.and_then(|d| Duration::try_from(d).ok()) {
+        None => "-".into(),
+        Some(age) if age.is_zero() => "0s".into(),
+        Some(age) if age >= Duration::from_secs(60) => {
+            humantime::format_duration(Duration::from_secs(age.as_secs())).to_string()
+        }
+        Some(age) => humantime::format_duration(round_to_millis(age)).to_string(),
+    }
+}
+
 pub fn table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in rows {
@@ -228,7 +320,8 @@ pub fn stats_table(stats: &proto::Stats) {
                 s.awaiting_retry.to_string(),
                 s.dead_lettered.to_string(),
                 s.lag_events.to_string(),
-                duration(&s.lag),
+                age(&s.oldest_unacked_age),
+                age(&s.lag),
                 s.delivered_total.to_string(),
                 s.acked_total.to_string(),
             ]
@@ -242,7 +335,8 @@ pub fn stats_table(stats: &proto::Stats) {
             "RETRY",
             "DEAD",
             "LAG",
-            "LAG TIME",
+            "OLDEST UNACKED",
+            "BEHIND NEWEST",
             "DELIVERED",
             "ACKED",
         ],

@@ -618,7 +618,12 @@ async fn claim(
             known.seen_events = None;
             known.due_pending = true;
             drop(state);
-            tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+            // A lost connection is logged once, by the health monitor.
+            if source.is_connected() && !error.is_unavailable() {
+                tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+            } else {
+                tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+            }
             return Claimed::Failed;
         }
     };

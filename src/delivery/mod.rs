@@ -31,7 +31,10 @@ use futures_util::future::join_all;
 pub use stream::DeliveryStream;
 
 use crate::{
-    domain::{AckId, MAX_BACKOFF, SourceId, Subscription, SubscriptionName, check_text},
+    domain::{
+        ATTACHED_HEARTBEAT, AckId, MAX_BACKOFF, SourceId, Subscription, SubscriptionName,
+        check_text,
+    },
     error::{Error, Result},
     metrics,
     sources::{Source, Sources},
@@ -162,6 +165,10 @@ impl Relay {
                 relay.inner.shutdown.clone(),
             );
         }
+        relay
+            .inner
+            .tasks
+            .spawn(record_attached_streams(relay.clone()));
         relay
     }
 
@@ -577,6 +584,15 @@ impl Relay {
             .collect()
     }
 
+    /// Subscriptions with at least one Subscribe stream open in this process.
+    pub fn attached_subscriptions(&self) -> Vec<i64> {
+        self.stream_counts()
+            .into_iter()
+            .filter(|(_, streams)| *streams > 0)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {
         self.inner
             .dispatchers
@@ -584,5 +600,26 @@ impl Relay {
             .expect("dispatchers lock")
             .get(&subscription_id)
             .cloned()
+    }
+}
+
+/// Records, every [`ATTACHED_HEARTBEAT`], which subscriptions have streams in this
+/// process, so that none of them is taken for unused and expired by any gateway.
+async fn record_attached_streams(relay: Relay) {
+    let mut beats = tokio::time::interval(ATTACHED_HEARTBEAT);
+    beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = beats.tick() => {}
+            () = relay.inner.shutdown.cancelled() => return,
+        }
+        let attached = relay.attached_subscriptions();
+        if attached.is_empty() {
+            continue;
+        }
+        let definitions = &relay.sources().default_source().store;
+        if let Err(error) = definitions.touch_attached(&attached).await {
+            tracing::debug!(%error, "cannot record the attached streams; retrying");
+        }
     }
 }

@@ -26,6 +26,7 @@ pub use operations::{
 pub use pattern::{EventTypePattern, PatternSet};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
-    MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES, MIN_ACK_DEADLINE, Pause,
-    StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,
+    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, StartPosition, Subscription, SubscriptionName,
+    SubscriptionSettings, check_expire_after_idle,
 };

@@ -201,6 +201,8 @@ pub struct Subscription {
     pub sources: Vec<SourceName>,
     /// Where it started, applied in each source as it begins reading it.
     pub start: StartPosition,
+    /// Deleted once no stream has been attached for this long; `None`: never.
+    pub expire_after_idle: Option<Duration>,
     pub created_at: DateTime<Utc>,
     /// Set while (or since) it was paused: as stored, possibly past its `until`; see
     /// [`Subscription::pause_in_force`].
@@ -239,6 +241,27 @@ impl Pause {
 
     pub fn in_force(&self, now: DateTime<Utc>) -> bool {
         self.until.is_none_or(|until| now < until)
+    }
+}
+
+/// Shortest `expire_after_idle`: well above how often gateways report the streams they
+/// hold ([`ATTACHED_HEARTBEAT`]), so an attached subscription is never taken for idle.
+pub const MIN_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(10);
+
+/// How often each gateway records that its streams are still attached.
+pub const ATTACHED_HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// Checks an `expire_after_idle` given at creation (`field` names it).
+pub fn check_expire_after_idle(field: &str, expire_after_idle: Option<Duration>) -> Result<()> {
+    match expire_after_idle {
+        Some(idle) if idle < MIN_EXPIRE_AFTER_IDLE => Err(Error::invalid(
+            field,
+            format!(
+                "must be at least {}",
+                humantime::format_duration(MIN_EXPIRE_AFTER_IDLE)
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 

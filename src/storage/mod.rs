@@ -9,7 +9,7 @@ macro_rules! subscription_columns {
         "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
          start_kind, start_time, created_at, paused_at, pause_reason, paused_until, \
-         max_event_age_ms, dead_letter_expired"
+         max_event_age_ms, dead_letter_expired, expire_after_idle_ms"
     };
 }
 
@@ -84,7 +84,7 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The database cannot be reached (down, restarting, connections exhausted).
-    #[error("cannot reach PostgreSQL: {0}")]
+    #[error("cannot reach PostgreSQL: {}", in_our_words(.0))]
     Unavailable(#[source] sqlx::Error),
     /// A unique constraint refused a row.
     #[error("unique constraint {constraint} violated")]
@@ -93,7 +93,7 @@ pub enum StoreError {
     /// such as an operator's own rule on the outbox table.
     #[error("check constraint {constraint} violated")]
     CheckViolation { constraint: String },
-    #[error("database error: {0}")]
+    #[error("database error: {}", in_our_words(.0))]
     Database(#[source] sqlx::Error),
     /// A stored value the gateway cannot read back, e.g. a pattern edited by hand.
     #[error("stored data is malformed: {0}")]
@@ -121,6 +121,27 @@ impl StoreError {
             StoreError::Shared(inner) => inner.check_violation(),
             _ => None,
         }
+    }
+}
+
+/// A driver error in the gateway's words: PostgreSQL's own message with its SQLSTATE,
+/// never the driver's decoration (such as the server's source line, "at line 938").
+fn in_our_words(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("{} (SQLSTATE {code})", db.message()),
+            None => db.message().to_owned(),
+        },
+        sqlx::Error::Io(io) => format!("connection failed: {io}"),
+        sqlx::Error::Tls(tls) => format!("TLS with the database failed: {tls}"),
+        sqlx::Error::Protocol(_) => {
+            "the connection broke off, or the server does not speak the PostgreSQL protocol".into()
+        }
+        sqlx::Error::PoolTimedOut => "no database connection became free in time".into(),
+        sqlx::Error::PoolClosed => "the connection pool is closed (shutting down)".into(),
+        sqlx::Error::WorkerCrashed => "the connection's worker stopped".into(),
+        sqlx::Error::Configuration(error) => format!("invalid connection settings: {error}"),
+        other => other.to_string(),
     }
 }
 

@@ -25,6 +25,7 @@ impl Store {
         settings: &SubscriptionSettings,
         sources: &[SourceName],
         start: StartPosition,
+        expire_after_idle: Option<Duration>,
         reads_here: bool,
     ) -> Result<Subscription> {
         let (start_kind, start_time) = start_columns(start);
@@ -33,8 +34,8 @@ impl Store {
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
-                 dead_letter_expired) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+                 dead_letter_expired, expire_after_idle_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -53,6 +54,7 @@ impl Store {
         .bind(start_time)
         .bind(settings.max_event_age.map(millis))
         .bind(settings.dead_letter_expired)
+        .bind(expire_after_idle.map(millis))
         .fetch_one(&mut *transaction)
         .await?;
         let subscription = subscription_from_row(&row)?;
@@ -96,6 +98,42 @@ impl Store {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(subscription_from_row).collect()
+    }
+
+    /// Records that streams are attached to these subscriptions now (only those that can
+    /// expire need it).
+    pub async fn touch_attached(&self, subscription_ids: &[i64]) -> Result<()> {
+        sqlx::query(
+            "UPDATE outbox_subscriptions SET last_attached_at = now() \
+             WHERE id = ANY ($1) AND expire_after_idle_ms IS NOT NULL",
+        )
+        .bind(subscription_ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Subscriptions with no stream attached anywhere for longer than their
+    /// `expire_after_idle`, leaving out `attached_here` (streams of this process not yet
+    /// recorded).
+    pub async fn idle_expired(&self, attached_here: &[i64]) -> Result<Vec<SubscriptionName>> {
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT name FROM outbox_subscriptions \
+             WHERE expire_after_idle_ms IS NOT NULL \
+               AND last_attached_at < now() - expire_after_idle_ms * interval '1 millisecond' \
+               AND NOT id = ANY ($1) \
+             ORDER BY name",
+        )
+        .bind(attached_here)
+        .fetch_all(&self.pool)
+        .await?;
+        names
+            .iter()
+            .map(|name| {
+                SubscriptionName::parse("name", name)
+                    .map_err(|error| StoreError::Corrupt(error.to_string()))
+            })
+            .collect()
     }
 
     /// Deletes a subscription's definition, and its read position and delivery records
@@ -341,6 +379,9 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         },
         sources,
         start,
+        expire_after_idle: row
+            .try_get::<Option<i64>, _>("expire_after_idle_ms")?
+            .map(|ms| Duration::from_millis(ms.max(0) as u64)),
         created_at: row.try_get("created_at")?,
         pause: row
             .try_get::<Option<DateTime<Utc>>, _>("paused_at")?

@@ -1,0 +1,206 @@
+//! What a new user meets when starting `outbox-gateway serve`: clear, bounded failures
+//! for a wrong database URL or a taken port, no secrets in help, host names accepted.
+
+mod common;
+
+use std::{process::Output, time::Duration};
+
+use common::*;
+use outbox_testkit::gateway;
+use tokio::{net::TcpListener, process::Command};
+
+/// Far above the 1 s connect bound the tests set; a hang would exceed it.
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn gateway_command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
+        .args(args)
+        .env_remove("RUST_LOG")
+        .env_remove("DATABASE_URL")
+        .kill_on_drop(true);
+    command
+}
+
+/// Runs the binary until it exits; fails the test when it outlives [`LIMIT`].
+async fn exit_of(mut command: Command) -> Output {
+    tokio::time::timeout(LIMIT, command.output())
+        .await
+        .expect("the gateway gives up instead of hanging")
+        .expect("the binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn free_address() -> String {
+    gateway::free_loopback_address()
+        .expect("a free loopback port")
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_url_that_is_not_postgresql_is_refused_before_connecting() {
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--database-url",
+        "mysql://root:hunter2@127.0.0.1:3306/outbox",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+    ]))
+    .await;
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+    let stderr = text(&output.stderr);
+    assert!(stderr.contains("--database-url"), "{stderr}");
+    assert!(stderr.contains("mysql://"), "{stderr}");
+    assert!(
+        !stderr.contains("hunter2"),
+        "the password is shown: {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_port_that_is_not_postgresql_fails_within_the_connect_timeout() {
+    // Accepts connections and never says a word, like a port of some other server.
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            connections.push(connection);
+        }
+    });
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--listen",
+        &free_address(),
+        "--database-url",
+        &format!("postgres://postgres:hunter2@127.0.0.1:{port}/outbox"),
+        "--db-connect-timeout",
+        "1s",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+    ]))
+    .await;
+    held.abort();
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("connecting to PostgreSQL"),
+        "says what it waits for: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("no answer from PostgreSQL at 127.0.0.1:{port}")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--db-connect-timeout"), "{stderr}");
+    assert!(
+        !stderr.contains("hunter2"),
+        "the password is shown: {stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_taken_metrics_port_is_fatal() {
+    let database = TestDatabase::create().await;
+    let taken = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics = taken.local_addr().unwrap().to_string();
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--listen",
+        &free_address(),
+        "--database-url",
+        &database.url(),
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        &metrics,
+    ]))
+    .await;
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot serve metrics on {metrics}")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--metrics-listen off"), "{stderr}");
+}
+
+#[tokio::test]
+async fn help_never_shows_the_database_password() {
+    let output = exit_of({
+        let mut command = gateway_command(&["serve", "--help"]);
+        command.env("DATABASE_URL", "postgres://app:hunter2@db.internal/outbox");
+        command
+    })
+    .await;
+    let help = text(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert!(help.contains("--database-url"), "{help}");
+    assert!(!help.contains("hunter2"), "the password is shown: {help}");
+}
+
+#[tokio::test]
+async fn host_names_are_accepted_where_addresses_are() {
+    let database = TestDatabase::create().await;
+    let port = gateway::free_loopback_address().unwrap().port();
+    let metrics_port = gateway::free_loopback_address().unwrap().port();
+    let mut command = gateway_command(&[
+        "serve",
+        "--listen",
+        &format!("localhost:{port}"),
+        "--database-url",
+        &database.url(),
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        &format!("localhost:{metrics_port}"),
+    ]);
+    command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let serving =
+        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || true)
+            .await;
+    if serving.is_err() {
+        child.start_kill().unwrap();
+        let output = child.wait_with_output().await.unwrap();
+        panic!("not serving on localhost: {}", text(&output.stderr));
+    }
+    let scrape = reqwest::get(format!("http://localhost:{metrics_port}/metrics"))
+        .await
+        .expect("metrics on localhost");
+    assert_eq!(scrape.status(), reqwest::StatusCode::OK);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+}
+
+#[tokio::test]
+async fn database_errors_are_in_the_gateways_words() {
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--listen",
+        &free_address(),
+        "--database-url",
+        "postgres://no_such_role_for_outbox@127.0.0.1:5432/outbox",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+    ]))
+    .await;
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("does not exist (SQLSTATE 28000)"),
+        "PostgreSQL's message with its code: {stderr}"
+    );
+    assert!(!stderr.contains(" at line "), "driver noise: {stderr}");
+    assert!(!stderr.contains("error returned from database"), "{stderr}");
+}
