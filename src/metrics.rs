@@ -91,6 +91,19 @@ pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
         .record(elapsed.as_secs_f64());
 }
 
+/// One push request: `code` is the HTTP status, or `timeout`, `connect_error` or `error`
+/// when there was no answer.
+pub fn push_request(subscription: &str, code: &str, elapsed: Duration) {
+    counter!(
+        "outbox_push_requests_total",
+        "subscription" => subscription.to_owned(),
+        "code" => code.to_owned()
+    )
+    .increment(1);
+    histogram!("outbox_push_duration_seconds", "subscription" => subscription.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
 pub fn nacked(subscription: &str, source: &str) {
     counter!("outbox_nacks_total", &per_source(subscription, source)).increment(1);
 }

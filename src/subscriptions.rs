@@ -11,8 +11,8 @@ use std::collections::HashSet;
 use crate::{
     delivery::Relay,
     domain::{
-        SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
-        SubscriptionSettings,
+        AllowedHosts, PushSecret, SourceName, StartPosition, Subscription, SubscriptionName,
+        SubscriptionPatch, SubscriptionSettings,
     },
     error::{Error, Result},
     sources::Source,
@@ -22,11 +22,29 @@ use crate::{
 #[derive(Clone)]
 pub struct Subscriptions {
     relay: Relay,
+    /// Destinations push subscriptions may send to (`[push] allowed_hosts`).
+    push_hosts: AllowedHosts,
+}
+
+/// A subscription as a create or update left it.
+#[derive(Debug)]
+pub struct SubscriptionChange {
+    pub subscription: Subscription,
+    /// The signing key this change made (pushing was turned on): shown to the caller
+    /// once, never again.
+    pub new_secret: Option<PushSecret>,
 }
 
 impl Subscriptions {
-    pub fn new(relay: Relay) -> Self {
-        Subscriptions { relay }
+    pub fn new(relay: Relay, push_hosts: AllowedHosts) -> Self {
+        Subscriptions { relay, push_hosts }
+    }
+
+    fn check_push(&self, settings: &SubscriptionSettings) -> Result<()> {
+        match &settings.push {
+            Some(push) => self.push_hosts.check("subscription.push.endpoint", push),
+            None => Ok(()),
+        }
     }
 
     fn definitions(&self) -> &Store {
@@ -39,8 +57,11 @@ impl Subscriptions {
         settings: SubscriptionSettings,
         sources: Vec<SourceName>,
         start: StartPosition,
-    ) -> Result<Subscription> {
+    ) -> Result<SubscriptionChange> {
         settings.validate("subscription")?;
+        self.check_push(&settings)?;
+        let new_secret = settings.push.as_ref().map(|_| PushSecret::generate());
+        let secrets: Vec<PushSecret> = new_secret.iter().cloned().collect();
         for (index, source) in sources.iter().enumerate() {
             if self.relay.sources().by_name(source.as_str()).is_none() {
                 return Err(Error::invalid(
@@ -53,7 +74,7 @@ impl Subscriptions {
             sources.is_empty() || sources.contains(&self.relay.sources().default_source().name);
         let subscription = match self
             .definitions()
-            .create_subscription(&name, &settings, &sources, start, reads_default)
+            .create_subscription(&name, &settings, &sources, start, reads_default, &secrets)
             .await
         {
             Err(StoreError::UniqueViolation { .. }) => {
@@ -75,7 +96,13 @@ impl Subscriptions {
                 tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
             }
         }
-        Ok(subscription)
+        if subscription.settings.push.is_some() {
+            self.relay.subscription_changed(subscription.id);
+        }
+        Ok(SubscriptionChange {
+            subscription,
+            new_secret,
+        })
     }
 
     pub async fn get(&self, name: &SubscriptionName) -> Result<Subscription> {
@@ -87,21 +114,42 @@ impl Subscriptions {
     }
 
     /// Changes the settings the patch names; filters apply to events not yet handed out.
+    /// Setting `push` switches to push delivery (a pull subscription gets a new signing
+    /// key) and resumes a push that stopped; clearing it switches to pull.
     pub async fn update(
         &self,
         name: &SubscriptionName,
         patch: SubscriptionPatch,
-    ) -> Result<Subscription> {
+    ) -> Result<SubscriptionChange> {
         let mut subscription = self.get(name).await?;
+        let previous_push = subscription.settings.push.clone();
+        let push_named = patch.push.is_some();
         patch.apply(&mut subscription.settings);
         subscription.settings.validate("subscription")?;
+        let mut new_secret = None;
+        if push_named {
+            self.check_push(&subscription.settings)?;
+            subscription.push_stopped = None;
+            match (&mut subscription.settings.push, previous_push) {
+                (Some(push), Some(previous)) => push.keep_fingerprinted_headers(&previous),
+                (Some(_), None) => {
+                    let secret = PushSecret::generate();
+                    subscription.push_secrets = vec![secret.clone()];
+                    new_secret = Some(secret);
+                }
+                (None, _) => subscription.push_secrets.clear(),
+            }
+        }
         let updated = self
             .definitions()
             .update_subscription(&subscription)
             .await?
             .ok_or_else(|| not_found(name))?;
         self.relay.subscription_changed(updated.id);
-        Ok(updated)
+        Ok(SubscriptionChange {
+            subscription: updated,
+            new_secret,
+        })
     }
 
     /// Moves the subscription's read position in every source it reads (replay or skip

@@ -778,10 +778,12 @@ async fn figures_and_dead_letters_match_get_stats_and_list_dead_letters_exactly(
 }
 
 async fn cursors(pool: &sqlx::PgPool) -> Vec<(i64, i64)> {
-    sqlx::query_as("SELECT cursor_xact_id, cursor_position FROM outbox_cursors ORDER BY subscription_id")
-        .fetch_all(pool)
-        .await
-        .unwrap()
+    sqlx::query_as(
+        "SELECT cursor_xact_id, cursor_position FROM outbox_cursors ORDER BY subscription_id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 #[tokio::test]

@@ -34,11 +34,11 @@ impl AdminService for AdminApi {
         auth::principal(&request)?.check_admin()?;
         let (name, settings, sources, start) =
             convert::new_subscription(request.into_inner().subscription)?;
-        let subscription = self
+        let created = self
             .subscriptions
             .create(name, settings, sources, start)
             .await?;
-        Ok(Response::new(convert::subscription(subscription)))
+        Ok(Response::new(convert::changed_subscription(created)))
     }
 
     #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
@@ -86,8 +86,8 @@ impl AdminService for AdminApi {
         auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
-        let subscription = self.subscriptions.update(&name, patch).await?;
-        Ok(Response::new(convert::subscription(subscription)))
+        let updated = self.subscriptions.update(&name, patch).await?;
+        Ok(Response::new(convert::changed_subscription(updated)))
     }
 
     #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().subscription))]

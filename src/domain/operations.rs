@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{
-    Event, PatternSet, SourceName, SubscriptionName, SubscriptionSettings, check_text,
+    Event, PatternSet, PushConfig, SourceName, SubscriptionName, SubscriptionSettings, check_text,
     check_timestamp,
 };
 use crate::error::{Error, Result};
@@ -225,6 +225,8 @@ pub struct SubscriptionPatch {
     pub retry_backoff_min: Option<Duration>,
     pub retry_backoff_max: Option<Duration>,
     pub persistent_event_types: Option<PatternSet>,
+    /// `Some(None)` switches to pull.
+    pub push: Option<Option<PushConfig>>,
 }
 
 impl SubscriptionPatch {
@@ -242,7 +244,8 @@ impl SubscriptionPatch {
             max_attempts,
             retry_backoff_min,
             retry_backoff_max,
-            persistent_event_types
+            persistent_event_types,
+            push
         );
     }
 }

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use super::{
     input::{Echo, check_text, check_texts},
     pattern::PatternSet,
+    push::{PushConfig, PushSecret, PushStopped},
     source::SourceName,
 };
 use crate::error::{Error, Result};
@@ -84,6 +85,8 @@ pub struct SubscriptionSettings {
     pub retry_backoff_max: Duration,
     pub ordered: bool,
     pub persistent_event_types: PatternSet,
+    /// Push delivery to an HTTP endpoint; `None` for a pull subscription.
+    pub push: Option<PushConfig>,
 }
 
 impl Default for SubscriptionSettings {
@@ -98,6 +101,7 @@ impl Default for SubscriptionSettings {
             retry_backoff_max: Duration::from_secs(15 * 60),
             ordered: false,
             persistent_event_types: PatternSet::default(),
+            push: None,
         }
     }
 }
@@ -181,6 +185,10 @@ pub struct Subscription {
     /// Where it started, applied in each source as it begins reading it.
     pub start: StartPosition,
     pub created_at: DateTime<Utc>,
+    /// Signing keys of a push subscription, newest first.
+    pub push_secrets: Vec<PushSecret>,
+    /// Set when pushing stopped (410 Gone) until an administrator resumes it.
+    pub push_stopped: Option<PushStopped>,
 }
 
 impl Subscription {

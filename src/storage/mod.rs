@@ -8,7 +8,8 @@ macro_rules! subscription_columns {
     () => {
         "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
-         start_kind, start_time, created_at"
+         start_kind, start_time, created_at, push, push_secrets, push_stopped_at, \
+         push_stopped_reason"
     };
 }
 

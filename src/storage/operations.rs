@@ -235,7 +235,8 @@ impl Store {
         Ok(moved > 0)
     }
 
-    /// Stores a subscription's new settings (not its name, start or ordering).
+    /// Stores a subscription's new settings (not its name, start or ordering), push
+    /// settings, signing keys and stop included.
     pub async fn update_subscription(
         &self,
         subscription: &Subscription,
@@ -245,7 +246,8 @@ impl Store {
             "UPDATE outbox_subscriptions SET event_types = $2, aggregate_types = $3, \
                  metadata_match = $4, ack_deadline_ms = $5, max_attempts = $6, \
                  retry_backoff_min_ms = $7, retry_backoff_max_ms = $8, \
-                 persistent_event_types = $9, updated_at = now() \
+                 persistent_event_types = $9, push = $10, push_secrets = $11, \
+                 push_stopped_at = $12, push_stopped_reason = $13, updated_at = now() \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -258,6 +260,17 @@ impl Store {
         .bind(millis(settings.retry_backoff_min))
         .bind(millis(settings.retry_backoff_max))
         .bind(settings.persistent_event_types.to_strings())
+        .bind(super::subscriptions::stored_push(settings.push.as_ref()))
+        .bind(sqlx::types::Json(super::subscriptions::stored_secrets(
+            &subscription.push_secrets,
+        )))
+        .bind(subscription.push_stopped.as_ref().map(|stopped| stopped.at))
+        .bind(
+            subscription
+                .push_stopped
+                .as_ref()
+                .map(|stopped| stopped.reason.as_str()),
+        )
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()

@@ -11,7 +11,8 @@ use super::{
     deliveries::{LockMode, lock_subscription},
 };
 use crate::domain::{
-    PatternSet, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionSettings,
+    PatternSet, PushConfig, PushFormat, PushSecret, PushStopped, SourceName, StartPosition,
+    Subscription, SubscriptionName, SubscriptionSettings,
 };
 
 impl Store {
@@ -25,14 +26,15 @@ impl Store {
         sources: &[SourceName],
         start: StartPosition,
         reads_here: bool,
+        secrets: &[PushSecret],
     ) -> Result<Subscription> {
         let (start_kind, start_time) = start_columns(start);
         let mut transaction = self.pool.begin().await?;
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
-                 persistent_event_types, sources, start_kind, start_time) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+                 persistent_event_types, sources, start_kind, start_time, push, push_secrets) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -49,6 +51,8 @@ impl Store {
         .bind(source_names(sources))
         .bind(start_kind)
         .bind(start_time)
+        .bind(stored_push(settings.push.as_ref()))
+        .bind(Json(stored_secrets(secrets)))
         .fetch_one(&mut *transaction)
         .await?;
         let subscription = subscription_from_row(&row)?;
@@ -131,6 +135,41 @@ impl Store {
         delete_reading(&mut transaction, subscription_id).await?;
         transaction.commit().await?;
         Ok(())
+    }
+
+    /// Stops pushing for the subscription (its endpoint is gone) unless it already
+    /// stopped, or no longer pushes; true when this call stopped it.
+    pub async fn stop_push(&self, subscription_id: i64, reason: &str) -> Result<bool> {
+        let stopped = sqlx::query(
+            "UPDATE outbox_subscriptions SET push_stopped_at = now(), push_stopped_reason = $2, \
+                 updated_at = now() \
+             WHERE id = $1 AND push IS NOT NULL AND push_stopped_at IS NULL",
+        )
+        .bind(subscription_id)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(stopped > 0)
+    }
+
+    /// Replaces a push subscription's signing keys; the subscription as it is now, or
+    /// `None` when there is no push subscription of that name.
+    pub async fn set_push_secrets(
+        &self,
+        name: &SubscriptionName,
+        secrets: &[PushSecret],
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET push_secrets = $2, updated_at = now() \
+             WHERE name = $1 AND push IS NOT NULL RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .bind(Json(stored_secrets(secrets)))
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
     }
 
     /// The subscriptions that read this database (have a read position here).
@@ -286,9 +325,111 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             retry_backoff_max: duration(row, "retry_backoff_max_ms")?,
             ordered: row.try_get("ordered")?,
             persistent_event_types: patterns(row, "persistent_event_types")?,
+            push: row
+                .try_get::<Option<Json<StoredPush>>, _>("push")
+                .map_err(|error| StoreError::Corrupt(format!("push: {error}")))?
+                .map(|stored| stored.0.into_config())
+                .transpose()?,
         },
         sources,
         start,
         created_at: row.try_get("created_at")?,
+        push_secrets: row
+            .try_get::<Json<Vec<StoredSecret>>, _>("push_secrets")
+            .map_err(|error| StoreError::Corrupt(format!("push_secrets: {error}")))?
+            .0
+            .into_iter()
+            .map(StoredSecret::into_secret)
+            .collect::<Result<Vec<_>>>()?,
+        push_stopped: match row.try_get::<Option<DateTime<Utc>>, _>("push_stopped_at")? {
+            Some(at) => Some(PushStopped {
+                at,
+                reason: row
+                    .try_get::<Option<String>, _>("push_stopped_reason")?
+                    .unwrap_or_default(),
+            }),
+            None => None,
+        },
     })
+}
+
+/// Push settings as stored in the `push` column.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct StoredPush {
+    endpoint: String,
+    headers: BTreeMap<String, String>,
+    structured: bool,
+    timeout_ms: u64,
+    max_concurrency: u32,
+    rate_limit: Option<f64>,
+}
+
+impl From<&PushConfig> for StoredPush {
+    fn from(config: &PushConfig) -> Self {
+        StoredPush {
+            endpoint: config.endpoint.as_str().to_owned(),
+            headers: config.headers.clone(),
+            structured: config.format == PushFormat::Structured,
+            timeout_ms: u64::try_from(config.timeout.as_millis()).unwrap_or(u64::MAX),
+            max_concurrency: config.max_concurrency,
+            rate_limit: config.rate_limit,
+        }
+    }
+}
+
+impl StoredPush {
+    fn into_config(self) -> Result<PushConfig> {
+        Ok(PushConfig {
+            endpoint: self
+                .endpoint
+                .parse()
+                .map_err(|error| StoreError::Corrupt(format!("push.endpoint: {error}")))?,
+            headers: self.headers,
+            format: if self.structured {
+                PushFormat::Structured
+            } else {
+                PushFormat::Binary
+            },
+            timeout: Duration::from_millis(self.timeout_ms),
+            max_concurrency: self.max_concurrency,
+            rate_limit: self.rate_limit,
+        })
+    }
+}
+
+/// A signing key as stored in the `push_secrets` column.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct StoredSecret {
+    key: String,
+    /// Unix milliseconds.
+    expires_at_ms: Option<i64>,
+}
+
+impl StoredSecret {
+    fn into_secret(self) -> Result<PushSecret> {
+        use base64::Engine;
+        Ok(PushSecret {
+            key: base64::engine::general_purpose::STANDARD
+                .decode(&self.key)
+                .map_err(|error| StoreError::Corrupt(format!("push_secrets: {error}")))?,
+            expires_at: self
+                .expires_at_ms
+                .and_then(DateTime::<Utc>::from_timestamp_millis),
+        })
+    }
+}
+
+pub(super) fn stored_secrets(secrets: &[PushSecret]) -> Vec<StoredSecret> {
+    use base64::Engine;
+    secrets
+        .iter()
+        .map(|secret| StoredSecret {
+            key: base64::engine::general_purpose::STANDARD.encode(&secret.key),
+            expires_at_ms: secret.expires_at.map(|at| at.timestamp_millis()),
+        })
+        .collect()
+}
+
+pub(super) fn stored_push(config: Option<&PushConfig>) -> Option<Json<StoredPush>> {
+    config.map(StoredPush::from).map(Json)
 }

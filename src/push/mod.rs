@@ -1,0 +1,469 @@
+//! Push delivery: the gateway drains a push subscription itself and sends each event to
+//! the subscription's HTTP endpoint as a signed CloudEvent.
+//!
+//! A pusher is a consumer like any Subscribe stream: it takes deliveries from the relay
+//! with leases (so ordering per aggregate, retries, dead letters and sharing the work
+//! among gateway replicas are the relay's, unchanged) and settles each one by the
+//! endpoint's answer. The [`Pushers`] supervisor runs one pusher per push subscription
+//! in this process and restarts it when the definition changes.
+
+mod client;
+pub mod request;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use chrono::{DateTime, Utc};
+use futures_util::StreamExt;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use client::{PushClient, PushClientError};
+
+use crate::{
+    delivery::Relay,
+    domain::{AllowedHosts, Delivery, Subscription, SubscriptionName, SubscriptionSettings},
+    error::Error,
+    metrics,
+};
+
+/// Longest part of a refusing endpoint's body kept in the dead letter's error.
+const MAX_BODY_IN_ERROR: usize = 1024;
+/// Lease held beyond the request timeout, for settling after the answer.
+const SETTLE_MARGIN: Duration = Duration::from_secs(5);
+/// Wait before retrying to open a pusher's stream after a failure.
+const REOPEN_DELAY: Duration = Duration::from_secs(1);
+
+/// Push settings of the gateway (`[push]` in the configuration file).
+#[derive(Debug, Clone, Default)]
+pub struct PushSettings {
+    pub allowed_hosts: AllowedHosts,
+    /// PEM file of extra certificate authorities trusted for https endpoints.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// How often definitions are re-read when no change was announced here.
+    pub poll_interval: Duration,
+}
+
+/// What this process knows of a push subscription's requests.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PushStatus {
+    pub in_flight: u64,
+    /// HTTP status of the last answer (0: none yet, or the last request got no answer).
+    pub last_status: u16,
+    /// The last failure: a refusing status with its body, a timeout, a connection error.
+    pub last_error: Option<String>,
+    pub last_error_at: Option<DateTime<Utc>>,
+    pub requests_total: u64,
+}
+
+/// Push statuses of this process by subscription id; cheap to clone.
+#[derive(Clone, Default)]
+pub struct PushStatuses {
+    inner: Arc<Mutex<HashMap<i64, PushStatus>>>,
+}
+
+impl PushStatuses {
+    pub fn get(&self, subscription_id: i64) -> Option<PushStatus> {
+        self.inner
+            .lock()
+            .expect("push statuses lock")
+            .get(&subscription_id)
+            .cloned()
+    }
+
+    fn update(&self, subscription_id: i64, change: impl FnOnce(&mut PushStatus)) {
+        change(
+            self.inner
+                .lock()
+                .expect("push statuses lock")
+                .entry(subscription_id)
+                .or_default(),
+        );
+    }
+
+    fn forget(&self, subscription_id: i64) {
+        self.inner
+            .lock()
+            .expect("push statuses lock")
+            .remove(&subscription_id);
+    }
+}
+
+/// Runs this process's pushers.
+pub struct Pushers;
+
+impl Pushers {
+    /// Starts the supervisor as a relay task: it stops with the relay.
+    pub fn start(
+        relay: Relay,
+        settings: PushSettings,
+        statuses: PushStatuses,
+    ) -> Result<(), PushClientError> {
+        let client = Arc::new(PushClient::new(&settings)?);
+        relay
+            .clone()
+            .track(supervise(relay, client, settings, statuses));
+        Ok(())
+    }
+}
+
+/// A running pusher.
+struct Running {
+    settings: SubscriptionSettings,
+    /// Shared with the pusher, so a new signing key applies without a restart.
+    subscription: Arc<Mutex<Subscription>>,
+    stop: CancellationToken,
+}
+
+/// Keeps one pusher per push subscription that has not stopped.
+async fn supervise(
+    relay: Relay,
+    client: Arc<PushClient>,
+    settings: PushSettings,
+    statuses: PushStatuses,
+) {
+    let shutdown = relay.stopping();
+    let mut definitions = relay.watch_definitions();
+    let mut running: HashMap<i64, Running> = HashMap::new();
+    let mut pushers = JoinSet::new();
+    loop {
+        let store = &relay.sources().default_source().store;
+        match store.subscriptions().await {
+            Ok(subscriptions) => {
+                let wanted: HashMap<i64, Subscription> = subscriptions
+                    .into_iter()
+                    .filter(|subscription| {
+                        subscription.settings.push.is_some() && subscription.push_stopped.is_none()
+                    })
+                    .map(|subscription| (subscription.id, subscription))
+                    .collect();
+                running.retain(|id, pusher| {
+                    let keep = wanted
+                        .get(id)
+                        .is_some_and(|subscription| subscription.settings == pusher.settings);
+                    if !keep {
+                        pusher.stop.cancel();
+                        statuses.forget(*id);
+                    }
+                    keep
+                });
+                for (id, subscription) in wanted {
+                    if let Some(pusher) = running.get(&id) {
+                        *pusher.subscription.lock().expect("pusher lock") = subscription;
+                        continue;
+                    }
+                    let stop = shutdown.child_token();
+                    let shared = Arc::new(Mutex::new(subscription.clone()));
+                    running.insert(
+                        id,
+                        Running {
+                            settings: subscription.settings.clone(),
+                            subscription: shared.clone(),
+                            stop: stop.clone(),
+                        },
+                    );
+                    pushers.spawn(
+                        Pusher {
+                            relay: relay.clone(),
+                            client: client.clone(),
+                            allowed_hosts: settings.allowed_hosts.clone(),
+                            subscription: shared,
+                            statuses: statuses.clone(),
+                            stop,
+                        }
+                        .run(),
+                    );
+                }
+            }
+            Err(error) => tracing::debug!(%error, "cannot read push subscriptions"),
+        }
+        // Reap finished pushers (a stopped push ends its own).
+        while pushers.try_join_next().is_some() {}
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = definitions.changed() => {}
+            _ = tokio::time::sleep(settings.poll_interval) => {}
+        }
+    }
+    for pusher in running.values() {
+        pusher.stop.cancel();
+    }
+    while pushers.join_next().await.is_some() {}
+}
+
+/// Pushes one subscription's deliveries until stopped.
+struct Pusher {
+    relay: Relay,
+    client: Arc<PushClient>,
+    allowed_hosts: AllowedHosts,
+    subscription: Arc<Mutex<Subscription>>,
+    statuses: PushStatuses,
+    stop: CancellationToken,
+}
+
+/// What became of one request.
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    Ack,
+    /// Retry later: after `after`, or the subscription's backoff.
+    Retry {
+        reason: String,
+        after: Option<Duration>,
+    },
+    DeadLetter {
+        reason: String,
+    },
+    /// The endpoint is gone: stop pushing to it.
+    Gone,
+}
+
+impl Pusher {
+    fn snapshot(&self) -> Subscription {
+        self.subscription.lock().expect("pusher lock").clone()
+    }
+
+    async fn run(self) {
+        let subscription = self.snapshot();
+        let Some(push) = subscription.settings.push.clone() else {
+            return;
+        };
+        let name = subscription.name.clone();
+        if let Err(error) = self.allowed_hosts.check("push.endpoint", &push) {
+            // The operator narrowed allowed_hosts since the subscription was made.
+            tracing::warn!(subscription = %name, %error, "not pushing: the endpoint is not allowed");
+            self.statuses.update(subscription.id, |status| {
+                status.last_error = Some(error.to_string());
+                status.last_error_at = Some(Utc::now());
+            });
+            self.stop.cancelled().await;
+            return;
+        }
+        let mut stream = loop {
+            match self
+                .relay
+                .subscribe_for_push(&name, push.max_concurrency)
+                .await
+            {
+                Ok(stream) => break stream,
+                Err(Error::NotFound(_) | Error::ShuttingDown) => return,
+                Err(error) => {
+                    tracing::warn!(subscription = %name, %error, "cannot start pushing; retrying");
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(REOPEN_DELAY) => {}
+                    }
+                }
+            }
+        };
+        tracing::info!(subscription = %name, endpoint = %push.endpoint, "pushing");
+        let pause = push
+            .rate_limit
+            .map(|rate| Duration::from_secs_f64(1.0 / rate));
+        let mut next_start = Instant::now();
+        let mut requests = JoinSet::new();
+        let this = Arc::new(self);
+        loop {
+            let delivery = tokio::select! {
+                _ = this.stop.cancelled() => break,
+                item = stream.next() => match item {
+                    Some(Ok(delivery)) => delivery,
+                    Some(Err(error)) => {
+                        tracing::debug!(subscription = %name, %error, "push stream ended");
+                        break;
+                    }
+                    None => break,
+                },
+            };
+            if let Some(pause) = pause {
+                tokio::time::sleep_until(next_start.into()).await;
+                next_start = Instant::now().max(next_start) + pause;
+            }
+            requests.spawn(this.clone().push(delivery));
+            while requests.try_join_next().is_some() {}
+        }
+        // Settle what is in flight before the stream (and with it the leases) goes.
+        while requests.join_next().await.is_some() {}
+        drop(stream);
+        tracing::info!(subscription = %name, "stopped pushing");
+    }
+
+    /// Sends one delivery and settles it by the answer.
+    async fn push(self: Arc<Self>, delivery: Delivery) {
+        let subscription = self.snapshot();
+        let Some(push) = subscription.settings.push.as_ref() else {
+            return;
+        };
+        let name = &subscription.name;
+        let id = subscription.id;
+        self.statuses.update(id, |status| status.in_flight += 1);
+        // The request holds the lease for its whole timeout.
+        let needed = push.timeout + SETTLE_MARGIN;
+        if delivery.ack_deadline < Utc::now() + needed
+            && let Err(error) = self.relay.extend(name, &[delivery.ack_id], needed).await
+        {
+            tracing::debug!(subscription = %name, %error, "cannot extend a push lease");
+        }
+        let now = Utc::now();
+        let built = request::build(
+            &delivery.event,
+            push.format,
+            &push.headers,
+            &subscription.push_secrets,
+            now,
+        );
+        let started = Instant::now();
+        let answer = self.client.send(&push.endpoint, built, push.timeout).await;
+        let elapsed = started.elapsed();
+        let (code, verdict) = match answer {
+            Ok(answer) => (
+                answer.status.to_string(),
+                verdict(answer.status, answer.retry_after, &answer.body),
+            ),
+            Err(failure) => (
+                failure.code().to_owned(),
+                Verdict::Retry {
+                    reason: failure.to_string(),
+                    after: None,
+                },
+            ),
+        };
+        metrics::push_request(name.as_str(), &code, elapsed);
+        self.statuses.update(id, |status| {
+            status.in_flight = status.in_flight.saturating_sub(1);
+            status.requests_total += 1;
+            status.last_status = code.parse().unwrap_or(0);
+            match &verdict {
+                Verdict::Ack => {}
+                Verdict::Retry { reason, .. } | Verdict::DeadLetter { reason } => {
+                    status.last_error = Some(reason.clone());
+                    status.last_error_at = Some(Utc::now());
+                }
+                Verdict::Gone => {
+                    status.last_error = Some(GONE_REASON.into());
+                    status.last_error_at = Some(Utc::now());
+                }
+            }
+        });
+        self.settle(&subscription, name, delivery, verdict).await;
+    }
+
+    async fn settle(
+        &self,
+        subscription: &Subscription,
+        name: &SubscriptionName,
+        delivery: Delivery,
+        verdict: Verdict,
+    ) {
+        let ack_id = delivery.ack_id;
+        let settled = match verdict {
+            Verdict::Ack => self.relay.ack(name, &[ack_id]).await.map(|_| ()),
+            Verdict::Retry { reason, after } => {
+                let after = after.map(|after| after.min(subscription.settings.retry_backoff_max));
+                self.relay
+                    .nack(name, ack_id, &reason, after, false)
+                    .await
+                    .map(|_| ())
+            }
+            Verdict::DeadLetter { reason } => self
+                .relay
+                .nack(name, ack_id, &reason, None, true)
+                .await
+                .map(|_| ()),
+            Verdict::Gone => {
+                // The delivery stays unsettled: its lease goes back when the pusher
+                // stops, and it is pushed again once pushing resumes.
+                let store = &self.relay.sources().default_source().store;
+                match store.stop_push(subscription.id, GONE_REASON).await {
+                    Ok(_) => {
+                        tracing::warn!(subscription = %name, "the endpoint answered 410 Gone: pushing stopped");
+                        self.relay.subscription_changed(subscription.id);
+                        self.stop.cancel();
+                        Ok(())
+                    }
+                    Err(error) => Err(Error::from(error)),
+                }
+            }
+        };
+        if let Err(error) = settled {
+            tracing::warn!(subscription = %name, %error, "cannot settle a push delivery; its lease will expire and it is pushed again");
+        }
+    }
+}
+
+const GONE_REASON: &str = "the endpoint answered 410 Gone";
+
+/// The settlement an HTTP answer calls for.
+fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
+    let described = || {
+        let shown = &body[..body.len().min(MAX_BODY_IN_ERROR)];
+        let text: String = String::from_utf8_lossy(shown)
+            .chars()
+            .map(|c| if c == '\0' { '\u{fffd}' } else { c })
+            .collect();
+        let reason = http::StatusCode::from_u16(status)
+            .ok()
+            .and_then(|code| code.canonical_reason())
+            .unwrap_or("");
+        if text.is_empty() {
+            format!("HTTP {status} {reason}").trim_end().to_owned()
+        } else {
+            format!("HTTP {status} {reason}: {text}")
+        }
+    };
+    match status {
+        200..=299 => Verdict::Ack,
+        410 => Verdict::Gone,
+        429 | 503 => Verdict::Retry {
+            reason: described(),
+            after: retry_after,
+        },
+        408 | 425 | 500..=599 => Verdict::Retry {
+            reason: described(),
+            after: None,
+        },
+        300..=399 => Verdict::DeadLetter {
+            reason: format!("{} (redirects are not followed)", described()),
+        },
+        _ => Verdict::DeadLetter {
+            reason: described(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_map_to_settlements() {
+        assert_eq!(verdict(204, None, b""), Verdict::Ack);
+        assert_eq!(verdict(410, None, b""), Verdict::Gone);
+        assert_eq!(
+            verdict(429, Some(Duration::from_secs(2)), b""),
+            Verdict::Retry {
+                reason: "HTTP 429 Too Many Requests".into(),
+                after: Some(Duration::from_secs(2))
+            }
+        );
+        assert!(matches!(
+            verdict(502, None, b""),
+            Verdict::Retry { after: None, .. }
+        ));
+        assert!(matches!(verdict(408, None, b""), Verdict::Retry { .. }));
+        let long = vec![b'x'; 4000];
+        match verdict(400, None, &long) {
+            Verdict::DeadLetter { reason } => {
+                assert!(reason.starts_with("HTTP 400 Bad Request: xxx"));
+                assert_eq!(reason.len(), "HTTP 400 Bad Request: ".len() + 1024);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            verdict(301, None, b""),
+            Verdict::DeadLetter { .. }
+        ));
+    }
+}
