@@ -818,3 +818,87 @@ async fn update_switches_between_pull_and_push() {
     let deliveries = consumer.take(1, WAIT).await;
     assert_eq!(aggregate_of(&deliveries[0]), "o-3");
 }
+
+#[tokio::test]
+async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
+    let database = TestDatabase::create().await;
+    let receiver = Receiver::start().await;
+    // The first request is never answered in time: the gateway dies while it waits.
+    receiver.answer(|_, index| Reply {
+        delay: if index == 0 {
+            Duration::from_secs(60)
+        } else {
+            Duration::ZERO
+        },
+        ..Reply::status(204)
+    });
+    let config_file = std::env::temp_dir().join(format!("{}-push.toml", database.name()));
+    std::fs::write(&config_file, "[push]\nallowed_hosts = [\"127.0.0.1\"]\n").unwrap();
+    let address = outbox_testkit::gateway::free_loopback_address().unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["serve", "--listen", &address.to_string(), "--database-url"])
+        .arg(database.url())
+        .args([
+            "--console-listen",
+            "off",
+            "--metrics-listen",
+            "off",
+            "--config",
+        ])
+        .arg(&config_file)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the gateway binary");
+    outbox_testkit::gateway::wait_until_serving(address, WAIT, || true)
+        .await
+        .expect("the gateway serves");
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut subscription = push_subscription("survivor", &receiver.endpoint());
+    // The lease: the request's timeout plus a settling margin, beyond the ack deadline.
+    subscription.ack_deadline = seconds(1);
+    subscription.push.as_mut().unwrap().timeout = seconds(1);
+    let created = proto::admin_client::AdminClient::new(channel.clone())
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    receiver.expect_keys(&[&created.push.unwrap().signing_secret]);
+    let published = proto::publisher_client::PublisherClient::new(channel)
+        .publish(proto::PublishRequest {
+            events: vec![event("o-1", "order.created")],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    receiver.wait_for(1).await;
+    child.start_kill().expect("SIGKILL");
+    child.wait().await.unwrap();
+    let _ = std::fs::remove_file(&config_file);
+
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let received = receiver.wait_for(2).await;
+    assert!(received.iter().all(|r| r.signed));
+    assert_eq!(received[1].header("webhook-id"), published[0].id);
+    assert!(
+        received[1].at - received[0].at >= Duration::from_secs(1),
+        "pushed again only once the lease expired"
+    );
+    eventually("the second push is acked", WAIT, || async {
+        delivery_records(&database.pool().await, "survivor")
+            .await
+            .is_empty()
+    })
+    .await;
+    drop(gateway);
+}
