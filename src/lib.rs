@@ -152,7 +152,7 @@ pub async fn run_with_console(
     let push_statuses = push::PushStatuses::default();
     push::Pushers::start(relay.clone(), config.push.clone(), push_statuses.clone())
         .map_err(|error| RunError::Push(error.to_string()))?;
-    let operations = Operations::new(relay.clone());
+    let operations = Operations::new(relay.clone(), push_statuses.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
     let maintenance = tokio::spawn(maintenance::run(
         relay.clone(),

@@ -492,6 +492,20 @@ async fn gone_stops_pushing_until_push_is_set_again() {
             .is_some_and(|stopped| stopped.reason.contains("410"))
     })
     .await;
+    let stats = gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: "gone".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        stats.subscriptions[0]
+            .push_stopped_reason
+            .contains("410 Gone")
+    );
     publish(&gateway, vec![event("o-2", "order.created")]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
@@ -554,6 +568,22 @@ async fn a_client_error_dead_letters_at_once_with_the_body() {
         dead[0].last_error.len() <= 1100,
         "only the first KiB of the body"
     );
+    let stats = gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: "strict".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let stats = &stats.subscriptions[0];
+    assert_eq!(stats.push_last_status, 400);
+    assert!(stats.push_last_error.contains("unknown field"));
+    assert!(stats.push_last_error_at.is_some());
+    assert_eq!(stats.push_requests_total, 1);
+    assert_eq!(stats.push_in_flight, 0);
+    assert!(stats.push_rate > 0.0);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(receiver.received().len(), 1);
 }
@@ -823,28 +853,31 @@ async fn update_switches_between_pull_and_push() {
 async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     let database = TestDatabase::create().await;
     let receiver = Receiver::start().await;
-    // The first request is never answered in time: the gateway dies while it waits.
-    receiver.answer(|_, index| Reply {
-        delay: if index == 0 {
-            Duration::from_secs(60)
-        } else {
-            Duration::ZERO
-        },
-        ..Reply::status(204)
+    // The first request for "o-1" is never answered in time: the gateway dies while it
+    // waits. "o-2" is answered at once.
+    let first_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    receiver.answer(move |request, _| {
+        let hang = request.header("ce-subject") == "o-1"
+            && !first_seen.swap(true, std::sync::atomic::Ordering::SeqCst);
+        Reply {
+            delay: if hang {
+                Duration::from_secs(60)
+            } else {
+                Duration::ZERO
+            },
+            ..Reply::status(204)
+        }
     });
     let config_file = std::env::temp_dir().join(format!("{}-push.toml", database.name()));
     std::fs::write(&config_file, "[push]\nallowed_hosts = [\"127.0.0.1\"]\n").unwrap();
     let address = outbox_testkit::gateway::free_loopback_address().unwrap();
+    let metrics = outbox_testkit::gateway::free_loopback_address().unwrap();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
         .args(["serve", "--listen", &address.to_string(), "--database-url"])
         .arg(database.url())
-        .args([
-            "--console-listen",
-            "off",
-            "--metrics-listen",
-            "off",
-            "--config",
-        ])
+        .args(["--console-listen", "off", "--metrics-listen"])
+        .arg(metrics.to_string())
+        .arg("--config")
         .arg(&config_file)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::null())
@@ -874,24 +907,43 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     receiver.expect_keys(&[&created.push.unwrap().signing_secret]);
     let published = proto::publisher_client::PublisherClient::new(channel)
         .publish(proto::PublishRequest {
-            events: vec![event("o-1", "order.created")],
+            events: vec![event("o-1", "order.created"), event("o-2", "order.created")],
             ..Default::default()
         })
         .await
         .unwrap()
         .into_inner()
         .results;
-    receiver.wait_for(1).await;
+    receiver.wait_for(2).await;
+    // The answered request is counted by status, and its duration recorded.
+    let scrape_url = format!("http://{metrics}/metrics");
+    eventually("the push metrics show the 204", WAIT, || async {
+        let Ok(response) = reqwest::get(&scrape_url).await else {
+            return false;
+        };
+        let text = response.text().await.unwrap_or_default();
+        text.lines().any(|line| {
+            line.starts_with("outbox_push_requests_total{")
+                && line.contains("subscription=\"survivor\"")
+                && line.contains("code=\"204\"")
+                && line.ends_with(" 1")
+        }) && text.contains("outbox_push_duration_seconds_count{subscription=\"survivor\"} 1")
+    })
+    .await;
     child.start_kill().expect("SIGKILL");
     child.wait().await.unwrap();
     let _ = std::fs::remove_file(&config_file);
 
     let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
-    let received = receiver.wait_for(2).await;
+    let received = receiver.wait_for(3).await;
     assert!(received.iter().all(|r| r.signed));
-    assert_eq!(received[1].header("webhook-id"), published[0].id);
+    let pushes: Vec<&Received> = received
+        .iter()
+        .filter(|r| r.header("webhook-id") == published[0].id)
+        .collect();
+    assert_eq!(pushes.len(), 2, "the interrupted push is made again");
     assert!(
-        received[1].at - received[0].at >= Duration::from_secs(1),
+        pushes[1].at - pushes[0].at >= Duration::from_secs(1),
         "pushed again only once the lease expired"
     );
     eventually("the second push is acked", WAIT, || async {

@@ -562,13 +562,27 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
     proto::Stats {
         subscriptions: subscriptions
             .into_iter()
-            .map(|figures| proto::SubscriptionStats {
-                sources: figures
-                    .per_source
-                    .into_iter()
-                    .map(|stats| subscription_stats(stats, now, newest))
-                    .collect(),
-                ..subscription_stats(figures.total, now, newest)
+            .map(|figures| {
+                let push = figures.push.unwrap_or_default();
+                let requests = &push.requests;
+                proto::SubscriptionStats {
+                    sources: figures
+                        .per_source
+                        .into_iter()
+                        .map(|stats| subscription_stats(stats, now, newest))
+                        .collect(),
+                    push_in_flight: requests.in_flight,
+                    push_last_status: u32::from(requests.last_status),
+                    push_last_error: requests.last_error.clone().unwrap_or_default(),
+                    push_last_error_at: requests.last_error_at.map(datetime_to_timestamp),
+                    push_requests_total: requests.requests_total,
+                    push_rate: requests.rate(),
+                    push_stopped_reason: push
+                        .stopped
+                        .map(|stopped| stopped.reason)
+                        .unwrap_or_default(),
+                    ..subscription_stats(figures.total, now, newest)
+                }
             })
             .collect(),
         outbox: Some(proto::OutboxStats {
@@ -612,6 +626,7 @@ fn subscription_stats(
         acked_total: stats.acked_total,
         late_transactions: stats.late_transactions,
         sources: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -1,11 +1,20 @@
-//! The HTTP client of push delivery: TLS verified against the public web roots (plus an
-//! optional CA file), no redirects, no proxies, and a resolver that re-checks every
-//! resolved address against `[push] allowed_hosts`, so an allowed name cannot lead to a
-//! loopback or link-local address the operator did not list.
+//! The HTTP client of push delivery, on hyper: TLS verified against the public web roots
+//! (plus an optional CA file), no redirects, no proxies, and a resolver that re-checks
+//! every resolved address against `[push] allowed_hosts`, so an allowed name cannot lead
+//! to a loopback or link-local address the operator did not list.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use reqwest::dns::{Addrs, Name, Resolve, Resolving};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::{
+    client::legacy::{
+        Client,
+        connect::{HttpConnector, dns::Name},
+    },
+    rt::TokioExecutor,
+};
 use url::Url;
 
 use super::{PushSettings, request::PushRequest};
@@ -57,8 +66,14 @@ impl Failure {
     }
 }
 
+type Resolver = tower::util::BoxCloneSyncService<
+    Name,
+    std::vec::IntoIter<SocketAddr>,
+    Box<dyn std::error::Error + Send + Sync>,
+>;
+
 pub struct PushClient {
-    http: reqwest::Client,
+    http: Client<HttpsConnector<HttpConnector<Resolver>>, Full<Bytes>>,
 }
 
 impl PushClient {
@@ -86,39 +101,56 @@ impl PushClient {
             }
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|error| PushClientError::Build(error.to_string()))?
             .with_root_certificates(roots)
             .with_no_client_auth();
-        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let http = reqwest::Client::builder()
-            .tls_backend_preconfigured(tls)
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .dns_resolver(Arc::new(CheckedResolver {
-                allowed_hosts: settings.allowed_hosts.clone(),
-            }))
-            .user_agent(concat!("outbox-gateway/", env!("CARGO_PKG_VERSION")))
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|error| PushClientError::Build(error.to_string()))?;
-        Ok(PushClient { http })
+        let allowed_hosts = settings.allowed_hosts.clone();
+        let resolver: Resolver =
+            tower::util::BoxCloneSyncService::new(tower::service_fn(move |name: Name| {
+                resolve(allowed_hosts.clone(), name)
+            }));
+        let mut http = HttpConnector::new_with_resolver(resolver);
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        Ok(PushClient {
+            http: Client::builder(TokioExecutor::new()).build(https),
+        })
     }
 
     /// POSTs the request and reads the start of the answer, all within `timeout`.
+    /// Redirects are answers like any other: never followed.
     pub async fn send(
         &self,
         endpoint: &Url,
         request: PushRequest,
         timeout: Duration,
     ) -> Result<Answer, Failure> {
-        let mut builder = self.http.post(endpoint.clone()).timeout(timeout);
+        let mut builder = http::Request::post(endpoint.as_str()).header(
+            http::header::USER_AGENT,
+            concat!("outbox-gateway/", env!("CARGO_PKG_VERSION")),
+        );
         for (name, value) in request.headers {
             builder = builder.header(name, value);
         }
+        let http_request = builder
+            .body(Full::new(Bytes::from(request.body)))
+            .map_err(|error| Failure::Other(error.to_string()))?;
         let exchange = async {
-            let mut response = builder.body(request.body).send().await?;
+            let response = self.http.request(http_request).await.map_err(|error| {
+                if error.is_connect() {
+                    Failure::Connect(describe(&error))
+                } else {
+                    Failure::Other(describe(&error))
+                }
+            })?;
             let status = response.status().as_u16();
             let retry_after = response
                 .headers()
@@ -126,30 +158,32 @@ impl PushClient {
                 .and_then(|value| value.to_str().ok())
                 .and_then(parse_retry_after);
             let mut body = Vec::new();
+            let mut incoming = response.into_body();
             while body.len() < MAX_BODY_READ {
-                match response.chunk().await? {
-                    Some(chunk) => body.extend_from_slice(&chunk),
-                    None => break,
+                match incoming.frame().await {
+                    Some(Ok(frame)) => {
+                        if let Some(data) = frame.data_ref() {
+                            body.extend_from_slice(data);
+                        }
+                    }
+                    // A body cut short still leaves the status to act on.
+                    Some(Err(_)) | None => break,
                 }
             }
             body.truncate(MAX_BODY_READ);
-            Ok::<_, reqwest::Error>(Answer {
+            Ok(Answer {
                 status,
                 retry_after,
                 body,
             })
         };
-        match tokio::time::timeout(timeout, exchange).await {
-            Err(_) => Err(Failure::Timeout(timeout)),
-            Ok(Ok(answer)) => Ok(answer),
-            Ok(Err(error)) if error.is_timeout() => Err(Failure::Timeout(timeout)),
-            Ok(Err(error)) if error.is_connect() => Err(Failure::Connect(describe(&error))),
-            Ok(Err(error)) => Err(Failure::Other(describe(&error))),
-        }
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .unwrap_or(Err(Failure::Timeout(timeout)))
     }
 }
 
-/// The error with its causes: reqwest's own message rarely says what went wrong.
+/// The error with its causes: a client error's own message rarely says what went wrong.
 fn describe(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
@@ -176,31 +210,25 @@ fn parse_retry_after(value: &str) -> Option<Duration> {
 }
 
 /// Resolves with the system resolver and keeps only the addresses the host may use.
-struct CheckedResolver {
+async fn resolve(
     allowed_hosts: AllowedHosts,
-}
-
-impl Resolve for CheckedResolver {
-    fn resolve(&self, name: Name) -> Resolving {
-        let host = name.as_str().to_ascii_lowercase();
-        let allowance = self.allowed_hosts.allowance(&host);
-        Box::pin(async move {
-            let Some(allowance) = allowance else {
-                return Err(format!("host {host:?} is not allowed by [push] allowed_hosts").into());
-            };
-            let addresses: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
-                .await?
-                .filter(|address| AllowedHosts::address_allowed(allowance, address.ip()))
-                .collect();
-            if addresses.is_empty() {
-                return Err(format!(
-                    "host {host:?} resolves only to addresses [push] allowed_hosts does not allow (loopback and link-local need the host listed exactly)"
-                )
-                .into());
-            }
-            Ok(Box::new(addresses.into_iter()) as Addrs)
-        })
+    name: Name,
+) -> Result<std::vec::IntoIter<SocketAddr>, Box<dyn std::error::Error + Send + Sync>> {
+    let host = name.as_str().to_ascii_lowercase();
+    let Some(allowance) = allowed_hosts.allowance(&host) else {
+        return Err(format!("host {host:?} is not allowed by [push] allowed_hosts").into());
+    };
+    let addresses: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+        .await?
+        .filter(|address| AllowedHosts::address_allowed(allowance, address.ip()))
+        .collect();
+    if addresses.is_empty() {
+        return Err(format!(
+            "host {host:?} resolves only to addresses [push] allowed_hosts does not allow (loopback and link-local need the host listed exactly)"
+        )
+        .into());
     }
+    Ok(addresses.into_iter())
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ pub struct PushSettings {
 }
 
 /// What this process knows of a push subscription's requests.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PushStatus {
     pub in_flight: u64,
     /// HTTP status of the last answer (0: none yet, or the last request got no answer).
@@ -57,6 +57,60 @@ pub struct PushStatus {
     pub last_error: Option<String>,
     pub last_error_at: Option<DateTime<Utc>>,
     pub requests_total: u64,
+    /// Requests per second of the last [`RATE_WINDOW_SECONDS`], by second.
+    rate_buckets: [u64; RATE_WINDOW_SECONDS],
+    /// The second (since [`RATE_EPOCH`]) of the newest bucket.
+    rate_second: u64,
+}
+
+impl Default for PushStatus {
+    fn default() -> Self {
+        PushStatus {
+            in_flight: 0,
+            last_status: 0,
+            last_error: None,
+            last_error_at: None,
+            requests_total: 0,
+            rate_buckets: [0; RATE_WINDOW_SECONDS],
+            rate_second: rate_now(),
+        }
+    }
+}
+
+const RATE_WINDOW_SECONDS: usize = 60;
+static RATE_EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
+fn rate_now() -> u64 {
+    RATE_EPOCH.elapsed().as_secs()
+}
+
+impl PushStatus {
+    /// Moves the window to `second`, emptying the buckets it passes.
+    fn advance(&mut self, second: u64) {
+        let passed = second.saturating_sub(self.rate_second);
+        for step in 1..=passed.min(RATE_WINDOW_SECONDS as u64) {
+            self.rate_buckets[((self.rate_second + step) % RATE_WINDOW_SECONDS as u64) as usize] =
+                0;
+        }
+        self.rate_second = self.rate_second.max(second);
+    }
+
+    fn count_request(&mut self) {
+        let second = rate_now();
+        self.advance(second);
+        self.rate_buckets[(second % RATE_WINDOW_SECONDS as u64) as usize] += 1;
+        self.requests_total += 1;
+    }
+
+    /// Requests per second over the last minute (or since the first request, when that
+    /// is more recent).
+    pub fn rate(&self) -> f64 {
+        let mut current = self.clone();
+        current.advance(rate_now());
+        let total: u64 = current.rate_buckets.iter().sum();
+        let span = (RATE_EPOCH.elapsed().as_secs_f64()).clamp(1.0, RATE_WINDOW_SECONDS as f64);
+        total as f64 / span
+    }
 }
 
 /// Push statuses of this process by subscription id; cheap to clone.
@@ -333,7 +387,7 @@ impl Pusher {
         metrics::push_request(name.as_str(), &code, elapsed);
         self.statuses.update(id, |status| {
             status.in_flight = status.in_flight.saturating_sub(1);
-            status.requests_total += 1;
+            status.count_request();
             status.last_status = code.parse().unwrap_or(0);
             match &verdict {
                 Verdict::Ack => {}
