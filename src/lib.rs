@@ -148,11 +148,15 @@ pub async fn run_with_console(
     }
     let relay = Relay::start(sources.clone(), config.delivery.clone());
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
-    let subscriptions = Subscriptions::new(relay.clone(), config.push.allowed_hosts.clone());
-    let push_statuses = push::PushStatuses::default();
-    push::Pushers::start(relay.clone(), config.push.clone(), push_statuses.clone())
+    let push_board = push::PushBoard::default();
+    let subscriptions = Subscriptions::new(
+        relay.clone(),
+        config.push.allowed_hosts.clone(),
+        push_board.clone(),
+    );
+    push::Pushers::start(relay.clone(), config.push.clone(), push_board.clone())
         .map_err(|error| RunError::Push(error.to_string()))?;
-    let operations = Operations::new(relay.clone(), push_statuses.clone());
+    let operations = Operations::new(relay.clone(), push_board.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
     let maintenance = tokio::spawn(maintenance::run(
         relay.clone(),

@@ -15,7 +15,7 @@ use crate::{
     },
     error::{Error, Result},
     metrics,
-    push::{PushStatus, PushStatuses},
+    push::{PushBoard, PushStatus},
     sources::{Source, SourceHealth},
     storage::{DeliveryFacts, RequeueRefusal},
 };
@@ -126,15 +126,12 @@ pub struct SourceStatus {
 pub struct Operations {
     relay: Relay,
     /// What this process's pushers report.
-    push_statuses: PushStatuses,
+    push_board: PushBoard,
 }
 
 impl Operations {
-    pub fn new(relay: Relay, push_statuses: PushStatuses) -> Self {
-        Operations {
-            relay,
-            push_statuses,
-        }
+    pub fn new(relay: Relay, push_board: PushBoard) -> Self {
+        Operations { relay, push_board }
     }
 
     /// The sources asked for: the named one (INVALID_ARGUMENT when unknown) or all.
@@ -634,7 +631,7 @@ impl Operations {
                 total: total(subscription, &per_source),
                 per_source,
                 push: subscription.settings.push.as_ref().map(|_| PushFigures {
-                    requests: self.push_statuses.get(subscription.id).unwrap_or_default(),
+                    requests: self.push_board.get(subscription.id).unwrap_or_default(),
                     stopped: subscription.push_stopped.clone(),
                 }),
             });

@@ -8,6 +8,8 @@
 
 use std::collections::HashSet;
 
+use chrono::{DateTime, Utc};
+
 use crate::{
     delivery::Relay,
     domain::{
@@ -15,6 +17,7 @@ use crate::{
         SubscriptionPatch, SubscriptionSettings,
     },
     error::{Error, Result},
+    push::PushBoard,
     sources::Source,
     storage::{Store, StoreError},
 };
@@ -24,7 +27,16 @@ pub struct Subscriptions {
     relay: Relay,
     /// Destinations push subscriptions may send to (`[push] allowed_hosts`).
     push_hosts: AllowedHosts,
+    /// Where this process's pushers take their signing keys from.
+    push_board: PushBoard,
 }
+
+/// How long a rotated-out signing key keeps signing unless the rotation says.
+pub const DEFAULT_KEEP_PREVIOUS_SECRET: std::time::Duration =
+    std::time::Duration::from_secs(24 * 60 * 60);
+/// Longest time a rotated-out signing key may keep signing.
+pub const MAX_KEEP_PREVIOUS_SECRET: std::time::Duration =
+    std::time::Duration::from_secs(30 * 24 * 60 * 60);
 
 /// A subscription as a create or update left it.
 #[derive(Debug)]
@@ -36,8 +48,61 @@ pub struct SubscriptionChange {
 }
 
 impl Subscriptions {
-    pub fn new(relay: Relay, push_hosts: AllowedHosts) -> Self {
-        Subscriptions { relay, push_hosts }
+    pub fn new(relay: Relay, push_hosts: AllowedHosts, push_board: PushBoard) -> Self {
+        Subscriptions {
+            relay,
+            push_hosts,
+            push_board,
+        }
+    }
+
+    /// Gives a push subscription a new signing key; the previous one keeps signing
+    /// beside it for `keep_previous_for` (default [`DEFAULT_KEEP_PREVIOUS_SECRET`]; keys
+    /// rotated out earlier keep their own end). Returns the new key and when the
+    /// previous one stops.
+    pub async fn rotate_push_secret(
+        &self,
+        name: &SubscriptionName,
+        keep_previous_for: Option<std::time::Duration>,
+    ) -> Result<(PushSecret, DateTime<Utc>)> {
+        let keep_previous_for = keep_previous_for.unwrap_or(DEFAULT_KEEP_PREVIOUS_SECRET);
+        if keep_previous_for > MAX_KEEP_PREVIOUS_SECRET {
+            return Err(Error::invalid(
+                "keep_previous_for",
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_KEEP_PREVIOUS_SECRET)
+                ),
+            ));
+        }
+        let subscription = self.get(name).await?;
+        if subscription.settings.push.is_none() {
+            return Err(Error::FailedPrecondition(format!(
+                "subscription {name:?} is not a push subscription: it has no signing secret"
+            )));
+        }
+        let now = Utc::now();
+        let previous_expires_at =
+            now + chrono::Duration::from_std(keep_previous_for).unwrap_or(chrono::Duration::zero());
+        let new_secret = PushSecret::generate();
+        let mut secrets = vec![new_secret.clone()];
+        for mut previous in subscription.push_secrets {
+            if previous.expires_at.is_none() {
+                previous.expires_at = Some(previous_expires_at);
+            }
+            if previous.is_live(now) {
+                secrets.push(previous);
+            }
+        }
+        let rotated = self
+            .definitions()
+            .set_push_secrets(name, &secrets)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.push_board
+            .set_keys(rotated.id, rotated.push_secrets.clone());
+        self.relay.subscription_changed(rotated.id);
+        Ok((new_secret, previous_expires_at))
     }
 
     fn check_push(&self, settings: &SubscriptionSettings) -> Result<()> {

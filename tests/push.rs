@@ -954,3 +954,209 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     .await;
     drop(gateway);
 }
+
+/// Whether the request carries a valid signature under `secret`, and how many it carries.
+fn signatures(request: &Received, secret: &str) -> (bool, usize) {
+    let given = request.header("webhook-signature");
+    let headers = &request.headers;
+    (
+        verify(&[decode_secret(secret)], headers, &request.body),
+        given.split(' ').count(),
+    )
+}
+
+#[tokio::test]
+async fn rotation_signs_with_both_secrets_during_the_overlap() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let old = create_push(
+        &gateway,
+        push_subscription("rotating", &receiver.endpoint()),
+    )
+    .await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert_eq!(signatures(&received[0], &old), (true, 1));
+
+    let rotated = gateway
+        .admin()
+        .await
+        .rotate_push_secret(proto::RotatePushSecretRequest {
+            name: "rotating".into(),
+            keep_previous_for: seconds(3),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let new = rotated.signing_secret;
+    assert!(new.starts_with("whsec_") && new != old);
+    assert!(rotated.previous_expires_at.is_some());
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    let received = receiver.wait_for(2).await;
+    assert!(
+        signatures(&received[1], &old).0,
+        "the old secret still signs"
+    );
+    assert!(signatures(&received[1], &new).0, "the new secret signs");
+    assert_eq!(signatures(&received[1], &new).1, 2);
+
+    // Once the overlap is over only the new secret signs.
+    let overlap_end = Instant::now() + Duration::from_secs(3);
+    tokio::time::sleep_until(overlap_end.into()).await;
+    publish(&gateway, vec![event("o-3", "order.created")]).await;
+    let received = receiver.wait_for(3).await;
+    assert_eq!(signatures(&received[2], &new), (true, 1));
+    assert!(!signatures(&received[2], &old).0);
+
+    // Neither a pull subscription nor an unknown one can rotate.
+    create_subscription(&gateway, subscription("pull")).await;
+    let mut admin = gateway.admin().await;
+    assert_status(
+        admin
+            .rotate_push_secret(proto::RotatePushSecretRequest {
+                name: "pull".into(),
+                keep_previous_for: None,
+            })
+            .await,
+        Code::FailedPrecondition,
+        "not a push subscription",
+    );
+    assert_status(
+        admin
+            .rotate_push_secret(proto::RotatePushSecretRequest {
+                name: "missing".into(),
+                keep_previous_for: None,
+            })
+            .await,
+        Code::NotFound,
+        "missing",
+    );
+    assert_status(
+        admin
+            .rotate_push_secret(proto::RotatePushSecretRequest {
+                name: "rotating".into(),
+                keep_previous_for: seconds(31 * 24 * 3600),
+            })
+            .await,
+        Code::InvalidArgument,
+        "keep_previous_for",
+    );
+}
+
+/// Runs the CLI against the gateway: (success, stdout, stderr).
+async fn cli(gateway: &TestGateway, args: &[&str]) -> (bool, String, String) {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(args)
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("run the CLI");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_cli_creates_push_subscriptions_and_rotates_their_secret() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let endpoint = receiver.endpoint();
+    let (ok, stdout, stderr) = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "cli-hooks",
+            "--start",
+            "earliest",
+            "--push-endpoint",
+            &endpoint,
+            "--push-header",
+            "x-api-key=k1",
+            "--push-format",
+            "structured",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(ok, "{stderr}");
+    let created: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let secret = created["push"]["signing_secret"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(secret.starts_with("whsec_"));
+    assert_eq!(created["push"]["format"], "structured");
+    assert!(
+        created["push"]["headers"]["x-api-key"]
+            .as_str()
+            .unwrap()
+            .starts_with("sha256:")
+    );
+    receiver.expect_keys(&[&secret]);
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert!(received[0].signed);
+    assert_eq!(received[0].header("x-api-key"), "k1");
+    assert_eq!(
+        received[0].header("content-type"),
+        "application/cloudevents+json"
+    );
+
+    let (ok, stdout, stderr) = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "rotate-secret",
+            "cli-hooks",
+            "--keep-previous-for",
+            "1h",
+            "--json",
+        ],
+    )
+    .await;
+    assert!(ok, "{stderr}");
+    let rotated: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let new = rotated["signing_secret"].as_str().unwrap();
+    assert!(new.starts_with("whsec_") && new != secret);
+    receiver.expect_keys(&[&secret, new]);
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    let received = receiver.wait_for(2).await;
+    assert!(received[1].signed, "signed with both secrets");
+
+    let (ok, stdout, stderr) = cli(
+        &gateway,
+        &["subscriptions", "update", "cli-hooks", "--pull", "--json"],
+    )
+    .await;
+    assert!(ok, "{stderr}");
+    let pulled: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(pulled["push"].is_null());
+
+    // Caller mistakes: a non-zero exit naming the flag or field.
+    let (ok, _, stderr) = cli(
+        &gateway,
+        &["subscriptions", "create", "bad", "--push-header", "a=b"],
+    )
+    .await;
+    assert!(!ok);
+    assert!(stderr.contains("--push-endpoint"), "{stderr}");
+    let (ok, _, stderr) = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "bad",
+            "--push-endpoint",
+            "https://elsewhere.test/hook",
+        ],
+    )
+    .await;
+    assert!(!ok);
+    assert!(stderr.contains("subscription.push.endpoint"), "{stderr}");
+}

@@ -297,6 +297,26 @@ impl AdminService for AdminApi {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn rotate_push_secret(
+        &self,
+        request: Request<proto::RotatePushSecretRequest>,
+    ) -> Result<Response<proto::RotatePushSecretResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let request = request.into_inner();
+        let name = convert::subscription_name("name", &request.name)?;
+        let keep_previous_for =
+            convert::optional_duration("keep_previous_for", request.keep_previous_for)?;
+        let (secret, previous_expires_at) = self
+            .subscriptions
+            .rotate_push_secret(&name, keep_previous_for)
+            .await?;
+        Ok(Response::new(proto::RotatePushSecretResponse {
+            signing_secret: secret.text(),
+            previous_expires_at: Some(convert::datetime_to_timestamp(previous_expires_at)),
+        }))
+    }
+
     #[tracing::instrument(skip_all, fields(id = %request.get_ref().id))]
     async fn get_event(
         &self,

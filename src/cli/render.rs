@@ -90,7 +90,31 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
         "created_at": timestamp(&subscription.created_at),
+        "push": subscription.push.as_ref().map(push),
+        "push_stopped": subscription.push_stopped.as_ref().map(|stopped| json!({
+            "at": timestamp(&stopped.at),
+            "reason": stopped.reason,
+        })),
     })
+}
+
+fn push(push: &proto::PushConfig) -> Value {
+    let mut value = json!({
+        "endpoint": push.endpoint,
+        "headers": push.headers,
+        "format": match proto::PushFormat::try_from(push.format) {
+            Ok(proto::PushFormat::CloudeventsStructured) => "structured",
+            _ => "binary",
+        },
+        "timeout": duration(&push.timeout),
+        "max_concurrency": push.max_concurrency,
+        "rate_limit": push.rate_limit,
+    });
+    // Shown only by the call that made it.
+    if !push.signing_secret.is_empty() {
+        value["signing_secret"] = json!(push.signing_secret);
+    }
+    value
 }
 
 pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
@@ -110,7 +134,7 @@ pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
 pub fn stats(stats: &proto::Stats) -> Value {
     let outbox = stats.outbox.unwrap_or_default();
     json!({
-        "subscriptions": stats.subscriptions.iter().map(|s| json!({
+        "subscriptions": stats.subscriptions.iter().map(|s| with_push_stats(s, json!({
             "name": s.name,
             "pending": s.pending,
             "in_flight": s.in_flight,
@@ -121,7 +145,7 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "oldest_unacked_age_seconds": s.oldest_unacked_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
             "delivered_total": s.delivered_total,
             "acked_total": s.acked_total,
-        })).collect::<Vec<_>>(),
+        }))).collect::<Vec<_>>(),
         "outbox": {
             "events_stored": outbox.events_stored,
             "oldest_event_at": timestamp(&outbox.oldest_event_at),
@@ -130,6 +154,26 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "events_force_expired": outbox.events_force_expired,
         },
     })
+}
+
+/// Adds a push subscription's request figures (a pull subscription has none).
+fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value {
+    let pushes = stats.push_requests_total > 0
+        || stats.push_in_flight > 0
+        || !stats.push_last_error.is_empty()
+        || !stats.push_stopped_reason.is_empty();
+    if pushes {
+        value["push"] = json!({
+            "in_flight": stats.push_in_flight,
+            "last_status": stats.push_last_status,
+            "last_error": stats.push_last_error,
+            "last_error_at": timestamp(&stats.push_last_error_at),
+            "requests_total": stats.push_requests_total,
+            "rate": stats.push_rate,
+            "stopped_reason": stats.push_stopped_reason,
+        });
+    }
+    value
 }
 
 /// Prints rows as left-aligned columns under a header.

@@ -25,7 +25,9 @@ pub use client::{PushClient, PushClientError};
 
 use crate::{
     delivery::Relay,
-    domain::{AllowedHosts, Delivery, Subscription, SubscriptionName, SubscriptionSettings},
+    domain::{
+        AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionName, SubscriptionSettings,
+    },
     error::Error,
     metrics,
 };
@@ -113,13 +115,35 @@ impl PushStatus {
     }
 }
 
-/// Push statuses of this process by subscription id; cheap to clone.
+/// What this process knows of its push subscriptions, by subscription id: how their
+/// requests fare, and the signing keys to use. Cheap to clone.
 #[derive(Clone, Default)]
-pub struct PushStatuses {
+pub struct PushBoard {
     inner: Arc<Mutex<HashMap<i64, PushStatus>>>,
+    /// Read for every request, so a rotated key applies at once, without restarting
+    /// the pusher; written by the supervisor from the definitions (a rotation on
+    /// another replica) and by a rotation here.
+    keys: Arc<Mutex<HashMap<i64, Vec<PushSecret>>>>,
 }
 
-impl PushStatuses {
+impl PushBoard {
+    /// Signing keys for the subscription's next requests.
+    pub fn set_keys(&self, subscription_id: i64, keys: Vec<PushSecret>) {
+        self.keys
+            .lock()
+            .expect("push keys lock")
+            .insert(subscription_id, keys);
+    }
+
+    fn keys(&self, subscription_id: i64) -> Vec<PushSecret> {
+        self.keys
+            .lock()
+            .expect("push keys lock")
+            .get(&subscription_id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
     pub fn get(&self, subscription_id: i64) -> Option<PushStatus> {
         self.inner
             .lock()
@@ -143,6 +167,10 @@ impl PushStatuses {
             .lock()
             .expect("push statuses lock")
             .remove(&subscription_id);
+        self.keys
+            .lock()
+            .expect("push keys lock")
+            .remove(&subscription_id);
     }
 }
 
@@ -154,7 +182,7 @@ impl Pushers {
     pub fn start(
         relay: Relay,
         settings: PushSettings,
-        statuses: PushStatuses,
+        statuses: PushBoard,
     ) -> Result<(), PushClientError> {
         let client = Arc::new(PushClient::new(&settings)?);
         relay
@@ -177,7 +205,7 @@ async fn supervise(
     relay: Relay,
     client: Arc<PushClient>,
     settings: PushSettings,
-    statuses: PushStatuses,
+    statuses: PushBoard,
 ) {
     let shutdown = relay.stopping();
     let mut definitions = relay.watch_definitions();
@@ -205,6 +233,7 @@ async fn supervise(
                     keep
                 });
                 for (id, subscription) in wanted {
+                    statuses.set_keys(id, subscription.push_secrets.clone());
                     if let Some(pusher) = running.get(&id) {
                         *pusher.subscription.lock().expect("pusher lock") = subscription;
                         continue;
@@ -254,7 +283,7 @@ struct Pusher {
     client: Arc<PushClient>,
     allowed_hosts: AllowedHosts,
     subscription: Arc<Mutex<Subscription>>,
-    statuses: PushStatuses,
+    statuses: PushBoard,
     stop: CancellationToken,
 }
 
@@ -365,7 +394,7 @@ impl Pusher {
             &delivery.event,
             push.format,
             &push.headers,
-            &subscription.push_secrets,
+            &self.statuses.keys(id),
             now,
         );
         let started = Instant::now();
