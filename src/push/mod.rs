@@ -18,7 +18,7 @@ use std::{
 
 use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
-use tokio::task::JoinSet;
+use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 
 pub use client::{PushClient, PushClientError};
@@ -26,7 +26,8 @@ pub use client::{PushClient, PushClientError};
 use crate::{
     delivery::Relay,
     domain::{
-        AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionName, SubscriptionSettings,
+        AckId, AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionName,
+        SubscriptionSettings,
     },
     error::Error,
     metrics,
@@ -36,6 +37,8 @@ use crate::{
 const MAX_BODY_IN_ERROR: usize = 1024;
 /// Lease held beyond the request timeout, for settling after the answer.
 const SETTLE_MARGIN: Duration = Duration::from_secs(5);
+/// Deliveries a pusher leases per request it may have in flight.
+const LEASE_AHEAD: u32 = 4;
 /// Wait before retrying to open a pusher's stream after a failure.
 const REOPEN_DELAY: Duration = Duration::from_secs(1);
 
@@ -195,8 +198,6 @@ impl Pushers {
 /// A running pusher.
 struct Running {
     settings: SubscriptionSettings,
-    /// Shared with the pusher, so a new signing key applies without a restart.
-    subscription: Arc<Mutex<Subscription>>,
     stop: CancellationToken,
 }
 
@@ -234,17 +235,14 @@ async fn supervise(
                 });
                 for (id, subscription) in wanted {
                     statuses.set_keys(id, subscription.push_secrets.clone());
-                    if let Some(pusher) = running.get(&id) {
-                        *pusher.subscription.lock().expect("pusher lock") = subscription;
+                    if running.contains_key(&id) {
                         continue;
                     }
                     let stop = shutdown.child_token();
-                    let shared = Arc::new(Mutex::new(subscription.clone()));
                     running.insert(
                         id,
                         Running {
                             settings: subscription.settings.clone(),
-                            subscription: shared.clone(),
                             stop: stop.clone(),
                         },
                     );
@@ -253,7 +251,7 @@ async fn supervise(
                             relay: relay.clone(),
                             client: client.clone(),
                             allowed_hosts: settings.allowed_hosts.clone(),
-                            subscription: shared,
+                            subscription: Arc::new(subscription),
                             statuses: statuses.clone(),
                             stop,
                         }
@@ -282,7 +280,9 @@ struct Pusher {
     relay: Relay,
     client: Arc<PushClient>,
     allowed_hosts: AllowedHosts,
-    subscription: Arc<Mutex<Subscription>>,
+    /// As it was when the pusher started: a change of settings restarts the pusher, and
+    /// signing keys come from the board.
+    subscription: Arc<Subscription>,
     statuses: PushBoard,
     stop: CancellationToken,
 }
@@ -304,8 +304,8 @@ enum Verdict {
 }
 
 impl Pusher {
-    fn snapshot(&self) -> Subscription {
-        self.subscription.lock().expect("pusher lock").clone()
+    fn snapshot(&self) -> Arc<Subscription> {
+        self.subscription.clone()
     }
 
     async fn run(self) {
@@ -327,7 +327,7 @@ impl Pusher {
         let mut stream = loop {
             match self
                 .relay
-                .subscribe_for_push(&name, push.max_concurrency)
+                .subscribe_for_push(&name, push.max_concurrency.saturating_mul(LEASE_AHEAD))
                 .await
             {
                 Ok(stream) => break stream,
@@ -347,6 +347,11 @@ impl Pusher {
             .map(|rate| Duration::from_secs_f64(1.0 / rate));
         let mut next_start = Instant::now();
         let mut requests = JoinSet::new();
+        // At most max_concurrency requests at once; the stream leases a few times that,
+        // so each claim takes a worthwhile batch and the next requests are ready.
+        let slots = Arc::new(tokio::sync::Semaphore::new(push.max_concurrency as usize));
+        let (acks, acks_to_send) = mpsc::unbounded_channel();
+        let acker = tokio::spawn(send_acks(self.relay.clone(), name.clone(), acks_to_send));
         let this = Arc::new(self);
         loop {
             let delivery = tokio::select! {
@@ -364,17 +369,28 @@ impl Pusher {
                 tokio::time::sleep_until(next_start.into()).await;
                 next_start = Instant::now().max(next_start) + pause;
             }
-            requests.spawn(this.clone().push(delivery));
+            let permit = tokio::select! {
+                _ = this.stop.cancelled() => break,
+                permit = slots.clone().acquire_owned() => permit.expect("never closed"),
+            };
+            let pusher = this.clone();
+            let acks = acks.clone();
+            requests.spawn(async move {
+                pusher.push(delivery, acks).await;
+                drop(permit);
+            });
             while requests.try_join_next().is_some() {}
         }
         // Settle what is in flight before the stream (and with it the leases) goes.
         while requests.join_next().await.is_some() {}
+        drop(acks);
+        let _ = acker.await;
         drop(stream);
         tracing::info!(subscription = %name, "stopped pushing");
     }
 
     /// Sends one delivery and settles it by the answer.
-    async fn push(self: Arc<Self>, delivery: Delivery) {
+    async fn push(self: Arc<Self>, delivery: Delivery, acks: mpsc::UnboundedSender<AckId>) {
         let subscription = self.snapshot();
         let Some(push) = subscription.settings.push.as_ref() else {
             return;
@@ -430,6 +446,11 @@ impl Pusher {
                 }
             }
         });
+        if verdict == Verdict::Ack {
+            // Acked in batches: one statement for many answers.
+            let _ = acks.send(delivery.ack_id);
+            return;
+        }
         self.settle(&subscription, name, delivery, verdict).await;
     }
 
@@ -477,6 +498,30 @@ impl Pusher {
 }
 
 const GONE_REASON: &str = "the endpoint answered 410 Gone";
+/// Most acks applied in one statement.
+const ACK_BATCH: usize = 500;
+
+/// Acks what the endpoint accepted, as many at a time as have piled up meanwhile, until
+/// the pusher's requests are all done.
+async fn send_acks(
+    relay: Relay,
+    name: SubscriptionName,
+    mut accepted: mpsc::UnboundedReceiver<AckId>,
+) {
+    let mut batch = Vec::with_capacity(ACK_BATCH);
+    while accepted.recv_many(&mut batch, ACK_BATCH).await > 0 {
+        match relay.ack(&name, &batch).await {
+            Ok(outcome) if !outcome.stale.is_empty() || !outcome.unavailable.is_empty() => {
+                tracing::debug!(subscription = %name, stale = outcome.stale.len(), unavailable = outcome.unavailable.len(), "some push acks were not applied; those events are pushed again");
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(subscription = %name, %error, "cannot ack pushed events; their leases will expire and they are pushed again");
+            }
+        }
+        batch.clear();
+    }
+}
 
 /// The settlement an HTTP answer calls for.
 fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {

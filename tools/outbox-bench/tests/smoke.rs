@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 10] = [
+const SCENARIOS: [&str; 11] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -24,6 +24,7 @@ const SCENARIOS: [&str; 10] = [
     "backlog-scaling",
     "memory",
     "cost",
+    "push",
 ];
 
 /// The quick run takes well under a minute; past this it is stuck.

@@ -9,6 +9,7 @@ mod held;
 mod latency;
 mod memory;
 mod publish;
+mod push;
 mod stalled;
 
 use std::{path::PathBuf, time::Duration};
@@ -37,10 +38,11 @@ pub enum Scenario {
     BacklogScaling,
     Memory,
     Cost,
+    Push,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 10] = [
+    pub const ALL: [Scenario; 11] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -51,6 +53,7 @@ impl Scenario {
         Scenario::BacklogScaling,
         Scenario::Memory,
         Scenario::Cost,
+        Scenario::Push,
     ];
 
     pub fn name(self) -> &'static str {
@@ -65,6 +68,24 @@ impl Scenario {
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
             Scenario::Cost => "cost",
+            Scenario::Push => "push",
+        }
+    }
+
+    /// Settings the scenario's gateway needs from a configuration file, if any.
+    pub fn gateway_config(self) -> Option<&'static str> {
+        match self {
+            Scenario::Push => Some(push::GATEWAY_CONFIG),
+            Scenario::PublishBatch
+            | Scenario::PublishSingle
+            | Scenario::Deliver
+            | Scenario::Fanout
+            | Scenario::Latency
+            | Scenario::HeldTransaction
+            | Scenario::StalledConsumers
+            | Scenario::BacklogScaling
+            | Scenario::Memory
+            | Scenario::Cost => None,
         }
     }
 
@@ -81,6 +102,7 @@ impl Scenario {
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
             Scenario::Cost => cost::run(bench, gateway).await,
+            Scenario::Push => push::run(bench, gateway).await,
         }
     }
 }
