@@ -1160,3 +1160,81 @@ async fn the_cli_creates_push_subscriptions_and_rotates_their_secret() {
     assert!(!ok);
     assert!(stderr.contains("subscription.push.endpoint"), "{stderr}");
 }
+
+#[tokio::test]
+async fn a_wildcard_name_resolving_to_loopback_is_not_pushed_to() {
+    let database = TestDatabase::create().await;
+    let mut config = push_gateway_config(&database);
+    // "localhost" is allowed only through the wildcard: its loopback addresses are not.
+    config.push.allowed_hosts = AllowedHosts::parse(&["*".to_owned()]).unwrap();
+    let gateway = TestGateway::start_with(&database, config).await;
+    let receiver = Receiver::start().await;
+    let endpoint = format!("http://localhost:{}/hook", receiver.address.port());
+    create_push(&gateway, push_subscription("sneaky", &endpoint)).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually(
+        "the refused resolution counts as a failed attempt",
+        WAIT,
+        || async {
+            let stats = gateway
+                .admin()
+                .await
+                .get_stats(proto::GetStatsRequest {
+                    subscription: "sneaky".into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            stats.subscriptions[0]
+                .push_last_error
+                .contains("allowed_hosts")
+                && stats.subscriptions[0].push_requests_total >= 2
+        },
+    )
+    .await;
+    assert!(receiver.received().is_empty(), "nothing reached loopback");
+
+    // Listed exactly, the same name may reach loopback.
+    let database = TestDatabase::create().await;
+    let mut config = push_gateway_config(&database);
+    config.push.allowed_hosts = AllowedHosts::parse(&["localhost".to_owned()]).unwrap();
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_push(&gateway, push_subscription("listed", &endpoint)).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    receiver.wait_for(1).await;
+}
+
+#[tokio::test]
+async fn two_gateways_share_a_push_subscription() {
+    let database = TestDatabase::create().await;
+    let first = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let second = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let secret = create_push(&first, push_subscription("shared", &receiver.endpoint())).await;
+    receiver.expect_keys(&[&secret]);
+    let published: std::collections::BTreeSet<String> = publish(
+        &second,
+        (0..40)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await
+    .into_iter()
+    .map(|result| result.id)
+    .collect();
+    receiver.wait_for(40).await;
+    eventually("every push is acked", WAIT, || async {
+        delivery_records(&database.pool().await, "shared")
+            .await
+            .is_empty()
+    })
+    .await;
+    let received = receiver.received();
+    assert!(received.iter().all(|r| r.signed));
+    let ids: std::collections::BTreeSet<String> = received
+        .iter()
+        .map(|r| r.header("webhook-id").to_owned())
+        .collect();
+    assert_eq!(ids, published);
+    assert_eq!(received.len(), 40, "each event pushed once");
+}
