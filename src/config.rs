@@ -778,6 +778,37 @@ mod tests {
     }
 
     #[test]
+    fn reads_the_push_table_and_refuses_bad_hosts() {
+        let settings: Settings = toml::from_str(
+            "[push]\nallowed_hosts = [\"hooks.example.com\", \"*.internal.example.com\"]\nca_file = \"/etc/ca.pem\"\n",
+        )
+        .unwrap();
+        let config = Config::from_settings(settings).unwrap();
+        assert!(
+            config
+                .push
+                .allowed_hosts
+                .allowance("a.internal.example.com")
+                .is_some()
+        );
+        assert_eq!(config.push.ca_file, Some(PathBuf::from("/etc/ca.pem")));
+        assert!(
+            Config::default().push.allowed_hosts.is_empty(),
+            "off by default"
+        );
+        assert!(toml::from_str::<Settings>("[push]\nallowed = []\n").is_err());
+        let settings: Settings =
+            toml::from_str("[push]\nallowed_hosts = [\"not a host!\"]\n").unwrap();
+        assert!(matches!(
+            Config::from_settings(settings),
+            Err(ConfigError::Invalid {
+                setting: "push.allowed_hosts",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn rejects_unknown_file_keys_and_bad_values() {
         assert!(toml::from_str::<Settings>("pole_interval = \"1s\"").is_err());
         let settings = Settings {

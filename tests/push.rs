@@ -1238,3 +1238,108 @@ async fn two_gateways_share_a_push_subscription() {
     assert_eq!(ids, published);
     assert_eq!(received.len(), 40, "each event pushed once");
 }
+
+/// A receiver speaking HTTPS with a certificate for `localhost` from a CA of its own;
+/// returns its port and the CA's PEM.
+async fn start_tls_receiver(receiver: &Receiver) -> (u16, String) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = CertificateParams::new(vec!["localhost".into()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from_pem_slice(server_cert.pem().as_bytes()).unwrap()],
+        PrivateKeyDer::from_pem_slice(server_key.serialize_pem().as_bytes()).unwrap(),
+    )
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = Router::new()
+        .route("/hook", post(receive))
+        .with_state(receiver.state.clone());
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            let app = app.clone();
+            tokio::spawn(async move {
+                // A client that does not trust the certificate ends the handshake.
+                let Ok(stream) = acceptor.accept(socket).await else {
+                    return;
+                };
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(
+                        hyper_util::rt::TokioIo::new(stream),
+                        hyper_util::service::TowerToHyperService::new(app),
+                    )
+                    .await;
+            });
+        }
+    });
+    (port, ca_cert.pem())
+}
+
+#[tokio::test]
+async fn https_endpoints_are_verified_against_the_configured_ca() {
+    let receiver = Receiver::start().await;
+    let (port, ca) = start_tls_receiver(&receiver).await;
+    let endpoint = format!("https://localhost:{port}/hook");
+    let allowed = AllowedHosts::parse(&["localhost".to_owned()]).unwrap();
+
+    // Not trusted: the public roots do not include the receiver's CA.
+    let database = TestDatabase::create().await;
+    let mut config = push_gateway_config(&database);
+    config.push.allowed_hosts = allowed.clone();
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_push(&gateway, push_subscription("untrusted", &endpoint)).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually(
+        "the unverified certificate fails the push",
+        WAIT,
+        || async {
+            let stats = gateway
+                .admin()
+                .await
+                .get_stats(proto::GetStatsRequest {
+                    subscription: "untrusted".into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            stats.subscriptions[0]
+                .push_last_error
+                .contains("certificate")
+        },
+    )
+    .await;
+    assert!(receiver.received().is_empty());
+    drop(gateway);
+
+    // Trusted through [push] ca_file.
+    let ca_file = std::env::temp_dir().join(format!("{}-push-ca.pem", database.name()));
+    std::fs::write(&ca_file, ca).unwrap();
+    let database = TestDatabase::create().await;
+    let mut config = push_gateway_config(&database);
+    config.push.allowed_hosts = allowed;
+    config.push.ca_file = Some(ca_file.clone());
+    let gateway = TestGateway::start_with(&database, config).await;
+    let secret = create_push(&gateway, push_subscription("trusted", &endpoint)).await;
+    receiver.expect_keys(&[&secret]);
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert!(received[0].signed);
+    let _ = std::fs::remove_file(&ca_file);
+}
