@@ -380,6 +380,11 @@ async fn pushes_every_event_once_as_signed_binary_cloudevents() {
         Code::FailedPrecondition,
         "push subscription",
     );
+    // A gateway with a pusher shuts down cleanly.
+    tokio::time::timeout(WAIT, gateway.stop())
+        .await
+        .expect("the gateway stops")
+        .expect("cleanly");
 }
 
 #[tokio::test]
