@@ -5,7 +5,9 @@
 --   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f deploy/writer-role.sql
 --   psql "$DATABASE_URL" -c 'GRANT outbox_writer TO billing_service'
 --
--- Run it as the owner of the outbox schema, after the gateway has migrated it.
+-- Run it as the owner of the outbox schema, after the gateway has migrated it. With
+-- several source databases, run it in each one a service writes to (its own database,
+-- a `[[sources]]` entry): the outbox schema is the same in every source.
 
 DO $$
 BEGIN

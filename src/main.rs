@@ -3,12 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use outbox_gateway::{
-    Config, cli,
-    config::Settings,
-    storage::{Store, StoreConfig},
-    telemetry::Telemetry,
-};
+use outbox_gateway::{Config, cli, config::Settings, telemetry::Telemetry};
 use tokio::net::TcpListener;
 
 // Every Publish decodes and frees thousands of small strings and maps; glibc's malloc
@@ -31,13 +26,23 @@ struct Cli {
 enum Command {
     /// Serve the gRPC API (applies pending migrations first unless --no-migrate).
     Serve(Settings),
-    /// Apply pending schema migrations and exit.
-    Migrate(Settings),
+    /// Apply pending schema migrations to every source database (or one) and exit.
+    Migrate(MigrateArgs),
     #[command(flatten)]
     Client(cli::ClientCommand),
     /// Create or hash bearer tokens for the configuration file.
     #[command(subcommand)]
     Token(cli::TokenCommand),
+}
+
+#[derive(clap::Args)]
+struct MigrateArgs {
+    /// Only this source (a `[[sources]]` name, or `default` for --database-url); every
+    /// source when omitted.
+    #[arg(long, value_name = "NAME")]
+    source: Option<String>,
+    #[command(flatten)]
+    settings: Settings,
 }
 
 #[tokio::main]
@@ -47,8 +52,18 @@ async fn main() -> ExitCode {
             Ok(config) => serve(config).await,
             Err(code) => return code,
         },
-        Command::Migrate(settings) => match load_config(settings) {
-            Ok(config) => migrate(config).await,
+        Command::Migrate(args) => match load_config(args.settings) {
+            Ok(config) => {
+                if let Some(Err(message)) = args
+                    .source
+                    .as_deref()
+                    .map(|name| outbox_gateway::sources::check_source_name(&config, name))
+                {
+                    eprintln!("outbox-gateway: {message}");
+                    return ExitCode::from(2);
+                }
+                migrate(config, args.source).await
+            }
             Err(code) => return code,
         },
         Command::Client(command) => cli::run(command).await,
@@ -87,24 +102,11 @@ async fn serve(config: Config) -> Result<(), String> {
     result
 }
 
-async fn migrate(config: Config) -> Result<(), String> {
+async fn migrate(config: Config, only: Option<String>) -> Result<(), String> {
     Telemetry::init(config.log_format, &config.log_level)?;
-    let target = outbox_gateway::storage::describe_target(&config.database_url);
-    let store = Store::connect(&StoreConfig {
-        source: outbox_gateway::domain::SourceName::default_source(),
-        source_id: outbox_gateway::domain::SourceId(0),
-        database_url: config.database_url.clone(),
-        max_connections: 1,
-        acquire_timeout: config.db_acquire_timeout,
-        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
-    })
-    .await
-    .map_err(|error| {
-        format!("cannot connect to PostgreSQL at {target}: {error}. Point the gateway at your database with --database-url or DATABASE_URL")
-    })?;
-    store.migrate().await.map_err(|error| error.to_string())?;
-    store.close().await;
-    println!("schema of {target} is up to date");
+    for line in outbox_gateway::sources::migrate(&config, only.as_deref()).await? {
+        println!("{line}");
+    }
     Ok(())
 }
 

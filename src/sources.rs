@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{Config, DEFAULT_SOURCE_CONNECTIONS, SourceConfig},
-    domain::{SourceId, SourceName, Subscription},
+    domain::{DEFAULT_SOURCE, SourceId, SourceName, Subscription},
     error::Error,
     storage::{Store, StoreConfig, StoreError},
 };
@@ -234,6 +234,79 @@ impl Sources {
             source.store.close().await;
         }
     }
+}
+
+/// Whether `name` is a configured source, or why not (naming the `--source` flag).
+pub fn check_source_name(config: &Config, name: &str) -> Result<(), String> {
+    if name == DEFAULT_SOURCE || config.sources.iter().any(|source| source.name == name) {
+        return Ok(());
+    }
+    let mut known = vec![DEFAULT_SOURCE.to_owned()];
+    known.extend(config.sources.iter().map(|source| source.name.clone()));
+    Err(format!(
+        "--source: no source named {name:?}; configured: {}",
+        known.join(", ")
+    ))
+}
+
+/// Installs or upgrades the outbox schema in the source named `only`, or in every source
+/// (`default` first) when `None` — the `outbox-gateway migrate` deploy step. Returns one
+/// line per source migrated; stops at the first source that fails, naming it.
+pub async fn migrate(config: &Config, only: Option<&str>) -> Result<Vec<String>, String> {
+    if let Some(name) = only {
+        check_source_name(config, name)?;
+    }
+    let mut done = Vec::new();
+    let wanted = |name: &str| only.is_none_or(|only| only == name);
+    if wanted(DEFAULT_SOURCE) {
+        let store = Store::connect(&StoreConfig {
+            source: SourceName::default_source(),
+            source_id: SourceId(0),
+            database_url: config.database_url.clone(),
+            max_connections: 1,
+            acquire_timeout: config.db_acquire_timeout,
+            idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
+        })
+        .await
+        .map_err(|error| {
+            format!(
+                "source \"default\": cannot connect to PostgreSQL at {}: {}. Point the gateway at your database with --database-url or DATABASE_URL",
+                crate::storage::describe_target(&config.database_url),
+                describe(&error)
+            )
+        })?;
+        done.push(migrate_store(&store, &config.database_url).await?);
+    }
+    for (index, source) in config.sources.iter().enumerate() {
+        if !wanted(&source.name) {
+            continue;
+        }
+        let id = SourceId(u16::try_from(index + 1).unwrap_or(u16::MAX));
+        let mut store_config =
+            store_config(config, source, id).map_err(|error| error.to_string())?;
+        store_config.max_connections = 1;
+        let store = Store::connect_lazy(&store_config)
+            .map_err(|error| format!("source {:?}: {}", source.name, describe(&error)))?;
+        done.push(migrate_store(&store, &source.database_url).await?);
+    }
+    Ok(done)
+}
+
+async fn migrate_store(store: &Store, database_url: &str) -> Result<String, String> {
+    let target = crate::storage::describe_target(database_url);
+    let outcome = store.migrate().await;
+    store.close().await;
+    outcome.map_err(|error| {
+        format!(
+            "source {:?} at {target}: {}",
+            store.source().as_str(),
+            describe(&error)
+        )
+    })?;
+    Ok(format!(
+        "schema of source {:?} at {target} is up to date",
+        store.source().as_str()
+    ))
 }
 
 enum PrepareError {

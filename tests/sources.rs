@@ -618,3 +618,166 @@ async fn a_source_that_goes_down_pauses_only_its_own_share() {
         "leases held through the outage: {answer:?}"
     );
 }
+
+#[tokio::test]
+async fn migrate_installs_the_schema_in_one_source_or_in_every_one() {
+    let default = TestDatabase::create().await;
+    let orders = TestDatabase::create().await;
+    let billing = TestDatabase::create().await;
+    let config_file =
+        std::env::temp_dir().join(format!("outbox-migrate-{}.toml", uuid::Uuid::new_v4()));
+    std::fs::write(
+        &config_file,
+        format!(
+            "database_url = {:?}\n\n[[sources]]\nname = \"orders\"\ndatabase_url = {:?}\n\n[[sources]]\nname = \"billing\"\ndatabase_url = {:?}\n",
+            default.url(),
+            orders.url(),
+            billing.url()
+        ),
+    )
+    .unwrap();
+    let migrate = |source: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+        command.arg("migrate").arg("--config").arg(&config_file);
+        command.env_remove("DATABASE_URL");
+        if let Some(source) = source {
+            command.args(["--source", source]);
+        }
+        command.output().expect("run outbox-gateway migrate")
+    };
+    async fn has_schema(database: &TestDatabase) -> bool {
+        let pool = database.pool().await;
+        let found: bool = sqlx::query_scalar("SELECT to_regclass('outbox_events') IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        found
+    }
+
+    let unknown = migrate(Some("shipping"));
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(unknown.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--source") && stderr.contains("shipping") && stderr.contains("billing"),
+        "{stderr}"
+    );
+    assert!(!has_schema(&orders).await && !has_schema(&billing).await);
+
+    let one = migrate(Some("orders"));
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    assert!(String::from_utf8_lossy(&one.stdout).contains("\"orders\""));
+    assert!(has_schema(&orders).await);
+    assert!(!has_schema(&billing).await, "only the named source");
+
+    let every = migrate(None);
+    assert!(
+        every.status.success(),
+        "{}",
+        String::from_utf8_lossy(&every.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&every.stdout);
+    for name in ["default", "orders", "billing"] {
+        assert!(stdout.contains(&format!("{name:?}")), "{stdout}");
+    }
+    assert!(has_schema(&default).await && has_schema(&billing).await);
+
+    // With every schema installed, a gateway that may not migrate them starts.
+    let mut config = config_with(
+        &default,
+        vec![source("orders", &orders), source("billing", &billing)],
+    );
+    for source in &mut config.sources {
+        source.migrate = Some(false);
+    }
+    let gateway = TestGateway::start_with(&default, config).await;
+    publish_to(&gateway, "billing", "b-1", "invoice.sent").await;
+    std::fs::remove_file(&config_file).unwrap();
+}
+
+#[tokio::test]
+async fn the_cli_lists_the_sources_and_their_state() {
+    let sources = ThreeSources::start().await;
+    // The gateway runs on this test's runtime: the CLI must not block it.
+    let cli = async |args: &[&str]| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+            .args(args)
+            .env("OUTBOX_ENDPOINT", sources.gateway.endpoint())
+            .output()
+            .await
+            .expect("run outbox-gateway")
+    };
+    let run = async |json: bool| {
+        let output = cli(if json {
+            &["sources", "--json"]
+        } else {
+            &["sources"]
+        })
+        .await;
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let publish = [
+        "publish",
+        "--aggregate-type",
+        "invoice",
+        "--aggregate-id",
+        "b-1",
+    ];
+    let published = cli(&[
+        &publish[..],
+        &["--event-type", "invoice.sent", "--source", "billing"],
+    ]
+    .concat())
+    .await;
+    assert!(
+        published.status.success(),
+        "{}",
+        String::from_utf8_lossy(&published.stderr)
+    );
+    let refused = cli(&[
+        &publish[..],
+        &["--event-type", "invoice.sent", "--source", "shipping"],
+    ]
+    .concat())
+    .await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("shipping"),
+        "{stderr}"
+    );
+
+    let listed: serde_json::Value = serde_json::from_str(run(true).await.trim()).unwrap();
+    let names: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|source| source["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["default", "orders", "billing"]);
+    for source in listed.as_array().unwrap() {
+        assert_eq!(source["status"], "connected", "{source}");
+    }
+    assert_eq!(listed[2]["events_stored"], 1);
+
+    let table = run(false).await;
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("SOURCE") && lines[0].contains("STATUS"),
+        "{table}"
+    );
+    for (line, name) in lines[1..].iter().zip(["default", "orders", "billing"]) {
+        assert!(
+            line.starts_with(name) && line.contains("connected"),
+            "{table}"
+        );
+    }
+}

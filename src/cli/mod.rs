@@ -158,6 +158,11 @@ pub enum ClientCommand {
         #[command(flatten)]
         args: TailArgs,
     },
+    /// List the source databases the gateway relays from and whether each is reachable.
+    Sources {
+        #[command(flatten)]
+        target: Target,
+    },
     /// Ask the gateway whether it is healthy (exit 0 when SERVING).
     Health {
         #[command(flatten)]
@@ -353,6 +358,10 @@ pub enum DeadLetterCommand {
         /// Continue a listing (the token the previous page printed).
         #[arg(long, default_value = "")]
         page_token: String,
+        /// Only this source database (`default`, or a `[[sources]]` name); every source
+        /// when omitted.
+        #[arg(long, default_value = "")]
+        source: String,
     },
     /// Send dead letters back for delivery, attempts reset.
     Requeue {
@@ -369,6 +378,10 @@ pub enum DeadLetterCommand {
         /// Requeue every unresolved dead letter.
         #[arg(long)]
         all: bool,
+        /// Only this source database (`default`, or a `[[sources]]` name); every source
+        /// when omitted.
+        #[arg(long, default_value = "")]
+        source: String,
     },
     /// Mark a dead letter handled without redelivering it.
     Resolve {
@@ -380,6 +393,10 @@ pub enum DeadLetterCommand {
         /// What was done.
         #[arg(long, default_value = "")]
         notes: String,
+        /// Only this source database (`default`, or a `[[sources]]` name); every source
+        /// when omitted.
+        #[arg(long, default_value = "")]
+        source: String,
     },
 }
 
@@ -400,6 +417,9 @@ pub struct RequeueArgs {
     /// Only for this subscription (default: every matching one).
     #[arg(long, default_value = "")]
     subscription: String,
+    /// Only in this source database (default: the event is looked up in every source).
+    #[arg(long, default_value = "")]
+    source: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -425,6 +445,9 @@ pub struct PublishArgs {
     /// Metadata entry KEY=VALUE; repeatable.
     #[arg(long = "metadata", value_parser = parse_key_value)]
     metadata: Vec<(String, String)>,
+    /// The source database to write to (`default` when omitted).
+    #[arg(long, default_value = "")]
+    source: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -496,8 +519,24 @@ pub async fn run(command: ClientCommand) -> Result<(), String> {
         } => stats(&target, subscription.unwrap_or_default(), watch, interval).await,
         ClientCommand::Publish { target, args } => publish(&target, args).await,
         ClientCommand::Tail { target, args } => tail(&target, args).await,
+        ClientCommand::Sources { target } => sources(&target).await,
         ClientCommand::Health { target } => health(&target).await,
     }
+}
+
+async fn sources(target: &Target) -> Result<(), String> {
+    let mut admin = target.connect(true).await?.admin();
+    let sources = admin
+        .list_sources(proto::ListSourcesRequest {})
+        .await
+        .map_err(describe)?
+        .into_inner()
+        .sources;
+    target.print(
+        Value::Array(sources.iter().map(render::source).collect()),
+        || render::sources_table(&sources),
+    );
+    Ok(())
 }
 
 async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<(), String> {
@@ -667,6 +706,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
             include_resolved,
             page_size,
             page_token,
+            source,
         } => {
             let page = admin
                 .list_dead_letters(proto::ListDeadLettersRequest {
@@ -675,6 +715,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     include_resolved,
                     page_size,
                     page_token,
+                    source,
                     ..Default::default()
                 })
                 .await
@@ -731,6 +772,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
             event_types,
             before,
             all,
+            source,
         } => {
             let requeued = admin
                 .requeue_dead_letters(proto::RequeueDeadLettersRequest {
@@ -739,6 +781,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     event_types,
                     dead_lettered_before: before,
                     all,
+                    source,
                     ..Default::default()
                 })
                 .await
@@ -754,6 +797,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
             id,
             resolved_by,
             notes,
+            source,
         } => {
             let letter = admin
                 .resolve_dead_letter(proto::ResolveDeadLetterRequest {
@@ -761,7 +805,7 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                     id: id.clone(),
                     resolved_by,
                     notes,
-                    ..Default::default()
+                    source,
                 })
                 .await
                 .map_err(describe)?
@@ -780,7 +824,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
                 .requeue_event(proto::RequeueEventRequest {
                     id,
                     subscription: args.subscription,
-                    ..Default::default()
+                    source: args.source,
                 })
                 .await
         }
@@ -791,7 +835,7 @@ async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
                     aggregate_id: args.aggregate_id.unwrap_or_default(),
                     event_type: args.event_type.unwrap_or_default(),
                     subscription: args.subscription,
-                    ..Default::default()
+                    source: args.source,
                 })
                 .await
         }
@@ -895,7 +939,7 @@ async fn publish(target: &Target, args: PublishArgs) -> Result<(), String> {
     let results = publisher
         .publish(proto::PublishRequest {
             events,
-            ..Default::default()
+            source: args.source,
         })
         .await
         .map_err(describe)?

@@ -63,6 +63,7 @@ pub fn event(event: &proto::Event) -> Value {
         "metadata": event.metadata,
         "occurred_at": timestamp(&event.occurred_at),
         "created_at": timestamp(&event.created_at),
+        "source": event.source,
     });
     value[payload_key] = payload;
     value
@@ -174,6 +175,56 @@ fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value 
         });
     }
     value
+}
+
+pub fn source(source: &proto::Source) -> Value {
+    json!({
+        "name": source.name,
+        "status": source_status(source),
+        "last_error": source.last_error,
+        "since": timestamp(&source.since),
+        "events_stored": source.events_stored,
+        "oldest_event_at": timestamp(&source.oldest_event_at),
+        "oldest_open_transaction_age_seconds": source.oldest_open_transaction_age.map_or(0.0, |d| d.seconds as f64 + d.nanos as f64 / 1e9),
+        "schema_version": source.schema_version,
+    })
+}
+
+fn source_status(source: &proto::Source) -> &'static str {
+    match source.status() {
+        proto::SourceStatus::Connected => "connected",
+        proto::SourceStatus::Unavailable => "unavailable",
+        proto::SourceStatus::Unspecified => "unknown",
+    }
+}
+
+pub fn sources_table(sources: &[proto::Source]) {
+    let rows: Vec<Vec<String>> = sources
+        .iter()
+        .map(|source| {
+            vec![
+                source.name.clone(),
+                source_status(source).to_owned(),
+                timestamp(&source.since).as_str().unwrap_or("").to_owned(),
+                source.events_stored.to_string(),
+                duration(&source.oldest_open_transaction_age),
+                source.schema_version.to_string(),
+                source.last_error.clone(),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "SOURCE",
+            "STATUS",
+            "SINCE",
+            "EVENTS",
+            "OLDEST OPEN TXN",
+            "SCHEMA",
+            "LAST ERROR",
+        ],
+        &rows,
+    );
 }
 
 /// Prints rows as left-aligned columns under a header.

@@ -78,6 +78,11 @@ impl BenchDatabase {
         self.database.name()
     }
 
+    /// Another benchmark database on the same server: a second service's database.
+    pub async fn sibling(&self) -> anyhow::Result<BenchDatabase> {
+        BenchDatabase::create(&self.server_url, self.checkpoints).await
+    }
+
     /// Connection URL of the benchmark database, for the gateway.
     pub fn url(&self) -> &str {
         self.database.url()

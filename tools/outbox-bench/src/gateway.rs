@@ -49,6 +49,13 @@ impl GatewayLauncher {
         &self.binary
     }
 
+    /// A launcher of the same binary and flags for another database, with `more` flags.
+    pub fn for_database(&self, database_url: &str, more: &[String]) -> GatewayLauncher {
+        let mut extra_args = self.extra_args.clone();
+        extra_args.extend_from_slice(more);
+        GatewayLauncher::new(self.binary.clone(), database_url.to_owned(), extra_args)
+    }
+
     /// Applies the schema with `outbox-gateway migrate`.
     pub fn migrate(&self) -> anyhow::Result<()> {
         gateway::migrate(&self.binary, &self.database_url).map_err(anyhow::Error::msg)

@@ -125,6 +125,7 @@ impl Cli {
             sustain: self.sustain.unwrap_or(preset(60.0, 2.0)),
             deliver_limit: preset(300.0, 20.0),
             settle: preset(2.0, 0.3),
+            channels: self.channels.into(),
         };
         if settings.timing.duration < Duration::from_millis(100) {
             anyhow::bail!("--duration must be at least 100ms");
@@ -165,8 +166,8 @@ async fn main() -> ExitCode {
     } else {
         cli.scenarios.clone()
     };
-    let (bench, launcher) = match set_up(&cli).await {
-        Ok(setup) => setup,
+    let bench = match set_up(&cli).await {
+        Ok(bench) => bench,
         Err(error) => {
             eprintln!("outbox-bench: {error:#}");
             return ExitCode::from(2);
@@ -174,7 +175,7 @@ async fn main() -> ExitCode {
     };
 
     let outcome = tokio::select! {
-        failures = run_scenarios(&bench, &launcher, &scenarios, cli.channels.into()) => Some(failures),
+        failures = run_scenarios(&bench, &scenarios) => Some(failures),
         _ = tokio::signal::ctrl_c() => {
             eprintln!("outbox-bench: interrupted");
             None
@@ -194,7 +195,7 @@ async fn main() -> ExitCode {
 }
 
 /// Checks the options, creates the database and applies the schema.
-async fn set_up(cli: &Cli) -> anyhow::Result<(Bench, GatewayLauncher)> {
+async fn set_up(cli: &Cli) -> anyhow::Result<Bench> {
     let settings = cli.settings()?;
     let binary = cli.gateway_binary()?;
     std::fs::create_dir_all(&cli.out)
@@ -220,30 +221,23 @@ async fn set_up(cli: &Cli) -> anyhow::Result<(Bench, GatewayLauncher)> {
         settings.scale,
         cli.out.display()
     );
-    Ok((
-        Bench {
-            settings,
-            database,
-            out_dir: cli.out.clone(),
-        },
+    Ok(Bench {
+        settings,
+        database,
+        out_dir: cli.out.clone(),
         launcher,
-    ))
+    })
 }
 
 /// Runs each scenario against a fresh gateway and an empty database, printing its report
 /// as it completes; returns how many failed.
-async fn run_scenarios(
-    bench: &Bench,
-    launcher: &GatewayLauncher,
-    scenarios: &[Scenario],
-    channels: usize,
-) -> usize {
+async fn run_scenarios(bench: &Bench, scenarios: &[Scenario]) -> usize {
     let mut failures = 0;
     let mut verdicts = Vec::new();
     for &scenario in scenarios {
         eprintln!("[{}] starting", scenario.name());
         let started = std::time::Instant::now();
-        let result = run_scenario(bench, launcher, scenario, channels).await;
+        let result = run_scenario(bench, scenario).await;
         eprintln!(
             "[{}] took {:.1} s",
             scenario.name(),
@@ -276,16 +270,16 @@ async fn run_scenarios(
     failures
 }
 
-async fn run_scenario(
-    bench: &Bench,
-    launcher: &GatewayLauncher,
-    scenario: Scenario,
-    channels: usize,
-) -> anyhow::Result<Report> {
+async fn run_scenario(bench: &Bench, scenario: Scenario) -> anyhow::Result<Report> {
     bench.database.reset().await?;
     let mut gateway = match scenario.gateway_config() {
-        Some(config) => launcher.start_with_config(channels, config).await?,
-        None => launcher.start(channels).await?,
+        Some(config) => {
+            bench
+                .launcher
+                .start_with_config(bench.settings.channels, config)
+                .await?
+        }
+        None => bench.launcher.start(bench.settings.channels).await?,
     };
     let result = scenario.run(bench, &gateway).await;
     // A gateway that died mid-run explains whatever error the scenario saw.

@@ -13,11 +13,12 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 11] = [
+const SCENARIOS: [&str; 12] = [
     "publish-batch",
     "publish-single",
     "deliver",
     "fanout",
+    "fan-in",
     "latency",
     "held-transaction",
     "stalled-consumers",

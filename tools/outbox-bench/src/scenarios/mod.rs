@@ -5,6 +5,7 @@
 mod backlog;
 mod cost;
 mod deliver;
+mod fan_in;
 mod held;
 mod latency;
 mod memory;
@@ -18,7 +19,7 @@ use crate::{
     charts,
     consume::{ConsumerConfig, ConsumerGroup, GroupOutcome, SubscriptionLoad},
     database::BenchDatabase,
-    gateway::Gateway,
+    gateway::{Gateway, GatewayLauncher},
     measure::{Series, Timing},
     report::Report,
 };
@@ -32,6 +33,7 @@ pub enum Scenario {
     PublishSingle,
     Deliver,
     Fanout,
+    FanIn,
     Latency,
     HeldTransaction,
     StalledConsumers,
@@ -42,11 +44,12 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 11] = [
+    pub const ALL: [Scenario; 12] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
         Scenario::Fanout,
+        Scenario::FanIn,
         Scenario::Latency,
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
@@ -62,6 +65,7 @@ impl Scenario {
             Scenario::PublishSingle => "publish-single",
             Scenario::Deliver => "deliver",
             Scenario::Fanout => "fanout",
+            Scenario::FanIn => "fan-in",
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
@@ -80,6 +84,7 @@ impl Scenario {
             | Scenario::PublishSingle
             | Scenario::Deliver
             | Scenario::Fanout
+            | Scenario::FanIn
             | Scenario::Latency
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
@@ -96,6 +101,7 @@ impl Scenario {
             Scenario::PublishSingle => publish::single(bench, gateway).await,
             Scenario::Deliver => deliver::deliver(bench, gateway).await,
             Scenario::Fanout => deliver::fanout(bench, gateway).await,
+            Scenario::FanIn => fan_in::run(bench).await,
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
@@ -121,6 +127,8 @@ pub struct Settings {
     pub deliver_limit: Duration,
     /// Pause before a memory reading, so the gateway settles.
     pub settle: Duration,
+    /// gRPC connections to each gateway.
+    pub channels: usize,
 }
 
 impl Settings {
@@ -135,6 +143,8 @@ pub struct Bench {
     pub settings: Settings,
     pub database: BenchDatabase,
     pub out_dir: PathBuf,
+    /// Starts gateways: each scenario's own, and any more a scenario needs.
+    pub launcher: GatewayLauncher,
 }
 
 impl Bench {
