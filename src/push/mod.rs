@@ -400,10 +400,21 @@ impl Pusher {
         self.statuses.update(id, |status| status.in_flight += 1);
         // The request holds the lease for its whole timeout.
         let needed = push.timeout + SETTLE_MARGIN;
-        if delivery.ack_deadline < Utc::now() + needed
-            && let Err(error) = self.relay.extend(name, &[delivery.ack_id], needed).await
-        {
-            tracing::debug!(subscription = %name, %error, "cannot extend a push lease");
+        if delivery.ack_deadline < Utc::now() + needed {
+            match self.relay.extend(name, &[delivery.ack_id], needed).await {
+                // The lease ran out while the delivery waited for a request slot: it is
+                // someone else's now (or will be), so sending it would only duplicate.
+                Ok(stale) if !stale.is_empty() => {
+                    self.statuses.update(id, |status| {
+                        status.in_flight = status.in_flight.saturating_sub(1)
+                    });
+                    return;
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::debug!(subscription = %name, %error, "cannot extend a push lease");
+                }
+            }
         }
         let now = Utc::now();
         let built = request::build(
@@ -564,6 +575,20 @@ fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rate_counts_the_last_minute() {
+        let mut status = PushStatus::default();
+        for _ in 0..30 {
+            status.count_request();
+        }
+        assert_eq!(status.requests_total, 30);
+        assert!(status.rate() > 0.0);
+        // A minute later the window is empty again.
+        status.advance(rate_now() + RATE_WINDOW_SECONDS as u64);
+        assert_eq!(status.rate_buckets.iter().sum::<u64>(), 0);
+        assert_eq!(status.requests_total, 30);
+    }
 
     #[test]
     fn answers_map_to_settlements() {
