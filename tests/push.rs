@@ -1348,3 +1348,112 @@ async fn https_endpoints_are_verified_against_the_configured_ca() {
     assert!(received[0].signed);
     let _ = std::fs::remove_file(&ca_file);
 }
+
+#[tokio::test]
+async fn redirects_are_not_followed_and_the_rate_limit_paces_requests() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let elsewhere = format!("{}-moved", receiver.endpoint());
+    receiver.answer(move |_, _| Reply {
+        headers: vec![("location", elsewhere.clone())],
+        ..Reply::status(307)
+    });
+    create_push(&gateway, push_subscription("moved", &receiver.endpoint())).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually("the redirected event is dead-lettered", WAIT, || async {
+        !dead_letters(&gateway, "moved").await.is_empty()
+    })
+    .await;
+    let dead = dead_letters(&gateway, "moved").await;
+    assert!(
+        dead[0].last_error.contains("redirects are not followed"),
+        "{}",
+        dead[0].last_error
+    );
+    assert_eq!(
+        receiver.received().len(),
+        1,
+        "the redirect was not followed"
+    );
+
+    // At most 5 requests a second: 10 events take well over a second.
+    let paced = Receiver::start().await;
+    let mut subscription = push_subscription("paced", &paced.endpoint());
+    subscription.push.as_mut().unwrap().rate_limit = Some(5.0);
+    subscription.start = Some(proto::StartPosition {
+        position: Some(proto::start_position::Position::Boundary(
+            proto::Boundary::Latest as i32,
+        )),
+    });
+    create_push(&gateway, subscription).await;
+    publish(
+        &gateway,
+        (0..10)
+            .map(|i| event(&format!("p-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    let received = paced.wait_for(10).await;
+    let spread = received[9].at - received[0].at;
+    assert!(
+        spread >= Duration::from_millis(1600),
+        "10 requests at 5/s spread over {spread:?}"
+    );
+}
+
+#[tokio::test]
+async fn refuses_out_of_range_push_settings() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let mut admin = gateway.admin().await;
+    let with = |change: &dyn Fn(&mut proto::PushConfig)| {
+        let mut push = proto::PushConfig {
+            endpoint: "http://127.0.0.1:9/hook".into(),
+            ..Default::default()
+        };
+        change(&mut push);
+        proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                push: Some(push),
+                ..subscription("bad")
+            }),
+        }
+    };
+    for (request, field) in [
+        (
+            with(&|push| push.timeout = millis(500)),
+            "subscription.push.timeout",
+        ),
+        (
+            with(&|push| push.max_concurrency = 5000),
+            "subscription.push.max_concurrency",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(0.0)),
+            "subscription.push.rate_limit",
+        ),
+        (with(&|push| push.format = 7), "subscription.push.format"),
+        (
+            with(&|push| {
+                push.headers = [("bad header".to_owned(), "x".to_owned())].into();
+            }),
+            "subscription.push.headers",
+        ),
+    ] {
+        assert_status(
+            admin.create_subscription(request).await,
+            Code::InvalidArgument,
+            field,
+        );
+    }
+    assert!(
+        admin
+            .list_subscriptions(proto::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+            .is_empty()
+    );
+}
