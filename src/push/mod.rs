@@ -199,6 +199,8 @@ impl Pushers {
 struct Running {
     settings: SubscriptionSettings,
     stop: CancellationToken,
+    /// Tells this pusher from an earlier one of the same subscription when it ends.
+    generation: u64,
 }
 
 /// Keeps one pusher per push subscription that has not stopped.
@@ -212,6 +214,7 @@ async fn supervise(
     let mut definitions = relay.watch_definitions();
     let mut running: HashMap<i64, Running> = HashMap::new();
     let mut pushers = JoinSet::new();
+    let mut generations = 0u64;
     loop {
         let store = &relay.sources().default_source().store;
         match store.subscriptions().await {
@@ -239,30 +242,43 @@ async fn supervise(
                         continue;
                     }
                     let stop = shutdown.child_token();
+                    generations += 1;
+                    let generation = generations;
                     running.insert(
                         id,
                         Running {
                             settings: subscription.settings.clone(),
                             stop: stop.clone(),
+                            generation,
                         },
                     );
-                    pushers.spawn(
-                        Pusher {
-                            relay: relay.clone(),
-                            client: client.clone(),
-                            allowed_hosts: settings.allowed_hosts.clone(),
-                            subscription: Arc::new(subscription),
-                            statuses: statuses.clone(),
-                            stop,
-                        }
-                        .run(),
-                    );
+                    let pusher = Pusher {
+                        relay: relay.clone(),
+                        client: client.clone(),
+                        allowed_hosts: settings.allowed_hosts.clone(),
+                        subscription: Arc::new(subscription),
+                        statuses: statuses.clone(),
+                        stop,
+                    };
+                    pushers.spawn(async move {
+                        pusher.run().await;
+                        (id, generation)
+                    });
                 }
             }
             Err(error) => tracing::debug!(%error, "cannot read push subscriptions"),
         }
-        // Reap finished pushers (a stopped push ends its own).
-        while pushers.try_join_next().is_some() {}
+        // A pusher that ended by itself (its stream closed, or the push stopped) is
+        // forgotten, so the next round starts a new one if the subscription still wants it.
+        while let Some(ended) = pushers.try_join_next() {
+            if let Ok((id, generation)) = ended
+                && running
+                    .get(&id)
+                    .is_some_and(|pusher| pusher.generation == generation)
+            {
+                running.remove(&id);
+            }
+        }
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = definitions.changed() => {}
@@ -366,7 +382,10 @@ impl Pusher {
                 },
             };
             if let Some(pause) = pause {
-                tokio::time::sleep_until(next_start.into()).await;
+                tokio::select! {
+                    _ = this.stop.cancelled() => break,
+                    _ = tokio::time::sleep_until(next_start.into()) => {}
+                }
                 next_start = Instant::now().max(next_start) + pause;
             }
             let permit = tokio::select! {
