@@ -217,13 +217,10 @@ async fn supervise(
     let mut generations = 0u64;
     loop {
         let store = &relay.sources().default_source().store;
-        match store.subscriptions().await {
+        match store.active_push_subscriptions().await {
             Ok(subscriptions) => {
                 let wanted: HashMap<i64, Subscription> = subscriptions
                     .into_iter()
-                    .filter(|subscription| {
-                        subscription.settings.push.is_some() && subscription.push_stopped.is_none()
-                    })
                     .map(|subscription| (subscription.id, subscription))
                     .collect();
                 running.retain(|id, pusher| {

@@ -98,6 +98,19 @@ impl Store {
         rows.iter().map(subscription_from_row).collect()
     }
 
+    /// The push subscriptions that are pushing (set and not stopped).
+    pub async fn active_push_subscriptions(&self) -> Result<Vec<Subscription>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            subscription_columns!(),
+            " FROM outbox_subscriptions \
+             WHERE push IS NOT NULL AND push_stopped_at IS NULL ORDER BY name"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(subscription_from_row).collect()
+    }
+
     /// Deletes a subscription's definition, and its read position and delivery records
     /// in this database; the id it had, or `None` when it did not exist.
     pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<Option<i64>> {
