@@ -547,6 +547,23 @@ fn settings(subscription: &Subscription) -> Markup {
                 @if settings.persistent_event_types.is_empty() { span.sub { "none" } }
                 @else { (list(settings.persistent_event_types.to_strings())) }
             }
+            dt { "Delivery" }
+            dd {
+                @match &settings.push {
+                    None => { "pull (Subscribe streams)" }
+                    Some(push) => {
+                        "push to " code { (push.endpoint.as_str()) }
+                        ", " (match push.format {
+                            crate::domain::PushFormat::Binary => "binary",
+                            crate::domain::PushFormat::Structured => "structured",
+                        }) " CloudEvents, " (push.max_concurrency) " in flight, timeout "
+                        (duration(push.timeout))
+                        @if let Some(stopped) = &subscription.push_stopped {
+                            br; strong { "stopped " } (time(stopped.at)) ": " (stopped.reason)
+                        }
+                    }
+                }
+            }
             dt { "Created" } dd { (time(subscription.created_at)) }
         }
     }
