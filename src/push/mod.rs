@@ -250,6 +250,7 @@ async fn supervise(
                         },
                     );
                     let pusher = Pusher {
+                        metrics: metrics::PushRequestMetrics::new(subscription.name.as_str()),
                         relay: relay.clone(),
                         client: client.clone(),
                         allowed_hosts: settings.allowed_hosts.clone(),
@@ -298,6 +299,7 @@ struct Pusher {
     subscription: Arc<Subscription>,
     statuses: PushBoard,
     stop: CancellationToken,
+    metrics: metrics::PushRequestMetrics,
 }
 
 /// What became of one request.
@@ -456,7 +458,7 @@ impl Pusher {
                 },
             ),
         };
-        metrics::push_request(name.as_str(), &code, elapsed);
+        self.metrics.request(&code, elapsed);
         self.statuses.update(id, |status| {
             status.in_flight = status.in_flight.saturating_sub(1);
             status.count_request();
