@@ -1457,3 +1457,44 @@ async fn refuses_out_of_range_push_settings() {
             .is_empty()
     );
 }
+
+#[tokio::test]
+async fn failures_dead_letter_after_max_attempts_unless_the_type_is_persistent() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    receiver.answer(|_, _| Reply::status(502));
+    let mut subscription = push_subscription("failing", &receiver.endpoint());
+    subscription.max_attempts = Some(2);
+    subscription.retry_backoff_max = millis(300);
+    subscription.persistent_event_types = vec!["payment.*".into()];
+    create_push(&gateway, subscription).await;
+    publish(
+        &gateway,
+        vec![
+            event("o-1", "order.created"),
+            event("p-1", "payment.captured"),
+        ],
+    )
+    .await;
+    eventually("the ordinary event is dead-lettered", WAIT, || async {
+        !dead_letters(&gateway, "failing").await.is_empty()
+    })
+    .await;
+    let dead = dead_letters(&gateway, "failing").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event.as_ref().unwrap().event_type, "order.created");
+    assert_eq!(dead[0].attempts, 2);
+    assert!(dead[0].last_error.starts_with("HTTP 502"));
+    // The persistent one keeps being pushed well past max_attempts.
+    eventually("the persistent event is retried on", WAIT, || async {
+        receiver
+            .received()
+            .iter()
+            .filter(|r| r.header("ce-type") == "payment.captured")
+            .count()
+            >= 4
+    })
+    .await;
+    assert_eq!(dead_letters(&gateway, "failing").await.len(), 1);
+}
