@@ -8,8 +8,11 @@ use std::{net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 use serde::Deserialize;
 
 use crate::{
-    auth::TokenConfig, delivery::DeliveryConfig, domain::PublishLimits,
+    auth::TokenConfig,
+    delivery::DeliveryConfig,
+    domain::{AllowedHosts, PublishLimits},
     maintenance::MaintenanceConfig,
+    push::PushSettings,
 };
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
@@ -46,6 +49,11 @@ pub struct Settings {
     /// configuration file only (`[[sources]]` tables).
     #[arg(skip)]
     pub sources: Option<Vec<SourceConfig>>,
+
+    /// Push subscriptions: the destinations they may send to and extra trusted CAs;
+    /// configuration file only (a `[push]` table).
+    #[arg(skip)]
+    pub push: Option<PushFileSettings>,
 
     /// Allow listening beyond loopback with no tokens configured: anyone who can reach
     /// the port may publish, read and administer.
@@ -291,6 +299,20 @@ pub struct SourceConfig {
     pub migrate: Option<bool>,
 }
 
+/// The `[push]` table.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PushFileSettings {
+    /// Hosts push endpoints may name: `hooks.example.com`, `*.internal.example.com`,
+    /// `*`, or an address. Empty (the default): pushing is off. Loopback and link-local
+    /// addresses only when listed exactly.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// PEM file of certificate authorities trusted besides the public web roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+}
+
 /// Connections to a source when its table does not say.
 pub const DEFAULT_SOURCE_CONNECTIONS: u32 = 5;
 
@@ -325,6 +347,7 @@ pub struct Config {
     pub limits: PublishLimits,
     pub delivery: DeliveryConfig,
     pub maintenance: MaintenanceConfig,
+    pub push: PushSettings,
     pub shutdown_grace: Duration,
     pub health_check_interval: Duration,
     /// `None`: no metrics endpoint.
@@ -517,6 +540,22 @@ impl Config {
                     .retention_batch_size
                     .unwrap_or(maintenance_defaults.batch_size),
                 ..maintenance_defaults
+            },
+            push: {
+                let file = settings.push.unwrap_or_default();
+                PushSettings {
+                    allowed_hosts: AllowedHosts::parse(&file.allowed_hosts).map_err(|message| {
+                        ConfigError::Invalid {
+                            setting: "push.allowed_hosts",
+                            message,
+                        }
+                    })?,
+                    ca_file: file.ca_file,
+                    poll_interval: duration(
+                        settings.poll_interval,
+                        delivery_defaults.poll_interval,
+                    ),
+                }
             },
             shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
             health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),
@@ -738,6 +777,7 @@ impl Settings {
             listen,
             tokens,
             sources,
+            push,
             insecure_no_auth,
             tls_cert,
             tls_key,
@@ -834,6 +874,37 @@ mod tests {
             Config::from_settings(bad),
             Err(ConfigError::Invalid {
                 setting: "console_listen",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn reads_the_push_table_and_refuses_bad_hosts() {
+        let settings: Settings = toml::from_str(
+            "[push]\nallowed_hosts = [\"hooks.example.com\", \"*.internal.example.com\"]\nca_file = \"/etc/ca.pem\"\n",
+        )
+        .unwrap();
+        let config = Config::from_settings(settings).unwrap();
+        assert!(
+            config
+                .push
+                .allowed_hosts
+                .allowance("a.internal.example.com")
+                .is_some()
+        );
+        assert_eq!(config.push.ca_file, Some(PathBuf::from("/etc/ca.pem")));
+        assert!(
+            Config::default().push.allowed_hosts.is_empty(),
+            "off by default"
+        );
+        assert!(toml::from_str::<Settings>("[push]\nallowed = []\n").is_err());
+        let settings: Settings =
+            toml::from_str("[push]\nallowed_hosts = [\"not a host!\"]\n").unwrap();
+        assert!(matches!(
+            Config::from_settings(settings),
+            Err(ConfigError::Invalid {
+                setting: "push.allowed_hosts",
                 ..
             })
         ));

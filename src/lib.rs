@@ -14,6 +14,8 @@
 //! - [`sources`]: the source databases relayed from, and whether each is reachable.
 //! - [`maintenance`]: lease reclaim and retention on a timer.
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
+//! - [`push`]: push subscriptions — pushers that drain the relay into signed HTTP
+//!   requests (CloudEvents, Standard Webhooks).
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`auth`]: bearer tokens, roles and their scopes.
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
@@ -38,6 +40,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod operations;
 pub mod publish;
+pub mod push;
 pub mod rates;
 pub mod sources;
 pub mod storage;
@@ -88,6 +91,8 @@ pub enum RunError {
     Serve(#[from] tonic::transport::Error),
     #[error("cannot set up TLS: {0}")]
     Tls(String),
+    #[error("{0}")]
+    Push(String),
     #[error("invalid tokens: {0}")]
     Tokens(String),
     #[error(transparent)]
@@ -162,8 +167,15 @@ pub async fn run_with_console(
     let _stop_metrics = stop_metrics.drop_guard();
     let relay = Relay::start(sources.clone(), config.delivery.clone());
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
-    let subscriptions = Subscriptions::new(relay.clone());
-    let operations = Operations::new(relay.clone());
+    let push_board = push::PushBoard::default();
+    let subscriptions = Subscriptions::new(
+        relay.clone(),
+        config.push.allowed_hosts.clone(),
+        push_board.clone(),
+    );
+    push::Pushers::start(relay.clone(), config.push.clone(), push_board.clone())
+        .map_err(|error| RunError::Push(error.to_string()))?;
+    let operations = Operations::new(relay.clone(), push_board.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
     let maintenance = tokio::spawn(maintenance::run(
         relay.clone(),

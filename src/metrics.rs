@@ -267,6 +267,46 @@ pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
         .record(elapsed.as_secs_f64());
 }
 
+/// The request metrics of one push subscription, registered once rather than looked up
+/// for every request.
+pub struct PushRequestMetrics {
+    subscription: String,
+    duration: metrics::Histogram,
+    /// By `code`: the HTTP status, or `timeout`, `connect_error` or `error` when there was
+    /// no answer.
+    requests: Mutex<std::collections::HashMap<String, metrics::Counter>>,
+}
+
+impl PushRequestMetrics {
+    pub fn new(subscription: &str) -> PushRequestMetrics {
+        PushRequestMetrics {
+            subscription: subscription.to_owned(),
+            duration: histogram!(
+                "outbox_push_duration_seconds",
+                "subscription" => subscription.to_owned()
+            ),
+            requests: Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    pub fn request(&self, code: &str, elapsed: Duration) {
+        self.duration.record(elapsed.as_secs_f64());
+        let mut requests = self.requests.lock().expect("push metrics lock");
+        match requests.get(code) {
+            Some(counter) => counter.increment(1),
+            None => {
+                let counter = counter!(
+                    "outbox_push_requests_total",
+                    "subscription" => self.subscription.clone(),
+                    "code" => code.to_owned()
+                );
+                counter.increment(1);
+                requests.insert(code.to_owned(), counter);
+            }
+        }
+    }
+}
+
 pub fn nacked(subscription: &str, source: &str) {
     counter!("outbox_nacks_total", &per_source(subscription, source)).increment(1);
 }

@@ -10,10 +10,12 @@ use crate::{
     delivery::Relay,
     domain::{
         DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event, EventDeliveries,
-        OutboxStats, SourceName, Subscription, SubscriptionName, SubscriptionStats, check_text,
+        OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName, SubscriptionStats,
+        check_text,
     },
     error::{Error, Result},
     metrics,
+    push::{PushBoard, PushStatus},
     sources::{Source, SourceHealth},
     storage::{DeliveryFacts, RequeueRefusal},
 };
@@ -96,6 +98,17 @@ impl PageToken {
 pub struct SubscriptionFigures {
     pub total: SubscriptionStats,
     pub per_source: Vec<SubscriptionStats>,
+    /// Of a push subscription: its requests as this gateway process saw them, and why
+    /// pushing stopped, if it did.
+    pub push: Option<PushFigures>,
+}
+
+/// A push subscription's figures.
+#[derive(Debug, Clone, Default)]
+pub struct PushFigures {
+    /// Requests of this gateway process (other replicas keep their own).
+    pub requests: PushStatus,
+    pub stopped: Option<PushStopped>,
 }
 
 /// One source as an operator sees it.
@@ -112,11 +125,13 @@ pub struct SourceStatus {
 #[derive(Clone)]
 pub struct Operations {
     relay: Relay,
+    /// What this process's pushers report.
+    push_board: PushBoard,
 }
 
 impl Operations {
-    pub fn new(relay: Relay) -> Self {
-        Operations { relay }
+    pub fn new(relay: Relay, push_board: PushBoard) -> Self {
+        Operations { relay, push_board }
     }
 
     /// The sources asked for: the named one (INVALID_ARGUMENT when unknown) or all.
@@ -615,6 +630,10 @@ impl Operations {
             figures.push(SubscriptionFigures {
                 total: total(subscription, &per_source),
                 per_source,
+                push: subscription.settings.push.as_ref().map(|_| PushFigures {
+                    requests: self.push_board.get(subscription.id).unwrap_or_default(),
+                    stopped: subscription.push_stopped.clone(),
+                }),
             });
         }
         let mut outboxes = Vec::new();

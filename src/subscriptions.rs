@@ -14,22 +14,103 @@ use chrono::{DateTime, Utc};
 use crate::{
     delivery::Relay,
     domain::{
-        Pause, SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionPatch,
-        SubscriptionSettings, check_expire_after_idle,
+        AllowedHosts, Pause, PushSecret, SourceName, StartPosition, Subscription, SubscriptionName,
+        SubscriptionPatch, SubscriptionSettings, check_expire_after_idle,
     },
     error::{Error, Result},
+    push::PushBoard,
     sources::Source,
-    storage::{Store, StoreError},
+    storage::{NewDefinition, Store, StoreError},
 };
 
 #[derive(Clone)]
 pub struct Subscriptions {
     relay: Relay,
+    /// Destinations push subscriptions may send to (`[push] allowed_hosts`).
+    push_hosts: AllowedHosts,
+    /// Where this process's pushers take their signing keys from.
+    push_board: PushBoard,
+}
+
+/// How long a rotated-out signing key keeps signing unless the rotation says.
+pub const DEFAULT_KEEP_PREVIOUS_SECRET: std::time::Duration =
+    std::time::Duration::from_secs(24 * 60 * 60);
+/// Longest time a rotated-out signing key may keep signing.
+pub const MAX_KEEP_PREVIOUS_SECRET: std::time::Duration =
+    std::time::Duration::from_secs(30 * 24 * 60 * 60);
+
+/// A subscription as a create or update left it.
+#[derive(Debug)]
+pub struct SubscriptionChange {
+    pub subscription: Subscription,
+    /// The signing key this change made (pushing was turned on): shown to the caller
+    /// once, never again.
+    pub new_secret: Option<PushSecret>,
 }
 
 impl Subscriptions {
-    pub fn new(relay: Relay) -> Self {
-        Subscriptions { relay }
+    pub fn new(relay: Relay, push_hosts: AllowedHosts, push_board: PushBoard) -> Self {
+        Subscriptions {
+            relay,
+            push_hosts,
+            push_board,
+        }
+    }
+
+    /// Gives a push subscription a new signing key; the previous one keeps signing
+    /// beside it for `keep_previous_for` (default [`DEFAULT_KEEP_PREVIOUS_SECRET`]; keys
+    /// rotated out earlier keep their own end). Returns the new key and when the
+    /// previous one stops.
+    pub async fn rotate_push_secret(
+        &self,
+        name: &SubscriptionName,
+        keep_previous_for: Option<std::time::Duration>,
+    ) -> Result<(PushSecret, DateTime<Utc>)> {
+        let keep_previous_for = keep_previous_for.unwrap_or(DEFAULT_KEEP_PREVIOUS_SECRET);
+        if keep_previous_for > MAX_KEEP_PREVIOUS_SECRET {
+            return Err(Error::invalid(
+                "keep_previous_for",
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_KEEP_PREVIOUS_SECRET)
+                ),
+            ));
+        }
+        let subscription = self.get(name).await?;
+        if subscription.settings.push.is_none() {
+            return Err(Error::FailedPrecondition(format!(
+                "subscription {name:?} is not a push subscription: it has no signing secret"
+            )));
+        }
+        let now = Utc::now();
+        let previous_expires_at =
+            now + chrono::Duration::from_std(keep_previous_for).unwrap_or(chrono::Duration::zero());
+        let new_secret = PushSecret::generate();
+        let mut secrets = vec![new_secret.clone()];
+        for mut previous in subscription.push_secrets {
+            if previous.expires_at.is_none() {
+                previous.expires_at = Some(previous_expires_at);
+            }
+            if previous.is_live(now) {
+                secrets.push(previous);
+            }
+        }
+        let rotated = self
+            .definitions()
+            .set_push_secrets(name, &secrets)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        self.push_board
+            .set_keys(rotated.id, rotated.push_secrets.clone());
+        self.relay.subscription_changed(rotated.id);
+        Ok((new_secret, previous_expires_at))
+    }
+
+    fn check_push(&self, settings: &SubscriptionSettings) -> Result<()> {
+        match &settings.push {
+            Some(push) => self.push_hosts.check("subscription.push.endpoint", push),
+            None => Ok(()),
+        }
     }
 
     fn definitions(&self) -> &Store {
@@ -43,9 +124,12 @@ impl Subscriptions {
         sources: Vec<SourceName>,
         start: StartPosition,
         expire_after_idle: Option<Duration>,
-    ) -> Result<Subscription> {
+    ) -> Result<SubscriptionChange> {
         settings.validate("subscription")?;
         check_expire_after_idle("subscription.expire_after_idle", expire_after_idle)?;
+        self.check_push(&settings)?;
+        let new_secret = settings.push.as_ref().map(|_| PushSecret::generate());
+        let secrets: Vec<PushSecret> = new_secret.iter().cloned().collect();
         for (index, source) in sources.iter().enumerate() {
             if self.relay.sources().by_name(source.as_str()).is_none() {
                 return Err(Error::invalid(
@@ -59,11 +143,14 @@ impl Subscriptions {
         let subscription = match self
             .definitions()
             .create_subscription(
-                &name,
-                &settings,
-                &sources,
-                start,
-                expire_after_idle,
+                &NewDefinition {
+                    name: &name,
+                    settings: &settings,
+                    sources: &sources,
+                    start,
+                    expire_after_idle,
+                    secrets: &secrets,
+                },
                 reads_default,
             )
             .await
@@ -87,7 +174,13 @@ impl Subscriptions {
                 tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
             }
         }
-        Ok(subscription)
+        if subscription.settings.push.is_some() {
+            self.relay.subscription_changed(subscription.id);
+        }
+        Ok(SubscriptionChange {
+            subscription,
+            new_secret,
+        })
     }
 
     pub async fn get(&self, name: &SubscriptionName) -> Result<Subscription> {
@@ -99,21 +192,42 @@ impl Subscriptions {
     }
 
     /// Changes the settings the patch names; filters apply to events not yet handed out.
+    /// Setting `push` switches to push delivery (a pull subscription gets a new signing
+    /// key) and resumes a push that stopped; clearing it switches to pull.
     pub async fn update(
         &self,
         name: &SubscriptionName,
         patch: SubscriptionPatch,
-    ) -> Result<Subscription> {
+    ) -> Result<SubscriptionChange> {
         let mut subscription = self.get(name).await?;
+        let previous_push = subscription.settings.push.clone();
+        let push_named = patch.push.is_some();
         patch.apply(&mut subscription.settings);
         subscription.settings.validate("subscription")?;
+        let mut new_secret = None;
+        if push_named {
+            self.check_push(&subscription.settings)?;
+            subscription.push_stopped = None;
+            match (&mut subscription.settings.push, previous_push) {
+                (Some(push), Some(previous)) => push.keep_fingerprinted_headers(&previous),
+                (Some(_), None) => {
+                    let secret = PushSecret::generate();
+                    subscription.push_secrets = vec![secret.clone()];
+                    new_secret = Some(secret);
+                }
+                (None, _) => subscription.push_secrets.clear(),
+            }
+        }
         let updated = self
             .definitions()
             .update_subscription(&subscription)
             .await?
             .ok_or_else(|| not_found(name))?;
         self.relay.subscription_changed(updated.id);
-        Ok(updated)
+        Ok(SubscriptionChange {
+            subscription: updated,
+            new_secret,
+        })
     }
 
     /// Stops new deliveries of the subscription until [`Subscriptions::resume`] or

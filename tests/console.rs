@@ -1161,3 +1161,33 @@ async fn a_subscription_page_shows_its_pause_schedule_and_expiry() {
     assert_eq!(page.stat("reminders.scheduled"), 1);
     assert_eq!(page.stat("reminders.expired_total"), 0);
 }
+
+#[tokio::test]
+async fn a_subscription_page_says_whether_it_pushes_and_where() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.push.allowed_hosts =
+        outbox_gateway::domain::AllowedHosts::parse(&["127.0.0.1".to_owned()]).unwrap();
+    let gateway = TestGateway::start_with_console(&database, config).await;
+    create_subscription(&gateway, subscription("pulled")).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            push: Some(proto::PushConfig {
+                endpoint: "http://127.0.0.1:9/hook".into(),
+                ..Default::default()
+            }),
+            ..subscription("pushed")
+        },
+    )
+    .await;
+    let mut browser = Browser::new(gateway.console.unwrap());
+    browser
+        .get("/subscriptions/pulled")
+        .await
+        .expect(StatusCode::OK, "pull (Subscribe streams)");
+    browser.get("/subscriptions/pushed").await.expect(
+        StatusCode::OK,
+        "push to <code>http://127.0.0.1:9/hook</code>, binary CloudEvents, 16 in flight",
+    );
+}

@@ -292,3 +292,103 @@ async fn api_reference_matches_the_proto_comments() {
         );
     }
 }
+
+#[tokio::test]
+async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
+    let python = python_env().await;
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.push.allowed_hosts =
+        outbox_gateway::domain::AllowedHosts::parse(&["127.0.0.1".to_owned()]).unwrap();
+    config.push.poll_interval = Duration::from_millis(500);
+    let gateway = TestGateway::start_with(&database, config).await;
+    let port = outbox_testkit::gateway::free_loopback_address()
+        .expect("a free port")
+        .port()
+        .to_string();
+    let created = create_subscription(
+        &gateway,
+        outbox_gateway::proto::Subscription {
+            push: Some(outbox_gateway::proto::PushConfig {
+                endpoint: format!("http://127.0.0.1:{port}/events"),
+                ..Default::default()
+            }),
+            // Until the receiver listens the gateway's requests are refused: retry soon.
+            retry_backoff_min: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 200_000_000,
+            }),
+            retry_backoff_max: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            max_attempts: Some(0),
+            ..subscription("orders-push")
+        },
+    )
+    .await;
+    let secret = created.push.expect("push").signing_secret;
+
+    let mut command = Command::new(&python);
+    command
+        .args([
+            "push_receiver.py",
+            "--port",
+            &port,
+            "--max-events",
+            "3",
+            "--timeout",
+            "60",
+        ])
+        .current_dir(repo().join("examples/python"))
+        .env("PUSH_SECRET", &secret);
+    let receiver = tokio::spawn(async move {
+        run("examples/python/push_receiver.py", &mut command, RUN_TIME).await
+    });
+
+    // A request with a forged signature is refused by the package's verification.
+    let forged = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}/events");
+    let refused = poll_until(RUN_TIME, POLL, || async {
+        let answer = forged
+            .post(&url)
+            .header("webhook-id", "forged")
+            .header(
+                "webhook-timestamp",
+                chrono::Utc::now().timestamp().to_string(),
+            )
+            .header(
+                "webhook-signature",
+                "v1,AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=",
+            )
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .ok()?;
+        Some(answer.status().as_u16())
+    })
+    .await;
+    assert_eq!(refused, Some(401), "a forged signature is refused");
+
+    let published: BTreeSet<String> = publish(
+        &gateway,
+        (0..3)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await
+    .into_iter()
+    .map(|result| result.id)
+    .collect();
+    let output = receiver.await.expect("receiver task");
+    let events = json_lines(&output);
+    let received: BTreeSet<String> = events.iter().map(|e| text(&e["id"])).collect();
+    assert_eq!(received, published, "receiver output:\n{output}");
+    for event in &events {
+        assert_eq!(event["type"], "order.created");
+        assert_eq!(event["source"], "/sources/default/aggregates/order");
+        assert_eq!(event["mode"], "binary");
+        assert_eq!(event["data"]["aggregate"], event["subject"]);
+    }
+}

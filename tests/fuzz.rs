@@ -571,6 +571,14 @@ fn every_rpc() -> Vec<Rpc> {
                 ..Default::default()
             }
         ),
+        rpc!(
+            "/outbox.v1.Admin/RotatePushSecret",
+            proto::RotatePushSecretRequest,
+            proto::RotatePushSecretRequest {
+                name: "orders".into(),
+                keep_previous_for: None,
+            }
+        ),
     ]
 }
 

@@ -532,6 +532,19 @@ async fn viewers_may_read_the_admin_figures_and_change_nothing() {
         "admin role",
     );
     assert_status(
+        admin
+            .rotate_push_secret(with_token(
+                proto::RotatePushSecretRequest {
+                    name: "orders".into(),
+                    keep_previous_for: None,
+                },
+                "watcher",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "admin role",
+    );
+    assert_status(
         PublisherClient::new(gateway.channel().await)
             .publish(with_token(publish_request("order.created"), "watcher"))
             .await,

@@ -39,11 +39,11 @@ impl AdminService for AdminApi {
             start,
             expire_after_idle,
         } = convert::new_subscription(request.into_inner().subscription)?;
-        let subscription = self
+        let created = self
             .subscriptions
             .create(name, settings, sources, start, expire_after_idle)
             .await?;
-        Ok(Response::new(convert::subscription(subscription)))
+        Ok(Response::new(convert::changed_subscription(created)))
     }
 
     #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
@@ -91,8 +91,8 @@ impl AdminService for AdminApi {
         auth::principal(&request)?.check_admin()?;
         let request = request.into_inner();
         let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
-        let subscription = self.subscriptions.update(&name, patch).await?;
-        Ok(Response::new(convert::subscription(subscription)))
+        let updated = self.subscriptions.update(&name, patch).await?;
+        Ok(Response::new(convert::changed_subscription(updated)))
     }
 
     #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
@@ -326,6 +326,26 @@ impl AdminService for AdminApi {
             .await?;
         Ok(Response::new(proto::DeadLetterSummary {
             groups: groups.into_iter().map(convert::dead_letter_group).collect(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    async fn rotate_push_secret(
+        &self,
+        request: Request<proto::RotatePushSecretRequest>,
+    ) -> Result<Response<proto::RotatePushSecretResponse>, Status> {
+        auth::principal(&request)?.check_admin()?;
+        let request = request.into_inner();
+        let name = convert::subscription_name("name", &request.name)?;
+        let keep_previous_for =
+            convert::optional_duration("keep_previous_for", request.keep_previous_for)?;
+        let (secret, previous_expires_at) = self
+            .subscriptions
+            .rotate_push_secret(&name, keep_previous_for)
+            .await?;
+        Ok(Response::new(proto::RotatePushSecretResponse {
+            signing_secret: secret.text(),
+            previous_expires_at: Some(convert::datetime_to_timestamp(previous_expires_at)),
         }))
     }
 

@@ -9,14 +9,15 @@ use uuid::Uuid;
 use crate::{
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
-        DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, SourceName,
-        StartPosition, Subscription, SubscriptionName, SubscriptionPatch, SubscriptionSettings,
-        SubscriptionStats, check_timestamp,
+        DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
+        PushFormat, PushInput, SourceName, StartPosition, Subscription, SubscriptionName,
+        SubscriptionPatch, SubscriptionSettings, SubscriptionStats, check_timestamp, fingerprint,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionFigures},
     proto,
     sources::Sources,
+    subscriptions::SubscriptionChange,
 };
 
 pub(super) fn new_event(index: usize, input: proto::EventInput) -> Result<NewEvent> {
@@ -161,6 +162,10 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
         )?,
         max_event_age: optional_duration("subscription.max_event_age", message.max_event_age)?,
         dead_letter_expired: message.dead_letter_expired,
+        push: message
+            .push
+            .map(|push| push_config("subscription.push", push))
+            .transpose()?,
     };
     let start = start_position("subscription.start", message.start)?;
     let sources = message
@@ -216,7 +221,63 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
             .iter()
             .map(|source| source.as_str().to_owned())
             .collect(),
+        push: settings.push.map(|push| proto::PushConfig {
+            endpoint: push.endpoint.as_str().to_owned(),
+            headers: push
+                .headers
+                .iter()
+                .map(|(name, value)| (name.clone(), fingerprint(value)))
+                .collect(),
+            format: match push.format {
+                PushFormat::Binary => proto::PushFormat::CloudeventsBinary,
+                PushFormat::Structured => proto::PushFormat::CloudeventsStructured,
+            } as i32,
+            timeout: Some(duration_to_proto(push.timeout)),
+            max_concurrency: push.max_concurrency,
+            rate_limit: push.rate_limit,
+            signing_secret: String::new(),
+        }),
+        push_stopped: subscription.push_stopped.map(|stopped| proto::PushStopped {
+            at: Some(datetime_to_timestamp(stopped.at)),
+            reason: stopped.reason,
+        }),
     }
+}
+
+/// A created or updated subscription, with the signing key the change made (shown
+/// only here).
+pub(super) fn changed_subscription(change: SubscriptionChange) -> proto::Subscription {
+    let mut message = subscription(change.subscription);
+    if let (Some(push), Some(secret)) = (&mut message.push, change.new_secret) {
+        push.signing_secret = secret.text();
+    }
+    message
+}
+
+fn push_config(field: &str, message: proto::PushConfig) -> Result<PushConfig> {
+    let format = match proto::PushFormat::try_from(message.format) {
+        Ok(proto::PushFormat::Unspecified | proto::PushFormat::CloudeventsBinary) => {
+            PushFormat::Binary
+        }
+        Ok(proto::PushFormat::CloudeventsStructured) => PushFormat::Structured,
+        Err(_) => {
+            return Err(Error::invalid(
+                format!("{field}.format"),
+                format!("{} is not a PushFormat", message.format),
+            ));
+        }
+    };
+    PushConfig::parse(
+        field,
+        PushInput {
+            endpoint: message.endpoint,
+            headers: message.headers.into_iter().collect(),
+            format,
+            timeout: optional_duration(&format!("{field}.timeout"), message.timeout)?,
+            max_concurrency: message.max_concurrency,
+            rate_limit: message.rate_limit,
+        },
+    )
 }
 
 fn patterns(field: &str, patterns: &[String]) -> Result<PatternSet> {
@@ -376,7 +437,17 @@ pub(super) fn subscription_patch(
                 patch.max_event_age = Some(optional_duration(&field(path), message.max_event_age)?);
             }
             "dead_letter_expired" => patch.dead_letter_expired = Some(message.dead_letter_expired),
-            "name" | "start" | "ordered" | "created_at" | "sources" | "expire_after_idle" => {
+            "push" => {
+                patch.push = Some(
+                    message
+                        .push
+                        .clone()
+                        .map(|push| push_config("subscription.push", push))
+                        .transpose()?,
+                );
+            }
+            "name" | "start" | "ordered" | "created_at" | "sources" | "expire_after_idle"
+            | "push_stopped" => {
                 return Err(Error::invalid(
                     format!("update_mask.paths[{index}]"),
                     format!("{} cannot be changed", Echo(path)),
@@ -538,13 +609,27 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
     proto::Stats {
         subscriptions: subscriptions
             .into_iter()
-            .map(|figures| proto::SubscriptionStats {
-                sources: figures
-                    .per_source
-                    .into_iter()
-                    .map(|stats| subscription_stats(stats, now, newest))
-                    .collect(),
-                ..subscription_stats(figures.total, now, newest)
+            .map(|figures| {
+                let push = figures.push.unwrap_or_default();
+                let requests = &push.requests;
+                proto::SubscriptionStats {
+                    sources: figures
+                        .per_source
+                        .into_iter()
+                        .map(|stats| subscription_stats(stats, now, newest))
+                        .collect(),
+                    push_in_flight: requests.in_flight,
+                    push_last_status: u32::from(requests.last_status),
+                    push_last_error: requests.last_error.clone().unwrap_or_default(),
+                    push_last_error_at: requests.last_error_at.map(datetime_to_timestamp),
+                    push_requests_total: requests.requests_total,
+                    push_rate: requests.rate(),
+                    push_stopped_reason: push
+                        .stopped
+                        .map(|stopped| stopped.reason)
+                        .unwrap_or_default(),
+                    ..subscription_stats(figures.total, now, newest)
+                }
             })
             .collect(),
         outbox: Some(proto::OutboxStats {
@@ -591,6 +676,7 @@ fn subscription_stats(
         expired_total: stats.expired_total,
         scheduled: stats.scheduled,
         next_scheduled_at: stats.next_scheduled_at.map(datetime_to_timestamp),
+        ..Default::default()
     }
 }
 

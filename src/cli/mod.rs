@@ -428,6 +428,56 @@ impl SubscriptionSettingsArgs {
     }
 }
 
+/// Push delivery settings of `subscriptions create` and `update`.
+#[derive(Debug, clap::Args)]
+pub struct PushArgs {
+    /// Push each event to this http(s) URL as a signed CloudEvent instead of waiting
+    /// for Subscribe streams (its host must be in the gateway's `[push] allowed_hosts`).
+    #[arg(long)]
+    push_endpoint: Option<String>,
+    /// Extra header sent with every push, as KEY=VALUE (kept secret); repeatable.
+    #[arg(long = "push-header", value_parser = parse_key_value, requires = "push_endpoint")]
+    push_headers: Vec<(String, String)>,
+    /// CloudEvents mode: binary (attributes as headers) or structured (one JSON document).
+    #[arg(long, value_enum, requires = "push_endpoint")]
+    push_format: Option<PushFormatArg>,
+    /// Longest a push request may take, e.g. 10s.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "push_endpoint")]
+    push_timeout: Option<Duration>,
+    /// Most push requests in flight at once.
+    #[arg(long, requires = "push_endpoint")]
+    push_max_concurrency: Option<u32>,
+    /// Most push requests started per second.
+    #[arg(long, requires = "push_endpoint")]
+    push_rate_limit: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum PushFormatArg {
+    Binary,
+    Structured,
+}
+
+impl PushArgs {
+    fn into_push(self) -> Option<proto::PushConfig> {
+        let endpoint = self.push_endpoint?;
+        Some(proto::PushConfig {
+            endpoint,
+            headers: self.push_headers.into_iter().collect(),
+            format: match self.push_format {
+                None | Some(PushFormatArg::Binary) => proto::PushFormat::CloudeventsBinary,
+                Some(PushFormatArg::Structured) => proto::PushFormat::CloudeventsStructured,
+            } as i32,
+            timeout: self
+                .push_timeout
+                .and_then(|d| prost_types::Duration::try_from(d).ok()),
+            max_concurrency: self.push_max_concurrency.unwrap_or(0),
+            rate_limit: self.push_rate_limit,
+            signing_secret: String::new(),
+        })
+    }
+}
+
 #[derive(Debug, clap::Subcommand)]
 pub enum SubscriptionCommand {
     /// Create a subscription.
@@ -446,6 +496,8 @@ pub enum SubscriptionCommand {
         /// least 10s), e.g. 1h.
         #[arg(long, value_parser = humantime::parse_duration)]
         expire_after_idle: Option<Duration>,
+        #[command(flatten)]
+        push: PushArgs,
     },
     /// List all subscriptions.
     List,
@@ -460,6 +512,22 @@ pub enum SubscriptionCommand {
         name: String,
         #[command(flatten)]
         settings: SubscriptionSettingsArgs,
+        /// The push settings replace the current ones (a pull subscription becomes a
+        /// push one and gets a signing secret, printed once); a stopped push resumes.
+        #[command(flatten)]
+        push: PushArgs,
+        /// Stop pushing: consumers read the subscription with Subscribe again.
+        #[arg(long, conflicts_with = "push_endpoint")]
+        pull: bool,
+    },
+    /// Give a push subscription a new signing secret (printed once); the previous one
+    /// keeps signing beside it for --keep-previous-for.
+    RotateSecret {
+        /// The subscription.
+        name: String,
+        /// How long the previous secret still signs, e.g. 24h (the default) or 0s.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        keep_previous_for: Option<Duration>,
     },
     /// Stop handing out new deliveries (acks of those already out still apply).
     Pause {
@@ -833,12 +901,14 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
             start,
             ordered,
             expire_after_idle,
+            push,
         } => {
             let subscription = proto::Subscription {
                 start: Some(start),
                 ordered,
                 expire_after_idle: expire_after_idle
                     .and_then(|idle| prost_types::Duration::try_from(idle).ok()),
+                push: push.into_push(),
                 ..settings.into_subscription(name)
             };
             let created = admin
@@ -893,19 +963,59 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
                 .map_err(describe)?;
             show(subscription.into_inner());
         }
-        SubscriptionCommand::Update { name, settings } => {
-            let paths = settings.given_paths();
+        SubscriptionCommand::Update {
+            name,
+            settings,
+            push,
+            pull,
+        } => {
+            let mut paths = settings.given_paths();
+            let push = push.into_push();
+            if push.is_some() || pull {
+                paths.push("push".into());
+            }
             if paths.is_empty() {
                 return Err("give at least one setting to change".into());
             }
             let updated = admin
                 .update_subscription(proto::UpdateSubscriptionRequest {
-                    subscription: Some(settings.into_subscription(name)),
+                    subscription: Some(proto::Subscription {
+                        push,
+                        ..settings.into_subscription(name)
+                    }),
                     update_mask: Some(prost_types::FieldMask { paths }),
                 })
                 .await
                 .map_err(describe)?;
             show(updated.into_inner());
+        }
+        SubscriptionCommand::RotateSecret {
+            name,
+            keep_previous_for,
+        } => {
+            let rotated = admin
+                .rotate_push_secret(proto::RotatePushSecretRequest {
+                    name,
+                    keep_previous_for: keep_previous_for
+                        .and_then(|d| prost_types::Duration::try_from(d).ok()),
+                })
+                .await
+                .map_err(describe)?
+                .into_inner();
+            let previous_expires_at = render::timestamp(&rotated.previous_expires_at)
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            target.print(
+                json!({
+                    "signing_secret": rotated.signing_secret,
+                    "previous_expires_at": previous_expires_at,
+                }),
+                || {
+                    println!("signing secret: {}", rotated.signing_secret);
+                    println!("the previous secret signs until {previous_expires_at}");
+                },
+            );
         }
         SubscriptionCommand::Delete { name, yes } => {
             if !yes {

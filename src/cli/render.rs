@@ -100,6 +100,11 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "paused_at": timestamp(&subscription.paused_at),
         "paused_until": timestamp(&subscription.paused_until),
         "expire_after_idle": subscription.expire_after_idle.as_ref().map(|_| duration(&subscription.expire_after_idle)),
+        "push": subscription.push.as_ref().map(push),
+        "push_stopped": subscription.push_stopped.as_ref().map(|stopped| json!({
+            "at": timestamp(&stopped.at),
+            "reason": stopped.reason,
+        })),
     })
 }
 
@@ -169,6 +174,13 @@ pub fn subscription_text(subscription: &proto::Subscription) {
             },
         ),
         (
+            "delivery",
+            match &subscription.push {
+                None => "pull (Subscribe streams)".to_owned(),
+                Some(push) => format!("push to {}", push.endpoint),
+            },
+        ),
+        (
             "created at",
             timestamp(&subscription.created_at)
                 .as_str()
@@ -179,6 +191,44 @@ pub fn subscription_text(subscription: &proto::Subscription) {
     for (label, value) in lines {
         println!("{:<23} {value}", format!("{label}:"));
     }
+    if let Some(stopped) = &subscription.push_stopped {
+        println!(
+            "{:<23} {} ({})",
+            "push stopped:",
+            stopped.reason,
+            timestamp(&stopped.at).as_str().unwrap_or("-")
+        );
+    }
+    // Shown only by the call that created or rotated it.
+    if let Some(push) = subscription
+        .push
+        .as_ref()
+        .filter(|push| !push.signing_secret.is_empty())
+    {
+        println!(
+            "{:<23} {} (shown once: store it now)",
+            "signing secret:", push.signing_secret
+        );
+    }
+}
+
+fn push(push: &proto::PushConfig) -> Value {
+    let mut value = json!({
+        "endpoint": push.endpoint,
+        "headers": push.headers,
+        "format": match proto::PushFormat::try_from(push.format) {
+            Ok(proto::PushFormat::CloudeventsStructured) => "structured",
+            _ => "binary",
+        },
+        "timeout": duration(&push.timeout),
+        "max_concurrency": push.max_concurrency,
+        "rate_limit": push.rate_limit,
+    });
+    // Shown only by the call that made it.
+    if !push.signing_secret.is_empty() {
+        value["signing_secret"] = json!(push.signing_secret);
+    }
+    value
 }
 
 pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
@@ -198,7 +248,7 @@ pub fn dead_letter(dead_letter: &proto::DeadLetter) -> Value {
 pub fn stats(stats: &proto::Stats) -> Value {
     let outbox = stats.outbox.unwrap_or_default();
     json!({
-        "subscriptions": stats.subscriptions.iter().map(|s| json!({
+        "subscriptions": stats.subscriptions.iter().map(|s| with_push_stats(s, json!({
             "name": s.name,
             "pending": s.pending,
             "in_flight": s.in_flight,
@@ -212,7 +262,7 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "expired_total": s.expired_total,
             "scheduled": s.scheduled,
             "next_scheduled_at": timestamp(&s.next_scheduled_at),
-        })).collect::<Vec<_>>(),
+        }))).collect::<Vec<_>>(),
         "outbox": {
             "events_stored": outbox.events_stored,
             "oldest_event_at": timestamp(&outbox.oldest_event_at),
@@ -221,6 +271,26 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "events_force_expired": outbox.events_force_expired,
         },
     })
+}
+
+/// Adds a push subscription's request figures (a pull subscription has none).
+fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value {
+    let pushes = stats.push_requests_total > 0
+        || stats.push_in_flight > 0
+        || !stats.push_last_error.is_empty()
+        || !stats.push_stopped_reason.is_empty();
+    if pushes {
+        value["push"] = json!({
+            "in_flight": stats.push_in_flight,
+            "last_status": stats.push_last_status,
+            "last_error": stats.push_last_error,
+            "last_error_at": timestamp(&stats.push_last_error_at),
+            "requests_total": stats.push_requests_total,
+            "rate": stats.push_rate,
+            "stopped_reason": stats.push_stopped_reason,
+        });
+    }
+    value
 }
 
 pub fn source(source: &proto::Source) -> Value {

@@ -576,6 +576,23 @@ fn settings(subscription: &Subscription) -> Markup {
                     None => { span.sub { "no" } }
                 }
             }
+            dt { "Delivery" }
+            dd {
+                @match &settings.push {
+                    None => { "pull (Subscribe streams)" }
+                    Some(push) => {
+                        "push to " code { (push.endpoint.as_str()) }
+                        ", " (match push.format {
+                            crate::domain::PushFormat::Binary => "binary",
+                            crate::domain::PushFormat::Structured => "structured",
+                        }) " CloudEvents, " (push.max_concurrency) " in flight, timeout "
+                        (duration(push.timeout))
+                        @if let Some(stopped) = &subscription.push_stopped {
+                            br; strong { "stopped " } (time(stopped.at)) ": " (stopped.reason)
+                        }
+                    }
+                }
+            }
             dt { "Created" } dd { (time(subscription.created_at)) }
         }
     }

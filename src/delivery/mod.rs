@@ -95,6 +95,8 @@ struct RelayInner {
     config: DeliveryConfig,
     /// Bumped whenever new events may have committed in any source.
     new_events: watch::Sender<u64>,
+    /// Bumped whenever a subscription's definition changed here.
+    definitions: watch::Sender<u64>,
     /// Per source (by id): bumped whenever new events may have committed there, so a
     /// dispatcher claims only the sources with news.
     source_events: Vec<AtomicU64>,
@@ -148,6 +150,7 @@ impl Relay {
                 source_events: sources.iter().map(|_| AtomicU64::new(0)).collect(),
                 sources,
                 new_events,
+                definitions: watch::channel(0).0,
                 dispatchers: Mutex::new(HashMap::new()),
                 shutdown,
                 tasks,
@@ -276,12 +279,33 @@ impl Relay {
 
     /// Opens a delivery stream on the subscription that holds at most `max_in_flight`
     /// unsettled deliveries and, beyond its first, `max_in_flight_bytes` of them (0: the
-    /// configured defaults).
+    /// configured defaults). A push subscription is FAILED_PRECONDITION: the gateway
+    /// itself drains it.
     pub async fn subscribe(
         &self,
         name: &SubscriptionName,
         max_in_flight: u32,
         max_in_flight_bytes: u64,
+    ) -> Result<DeliveryStream> {
+        self.open_stream(name, max_in_flight, max_in_flight_bytes, false)
+            .await
+    }
+
+    /// The stream a pusher drains: like [`Relay::subscribe`], for a push subscription.
+    pub(crate) async fn subscribe_for_push(
+        &self,
+        name: &SubscriptionName,
+        max_in_flight: u32,
+    ) -> Result<DeliveryStream> {
+        self.open_stream(name, max_in_flight, 0, true).await
+    }
+
+    async fn open_stream(
+        &self,
+        name: &SubscriptionName,
+        max_in_flight: u32,
+        max_in_flight_bytes: u64,
+        for_push: bool,
     ) -> Result<DeliveryStream> {
         let config = &self.inner.config;
         let limits = StreamLimits {
@@ -323,7 +347,18 @@ impl Relay {
                     config.max_streams
                 ))
             })?;
-        let subscription = self.find_subscription(name).await?;
+        let mut subscription = self.find_subscription(name).await?;
+        if subscription.settings.push.is_some() && !for_push {
+            // The dispatcher's copy may predate a switch to pull.
+            subscription =
+                crate::subscriptions::find(&self.inner.sources.default_source().store, name)
+                    .await?;
+        }
+        if subscription.settings.push.is_some() && !for_push {
+            return Err(Error::FailedPrecondition(format!(
+                "subscription {name:?} is a push subscription: the gateway sends its events to its endpoint; clear `push` with UpdateSubscription to read it with Subscribe"
+            )));
+        }
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
         let permit = match dispatchers.get(&subscription.id) {
             Some(dispatcher) => match dispatcher.attach(limits, permit) {
@@ -509,11 +544,15 @@ impl Relay {
         self.events_committed(source);
     }
 
-    /// The subscription's definition changed: dispatchers here read it again now.
+    /// The subscription's definition changed: dispatchers and pushers here read it
+    /// again now.
     pub fn subscription_changed(&self, subscription_id: i64) {
         if let Some(dispatcher) = self.dispatcher(subscription_id) {
             dispatcher.definition_changed();
         }
+        self.inner
+            .definitions
+            .send_modify(|generation| *generation += 1);
         self.wake_all();
     }
 
@@ -538,6 +577,24 @@ impl Relay {
             .ok_or_else(|| crate::subscriptions::not_found(name))?;
         self.subscription_changed(paused.id);
         Ok(paused)
+    }
+
+    /// Changes whenever a subscription of this process's definitions changed.
+    pub(crate) fn watch_definitions(&self) -> watch::Receiver<u64> {
+        self.inner.definitions.subscribe()
+    }
+
+    /// Whether the relay is stopping.
+    pub(crate) fn stopping(&self) -> CancellationToken {
+        self.inner.shutdown.clone()
+    }
+
+    /// Tracks a task the relay's shutdown waits for.
+    pub(crate) fn track<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.inner.tasks.spawn(task);
     }
 
     /// Ends every stream, gives their leases back and waits for the relay's tasks.

@@ -7,6 +7,7 @@ mod event;
 mod input;
 mod operations;
 mod pattern;
+mod push;
 mod source;
 mod subscription;
 
@@ -24,6 +25,10 @@ pub use operations::{
     SubscriptionPatch, SubscriptionStats,
 };
 pub use pattern::{EventTypePattern, PatternSet};
+pub use push::{
+    Allowance, AllowedHosts, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, PushConfig,
+    PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
+};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{
-    Event, PatternSet, SourceName, SubscriptionName, SubscriptionSettings, check_text,
+    Event, PatternSet, PushConfig, SourceName, SubscriptionName, SubscriptionSettings, check_text,
     check_timestamp,
 };
 use crate::error::{Error, Result};
@@ -234,6 +234,8 @@ pub struct SubscriptionPatch {
     /// `Some(None)` removes the limit.
     pub max_event_age: Option<Option<Duration>>,
     pub dead_letter_expired: Option<bool>,
+    /// `Some(None)` switches to pull.
+    pub push: Option<Option<PushConfig>>,
 }
 
 impl SubscriptionPatch {
@@ -253,7 +255,8 @@ impl SubscriptionPatch {
             retry_backoff_max,
             persistent_event_types,
             max_event_age,
-            dead_letter_expired
+            dead_letter_expired,
+            push
         );
     }
 }

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use super::{
     input::{Echo, check_text, check_texts},
     pattern::PatternSet,
+    push::{PushConfig, PushSecret, PushStopped},
     source::SourceName,
 };
 use crate::error::{Error, Result};
@@ -92,6 +93,8 @@ pub struct SubscriptionSettings {
     pub max_event_age: Option<Duration>,
     /// Expired events go to the dead-letter queue (error "expired") instead of vanishing.
     pub dead_letter_expired: bool,
+    /// Push delivery to an HTTP endpoint; `None` for a pull subscription.
+    pub push: Option<PushConfig>,
 }
 
 impl Default for SubscriptionSettings {
@@ -108,6 +111,7 @@ impl Default for SubscriptionSettings {
             persistent_event_types: PatternSet::default(),
             max_event_age: None,
             dead_letter_expired: false,
+            push: None,
         }
     }
 }
@@ -207,6 +211,11 @@ pub struct Subscription {
     /// Set while (or since) it was paused: as stored, possibly past its `until`; see
     /// [`Subscription::pause_in_force`].
     pub pause: Option<Pause>,
+    /// Signing keys of a push subscription, newest first.
+    pub push_secrets: Vec<PushSecret>,
+    /// Set when pushing stopped (410 Gone) until an administrator resumes it
+    /// (ResumeSubscription, or setting `push` again).
+    pub push_stopped: Option<PushStopped>,
 }
 
 /// Longest pause reason kept.

@@ -9,7 +9,8 @@ macro_rules! subscription_columns {
         "id, name, event_types, aggregate_types, metadata_match, ack_deadline_ms, max_attempts, \
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
          start_kind, start_time, created_at, paused_at, pause_reason, paused_until, \
-         max_event_age_ms, dead_letter_expired, expire_after_idle_ms"
+         max_event_age_ms, dead_letter_expired, expire_after_idle_ms, push, push_secrets, \
+         push_stopped_at, push_stopped_reason"
     };
 }
 
@@ -75,6 +76,7 @@ pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
 pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;
+pub use subscriptions::NewDefinition;
 
 use crate::domain::{SourceId, SourceName};
 

@@ -235,7 +235,8 @@ impl Store {
         Ok(moved > 0)
     }
 
-    /// Stores a subscription's new settings (not its name, start or ordering).
+    /// Stores a subscription's new settings (not its name, start or ordering), push
+    /// settings, signing keys and stop included.
     pub async fn update_subscription(
         &self,
         subscription: &Subscription,
@@ -246,7 +247,8 @@ impl Store {
                  metadata_match = $4, ack_deadline_ms = $5, max_attempts = $6, \
                  retry_backoff_min_ms = $7, retry_backoff_max_ms = $8, \
                  persistent_event_types = $9, max_event_age_ms = $10, \
-                 dead_letter_expired = $11, updated_at = now() \
+                 dead_letter_expired = $11, push = $12, push_secrets = $13, \
+                 push_stopped_at = $14, push_stopped_reason = $15, updated_at = now() \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -261,6 +263,17 @@ impl Store {
         .bind(settings.persistent_event_types.to_strings())
         .bind(settings.max_event_age.map(millis))
         .bind(settings.dead_letter_expired)
+        .bind(super::subscriptions::stored_push(settings.push.as_ref()))
+        .bind(sqlx::types::Json(super::subscriptions::stored_secrets(
+            &subscription.push_secrets,
+        )))
+        .bind(subscription.push_stopped.as_ref().map(|stopped| stopped.at))
+        .bind(
+            subscription
+                .push_stopped
+                .as_ref()
+                .map(|stopped| stopped.reason.as_str()),
+        )
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()

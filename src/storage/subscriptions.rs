@@ -11,9 +11,20 @@ use super::{
     deliveries::{LockMode, lock_subscription},
 };
 use crate::domain::{
-    PatternSet, Pause, SourceName, StartPosition, Subscription, SubscriptionName,
-    SubscriptionSettings,
+    PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SourceName, StartPosition,
+    Subscription, SubscriptionName, SubscriptionSettings,
 };
+
+/// What a new subscription's definition is stored with.
+pub struct NewDefinition<'a> {
+    pub name: &'a SubscriptionName,
+    pub settings: &'a SubscriptionSettings,
+    pub sources: &'a [SourceName],
+    pub start: StartPosition,
+    pub expire_after_idle: Option<Duration>,
+    /// Push signing secrets (empty for a pull subscription).
+    pub secrets: &'a [PushSecret],
+}
 
 impl Store {
     /// Stores a new subscription's definition and, when it reads this database too, its
@@ -21,21 +32,26 @@ impl Store {
     /// [`StoreError::UniqueViolation`].
     pub async fn create_subscription(
         &self,
-        name: &SubscriptionName,
-        settings: &SubscriptionSettings,
-        sources: &[SourceName],
-        start: StartPosition,
-        expire_after_idle: Option<Duration>,
+        new: &NewDefinition<'_>,
         reads_here: bool,
     ) -> Result<Subscription> {
+        let NewDefinition {
+            name,
+            settings,
+            sources,
+            start,
+            expire_after_idle,
+            secrets,
+        } = *new;
         let (start_kind, start_time) = start_columns(start);
         let mut transaction = self.pool.begin().await?;
         let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
-                 dead_letter_expired, expire_after_idle_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16) \
+                 dead_letter_expired, expire_after_idle_ms, push, push_secrets) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
+                     $17, $18) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -55,6 +71,8 @@ impl Store {
         .bind(settings.max_event_age.map(millis))
         .bind(settings.dead_letter_expired)
         .bind(expire_after_idle.map(millis))
+        .bind(stored_push(settings.push.as_ref()))
+        .bind(Json(stored_secrets(secrets)))
         .fetch_one(&mut *transaction)
         .await?;
         let subscription = subscription_from_row(&row)?;
@@ -136,6 +154,19 @@ impl Store {
             .collect()
     }
 
+    /// The push subscriptions that are pushing (set and not stopped).
+    pub async fn active_push_subscriptions(&self) -> Result<Vec<Subscription>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            subscription_columns!(),
+            " FROM outbox_subscriptions \
+             WHERE push IS NOT NULL AND push_stopped_at IS NULL ORDER BY name"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(subscription_from_row).collect()
+    }
+
     /// Deletes a subscription's definition, and its read position and delivery records
     /// in this database; the id it had, or `None` when it did not exist.
     pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<Option<i64>> {
@@ -192,8 +223,9 @@ impl Store {
     ) -> Result<Option<Subscription>> {
         let row = sqlx::query(concat!(
             "UPDATE outbox_subscriptions SET paused_at = NULL, pause_reason = NULL, \
-                 paused_until = NULL, \
-                 updated_at = CASE WHEN paused_at IS NULL THEN updated_at ELSE now() END \
+                 paused_until = NULL, push_stopped_at = NULL, push_stopped_reason = NULL, \
+                 updated_at = CASE WHEN paused_at IS NULL AND push_stopped_at IS NULL \
+                                   THEN updated_at ELSE now() END \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -217,6 +249,41 @@ impl Store {
         delete_reading(&mut transaction, subscription_id).await?;
         transaction.commit().await?;
         Ok(())
+    }
+
+    /// Stops pushing for the subscription (its endpoint is gone) unless it already
+    /// stopped, or no longer pushes; true when this call stopped it.
+    pub async fn stop_push(&self, subscription_id: i64, reason: &str) -> Result<bool> {
+        let stopped = sqlx::query(
+            "UPDATE outbox_subscriptions SET push_stopped_at = now(), push_stopped_reason = $2, \
+                 updated_at = now() \
+             WHERE id = $1 AND push IS NOT NULL AND push_stopped_at IS NULL",
+        )
+        .bind(subscription_id)
+        .bind(reason)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(stopped > 0)
+    }
+
+    /// Replaces a push subscription's signing keys; the subscription as it is now, or
+    /// `None` when there is no push subscription of that name.
+    pub async fn set_push_secrets(
+        &self,
+        name: &SubscriptionName,
+        secrets: &[PushSecret],
+    ) -> Result<Option<Subscription>> {
+        let row = sqlx::query(concat!(
+            "UPDATE outbox_subscriptions SET push_secrets = $2, updated_at = now() \
+             WHERE name = $1 AND push IS NOT NULL RETURNING ",
+            subscription_columns!()
+        ))
+        .bind(name.as_str())
+        .bind(Json(stored_secrets(secrets)))
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(subscription_from_row).transpose()
     }
 
     /// The subscriptions that read this database (have a read position here).
@@ -376,6 +443,11 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
                 .try_get::<Option<i64>, _>("max_event_age_ms")?
                 .map(|ms| Duration::from_millis(ms.max(0) as u64)),
             dead_letter_expired: row.try_get("dead_letter_expired")?,
+            push: row
+                .try_get::<Option<Json<StoredPush>>, _>("push")
+                .map_err(|error| StoreError::Corrupt(format!("push: {error}")))?
+                .map(|stored| stored.0.into_config())
+                .transpose()?,
         },
         sources,
         start,
@@ -395,5 +467,102 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
                 })
             })
             .transpose()?,
+        push_secrets: row
+            .try_get::<Json<Vec<StoredSecret>>, _>("push_secrets")
+            .map_err(|error| StoreError::Corrupt(format!("push_secrets: {error}")))?
+            .0
+            .into_iter()
+            .map(StoredSecret::into_secret)
+            .collect::<Result<Vec<_>>>()?,
+        push_stopped: match row.try_get::<Option<DateTime<Utc>>, _>("push_stopped_at")? {
+            Some(at) => Some(PushStopped {
+                at,
+                reason: row
+                    .try_get::<Option<String>, _>("push_stopped_reason")?
+                    .unwrap_or_default(),
+            }),
+            None => None,
+        },
     })
+}
+
+/// Push settings as stored in the `push` column.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct StoredPush {
+    endpoint: String,
+    headers: BTreeMap<String, String>,
+    structured: bool,
+    timeout_ms: u64,
+    max_concurrency: u32,
+    rate_limit: Option<f64>,
+}
+
+impl From<&PushConfig> for StoredPush {
+    fn from(config: &PushConfig) -> Self {
+        StoredPush {
+            endpoint: config.endpoint.as_str().to_owned(),
+            headers: config.headers.clone(),
+            structured: config.format == PushFormat::Structured,
+            timeout_ms: u64::try_from(config.timeout.as_millis()).unwrap_or(u64::MAX),
+            max_concurrency: config.max_concurrency,
+            rate_limit: config.rate_limit,
+        }
+    }
+}
+
+impl StoredPush {
+    fn into_config(self) -> Result<PushConfig> {
+        Ok(PushConfig {
+            endpoint: self
+                .endpoint
+                .parse()
+                .map_err(|error| StoreError::Corrupt(format!("push.endpoint: {error}")))?,
+            headers: self.headers,
+            format: if self.structured {
+                PushFormat::Structured
+            } else {
+                PushFormat::Binary
+            },
+            timeout: Duration::from_millis(self.timeout_ms),
+            max_concurrency: self.max_concurrency,
+            rate_limit: self.rate_limit,
+        })
+    }
+}
+
+/// A signing key as stored in the `push_secrets` column.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct StoredSecret {
+    key: String,
+    /// Unix milliseconds.
+    expires_at_ms: Option<i64>,
+}
+
+impl StoredSecret {
+    fn into_secret(self) -> Result<PushSecret> {
+        use base64::Engine;
+        Ok(PushSecret {
+            key: base64::engine::general_purpose::STANDARD
+                .decode(&self.key)
+                .map_err(|error| StoreError::Corrupt(format!("push_secrets: {error}")))?,
+            expires_at: self
+                .expires_at_ms
+                .and_then(DateTime::<Utc>::from_timestamp_millis),
+        })
+    }
+}
+
+pub(super) fn stored_secrets(secrets: &[PushSecret]) -> Vec<StoredSecret> {
+    use base64::Engine;
+    secrets
+        .iter()
+        .map(|secret| StoredSecret {
+            key: base64::engine::general_purpose::STANDARD.encode(&secret.key),
+            expires_at_ms: secret.expires_at.map(|at| at.timestamp_millis()),
+        })
+        .collect()
+}
+
+pub(super) fn stored_push(config: Option<&PushConfig>) -> Option<Json<StoredPush>> {
+    config.map(StoredPush::from).map(Json)
 }

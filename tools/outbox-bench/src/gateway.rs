@@ -64,6 +64,35 @@ impl GatewayLauncher {
     /// Starts a gateway on a free loopback port, waits until it reports SERVING and
     /// connects `channels` gRPC channels to it.
     pub async fn start(&self, channels: usize) -> anyhow::Result<Gateway> {
+        self.start_with_file(channels, None).await
+    }
+
+    /// [`GatewayLauncher::start`] with settings that exist only in the configuration
+    /// file (`[push]`, say), written to a temporary file for it. (A `--config` among the
+    /// extra arguments then clashes.)
+    pub async fn start_with_config(
+        &self,
+        channels: usize,
+        config_toml: &str,
+    ) -> anyhow::Result<Gateway> {
+        let path = std::env::temp_dir().join(format!(
+            "outbox-bench-{}-{}.toml",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::write(&path, config_toml)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        let gateway = self.start_with_file(channels, Some(&path)).await;
+        // The gateway has read it by the time it serves.
+        let _ = std::fs::remove_file(&path);
+        gateway
+    }
+
+    async fn start_with_file(
+        &self,
+        channels: usize,
+        config_file: Option<&Path>,
+    ) -> anyhow::Result<Gateway> {
         let address =
             gateway::free_loopback_address().context("cannot find a free port on 127.0.0.1")?;
         let mut command = Command::new(&self.binary);
@@ -76,6 +105,12 @@ impl GatewayLauncher {
             .args(["--log-level", "warn"])
             // Several gateways may run at once; none needs the web console.
             .args(["--console-listen", "off"])
+            .args(
+                config_file
+                    .map(|path| ["--config".as_ref(), path.as_os_str()])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

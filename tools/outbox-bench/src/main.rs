@@ -8,7 +8,7 @@
 //! SVG charts go to `--out`. BENCHMARKS.md describes the scenarios and targets.
 //!
 //! Modules:
-//! - [`scenarios`]: the eight scenarios and what they share;
+//! - [`scenarios`]: the scenarios and what they share;
 //! - [`publish`], [`consume`]: closed-loop publishers, Subscribe-stream consumers;
 //! - [`gateway`]: the gateway child process, its gRPC channels and /proc readings;
 //! - [`database`]: the benchmark database, backlog fills, direct-SQL pools;
@@ -272,7 +272,15 @@ async fn run_scenarios(bench: &Bench, scenarios: &[Scenario]) -> usize {
 
 async fn run_scenario(bench: &Bench, scenario: Scenario) -> anyhow::Result<Report> {
     bench.database.reset().await?;
-    let mut gateway = bench.launcher.start(bench.settings.channels).await?;
+    let mut gateway = match scenario.gateway_config() {
+        Some(config) => {
+            bench
+                .launcher
+                .start_with_config(bench.settings.channels, config)
+                .await?
+        }
+        None => bench.launcher.start(bench.settings.channels).await?,
+    };
     let result = scenario.run(bench, &gateway).await;
     // A gateway that died mid-run explains whatever error the scenario saw.
     if let Err(exited) = gateway.check_running() {

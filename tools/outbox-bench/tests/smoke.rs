@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 12] = [
+const SCENARIOS: [&str; 13] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -26,6 +26,7 @@ const SCENARIOS: [&str; 12] = [
     "backlog-scaling",
     "memory",
     "cost",
+    "push",
 ];
 
 /// The quick run takes about a minute on an idle machine; past this it is stuck.

@@ -10,6 +10,7 @@ mod held;
 mod latency;
 mod memory;
 mod publish;
+mod push;
 mod scheduled;
 mod stalled;
 
@@ -41,10 +42,11 @@ pub enum Scenario {
     BacklogScaling,
     Memory,
     Cost,
+    Push,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 12] = [
+    pub const ALL: [Scenario; 13] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -57,6 +59,7 @@ impl Scenario {
         Scenario::BacklogScaling,
         Scenario::Memory,
         Scenario::Cost,
+        Scenario::Push,
     ];
 
     pub fn name(self) -> &'static str {
@@ -73,6 +76,26 @@ impl Scenario {
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
             Scenario::Cost => "cost",
+            Scenario::Push => "push",
+        }
+    }
+
+    /// Settings the scenario's gateway needs from a configuration file, if any.
+    pub fn gateway_config(self) -> Option<&'static str> {
+        match self {
+            Scenario::Push => Some(push::GATEWAY_CONFIG),
+            Scenario::PublishBatch
+            | Scenario::PublishSingle
+            | Scenario::Deliver
+            | Scenario::DeliverScheduled
+            | Scenario::Fanout
+            | Scenario::FanIn
+            | Scenario::Latency
+            | Scenario::HeldTransaction
+            | Scenario::StalledConsumers
+            | Scenario::BacklogScaling
+            | Scenario::Memory
+            | Scenario::Cost => None,
         }
     }
 
@@ -91,6 +114,7 @@ impl Scenario {
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
             Scenario::Cost => cost::run(bench, gateway).await,
+            Scenario::Push => push::run(bench, gateway).await,
         }
     }
 }

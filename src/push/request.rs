@@ -1,0 +1,250 @@
+//! What one push request carries: the event as a CloudEvent 1.0 (binary or structured
+//! HTTP mode), the trace context, the subscription's extra headers and the Standard
+//! Webhooks signature. Pure: no I/O, so it is tested on its own.
+//!
+//! Attribute mapping (also in docs/push.md):
+//! - `id`: the event id; `type`: the event type; `subject`: the aggregate id;
+//!   `time`: `occurred_at`; `datacontenttype`: the event's content type.
+//! - `source`: `/sources/<source>/aggregates/<aggregate type>` (percent-encoded), so a
+//!   receiver tells the source database and the aggregate type apart.
+//! - extension `aggregateversion` when the producer gave one; every metadata key that is
+//!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
+//!   extension; `traceparent` / `tracestate` as plain HTTP headers.
+
+use std::collections::BTreeMap;
+
+use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
+use chrono::{DateTime, SecondsFormat, Utc};
+use percent_encoding::{AsciiSet, CONTROLS, NON_ALPHANUMERIC, utf8_percent_encode};
+
+use crate::domain::{
+    Event, PushFormat, PushSecret, TRACE_CONTEXT_KEYS, is_json_content_type, webhook_signature,
+};
+
+/// Header values in binary mode: the CloudEvents HTTP binding percent-encodes spaces,
+/// double quotes, percent signs and everything outside printable ASCII.
+const HEADER_VALUE_ESCAPES: &AsciiSet = &CONTROLS.add(b' ').add(b'"').add(b'%');
+/// A path segment of `source`: everything but unreserved characters.
+const SEGMENT_ESCAPES: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// Attributes CloudEvents defines; a metadata key of that name is not an extension.
+const CONTEXT_ATTRIBUTES: [&str; 11] = [
+    "specversion",
+    "id",
+    "type",
+    "source",
+    "subject",
+    "time",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "data_base64",
+    "aggregateversion",
+];
+
+pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+
+/// Headers and body of one request, before the transport adds its own.
+#[derive(Debug)]
+pub struct PushRequest {
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// The `source` attribute of an event.
+pub fn ce_source(event: &Event) -> String {
+    format!(
+        "/sources/{}/aggregates/{}",
+        utf8_percent_encode(event.source.as_str(), SEGMENT_ESCAPES),
+        utf8_percent_encode(&event.aggregate_type, SEGMENT_ESCAPES)
+    )
+}
+
+/// Metadata entries that become CloudEvents extension attributes.
+fn extensions(metadata: &BTreeMap<String, String>) -> impl Iterator<Item = (&String, &String)> {
+    metadata.iter().filter(|(key, _)| {
+        (1..=20).contains(&key.len())
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+            && !CONTEXT_ATTRIBUTES.contains(&key.as_str())
+            && !TRACE_CONTEXT_KEYS.contains(&key.as_str())
+    })
+}
+
+fn ce_time(time: DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}
+
+/// Builds the request for `event`, signed at `now` with every live key of `secrets`.
+pub fn build(
+    event: &Event,
+    format: PushFormat,
+    extra_headers: &BTreeMap<String, String>,
+    secrets: &[PushSecret],
+    now: DateTime<Utc>,
+) -> PushRequest {
+    let id = event.id.to_string();
+    let mut headers: Vec<(String, String)> = extra_headers
+        .iter()
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect();
+    let body = match format {
+        PushFormat::Binary => {
+            let encode = |value: &str| utf8_percent_encode(value, HEADER_VALUE_ESCAPES).to_string();
+            headers.push(("ce-specversion".into(), "1.0".into()));
+            headers.push(("ce-id".into(), id.clone()));
+            headers.push(("ce-type".into(), encode(&event.event_type)));
+            headers.push(("ce-source".into(), ce_source(event)));
+            headers.push(("ce-subject".into(), encode(&event.aggregate_id)));
+            headers.push(("ce-time".into(), ce_time(event.occurred_at)));
+            if let Some(version) = event.aggregate_version {
+                headers.push(("ce-aggregateversion".into(), version.to_string()));
+            }
+            for (key, value) in extensions(&event.metadata) {
+                headers.push((format!("ce-{key}"), encode(value)));
+            }
+            headers.push(("content-type".into(), event.content_type.clone()));
+            event.payload.clone()
+        }
+        PushFormat::Structured => {
+            let mut document = serde_json::Map::new();
+            let mut put = |key: &str, value: serde_json::Value| {
+                document.insert(key.to_owned(), value);
+            };
+            put("specversion", "1.0".into());
+            put("id", id.clone().into());
+            put("type", event.event_type.clone().into());
+            put("source", ce_source(event).into());
+            put("subject", event.aggregate_id.clone().into());
+            put("time", ce_time(event.occurred_at).into());
+            put("datacontenttype", event.content_type.clone().into());
+            if let Some(version) = event.aggregate_version {
+                put("aggregateversion", version.into());
+            }
+            for (key, value) in extensions(&event.metadata) {
+                put(key, value.clone().into());
+            }
+            let json_data = is_json_content_type(&event.content_type)
+                .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())
+                .flatten();
+            match json_data {
+                Some(data) => put("data", data),
+                None => put("data_base64", BASE64.encode(&event.payload).into()),
+            }
+            headers.push(("content-type".into(), STRUCTURED_CONTENT_TYPE.into()));
+            serde_json::to_vec(&serde_json::Value::Object(document))
+                .expect("a JSON value serializes")
+        }
+    };
+    for key in TRACE_CONTEXT_KEYS {
+        if let Some(value) = event.metadata.get(key)
+            && http::HeaderValue::from_str(value).is_ok()
+        {
+            headers.push((key.to_owned(), value.clone()));
+        }
+    }
+    let timestamp = now.timestamp();
+    headers.push(("webhook-id".into(), id.clone()));
+    headers.push(("webhook-timestamp".into(), timestamp.to_string()));
+    headers.push((
+        "webhook-signature".into(),
+        webhook_signature(secrets, now, &id, timestamp, &body),
+    ));
+    PushRequest { headers, body }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::SourceName;
+
+    fn event() -> Event {
+        Event {
+            source: SourceName::default_source(),
+            id: uuid::Uuid::nil(),
+            aggregate_type: "order line".into(),
+            aggregate_id: "o-1".into(),
+            aggregate_version: Some(3),
+            event_type: "order.created".into(),
+            payload: br#"{"a":1}"#.to_vec(),
+            content_type: "application/json".into(),
+            deliver_at: None,
+            expires_at: None,
+            metadata: [
+                ("tenant".to_owned(), "acme corp".to_owned()),
+                ("Not-An-Attribute".to_owned(), "x".to_owned()),
+                ("traceparent".to_owned(), "00-abc-def-01".to_owned()),
+            ]
+            .into(),
+            occurred_at: DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            created_at: DateTime::from_timestamp(1_700_000_001, 0).unwrap(),
+        }
+    }
+
+    fn header<'a>(request: &'a PushRequest, name: &str) -> Option<&'a str> {
+        request
+            .headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    #[test]
+    fn binary_mode_puts_attributes_in_headers() {
+        let secret = PushSecret::generate();
+        let request = build(
+            &event(),
+            PushFormat::Binary,
+            &BTreeMap::new(),
+            &[secret],
+            Utc::now(),
+        );
+        assert_eq!(request.body, br#"{"a":1}"#);
+        assert_eq!(
+            header(&request, "ce-source"),
+            Some("/sources/default/aggregates/order%20line")
+        );
+        assert_eq!(header(&request, "ce-tenant"), Some("acme%20corp"));
+        assert_eq!(header(&request, "ce-aggregateversion"), Some("3"));
+        assert_eq!(header(&request, "ce-traceparent"), None);
+        assert_eq!(header(&request, "traceparent"), Some("00-abc-def-01"));
+        assert_eq!(header(&request, "ce-time"), Some("2023-11-14T22:13:20Z"));
+        assert!(
+            header(&request, "webhook-signature")
+                .unwrap()
+                .starts_with("v1,")
+        );
+    }
+
+    #[test]
+    fn structured_mode_embeds_json_and_base64_data() {
+        let request = build(
+            &event(),
+            PushFormat::Structured,
+            &BTreeMap::new(),
+            &[PushSecret::generate()],
+            Utc::now(),
+        );
+        let document: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+        assert_eq!(document["data"]["a"], 1);
+        assert_eq!(document["aggregateversion"], 3);
+        assert_eq!(document["tenant"], "acme corp");
+        let mut binary = event();
+        binary.content_type = "application/octet-stream".into();
+        binary.payload = vec![0, 1, 2];
+        let request = build(
+            &binary,
+            PushFormat::Structured,
+            &BTreeMap::new(),
+            &[PushSecret::generate()],
+            Utc::now(),
+        );
+        let document: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+        assert_eq!(document["data_base64"], "AAEC");
+    }
+}
