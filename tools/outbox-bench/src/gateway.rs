@@ -103,8 +103,10 @@ impl GatewayLauncher {
             .arg("--database-url")
             .arg(&self.database_url)
             .args(["--log-level", "warn"])
-            // Several gateways may run at once; none needs the web console.
+            // Several gateways may run at once (fan-in, or beside a gateway of your own);
+            // none needs the web console or a metrics port.
             .args(["--console-listen", "off"])
+            .args(["--metrics-listen", "off"])
             .args(
                 config_file
                     .map(|path| ["--config".as_ref(), path.as_os_str()])

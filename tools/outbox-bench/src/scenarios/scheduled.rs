@@ -113,6 +113,20 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     report
         .targets
         .push(Target::at_least("with scheduled ÷ plain", ratio, 0.9, "x"));
+    let series = [
+        plain.total_samples.clone().labelled("plain"),
+        with_scheduled.total_samples.clone().labelled(format!(
+            "with {} scheduled",
+            format_number(scheduled as f64)
+        )),
+    ];
+    bench.time_chart(
+        &mut report,
+        "deliver-scheduled-throughput.svg",
+        "deliver-scheduled: acked events/s without and with events scheduled ahead",
+        "events/s",
+        &series,
+    )?;
     Ok(report)
 }
 
