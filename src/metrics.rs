@@ -91,23 +91,32 @@ impl MetricsEndpoint {
     }
 }
 
-/// The subscriptions that exist, as the last figures refresh saw them; `None` before
-/// the first. A deleted subscription's series (its counters too, which never go idle)
-/// leave the endpoint once it is gone from here.
-static EXISTING_SUBSCRIPTIONS: LazyLock<Mutex<Option<HashSet<String>>>> =
-    LazyLock::new(Default::default);
+/// The subscriptions the figures refreshes saw, and those that vanished between two
+/// of them (deleted): a deleted subscription's series — its counters too, which never go
+/// idle — leave the endpoint, while one created since the last refresh shows at once.
+#[derive(Default)]
+struct KnownSubscriptions {
+    last_seen: HashSet<String>,
+    deleted: HashSet<String>,
+}
+
+static KNOWN_SUBSCRIPTIONS: LazyLock<Mutex<KnownSubscriptions>> = LazyLock::new(Default::default);
 
 /// Records the subscriptions that exist now.
 pub fn existing_subscriptions(names: HashSet<String>) {
-    *EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock") = Some(names);
+    let mut known = KNOWN_SUBSCRIPTIONS.lock().expect("subscriptions lock");
+    let gone: Vec<String> = known.last_seen.difference(&names).cloned().collect();
+    known.deleted.extend(gone);
+    known.deleted.retain(|name| !names.contains(name));
+    known.last_seen = names;
 }
 
-/// The exposition text without the samples of subscriptions that no longer exist.
+/// The exposition text without the samples of deleted subscriptions.
 fn without_deleted_subscriptions(text: &str) -> String {
-    let existing = EXISTING_SUBSCRIPTIONS.lock().expect("subscriptions lock");
-    let Some(existing) = existing.as_ref() else {
+    let known = KNOWN_SUBSCRIPTIONS.lock().expect("subscriptions lock");
+    if known.deleted.is_empty() {
         return text.to_owned();
-    };
+    }
     let mut kept = String::with_capacity(text.len());
     for line in text.lines() {
         // Subscription names are [a-z0-9._-]: no escapes inside the label value.
@@ -115,7 +124,7 @@ fn without_deleted_subscriptions(text: &str) -> String {
             .split_once("subscription=\"")
             .and_then(|(_, rest)| rest.split_once('"'))
             .map(|(name, _)| name);
-        if subscription.is_some_and(|name| !existing.contains(name)) && !line.starts_with('#') {
+        if subscription.is_some_and(|name| known.deleted.contains(name)) && !line.starts_with('#') {
             continue;
         }
         kept.push_str(line);
@@ -210,6 +219,23 @@ fn describe() {
     describe_gauge!(
         "outbox_db_pool_connections",
         "connections of the main pool, by state: idle or in_use"
+    );
+    describe_gauge!(
+        "outbox_subscription_scheduled",
+        "events of the subscription waiting for their deliver_at"
+    );
+    describe_counter!(
+        "outbox_events_expired_total",
+        "events a subscription let expire (by their expires_at or its max_event_age) instead of delivering them"
+    );
+    describe_counter!(
+        "outbox_push_requests_total",
+        "requests of push subscriptions to their endpoints, by HTTP status or failure"
+    );
+    describe_histogram!(
+        "outbox_push_duration_seconds",
+        Unit::Seconds,
+        "time from sending a push request to its answer"
     );
 }
 

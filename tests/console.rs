@@ -1160,6 +1160,47 @@ async fn a_subscription_page_shows_its_pause_schedule_and_expiry() {
         .expect(StatusCode::OK, "expired events are dead-lettered");
     assert_eq!(page.stat("reminders.scheduled"), 1);
     assert_eq!(page.stat("reminders.expired_total"), 0);
+
+    // An admin resumes and pauses from the page; a forged form changes nothing.
+    async fn reminders(gateway: &TestGateway) -> proto::Subscription {
+        gateway
+            .admin()
+            .await
+            .get_subscription(proto::GetSubscriptionRequest {
+                name: "reminders".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+    let csrf = page.csrf();
+    let resumed = browser
+        .post("/subscriptions/reminders/resume", &[("csrf", &csrf)])
+        .await;
+    assert_eq!(resumed.status, StatusCode::SEE_OTHER);
+    assert!(!reminders(&gateway).await.paused);
+    browser
+        .get(resumed.location())
+        .await
+        .expect(StatusCode::OK, "Resumed reminders")
+        .expect(StatusCode::OK, "action=\"/subscriptions/reminders/pause\"");
+    let forged = browser
+        .post(
+            "/subscriptions/reminders/pause",
+            &[("csrf", "forged"), ("reason", "nope")],
+        )
+        .await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN);
+    assert!(!reminders(&gateway).await.paused);
+    let done = browser
+        .post(
+            "/subscriptions/reminders/pause",
+            &[("csrf", &csrf), ("reason", "data fix")],
+        )
+        .await;
+    assert_eq!(done.status, StatusCode::SEE_OTHER);
+    let now = reminders(&gateway).await;
+    assert!(now.paused && now.pause_reason == "data fix", "{now:?}");
 }
 
 #[tokio::test]

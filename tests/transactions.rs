@@ -58,7 +58,32 @@ async fn gateway(database: &std::sync::Arc<TestDatabase>, database_url: String) 
 /// Events written by a direct SQL writer still reach a subscriber: nothing holds the
 /// relay back.
 async fn assert_delivery_flows(gateway: &TestGateway, pool: &PgPool, name: &str) {
-    let mut consumer = Consumer::open(gateway, name, 10).await;
+    // After a lost connection, a pooled connection that died with it fails its next
+    // statement once (UNAVAILABLE, which clients retry) before the pool replaces it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let stream = loop {
+        let opened = gateway
+            .subscriber()
+            .await
+            .subscribe(proto::SubscribeRequest {
+                subscription: name.into(),
+                max_in_flight: 10,
+                ..Default::default()
+            })
+            .await;
+        match opened {
+            Ok(stream) => break stream.into_inner(),
+            Err(status) if status.code() == Code::Unavailable => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "Subscribe stays unavailable: {status:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("subscribe: {status:?}"),
+        }
+    };
+    let mut consumer = Consumer::from_stream(stream);
     let id: uuid::Uuid =
         sqlx::query_scalar("SELECT outbox_publish('probe', 'p-1', 'probe.sent', '{}'::jsonb)")
             .fetch_one(pool)

@@ -100,6 +100,8 @@ impl Console {
                 post(pages::dead_letter_action),
             )
             .route("/subscriptions/{name}/seek", post(pages::seek))
+            .route("/subscriptions/{name}/pause", post(pages::pause))
+            .route("/subscriptions/{name}/resume", post(pages::resume))
             .route("/events", get(pages::find_event))
             .route("/events/{id}", get(pages::event))
             .route("/events/{id}/requeue", post(pages::requeue_event))

@@ -363,6 +363,45 @@ pub async fn seek(
     Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
 }
 
+/// Pausing is reversible at once, so it asks for no confirmation.
+pub async fn pause(
+    State(console): State<Console>,
+    Path(name): Path<String>,
+    session: Session,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Page {
+    let form = Params::parse(&body);
+    authorize_action(&session, &headers, &form)?;
+    let name = params::subscription_name(&name)?;
+    let reason = form.get("reason").unwrap_or_default();
+    console
+        .inner
+        .subscriptions
+        .pause(&name, reason, None)
+        .await?;
+    console.notify(
+        &session,
+        format!("Paused {name}: nothing new goes out until it is resumed."),
+    );
+    Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
+}
+
+pub async fn resume(
+    State(console): State<Console>,
+    Path(name): Path<String>,
+    session: Session,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Page {
+    let form = Params::parse(&body);
+    authorize_action(&session, &headers, &form)?;
+    let name = params::subscription_name(&name)?;
+    console.inner.subscriptions.resume(&name).await?;
+    console.notify(&session, format!("Resumed {name}."));
+    Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
+}
+
 pub async fn find_event(
     State(console): State<Console>,
     session: Session,

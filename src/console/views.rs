@@ -322,6 +322,7 @@ pub fn subscription(frame: &Frame, view: &SubscriptionView) -> Markup {
                 (settings(view.subscription))
             }
             @if frame.admin {
+                (pause_form(frame, view.subscription))
                 section #seek aria-labelledby="seek-title" {
                     h2 #seek-title { "Replay or skip" }
                     p.hint { "Moves the read position only: deliveries in flight, awaiting retry or dead keep their state." }
@@ -521,6 +522,32 @@ fn per_source_table(view: &SubscriptionView) -> Markup {
                             td.num { (optional_age(stats.oldest_unacked_at, view.now)) }
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Resume when paused (by an operator, or stopped by a push endpoint's 410), else pause.
+fn pause_form(frame: &Frame, subscription: &Subscription) -> Markup {
+    let stopped =
+        subscription.pause_in_force(Utc::now()).is_some() || subscription.push_stopped.is_some();
+    let href = subscription_href(&subscription.name);
+    html! {
+        section #pause aria-labelledby="pause-title" {
+            h2 #pause-title { "Pause or resume" }
+            @if stopped {
+                p.hint { "Nothing new goes out; acks of deliveries already out still apply." }
+                form.stack method="post" action=(format!("{href}/resume")) {
+                    (csrf_field(frame))
+                    button type="submit" { "Resume" }
+                }
+            } @else {
+                p.hint { "Stops handing out new deliveries on every gateway; the backlog waits." }
+                form.stack method="post" action=(format!("{href}/pause")) {
+                    (csrf_field(frame))
+                    label { "Reason " input type="text" name="reason" maxlength="1024" placeholder="downstream outage"; }
+                    button type="submit" { "Pause" }
                 }
             }
         }

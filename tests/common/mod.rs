@@ -366,6 +366,11 @@ impl Consumer {
         Consumer { stream }
     }
 
+    /// A consumer of a stream the test opened itself.
+    pub fn from_stream(stream: tonic::Streaming<proto::Delivery>) -> Consumer {
+        Consumer { stream }
+    }
+
     /// The next delivery, or `None` when none arrives within `wait`.
     pub async fn next(&mut self, wait: Duration) -> Option<proto::Delivery> {
         match tokio::time::timeout(wait, self.stream.message()).await {
