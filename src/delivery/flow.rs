@@ -10,7 +10,11 @@
 //! - deliveries waiting in this process's memory for their stream to send them count
 //!   against one gateway-wide budget; while it is spent, only a stream that has nothing
 //!   waiting may take a delivery, one at a time. Memory stays bounded whatever consumers
-//!   do, and a stream that reads keeps receiving.
+//!   do, and a stream that reads keeps receiving;
+//! - a stream whose leases expired takes nothing for a while, 1 s doubling to a minute
+//!   while it keeps letting them expire, and is trusted again by its next settlement: a
+//!   consumer that reads and never acks would otherwise have its deliveries re-leased to
+//!   it wave after wave, and that work starves the healthy subscriptions.
 
 use std::{
     collections::HashMap,
@@ -101,11 +105,20 @@ struct Slot {
     /// stream, which subtracts what it takes.
     buffered: Arc<AtomicU64>,
     sender: DeliverySender,
+    /// Times in a row its leases expired with no settlement between.
+    stalls: u32,
+    /// It takes nothing before this (its leases expired unsettled).
+    resting_until: Option<DateTime<Utc>>,
 }
+
+/// First pause of a stream whose leases expired, doubling while it stays stalled.
+const FIRST_REST: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
+const LONGEST_REST: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
 
 impl Slot {
     fn can_take(&self, budget: &BufferBudget) -> bool {
-        !self.sender.is_closed()
+        self.resting_until.is_none_or(|until| until <= Utc::now())
+            && !self.sender.is_closed()
             && self.in_flight < self.limits.deliveries
             && (self.in_flight == 0 || self.in_flight_bytes < self.limits.bytes)
             && (!budget.is_spent() || self.buffered.load(Ordering::Relaxed) == 0)
@@ -151,6 +164,8 @@ impl Streams {
             in_flight_bytes: 0,
             buffered,
             sender,
+            stalls: 0,
+            resting_until: None,
         });
         id
     }
@@ -268,8 +283,18 @@ impl Streams {
         self.leases.get(&key).filter(|lease| lease.token == token)
     }
 
-    /// Forgets the lease at `key`, freeing its stream's room.
+    /// Forgets the settled lease at `key`, freeing its stream's room; a stream that
+    /// settles is trusted again.
     pub fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
+        let lease = self.remove_lease(key)?;
+        if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
+            slot.stalls = 0;
+            slot.resting_until = None;
+        }
+        Some(lease)
+    }
+
+    fn remove_lease(&mut self, key: LeaseKey) -> Option<Lease> {
         let lease = self.leases.remove(&key)?;
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
             slot.in_flight = slot.in_flight.saturating_sub(1);
@@ -293,7 +318,7 @@ impl Streams {
     }
 
     /// Forgets leases whose deadline passed: they are no longer this process's to count.
-    /// Returns the sources they belonged to.
+    /// Their streams rest before taking more. Returns the sources they belonged to.
     pub fn expire(&mut self, now: DateTime<Utc>) -> Vec<SourceId> {
         let expired: Vec<LeaseKey> = self
             .leases
@@ -301,8 +326,22 @@ impl Streams {
             .filter(|(_, lease)| lease.deadline <= now)
             .map(|(key, _)| *key)
             .collect();
+        let mut stalled = Vec::new();
         for key in &expired {
-            self.forget(*key);
+            if let Some(lease) = self.remove_lease(*key) {
+                stalled.push(lease.stream_id);
+            }
+        }
+        stalled.sort_unstable();
+        stalled.dedup();
+        for slot in self
+            .slots
+            .iter_mut()
+            .filter(|slot| stalled.contains(&slot.id))
+        {
+            let rest = FIRST_REST * 2i32.pow(slot.stalls.min(6));
+            slot.resting_until = Some(now + rest.min(LONGEST_REST));
+            slot.stalls = slot.stalls.saturating_add(1);
         }
         let mut sources: Vec<SourceId> = expired.into_iter().map(|(source, _)| source).collect();
         sources.sort();
@@ -310,8 +349,19 @@ impl Streams {
         sources
     }
 
+    /// When the next lease expires or the next resting stream may take again.
     pub fn next_deadline(&self) -> Option<DateTime<Utc>> {
-        self.leases.values().map(|lease| lease.deadline).min()
+        let now = Utc::now();
+        self.leases
+            .values()
+            .map(|lease| lease.deadline)
+            .chain(
+                self.slots
+                    .iter()
+                    .filter_map(|slot| slot.resting_until)
+                    .filter(|until| *until > now),
+            )
+            .min()
     }
 
     /// The leases of one source as (position, token).
@@ -434,8 +484,49 @@ mod tests {
             "another token"
         );
         assert!(streams.claim_limits(500, &budget).is_none());
-        assert_eq!(streams.expire(Utc::now()), vec![SourceId(0)]);
+        let now = Utc::now();
+        assert_eq!(streams.expire(now), vec![SourceId(0)]);
         assert!(!streams.has_leases());
-        assert!(streams.claim_limits(500, &budget).is_some());
+        // Its stream let the lease expire: it rests a second before taking more, and the
+        // dispatcher is woken then.
+        assert!(streams.claim_limits(500, &budget).is_none());
+        assert_eq!(streams.next_deadline(), Some(now + FIRST_REST));
+    }
+
+    #[test]
+    fn a_stream_that_keeps_letting_leases_expire_rests_longer_until_it_settles() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, _stalled, _) = stream(&mut streams, 10, u64::MAX);
+        let (reading_id, mut reading, _) = stream(&mut streams, 10, u64::MAX);
+        let expired = |position| {
+            let mut late = delivery(position, 10);
+            late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
+            late
+        };
+        let mut rests = Vec::new();
+        for round in 0..8 {
+            // Its rest is over (time passed); it takes the next delivery and lets it expire.
+            streams.slots[0].resting_until = None;
+            streams.round_robin = 0;
+            streams.place(expired(round), &budget).unwrap();
+            let now = Utc::now();
+            streams.expire(now);
+            let slot = &streams.slots[0];
+            rests.push((slot.resting_until.unwrap() - now).num_seconds());
+        }
+        assert_eq!(rests, [1, 2, 4, 8, 16, 32, 60, 60]);
+        // The resting stream is skipped; the other takes the next delivery.
+        streams.place(delivery(100, 10), &budget).unwrap();
+        assert_eq!(streams.leases[&(SourceId(0), 100)].stream_id, reading_id);
+        assert!(reading.try_recv().is_ok());
+
+        // A settlement by the stalled stream makes it trusted again.
+        streams.slots[0].resting_until = None;
+        streams.round_robin = 0;
+        streams.place(delivery(101, 10), &budget).unwrap();
+        streams.forget((SourceId(0), 101));
+        assert_eq!(streams.slots[0].stalls, 0);
+        assert!(streams.slots[0].resting_until.is_none());
     }
 }
