@@ -53,6 +53,9 @@ pub(super) struct Dispatcher {
     changed: Notify,
     /// The gateway-wide bound on deliveries waiting in memory for their streams.
     budget: Arc<BufferBudget>,
+    /// Held from reading the definition until the claims made with it end, so that a
+    /// pause taken here can wait for claims that did not see it.
+    claiming: tokio::sync::Mutex<()>,
 }
 
 #[derive(Default)]
@@ -131,7 +134,16 @@ impl Dispatcher {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             budget,
+            claiming: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// Takes a definition just written here (a pause) and returns once no claim made
+    /// with the previous one is still running: what is published afterwards goes out
+    /// under the new definition.
+    pub(super) async fn install_definition(&self, subscription: Subscription) {
+        *self.subscription.lock().expect("subscription lock") = subscription;
+        drop(self.claiming.lock().await);
     }
 
     pub(super) fn subscription_id(&self) -> i64 {
@@ -427,6 +439,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 return;
             }
         }
+        let claiming = dispatcher.claiming.lock().await;
         let subscription = dispatcher.subscription();
         // Paused: nothing new goes out; settlements, lease expiry and definition reads go
         // on, and the loop wakes when the pause ends by itself.
@@ -475,10 +488,12 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
             }
             if full_batch {
+                drop(claiming);
                 tokio::task::yield_now().await;
                 continue;
             }
         }
+        drop(claiming);
 
         let sleep_for = next_wake(&dispatcher, config.poll_interval);
         tokio::select! {

@@ -575,6 +575,9 @@ impl Relay {
             .pause_subscription(name, reason, until)
             .await?
             .ok_or_else(|| crate::subscriptions::not_found(name))?;
+        if let Some(dispatcher) = self.dispatcher(paused.id) {
+            dispatcher.install_definition(paused.clone()).await;
+        }
         self.subscription_changed(paused.id);
         Ok(paused)
     }
