@@ -350,14 +350,7 @@ async fn tls_config(
 }
 
 async fn connect(config: &Config) -> Result<Store, RunError> {
-    let store_config = StoreConfig {
-        source: domain::SourceName::default_source(),
-        source_id: domain::SourceId(0),
-        database_url: config.database_url.clone(),
-        max_connections: config.db_max_connections,
-        acquire_timeout: config.db_acquire_timeout,
-        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
-    };
+    let store_config = sources::default_store_config(config, config.db_max_connections);
     connect_within(&store_config, config.db_connect_timeout).await
 }
 

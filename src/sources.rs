@@ -265,19 +265,10 @@ pub async fn migrate(config: &Config, only: Option<&str>) -> Result<Vec<String>,
     let mut done = Vec::new();
     let wanted = |name: &str| only.is_none_or(|only| only == name);
     if wanted(DEFAULT_SOURCE) {
-        let store = crate::connect_within(
-            &StoreConfig {
-                source: SourceName::default_source(),
-                source_id: SourceId(0),
-                database_url: config.database_url.clone(),
-                max_connections: 1,
-                acquire_timeout: config.db_acquire_timeout,
-                idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
-            },
-            config.db_connect_timeout,
-        )
-        .await
-        .map_err(|error| format!("source \"default\": {error}"))?;
+        let store =
+            crate::connect_within(&default_store_config(config, 1), config.db_connect_timeout)
+                .await
+                .map_err(|error| format!("source \"default\": {error}"))?;
         done.push(migrate_store(&store, &config.database_url).await?);
     }
     for (index, source) in config.sources.iter().enumerate() {
@@ -356,6 +347,18 @@ impl Source {
         }
         self.prepared.store(true, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// How to reach `default`, the database of `--database-url`, with `max_connections`.
+pub fn default_store_config(config: &Config, max_connections: u32) -> StoreConfig {
+    StoreConfig {
+        source: SourceName::default_source(),
+        source_id: SourceId(0),
+        database_url: config.database_url.clone(),
+        max_connections,
+        acquire_timeout: config.db_acquire_timeout,
+        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     }
 }
 

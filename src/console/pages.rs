@@ -360,7 +360,7 @@ pub async fn seek(
     }
     subscriptions.seek(&name, to).await?;
     console.notify(&session, format!("Moved the read position of {name}."));
-    Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
+    Ok(Redirect::to(&views::subscription_href(&name)).into_response())
 }
 
 /// Pausing is reversible at once, so it asks for no confirmation.
@@ -384,7 +384,7 @@ pub async fn pause(
         &session,
         format!("Paused {name}: nothing new goes out until it is resumed."),
     );
-    Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
+    Ok(Redirect::to(&views::subscription_href(&name)).into_response())
 }
 
 pub async fn resume(
@@ -399,7 +399,7 @@ pub async fn resume(
     let name = params::subscription_name(&name)?;
     console.inner.subscriptions.resume(&name).await?;
     console.notify(&session, format!("Resumed {name}."));
-    Ok(Redirect::to(&format!("/subscriptions/{name}")).into_response())
+    Ok(Redirect::to(&views::subscription_href(&name)).into_response())
 }
 
 pub async fn find_event(

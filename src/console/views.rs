@@ -1111,7 +1111,7 @@ pub fn event_href(id: uuid::Uuid, source: Option<&SourceName>) -> String {
     }
 }
 
-fn subscription_href(name: &SubscriptionName) -> String {
+pub fn subscription_href(name: &SubscriptionName) -> String {
     format!("/subscriptions/{name}")
 }
 
