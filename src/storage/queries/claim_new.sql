@@ -43,12 +43,16 @@ late AS (
         SELECT e.xact_id, e.position, e.aggregate_type, e.aggregate_id,
                octet_length(e.payload) AS size, e.created_at, e.deliver_at, e.expires_at
         FROM outbox_events e
-        WHERE e.xact_id = p.xact_id AND e.position > p.taken
+        -- The transaction's rows after `taken`, said so that only the relay-order index
+        -- can serve it: given `position > taken`, the planner may walk the position index
+        -- and filter the whole table for them (when few transactions wrote most rows,
+        -- it expects many rows per transaction).
+        WHERE (e.xact_id, e.position) > (p.xact_id, p.taken) AND e.xact_id <= p.xact_id
           AND ($5::text IS NULL OR e.event_type ~ $5)
           AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
           AND ($7::jsonb IS NULL OR e.metadata @> $7)
           AND ($8::timestamptz IS NULL OR e.created_at >= $8)
-        ORDER BY e.position
+        ORDER BY e.xact_id, e.position
         LIMIT $4
     ) l
     WHERE p.finished
