@@ -47,7 +47,8 @@ pub(super) struct Dispatcher {
     token_base: i64,
     claims: std::sync::atomic::AtomicI64,
     /// The definition as last read from the `default` source.
-    subscription: Mutex<Subscription>,
+    /// Shared, so the loop and every settlement read it without copying it.
+    subscription: Mutex<Arc<Subscription>>,
     state: Mutex<State>,
     /// Room was freed, a stream came or went, or a retry was scheduled.
     changed: Notify,
@@ -130,7 +131,7 @@ impl Dispatcher {
             subscription_id: subscription.id,
             token_base: rand::random::<i64>(),
             claims: std::sync::atomic::AtomicI64::new(0),
-            subscription: Mutex::new(subscription),
+            subscription: Mutex::new(Arc::new(subscription)),
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             budget,
@@ -142,7 +143,7 @@ impl Dispatcher {
     /// with the previous one is still running: what is published afterwards goes out
     /// under the new definition.
     pub(super) async fn install_definition(&self, subscription: Subscription) {
-        *self.subscription.lock().expect("subscription lock") = subscription;
+        *self.subscription.lock().expect("subscription lock") = Arc::new(subscription);
         drop(self.claiming.lock().await);
     }
 
@@ -154,7 +155,7 @@ impl Dispatcher {
         self.state.lock().expect("dispatcher lock").streams.len()
     }
 
-    pub(super) fn subscription(&self) -> Subscription {
+    pub(super) fn subscription(&self) -> Arc<Subscription> {
         self.subscription.lock().expect("subscription lock").clone()
     }
 
@@ -169,7 +170,8 @@ impl Dispatcher {
         if state.closed {
             return Err(permit);
         }
-        // The channel never fills: a stream is only sent what its room allows.
+        // The channel fills only with deliveries whose leases expired before the stream
+        // read them: it is sent no more than its room allows.
         let (sender, receiver) = mpsc::channel(limits.deliveries);
         let buffered = Arc::new(AtomicU64::new(0));
         let id = state.streams.attach(limits, sender, buffered.clone());
@@ -183,6 +185,11 @@ impl Dispatcher {
             self.budget.clone(),
             permit,
         ))
+    }
+
+    /// A stream's channel has room again.
+    pub(super) fn channel_drained(&self) {
+        self.changed.notify_one();
     }
 
     /// The definition changed: read it again before the next claim.
@@ -235,7 +242,7 @@ impl Dispatcher {
     /// gateway, or stale here).
     pub(super) fn settled(&self, acks: &[AckId], settlement: Settlement) -> Vec<AckId> {
         let subscription = self.subscription();
-        let name = subscription.name;
+        let name = &subscription.name;
         let mut elsewhere = Vec::new();
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
@@ -336,7 +343,8 @@ impl Dispatcher {
         if deliveries.is_empty() {
             return;
         }
-        let name = self.subscription().name;
+        let subscription = self.subscription();
+        let name = &subscription.name;
         let now = Utc::now();
         let redelivered = deliveries.iter().filter(|d| d.attempt > 1).count() as u64;
         // One claim reads one source.
@@ -494,10 +502,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
         }
         drop(claiming);
+        // Without room, new events wait: the settlement, expiry or stream that makes room
+        // wakes the loop, and the change is still unseen then.
+        let has_room = limits.is_some() && !paused;
 
         let sleep_for = next_wake(&dispatcher, config.poll_interval);
         tokio::select! {
-            changed = new_events.changed() => {
+            changed = new_events.changed(), if has_room => {
                 if changed.is_err() {
                     return;
                 }
@@ -708,7 +719,7 @@ async fn read_definition(dispatcher: &Dispatcher) -> bool {
         .await
     {
         Ok(Some(subscription)) => {
-            *dispatcher.subscription.lock().expect("subscription lock") = subscription;
+            *dispatcher.subscription.lock().expect("subscription lock") = Arc::new(subscription);
             true
         }
         Ok(None) => false,

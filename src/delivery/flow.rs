@@ -11,10 +11,12 @@
 //!   against one gateway-wide budget; while it is spent, only a stream that has nothing
 //!   waiting may take a delivery, one at a time. Memory stays bounded whatever consumers
 //!   do, and a stream that reads keeps receiving;
-//! - a stream whose leases expired takes nothing for a while, 1 s doubling to a minute
-//!   while it keeps letting them expire, and is trusted again by its next settlement: a
-//!   consumer that reads and never acks would otherwise have its deliveries re-leased to
-//!   it wave after wave, and that work starves the healthy subscriptions.
+//! - a stream whose leases expired is offered one delivery at a time, after a rest of 1 s
+//!   doubling to a minute while it keeps letting leases expire; each settlement ends the
+//!   rest and widens what it may hold by one, back up to `max_in_flight` (as TCP's slow
+//!   start: the window doubles each round trip). A consumer that reads and never acks
+//!   would otherwise have all its deliveries re-leased to it wave after wave, and that
+//!   work starves the healthy subscriptions.
 
 use std::{
     collections::HashMap,
@@ -105,6 +107,9 @@ struct Slot {
     /// stream, which subtracts what it takes.
     buffered: Arc<AtomicU64>,
     sender: DeliverySender,
+    /// How many unsettled deliveries it may hold now: `limits.deliveries`, cut to one
+    /// when its leases expire and widened by each settlement.
+    window: usize,
     /// Times in a row its leases expired with no settlement between.
     stalls: u32,
     /// It takes nothing before this (its leases expired unsettled).
@@ -119,7 +124,9 @@ impl Slot {
     fn can_take(&self, budget: &BufferBudget) -> bool {
         self.resting_until.is_none_or(|until| until <= Utc::now())
             && !self.sender.is_closed()
-            && self.in_flight < self.limits.deliveries
+            // Full with deliveries whose leases expired before it read them.
+            && self.sender.capacity() > 0
+            && self.in_flight < self.window
             && (self.in_flight == 0 || self.in_flight_bytes < self.limits.bytes)
             && (!budget.is_spent() || self.buffered.load(Ordering::Relaxed) == 0)
     }
@@ -164,6 +171,7 @@ impl Streams {
             in_flight_bytes: 0,
             buffered,
             sender,
+            window: limits.deliveries,
             stalls: 0,
             resting_until: None,
         });
@@ -209,7 +217,7 @@ impl Streams {
         }
         let (mut count, mut bytes) = (0usize, 0u64);
         for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
-            count += slot.limits.deliveries - slot.in_flight;
+            count += slot.window - slot.in_flight;
             bytes = bytes.saturating_add(
                 slot.limits
                     .bytes
@@ -284,12 +292,13 @@ impl Streams {
     }
 
     /// Forgets the settled lease at `key`, freeing its stream's room; a stream that
-    /// settles is trusted again.
+    /// settles rests no more and may hold one more than before, up to its limit.
     pub fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
         let lease = self.remove_lease(key)?;
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
             slot.stalls = 0;
             slot.resting_until = None;
+            slot.window = (slot.window + 1).min(slot.limits.deliveries);
         }
         Some(lease)
     }
@@ -318,7 +327,7 @@ impl Streams {
     }
 
     /// Forgets leases whose deadline passed: they are no longer this process's to count.
-    /// Their streams rest before taking more. Returns the sources they belonged to.
+    /// Their streams rest, then take one at a time. Returns the sources they belonged to.
     pub fn expire(&mut self, now: DateTime<Utc>) -> Vec<SourceId> {
         let expired: Vec<LeaseKey> = self
             .leases
@@ -342,6 +351,7 @@ impl Streams {
             let rest = FIRST_REST * 2i32.pow(slot.stalls.min(6));
             slot.resting_until = Some(now + rest.min(LONGEST_REST));
             slot.stalls = slot.stalls.saturating_add(1);
+            slot.window = 1;
         }
         let mut sources: Vec<SourceId> = expired.into_iter().map(|(source, _)| source).collect();
         sources.sort();
@@ -528,5 +538,40 @@ mod tests {
         streams.forget((SourceId(0), 101));
         assert_eq!(streams.slots[0].stalls, 0);
         assert!(streams.slots[0].resting_until.is_none());
+    }
+
+    #[test]
+    fn a_stream_whose_leases_expired_holds_one_then_one_more_per_settlement() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 4, u64::MAX);
+        for position in 0..4 {
+            let mut late = delivery(position, 10);
+            late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
+            streams.place(late, &budget).unwrap();
+        }
+        streams.expire(Utc::now());
+        streams.slots[0].resting_until = None;
+        // Its channel is full of the expired deliveries until it reads them.
+        assert!(streams.claim_limits(500, &budget).is_none());
+        while receiver.try_recv().is_ok() {}
+        let mut offered = Vec::new();
+        let mut position = 10;
+        for _ in 0..5 {
+            // Everything it may hold now goes out, is read and is settled.
+            let limits = streams.claim_limits(500, &budget).unwrap();
+            offered.push(limits.count);
+            for _ in 0..limits.count {
+                position += 1;
+                streams.place(delivery(position, 10), &budget).unwrap();
+                assert!(receiver.try_recv().is_ok());
+                streams.forget((SourceId(0), position));
+            }
+        }
+        assert_eq!(
+            offered,
+            [1, 2, 4, 4, 4],
+            "doubling each round trip up to its limit"
+        );
     }
 }

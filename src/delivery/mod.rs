@@ -622,7 +622,7 @@ impl Relay {
             .map(|dispatcher| dispatcher.subscription())
             .find(|subscription| &subscription.name == name);
         if let Some(subscription) = cached {
-            return Ok(subscription);
+            return Ok(Subscription::clone(&subscription));
         }
         crate::subscriptions::find(&self.inner.sources.default_source().store, name).await
     }

@@ -49,6 +49,12 @@ impl DeliveryStream {
     }
 
     fn taken(&self, item: &Result<Delivery, Error>) {
+        // A channel is only full of deliveries whose leases expired unread (its capacity
+        // is the stream's room), and the dispatcher offers such a stream nothing: tell it
+        // when there is room again.
+        if self.receiver.len() + 1 == self.receiver.max_capacity() {
+            self.dispatcher.channel_drained();
+        }
         if let Ok(delivery) = item {
             let size = delivery.size();
             self.buffered.fetch_sub(size, Ordering::Relaxed);
