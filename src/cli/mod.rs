@@ -1592,7 +1592,10 @@ async fn terminated() {
 fn gateway_went_away(status: &Status) -> bool {
     match status.code() {
         Code::Unavailable | Code::Cancelled => true,
-        // Transport failures surface as UNKNOWN with the transport's words.
+        // Transport failures surface as UNKNOWN with the transport's words, and a stream
+        // reset by a closing server as INTERNAL "h2 protocol error" (the gateway's own
+        // internal errors never say that).
+        Code::Internal => status.message().contains("h2 protocol error"),
         Code::Unknown => {
             let message = status.message();
             [

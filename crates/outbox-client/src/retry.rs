@@ -10,17 +10,20 @@ const FIRST_DELAY: Duration = Duration::from_millis(100);
 const MAX_DELAY: Duration = Duration::from_secs(10);
 
 /// Calls worth retrying: the gateway or its database may come back. A connection cut
-/// mid-call surfaces as UNKNOWN or CANCELLED too.
+/// mid-call surfaces as UNKNOWN or CANCELLED too, and a stream reset by a gateway that
+/// shuts down as INTERNAL "h2 protocol error" (the gateway's own internal errors never
+/// say that).
 pub(crate) fn is_transient(status: &Status) -> bool {
-    matches!(
-        status.code(),
+    match status.code() {
         Code::Unavailable
-            | Code::ResourceExhausted
-            | Code::DeadlineExceeded
-            | Code::Aborted
-            | Code::Unknown
-            | Code::Cancelled
-    )
+        | Code::ResourceExhausted
+        | Code::DeadlineExceeded
+        | Code::Aborted
+        | Code::Unknown
+        | Code::Cancelled => true,
+        Code::Internal => status.message().contains("h2 protocol error"),
+        _ => false,
+    }
 }
 
 /// Delays doubling from 100 ms to at most 10 s; `retries` of them, or without end.
@@ -75,6 +78,10 @@ mod tests {
     fn only_failures_that_may_pass_are_transient() {
         assert!(is_transient(&Status::unavailable("down")));
         assert!(is_transient(&Status::cancelled("cut")));
+        assert!(is_transient(&Status::internal(
+            "h2 protocol error: http2 error"
+        )));
+        assert!(!is_transient(&Status::internal("internal error")));
         assert!(!is_transient(&Status::invalid_argument("bad")));
         assert!(!is_transient(&Status::permission_denied("no")));
     }
