@@ -19,6 +19,7 @@ const WORK: Duration = Duration::from_millis(50);
 const MAX_IN_FLIGHT: u32 = 20;
 const EVENTS: usize = 400;
 const POLL_INTERVAL: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_secs(15);
 
 /// Consumes `EVENTS` events of `subscription` from a stream on `stream_on`, working on up
 /// to `MAX_IN_FLIGHT` at once; settlement `i` goes to `settle_on[i % len]`. Every fifth
@@ -125,4 +126,54 @@ async fn settling_on_another_replica_keeps_the_stream_flowing() {
         "alternating settlements between replicas ran at {split:.0}/s (all on one: {local:.0}/s); \
          the stream waited for its poll"
     );
+}
+
+/// An ExtendAckDeadline that reaches another replica moves the lease in the database
+/// only; the stream's gateway must not take the old deadline for an expiry, free the
+/// stream's room and hand it a second delivery while the consumer still holds the first.
+#[tokio::test]
+async fn a_lease_extended_on_another_replica_keeps_its_streams_room() {
+    const ACK_DEADLINE: Duration = Duration::from_secs(2);
+    let database = TestDatabase::create().await;
+    let a = TestGateway::start(&database).await;
+    let b = TestGateway::start(&database).await;
+    let mut slow = subscription("slow");
+    slow.ack_deadline = seconds(ACK_DEADLINE.as_secs());
+    create_subscription(&a, slow).await;
+    publish(
+        &a,
+        vec![event("o-1", "order.created"), event("o-2", "order.created")],
+    )
+    .await;
+    let mut consumer = Consumer::open(&a, "slow", 1).await;
+    let first = consumer.next(WAIT).await.expect("the first event");
+    let extended = b
+        .subscriber()
+        .await
+        .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
+            subscription: "slow".into(),
+            ack_ids: vec![first.ack_id.clone()],
+            extension: seconds(60),
+        })
+        .await
+        .expect("extend on the other replica")
+        .into_inner();
+    assert!(extended.stale_ack_ids.is_empty());
+
+    // Past the old deadline, a second rest and a claim: the stream's one slot is still
+    // taken by the lease that runs on.
+    let second = consumer.next(ACK_DEADLINE + Duration::from_secs(4)).await;
+    assert!(
+        second.is_none(),
+        "a second delivery came while the extended lease was held: {second:?}"
+    );
+    assert_eq!(
+        ack(&a, "slow", vec![first.ack_id]).await,
+        Vec::<String>::new()
+    );
+    let second = consumer
+        .next(WAIT)
+        .await
+        .expect("the next event once acked");
+    assert_eq!(aggregate_of(&second), "o-2");
 }

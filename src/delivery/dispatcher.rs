@@ -391,6 +391,15 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let mut first_source = 0usize;
 
     loop {
+        let overdue = dispatcher
+            .state
+            .lock()
+            .expect("dispatcher lock")
+            .streams
+            .overdue(Utc::now());
+        for (source, leases) in overdue {
+            reread_leases(&dispatcher, source, leases, Missing::Expired).await;
+        }
         let (limits, refresh, full) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             for source in state.streams.expire(Utc::now()) {
@@ -733,16 +742,36 @@ async fn read_definition(dispatcher: &Dispatcher) -> bool {
 /// Asks a source which of our leases there are still held: acks and extensions that
 /// reached another gateway process are only visible there.
 async fn refresh_leases(dispatcher: &Dispatcher, source_id: SourceId) {
-    let Some(source) = dispatcher.sources.get(source_id) else {
-        return;
-    };
     let leases = dispatcher
         .state
         .lock()
         .expect("dispatcher lock")
         .streams
         .leases_of(source_id);
-    if leases.is_empty() {
+    reread_leases(dispatcher, source_id, leases, Missing::Settled).await;
+}
+
+/// What became of a lease the source no longer holds.
+enum Missing {
+    /// Settled elsewhere: forget it, freeing its stream's room.
+    Settled,
+    /// Its deadline passed (we are asking about overdue leases): it expires here next.
+    Expired,
+}
+
+/// Takes the deadlines of `leases` (position, token) from their source: a lease it still
+/// holds keeps its deadline there. Without an answer (the source is down) nothing
+/// changes.
+async fn reread_leases(
+    dispatcher: &Dispatcher,
+    source_id: SourceId,
+    leases: Vec<(i64, i64)>,
+    missing: Missing,
+) {
+    let Some(source) = dispatcher.sources.get(source_id) else {
+        return;
+    };
+    if leases.is_empty() || !source.is_connected() {
         return;
     }
     match source
@@ -755,11 +784,12 @@ async fn refresh_leases(dispatcher: &Dispatcher, source_id: SourceId) {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             for (position, token) in leases {
                 let key = (source_id, position);
-                match live.get(&position) {
-                    Some(deadline) => state.streams.extend(key, token, *deadline),
-                    None => {
+                match (live.get(&position), &missing) {
+                    (Some(deadline), _) => state.streams.extend(key, token, *deadline),
+                    (None, Missing::Settled) => {
                         state.streams.forget_matching(key, token);
                     }
+                    (None, Missing::Expired) => {}
                 }
             }
         }

@@ -326,6 +326,22 @@ impl Streams {
         }
     }
 
+    /// Leases whose deadline here has passed, by source, as (position, token). The
+    /// database may hold a later one: an extension that reached another gateway moved
+    /// it only there.
+    pub fn overdue(&self, now: DateTime<Utc>) -> HashMap<SourceId, Vec<(i64, i64)>> {
+        let mut overdue: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
+        for ((source, position), lease) in &self.leases {
+            if lease.deadline <= now {
+                overdue
+                    .entry(*source)
+                    .or_default()
+                    .push((*position, lease.token));
+            }
+        }
+        overdue
+    }
+
     /// Forgets leases whose deadline passed: they are no longer this process's to count.
     /// Their streams rest, then take one at a time. Returns the sources they belonged to.
     pub fn expire(&mut self, now: DateTime<Utc>) -> Vec<SourceId> {
