@@ -260,16 +260,23 @@ pub const MIN_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(10);
 /// How often each gateway records that its streams are still attached.
 pub const ATTACHED_HEARTBEAT: Duration = Duration::from_secs(2);
 
+/// Longest `expire_after_idle`: as for `max_event_age`, the database's time arithmetic
+/// must hold it (the expiry sweep subtracts it from now for every subscription).
+pub const MAX_EXPIRE_AFTER_IDLE: Duration = MAX_EVENT_AGE;
+
 /// Checks an `expire_after_idle` given at creation (`field` names it).
 pub fn check_expire_after_idle(field: &str, expire_after_idle: Option<Duration>) -> Result<()> {
     match expire_after_idle {
-        Some(idle) if idle < MIN_EXPIRE_AFTER_IDLE => Err(Error::invalid(
-            field,
-            format!(
-                "must be at least {}",
-                humantime::format_duration(MIN_EXPIRE_AFTER_IDLE)
-            ),
-        )),
+        Some(idle) if !(MIN_EXPIRE_AFTER_IDLE..=MAX_EXPIRE_AFTER_IDLE).contains(&idle) => {
+            Err(Error::invalid(
+                field,
+                format!(
+                    "must be between {} and {}",
+                    humantime::format_duration(MIN_EXPIRE_AFTER_IDLE),
+                    humantime::format_duration(MAX_EXPIRE_AFTER_IDLE)
+                ),
+            ))
+        }
         _ => Ok(()),
     }
 }
