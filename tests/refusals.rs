@@ -1,0 +1,408 @@
+//! Inputs that the database once refused (and the gateway answered INTERNAL), durations
+//! and timestamps that are not normalized, and oversized values that came back in full
+//! inside the error: each is refused as INVALID_ARGUMENT naming its field, in a message
+//! of bounded size, and changes nothing. The property tests in `faithful.rs` roam the
+//! whole input space; these pin every case that was found, on every run.
+
+mod common;
+
+use common::*;
+use outbox_gateway::proto;
+use tonic::Code;
+
+/// Every gateway error message fits in this, whatever the caller sent.
+const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// Seconds since 1970 of 4714-11-24 BC, one day before PostgreSQL's first timestamp.
+const BEFORE_POSTGRES: i64 = -210_866_889_601;
+/// Seconds since 1970 of the year 300,000, past PostgreSQL's last timestamp.
+const AFTER_POSTGRES: i64 = 9_404_975_635_200;
+
+fn at(seconds: i64) -> Option<prost_types::Timestamp> {
+    Some(prost_types::Timestamp { seconds, nanos: 0 })
+}
+
+fn refused<T: std::fmt::Debug>(what: &str, answer: Result<T, tonic::Status>, field: &str) {
+    match answer {
+        Ok(value) => panic!("{what}: expected INVALID_ARGUMENT naming {field:?}, got {value:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+            assert!(
+                status.message().contains(field),
+                "{what}: {:?} does not name {field:?}",
+                status.message()
+            );
+            assert!(
+                status.message().len() <= MAX_MESSAGE_BYTES,
+                "{what}: a message of {} bytes",
+                status.message().len()
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn events_the_database_would_refuse_are_refused_by_field() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut publisher = gateway.publisher().await;
+    let nested = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let cases: Vec<(&str, proto::EventInput, &str)> = vec![
+        (
+            "NUL in the aggregate type",
+            proto::EventInput {
+                aggregate_type: "ord\0er".into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].aggregate_type",
+        ),
+        (
+            "NUL in the aggregate id",
+            event("o\u{0}1", "order.created"),
+            "events[0].aggregate_id",
+        ),
+        (
+            "NUL in the content type",
+            proto::EventInput {
+                content_type: "text/plain\0".into(),
+                payload: b"hello".to_vec(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].content_type",
+        ),
+        (
+            "a content type PostgreSQL lowercases otherwise",
+            proto::EventInput {
+                content_type: "application/vnd.\u{212A}+json".into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].content_type",
+        ),
+        (
+            "NUL in a metadata key",
+            proto::EventInput {
+                metadata: [("ten\0ant".to_owned(), "acme".to_owned())].into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].metadata",
+        ),
+        (
+            "NUL in a metadata value",
+            proto::EventInput {
+                metadata: [("tenant".to_owned(), "ac\0me".to_owned())].into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].metadata",
+        ),
+        (
+            "invalid UTF-8 inside a JSON string",
+            proto::EventInput {
+                payload: b"{\"name\": \"\xff\xfe\"}".to_vec(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].payload",
+        ),
+        (
+            "JSON nested 100,000 deep",
+            proto::EventInput {
+                payload: nested.into_bytes(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].payload",
+        ),
+        (
+            "occurred_at before 4713 BC",
+            proto::EventInput {
+                occurred_at: at(BEFORE_POSTGRES),
+                ..event("o-1", "order.created")
+            },
+            "events[0].occurred_at",
+        ),
+        (
+            "occurred_at after the database's range",
+            proto::EventInput {
+                occurred_at: at(AFTER_POSTGRES),
+                ..event("o-1", "order.created")
+            },
+            "events[0].occurred_at",
+        ),
+        (
+            "occurred_at with nanos past a second",
+            proto::EventInput {
+                occurred_at: Some(prost_types::Timestamp {
+                    seconds: 1_700_000_000,
+                    nanos: 1_000_000_000,
+                }),
+                ..event("o-1", "order.created")
+            },
+            "events[0].occurred_at",
+        ),
+        (
+            "deliver_at after the database's range",
+            proto::EventInput {
+                deliver_at: at(AFTER_POSTGRES),
+                ..event("o-1", "order.created")
+            },
+            "events[0].deliver_at",
+        ),
+    ];
+    for (what, input, field) in cases {
+        let answer = publisher
+            .publish(proto::PublishRequest {
+                events: vec![input],
+                ..Default::default()
+            })
+            .await;
+        refused(what, answer, field);
+    }
+    assert_eq!(count_events(&database.pool().await).await, 0);
+}
+
+#[tokio::test]
+async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut admin = gateway.admin().await;
+    let cases: Vec<(&str, proto::Subscription, &str)> = vec![
+        (
+            "NUL in a metadata_match key",
+            proto::Subscription {
+                metadata_match: [("ten\0ant".to_owned(), "acme".to_owned())].into(),
+                ..subscription("orders")
+            },
+            "subscription.metadata_match",
+        ),
+        (
+            "NUL in a metadata_match value",
+            proto::Subscription {
+                metadata_match: [("tenant".to_owned(), "ac\0me".to_owned())].into(),
+                ..subscription("orders")
+            },
+            "subscription.metadata_match",
+        ),
+        (
+            "NUL in an aggregate-type filter",
+            proto::Subscription {
+                aggregate_types: vec!["ord\0er".into()],
+                ..subscription("orders")
+            },
+            "subscription.aggregate_types",
+        ),
+        (
+            "a start time before 4713 BC",
+            proto::Subscription {
+                start: Some(proto::StartPosition {
+                    position: Some(proto::start_position::Position::Time(
+                        at(BEFORE_POSTGRES).unwrap(),
+                    )),
+                }),
+                ..subscription("orders")
+            },
+            "start",
+        ),
+        (
+            "max_attempts of 2^31",
+            proto::Subscription {
+                max_attempts: Some(1 << 31),
+                ..subscription("orders")
+            },
+            "subscription.max_attempts",
+        ),
+        (
+            "an ack deadline of 5 s + 2,000,000,000 ns",
+            proto::Subscription {
+                ack_deadline: Some(prost_types::Duration {
+                    seconds: 5,
+                    nanos: 2_000_000_000,
+                }),
+                ..subscription("orders")
+            },
+            "subscription.ack_deadline",
+        ),
+        (
+            "a backoff of 5 s - 1 ns (mixed signs)",
+            proto::Subscription {
+                retry_backoff_min: Some(prost_types::Duration {
+                    seconds: 5,
+                    nanos: -1,
+                }),
+                ..subscription("orders")
+            },
+            "subscription.retry_backoff_min",
+        ),
+        (
+            "a 10 KB name",
+            subscription(&"n".repeat(10_000)),
+            "subscription.name",
+        ),
+    ];
+    for (what, input, field) in cases {
+        let answer = admin
+            .create_subscription(proto::CreateSubscriptionRequest {
+                subscription: Some(input),
+            })
+            .await;
+        refused(what, answer, field);
+    }
+    let listed = admin
+        .list_subscriptions(proto::ListSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listed.subscriptions.is_empty(), "{listed:?}");
+
+    create_subscription(&gateway, subscription("orders")).await;
+    let answer = admin
+        .seek_subscription(proto::SeekSubscriptionRequest {
+            subscription: "orders".into(),
+            to: Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Time(
+                    at(AFTER_POSTGRES).unwrap(),
+                )),
+            }),
+        })
+        .await;
+    refused("a seek time after the database's range", answer, "to");
+    let answer = admin
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "n".repeat(10_000),
+        })
+        .await;
+    refused("GetSubscription of a 10 KB name", answer, "name");
+}
+
+#[tokio::test]
+async fn settlements_and_operations_the_database_would_refuse_are_refused_by_field() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut consumer = Consumer::open(&gateway, "work", 10).await;
+    let delivery = consumer
+        .next(std::time::Duration::from_secs(15))
+        .await
+        .expect("a delivery");
+    let mut subscriber = gateway.subscriber().await;
+    let nack = |reason: &str, retry_after: Option<prost_types::Duration>| proto::NackRequest {
+        subscription: "work".into(),
+        ack_id: delivery.ack_id.clone(),
+        reason: reason.into(),
+        retry_after,
+        dead_letter: false,
+    };
+    refused(
+        "NUL in a nack reason",
+        subscriber.nack(nack("bro\0ken", None)).await,
+        "reason",
+    );
+    refused(
+        "a retry_after of 2^62 s",
+        subscriber
+            .nack(nack(
+                "later",
+                Some(prost_types::Duration {
+                    seconds: 1 << 62,
+                    nanos: 0,
+                }),
+            ))
+            .await,
+        "retry_after",
+    );
+    refused(
+        "a retry_after of 1 s + 1,000,000,000 ns",
+        subscriber
+            .nack(nack(
+                "later",
+                Some(prost_types::Duration {
+                    seconds: 1,
+                    nanos: 1_000_000_000,
+                }),
+            ))
+            .await,
+        "retry_after",
+    );
+    refused(
+        "an extension of 10 s + 2,000,000,000 ns",
+        subscriber
+            .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
+                subscription: "work".into(),
+                ack_ids: vec![delivery.ack_id.clone()],
+                extension: Some(prost_types::Duration {
+                    seconds: 10,
+                    nanos: 2_000_000_000,
+                }),
+            })
+            .await,
+        "extension",
+    );
+
+    let mut admin = gateway.admin().await;
+    refused(
+        "NUL in RequeueLatest's aggregate type",
+        admin
+            .requeue_latest(proto::RequeueLatestRequest {
+                aggregate_type: "ord\0er".into(),
+                aggregate_id: "o-1".into(),
+                ..Default::default()
+            })
+            .await,
+        "aggregate_type",
+    );
+    refused(
+        "NUL in RequeueLatest's aggregate id",
+        admin
+            .requeue_latest(proto::RequeueLatestRequest {
+                aggregate_type: "order".into(),
+                aggregate_id: "o\u{0}1".into(),
+                ..Default::default()
+            })
+            .await,
+        "aggregate_id",
+    );
+    refused(
+        "NUL in RequeueLatest's event type",
+        admin
+            .requeue_latest(proto::RequeueLatestRequest {
+                aggregate_type: "order".into(),
+                aggregate_id: "o-1".into(),
+                event_type: "order.\0created".into(),
+                ..Default::default()
+            })
+            .await,
+        "event_type",
+    );
+    let resolve = |resolved_by: &str, notes: &str| proto::ResolveDeadLettersRequest {
+        subscription: "work".into(),
+        all: true,
+        resolved_by: resolved_by.into(),
+        notes: notes.into(),
+        ..Default::default()
+    };
+    refused(
+        "NUL in resolved_by",
+        admin.resolve_dead_letters(resolve("ops\0", "")).await,
+        "resolved_by",
+    );
+    refused(
+        "NUL in the notes",
+        admin.resolve_dead_letters(resolve("ops", "fixed\0")).await,
+        "notes",
+    );
+    refused(
+        "NUL in a dead-letter selector",
+        admin
+            .list_dead_letters(proto::ListDeadLettersRequest {
+                subscription: "work".into(),
+                last_error: "time\0out".into(),
+                ..Default::default()
+            })
+            .await,
+        "last_error",
+    );
+
+    // The delivery's lease was untouched by every refusal: it acks cleanly.
+    assert_eq!(
+        ack(&gateway, "work", vec![delivery.ack_id]).await,
+        Vec::<String>::new()
+    );
+}
