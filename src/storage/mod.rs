@@ -575,4 +575,68 @@ mod tests {
         assert!(most.payload().len() < 8000);
         assert_eq!(Settled::parse("x:a:*"), None);
     }
+
+    /// The second guard behind ending every transaction: PostgreSQL itself ends a session
+    /// of the gateway's that is left idle inside a transaction, in both pools.
+    #[tokio::test]
+    async fn sessions_left_idle_in_a_transaction_are_ended() {
+        let database = outbox_testkit::ThrowawayDatabase::create(
+            &outbox_testkit::test_server_url(),
+            "storage",
+        )
+        .await
+        .expect("a database");
+        let store = Store::connect(&StoreConfig {
+            source: SourceName::default_source(),
+            source_id: SourceId(0),
+            database_url: database.url().to_owned(),
+            // One for the session left open, one to watch it.
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(10),
+            idle_in_transaction_timeout: Duration::from_millis(1500),
+        })
+        .await
+        .expect("connect");
+        for pool in [&store.pool, &store.publish_pool] {
+            let mut connection = pool.acquire().await.expect("a connection");
+            let shown: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+                .fetch_one(&mut *connection)
+                .await
+                .unwrap();
+            assert_eq!(shown, "1500ms");
+            // A transaction opened by hand, so that dropping nothing rolls it back.
+            sqlx::query("BEGIN")
+                .execute(&mut *connection)
+                .await
+                .unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *connection)
+                .await
+                .unwrap();
+            let observer = &store.pool;
+            let ended = outbox_testkit::poll_until(
+                Duration::from_secs(30),
+                Duration::from_millis(100),
+                || async move {
+                    let alive: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)",
+                    )
+                    .bind(pid)
+                    .fetch_one(observer)
+                    .await
+                    .unwrap();
+                    (!alive).then_some(())
+                },
+            )
+            .await;
+            assert!(
+                ended.is_some(),
+                "session {pid} stayed idle in its transaction"
+            );
+            connection.close_on_drop();
+        }
+        store.pool.close().await;
+        store.publish_pool.close().await;
+        database.drop_database().await.expect("drop");
+    }
 }
