@@ -192,6 +192,9 @@ pub struct JournalState {
     /// Streams that ended with an error, by gRPC code (or "closed").
     pub stream_ends: HashMap<String, u64>,
     pub forgotten: u64,
+    /// Settlements applied by a gateway other than the one whose stream received the
+    /// delivery.
+    pub settled_elsewhere: u64,
 }
 
 impl Journal {
@@ -210,6 +213,9 @@ impl Journal {
     fn record_settlement(&self, received: &Received, settlement: Settlement) {
         let mut state = self.state();
         let pair = (received.subscription, received.event);
+        if settlement.answer == Answer::Applied && settlement.gateway != received.gateway {
+            state.settled_elsewhere += 1;
+        }
         if settlement.kind == SettleKind::Ack {
             match settlement.answer {
                 Answer::Applied => {

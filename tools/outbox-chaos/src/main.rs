@@ -242,7 +242,7 @@ async fn run_on(
     ));
     let stop_watchdog = CancellationToken::new();
     let watchdog = tokio::spawn(watch_for_idle_transactions(
-        database.clone(),
+        databases.clone(),
         counters.clone(),
         stop_watchdog.clone(),
     ));
@@ -324,30 +324,35 @@ async fn drain(
     }
 }
 
-/// Samples the gateways' sessions twice a second until `stop`: one left idle inside a
-/// transaction for more than two seconds is a violation.
+/// Samples the gateways' sessions in every source twice a second until `stop`: one left
+/// idle inside a transaction for more than two seconds is a violation. A source that
+/// cannot be sampled is one the fault injector has taken down.
 async fn watch_for_idle_transactions(
-    database: ChaosDatabase,
+    databases: Databases,
     counters: Arc<ChaosCounters>,
     stop: CancellationToken,
 ) {
     while !stop.is_cancelled() {
-        match database
-            .gateway_sessions_idle_in_transaction(Duration::from_secs(2))
-            .await
-        {
-            Ok(sessions) if !sessions.is_empty() => {
+        for database in &databases.0 {
+            let Ok(sessions) = database
+                .gateway_sessions_idle_in_transaction(Duration::from_secs(2))
+                .await
+            else {
+                continue;
+            };
+            if !sessions.is_empty() {
                 counters.violation(check::Violation::new(
                     "idle in transaction",
-                    format!("gateway sessions left idle in a transaction: {sessions:?}"),
+                    format!(
+                        "gateway sessions left idle in a transaction in {}: {sessions:?}",
+                        database.name()
+                    ),
                 ));
             }
-            Ok(_) => {}
-            Err(error) => eprintln!("outbox-chaos: cannot sample sessions: {error:#}"),
+            counters
+                .idle_in_transaction_checks
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        counters
-            .idle_in_transaction_checks
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
             _ = stop.cancelled() => {}

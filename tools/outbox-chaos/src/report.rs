@@ -48,6 +48,7 @@ pub struct Totals {
     pub settle_errors: BTreeMap<String, usize>,
     pub nacked: usize,
     pub forgotten: u64,
+    pub settled_elsewhere: u64,
     pub streams_opened: u64,
     pub subscribe_failures: u64,
     pub stream_ends: BTreeMap<String, u64>,
@@ -258,6 +259,7 @@ impl Totals {
             settle_errors,
             nacked: settlements(SettleKind::Nack, |a| *a == Answer::Applied),
             forgotten: state.forgotten,
+            settled_elsewhere: state.settled_elsewhere,
             streams_opened: state.streams_opened,
             subscribe_failures: state.subscribe_failures,
             stream_ends: state.stream_ends.clone().into_iter().collect(),
@@ -333,6 +335,10 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
         ),
         ("Ack / Nack errors", format!("{:?}", totals.settle_errors)),
         ("nacked", totals.nacked.to_string()),
+        (
+            "settled on another gateway than the stream's",
+            totals.settled_elsewhere.to_string(),
+        ),
         ("left to expire", totals.forgotten.to_string()),
         (
             "streams opened / refused",

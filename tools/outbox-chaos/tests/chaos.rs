@@ -48,6 +48,7 @@ fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
         "bad_inputs_refused",
         "held_transactions",
         "idle_in_transaction_checks",
+        "settled_elsewhere",
         "source_outages",
     ] {
         assert!(totals[key].as_u64() > Some(0), "{key} is 0\n{report}");
