@@ -391,19 +391,25 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let mut first_source = 0usize;
 
     loop {
+        let checked_at = Utc::now();
         let overdue = dispatcher
             .state
             .lock()
             .expect("dispatcher lock")
             .streams
-            .overdue(Utc::now());
+            .overdue(checked_at);
+        let any_overdue = !overdue.is_empty();
         for (source, leases) in overdue {
             reread_leases(&dispatcher, source, leases, Missing::Expired).await;
         }
         let (limits, refresh, full) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            for source in state.streams.expire(Utc::now()) {
-                state.sources.entry(source).or_default().due_pending = true;
+            // Only what the sources were asked about: leases that fell due since are the
+            // next turn's, which their deadline wakes.
+            if any_overdue {
+                for source in state.streams.expire(checked_at) {
+                    state.sources.entry(source).or_default().due_pending = true;
+                }
             }
             if state.streams.is_empty() {
                 drop(state);
