@@ -79,7 +79,7 @@ fn any_event() -> impl Strategy<Value = proto::EventInput> {
         prop_oneof![3 => Just("order.created".to_owned()), 1 => any_text()],
         any_payload(),
         proptest::collection::btree_map(any_text(), any_text(), 0..2),
-        any_timestamp(),
+        (any_timestamp(), any_timestamp(), any_timestamp()),
     )
         .prop_map(
             |(
@@ -89,7 +89,7 @@ fn any_event() -> impl Strategy<Value = proto::EventInput> {
                 event_type,
                 (content_type, payload),
                 metadata,
-                occurred_at,
+                (occurred_at, deliver_at, expires_at),
             )| {
                 proto::EventInput {
                     id: uuid::Uuid::new_v4().to_string(),
@@ -101,8 +101,8 @@ fn any_event() -> impl Strategy<Value = proto::EventInput> {
                     content_type,
                     metadata: metadata.into_iter().collect(),
                     occurred_at,
-                    deliver_at: None,
-                    expires_at: None,
+                    deliver_at,
+                    expires_at,
                 }
             },
         )
@@ -121,13 +121,18 @@ fn draw<S: Strategy>(strategy: S, count: usize, seed: u64) -> Vec<S::Value> {
         .collect()
 }
 
-/// A refusal must be INVALID_ARGUMENT naming a field.
+/// A refusal must be INVALID_ARGUMENT naming one of `fields`, in a bounded message.
 #[track_caller]
-fn assert_refused_as_invalid(status: &tonic::Status, what: &str, seed: u64) {
+fn assert_refused_as_invalid(status: &tonic::Status, what: &str, fields: &[&str], seed: u64) {
     assert_eq!(
         status.code(),
         Code::InvalidArgument,
         "{what} was answered {status:?} (seed {seed})"
+    );
+    assert!(
+        fields.iter().any(|field| status.message().contains(field)),
+        "{what}: {:?} names none of {fields:?} (seed {seed})",
+        status.message()
     );
     assert!(
         status.message().len() <= 1100,
@@ -136,10 +141,16 @@ fn assert_refused_as_invalid(status: &tonic::Status, what: &str, seed: u64) {
     );
 }
 
+/// A timestamp as the database stores it: to the microsecond.
+fn stored_time(timestamp: prost_types::Timestamp) -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::from_timestamp(timestamp.seconds, timestamp.nanos as u32 / 1000 * 1000)
+        .expect("an accepted time is representable")
+}
+
 async fn stored_event(pool: &PgPool, id: &str) -> Option<sqlx::postgres::PgRow> {
     sqlx::query(
         "SELECT aggregate_type, aggregate_id, aggregate_version, event_type, payload, \
-                content_type, metadata::text AS metadata, occurred_at \
+                content_type, metadata::text AS metadata, occurred_at, deliver_at, expires_at \
          FROM outbox_events WHERE id = $1::uuid",
     )
     .bind(id)
@@ -166,7 +177,7 @@ async fn any_published_event_is_stored_faithfully_or_refused_as_invalid() {
         let stored = stored_event(&pool, &input.id).await;
         let Ok(_) = answer else {
             let status = answer.unwrap_err();
-            assert_refused_as_invalid(&status, &format!("{input:?}"), seed);
+            assert_refused_as_invalid(&status, &format!("{input:?}"), &["events[0]."], seed);
             assert!(stored.is_none(), "refused but stored: {input:?}");
             refused += 1;
             continue;
@@ -197,13 +208,23 @@ async fn any_published_event_is_stored_faithfully_or_refused_as_invalid() {
         let sent: BTreeMap<String, String> = input.metadata.clone().into_iter().collect();
         assert_eq!(metadata, sent, "seed {seed}");
         if let Some(occurred_at) = input.occurred_at {
-            let sent = chrono::DateTime::from_timestamp(
-                occurred_at.seconds,
-                occurred_at.nanos as u32 / 1000 * 1000,
-            )
-            .expect("an accepted time is representable");
             let stored: chrono::DateTime<chrono::Utc> = row.get("occurred_at");
-            assert_eq!(stored, sent, "occurred_at of {input:?} (seed {seed})");
+            assert_eq!(
+                stored,
+                stored_time(occurred_at),
+                "occurred_at of {input:?} (seed {seed})"
+            );
+        }
+        for (column, sent) in [
+            ("deliver_at", input.deliver_at),
+            ("expires_at", input.expires_at),
+        ] {
+            let stored: Option<chrono::DateTime<chrono::Utc>> = row.get(column);
+            assert_eq!(
+                stored,
+                sent.map(stored_time),
+                "{column} of {input:?} (seed {seed})"
+            );
         }
     }
     assert!(
@@ -274,7 +295,12 @@ async fn any_subscription_is_stored_faithfully_or_refused_as_invalid() {
         .await
         .unwrap();
         let Ok(_) = answer else {
-            assert_refused_as_invalid(&answer.unwrap_err(), &format!("{input:?}"), seed);
+            assert_refused_as_invalid(
+                &answer.unwrap_err(),
+                &format!("{input:?}"),
+                &["subscription.", "start"],
+                seed,
+            );
             assert!(stored.is_none(), "refused but stored: {input:?}");
             refused += 1;
             continue;
@@ -376,6 +402,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
                 assert_refused_as_invalid(
                     &status,
                     &format!("nack {reason:?} {retry_after:?}"),
+                    &["reason", "retry_after"],
                     seed,
                 );
                 assert_eq!(last_error, Some(None), "a refused nack changed nothing");
@@ -402,6 +429,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
             Err(status) => assert_refused_as_invalid(
                 &status,
                 &format!("resolve {resolved_by:?} {notes:?}"),
+                &["resolved_by", "notes"],
                 seed,
             ),
         }
@@ -417,7 +445,12 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
         if let Err(status) = requeued
             && status.code() != Code::NotFound
         {
-            assert_refused_as_invalid(&status, &format!("requeue_latest {reason:?}"), seed);
+            assert_refused_as_invalid(
+                &status,
+                &format!("requeue_latest {reason:?}"),
+                &["aggregate_type", "aggregate_id"],
+                seed,
+            );
         }
         if let Some(time) = seek_to {
             let sought = admin
@@ -429,7 +462,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
                 })
                 .await;
             if let Err(status) = sought {
-                assert_refused_as_invalid(&status, &format!("seek to {time:?}"), seed);
+                assert_refused_as_invalid(&status, &format!("seek to {time:?}"), &["to"], seed);
             }
         }
     }

@@ -529,6 +529,11 @@ fn every_rpc() -> Vec<Rpc> {
             }
         ),
         rpc!(
+            "/outbox.v1.Admin/ListSources",
+            proto::ListSourcesRequest,
+            proto::ListSourcesRequest {}
+        ),
+        rpc!(
             "/outbox.v1.Admin/ResolveDeadLetters",
             proto::ResolveDeadLettersRequest,
             proto::ResolveDeadLettersRequest {
