@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 13] = [
+const SCENARIOS: [&str; 14] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -23,6 +23,7 @@ const SCENARIOS: [&str; 13] = [
     "latency",
     "held-transaction",
     "stalled-consumers",
+    "replicas",
     "backlog-scaling",
     "memory",
     "cost",

@@ -11,6 +11,7 @@ mod latency;
 mod memory;
 mod publish;
 mod push;
+mod replicas;
 mod scheduled;
 mod stalled;
 
@@ -39,6 +40,7 @@ pub enum Scenario {
     Latency,
     HeldTransaction,
     StalledConsumers,
+    Replicas,
     BacklogScaling,
     Memory,
     Cost,
@@ -46,7 +48,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 13] = [
+    pub const ALL: [Scenario; 14] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -56,6 +58,7 @@ impl Scenario {
         Scenario::Latency,
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
+        Scenario::Replicas,
         Scenario::BacklogScaling,
         Scenario::Memory,
         Scenario::Cost,
@@ -73,6 +76,7 @@ impl Scenario {
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
+            Scenario::Replicas => "replicas",
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
             Scenario::Cost => "cost",
@@ -93,6 +97,7 @@ impl Scenario {
             | Scenario::Latency
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
+            | Scenario::Replicas
             | Scenario::BacklogScaling
             | Scenario::Memory
             | Scenario::Cost => None,
@@ -111,6 +116,7 @@ impl Scenario {
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
+            Scenario::Replicas => replicas::run(bench, gateway).await,
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
             Scenario::Cost => cost::run(bench, gateway).await,
