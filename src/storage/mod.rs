@@ -604,7 +604,7 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(shown, "1500ms");
-            // A transaction opened by hand, so that dropping nothing rolls it back.
+            // Opened by hand: no sqlx transaction guard exists to roll it back.
             sqlx::query("BEGIN")
                 .execute(&mut *connection)
                 .await
