@@ -22,6 +22,11 @@ fn at(seconds: i64) -> Option<prost_types::Timestamp> {
     Some(prost_types::Timestamp { seconds, nanos: 0 })
 }
 
+/// A duration as sent, normalized or not.
+fn duration(seconds: i64, nanos: i32) -> Option<prost_types::Duration> {
+    Some(prost_types::Duration { seconds, nanos })
+}
+
 fn refused<T: std::fmt::Debug>(what: &str, answer: Result<T, tonic::Status>, field: &str) {
     match answer {
         Ok(value) => panic!("{what}: expected INVALID_ARGUMENT naming {field:?}, got {value:?}"),
@@ -211,10 +216,7 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
         (
             "an ack deadline of 5 s + 2,000,000,000 ns",
             proto::Subscription {
-                ack_deadline: Some(prost_types::Duration {
-                    seconds: 5,
-                    nanos: 2_000_000_000,
-                }),
+                ack_deadline: duration(5, 2_000_000_000),
                 ..subscription("orders")
             },
             "subscription.ack_deadline",
@@ -222,10 +224,7 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
         (
             "a backoff of 5 s - 1 ns (mixed signs)",
             proto::Subscription {
-                retry_backoff_min: Some(prost_types::Duration {
-                    seconds: 5,
-                    nanos: -1,
-                }),
+                retry_backoff_min: duration(5, -1),
                 ..subscription("orders")
             },
             "subscription.retry_backoff_min",
@@ -290,87 +289,66 @@ async fn settlements_and_operations_the_database_would_refuse_are_refused_by_fie
         retry_after,
         dead_letter: false,
     };
-    refused(
-        "NUL in a nack reason",
-        subscriber.nack(nack("bro\0ken", None)).await,
-        "reason",
-    );
-    refused(
-        "a retry_after of 2^62 s",
-        subscriber
-            .nack(nack(
-                "later",
-                Some(prost_types::Duration {
-                    seconds: 1 << 62,
-                    nanos: 0,
-                }),
-            ))
-            .await,
-        "retry_after",
-    );
-    refused(
-        "a retry_after of 1 s + 1,000,000,000 ns",
-        subscriber
-            .nack(nack(
-                "later",
-                Some(prost_types::Duration {
-                    seconds: 1,
-                    nanos: 1_000_000_000,
-                }),
-            ))
-            .await,
-        "retry_after",
-    );
+    for (what, reason, retry_after, field) in [
+        ("NUL in a nack reason", "bro\0ken", None, "reason"),
+        (
+            "a retry_after of 2^62 s",
+            "later",
+            duration(1 << 62, 0),
+            "retry_after",
+        ),
+        (
+            "a retry_after of 1 s + 1,000,000,000 ns",
+            "later",
+            duration(1, 1_000_000_000),
+            "retry_after",
+        ),
+    ] {
+        refused(
+            what,
+            subscriber.nack(nack(reason, retry_after)).await,
+            field,
+        );
+    }
     refused(
         "an extension of 10 s + 2,000,000,000 ns",
         subscriber
             .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
                 subscription: "work".into(),
                 ack_ids: vec![delivery.ack_id.clone()],
-                extension: Some(prost_types::Duration {
-                    seconds: 10,
-                    nanos: 2_000_000_000,
-                }),
+                extension: duration(10, 2_000_000_000),
             })
             .await,
         "extension",
     );
 
     let mut admin = gateway.admin().await;
-    refused(
-        "NUL in RequeueLatest's aggregate type",
-        admin
-            .requeue_latest(proto::RequeueLatestRequest {
-                aggregate_type: "ord\0er".into(),
-                aggregate_id: "o-1".into(),
-                ..Default::default()
-            })
-            .await,
-        "aggregate_type",
-    );
-    refused(
-        "NUL in RequeueLatest's aggregate id",
-        admin
-            .requeue_latest(proto::RequeueLatestRequest {
-                aggregate_type: "order".into(),
-                aggregate_id: "o\u{0}1".into(),
-                ..Default::default()
-            })
-            .await,
-        "aggregate_id",
-    );
-    refused(
-        "NUL in RequeueLatest's event type",
-        admin
-            .requeue_latest(proto::RequeueLatestRequest {
-                aggregate_type: "order".into(),
-                aggregate_id: "o-1".into(),
-                event_type: "order.\0created".into(),
-                ..Default::default()
-            })
-            .await,
-        "event_type",
-    );
+    let requeue =
+        |aggregate_type: &str, aggregate_id: &str, event_type: &str| proto::RequeueLatestRequest {
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: event_type.into(),
+            ..Default::default()
+        };
+    for (what, request, field) in [
+        (
+            "NUL in RequeueLatest's aggregate type",
+            requeue("ord\0er", "o-1", ""),
+            "aggregate_type",
+        ),
+        (
+            "NUL in RequeueLatest's aggregate id",
+            requeue("order", "o\u{0}1", ""),
+            "aggregate_id",
+        ),
+        (
+            "NUL in RequeueLatest's event type",
+            requeue("order", "o-1", "order.\0created"),
+            "event_type",
+        ),
+    ] {
+        refused(what, admin.requeue_latest(request).await, field);
+    }
     let resolve = |resolved_by: &str, notes: &str| proto::ResolveDeadLettersRequest {
         subscription: "work".into(),
         all: true,
