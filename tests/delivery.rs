@@ -379,6 +379,54 @@ async fn a_closed_stream_gives_its_deliveries_back_at_once() {
 }
 
 #[tokio::test]
+async fn an_old_lease_named_beside_the_current_one_is_stale() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    for (name, ordered) in [("unordered", false), ("ordered", true)] {
+        create_subscription(
+            &gateway,
+            proto::Subscription {
+                ack_deadline: seconds(600),
+                ordered,
+                ..subscription(name)
+            },
+        )
+        .await;
+    }
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+
+    for name in ["unordered", "ordered"] {
+        let mut first = Consumer::open(&gateway, name, 0).await;
+        let old = first.next(WAIT).await.expect("first delivery");
+        drop(first);
+        let mut second = Consumer::open(&gateway, name, 0).await;
+        let current = second.next(WAIT).await.expect("redelivery");
+        assert_eq!(current.attempt, 2, "{name}");
+        let both = vec![old.ack_id.clone(), current.ack_id.clone()];
+
+        let stale = gateway
+            .subscriber()
+            .await
+            .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
+                subscription: name.into(),
+                ack_ids: both.clone(),
+                extension: seconds(60),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .stale_ack_ids;
+        assert_eq!(stale, vec![old.ack_id.clone()], "{name}: extension");
+        assert_eq!(
+            ack(&gateway, name, both.clone()).await,
+            vec![old.ack_id.clone()],
+            "{name}: ack"
+        );
+        assert_eq!(ack(&gateway, name, both).await.len(), 2, "{name}: settled");
+    }
+}
+
+#[tokio::test]
 async fn nacks_retry_after_the_backoff_or_the_given_delay() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start(&database).await;

@@ -274,13 +274,12 @@ impl Dispatcher {
         elsewhere
     }
 
-    pub(super) fn extended(&self, acks: &[AckId], deadlines: &HashMap<LeaseKey, DateTime<Utc>>) {
+    pub(super) fn extended(&self, deadlines: &HashMap<AckId, DateTime<Utc>>) {
         let mut state = self.state.lock().expect("dispatcher lock");
-        for ack in acks {
-            let key = (ack.source, ack.position);
-            if let Some(deadline) = deadlines.get(&key) {
-                state.streams.extend(key, ack.lease_token, *deadline);
-            }
+        for (ack, deadline) in deadlines {
+            state
+                .streams
+                .extend((ack.source, ack.position), ack.lease_token, *deadline);
         }
     }
 

@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use dispatcher::{Dispatcher, Settlement};
-use flow::{BufferBudget, LeaseKey, StreamLimits};
+use flow::{BufferBudget, StreamLimits};
 use futures_util::future::join_all;
 pub use stream::DeliveryStream;
 
@@ -406,8 +406,8 @@ impl Relay {
         let mut outcome = AckOutcome::default();
         let mut settled = Vec::new();
         for (source, acks, applied) in applied {
-            let acked: HashSet<i64> = match applied {
-                Ok(positions) => positions.into_iter().collect(),
+            let acked: HashSet<AckId> = match applied {
+                Ok(applied) => applied.into_iter().collect(),
                 Err(error) if error.is_unavailable() => {
                     tracing::debug!(source = source.0, %error, "acks of an unreachable source");
                     outcome.unavailable.extend(acks);
@@ -415,9 +415,8 @@ impl Relay {
                 }
                 Err(error) => return Err(error.into()),
             };
-            let (done, stale): (Vec<AckId>, Vec<AckId>) = acks
-                .into_iter()
-                .partition(|ack| acked.contains(&ack.position));
+            let (done, stale): (Vec<AckId>, Vec<AckId>) =
+                acks.into_iter().partition(|ack| acked.contains(ack));
             if let Some(name) = self.inner.sources.get(source) {
                 metrics::acked(
                     subscription.name.as_str(),
@@ -511,7 +510,7 @@ impl Relay {
         for ack in acks {
             by_source.entry(ack.source).or_default().push(*ack);
         }
-        let mut deadlines: HashMap<LeaseKey, DateTime<Utc>> = HashMap::new();
+        let mut deadlines: HashMap<AckId, DateTime<Utc>> = HashMap::new();
         for (source_id, acks) in by_source {
             let source = self.source(source_id)?;
             let extended = source
@@ -519,18 +518,14 @@ impl Relay {
                 .extend_leases(subscription.id, &acks, extension)
                 .await
                 .map_err(|error| source.error(error))?;
-            deadlines.extend(
-                extended
-                    .into_iter()
-                    .map(|(position, deadline)| ((source_id, position), deadline)),
-            );
+            deadlines.extend(extended);
         }
         if let Some(dispatcher) = self.dispatcher(subscription.id) {
-            dispatcher.extended(acks, &deadlines);
+            dispatcher.extended(&deadlines);
         }
         Ok(acks
             .iter()
-            .filter(|ack| !deadlines.contains_key(&(ack.source, ack.position)))
+            .filter(|ack| !deadlines.contains_key(ack))
             .copied()
             .collect())
     }

@@ -6,6 +6,8 @@
 //! lock, does not give the claiming transaction an id before its snapshot is taken, so
 //! claimers do not hold back each other's read horizon.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
 
@@ -181,8 +183,8 @@ impl Store {
         }))
     }
 
-    /// Acks deliveries; returns the positions that were settled (the rest were stale).
-    pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<i64>> {
+    /// Acks deliveries; returns the ack ids that settled a lease (the rest were stale).
+    pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
         let statement = sqlx::query(concat!(
             include_str!("queries/leased.sql"),
@@ -194,19 +196,21 @@ impl Store {
         .bind(tokens);
         if !subscription.settings.ordered {
             let rows = statement.fetch_all(&self.pool).await?;
-            return rows
-                .iter()
-                .map(|row| Ok(row.try_get("position")?))
-                .collect();
+            return Ok(named_leases(acks, &rows)?
+                .into_iter()
+                .map(|(ack, _)| ack)
+                .collect());
         }
         // An ack on an ordered subscription frees its aggregate for the next event.
         let mut transaction = self.pool.begin().await?;
         lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
         let rows = statement.fetch_all(&mut *transaction).await?;
-        let mut acked = Vec::with_capacity(rows.len());
+        let acked = named_leases(acks, &rows)?
+            .into_iter()
+            .map(|(ack, _)| ack)
+            .collect();
         let mut freed_keys = Vec::new();
         for row in &rows {
-            acked.push(row.try_get("position")?);
             if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
                 freed_keys.push(key);
             }
@@ -264,7 +268,7 @@ impl Store {
         subscription_id: i64,
         acks: &[AckId],
         extension: std::time::Duration,
-    ) -> Result<Vec<(i64, DateTime<Utc>)>> {
+    ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
         let rows = sqlx::query(concat!(
             include_str!("queries/leased.sql"),
@@ -277,8 +281,9 @@ impl Store {
         .bind(millis(extension))
         .fetch_all(&self.pool)
         .await?;
-        rows.iter()
-            .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
+        named_leases(acks, &rows)?
+            .into_iter()
+            .map(|(ack, row)| Ok((ack, row.try_get("due_at")?)))
             .collect()
     }
 
@@ -361,6 +366,28 @@ pub(super) async fn promote_waiting(
 
 fn count(row: &PgRow, column: &str) -> Result<u64> {
     Ok(row.try_get::<i64, _>(column)?.max(0) as u64)
+}
+
+/// The ack ids whose lease is one of the rows a statement changed, each with its row. A
+/// position alone would not do: one call may name an old lease of an event beside its
+/// current one, and only the current one is settled.
+fn named_leases<'r>(acks: &[AckId], rows: &'r [PgRow]) -> Result<Vec<(AckId, &'r PgRow)>> {
+    let mut changed = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let lease: (i64, i32, i64) = (
+            row.try_get("position")?,
+            row.try_get("attempt")?,
+            row.try_get("lease_token")?,
+        );
+        changed.insert(lease, row);
+    }
+    Ok(acks
+        .iter()
+        .filter_map(|ack| {
+            let row = changed.get(&(ack.position, ack.attempt, ack.lease_token))?;
+            Some((*ack, *row))
+        })
+        .collect())
 }
 
 fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {

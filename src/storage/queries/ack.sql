@@ -7,7 +7,7 @@ acked AS (
     WHERE d.ctid = ANY (ARRAY(SELECT ctid FROM leased))
       AND d.state = 'in_flight'
       AND d.lease_token = ANY ($4::bigint[])
-    RETURNING d.position, d.ordering_key
+    RETURNING d.position, d.attempt, d.lease_token, d.ordering_key
 ),
 counted AS (
     INSERT INTO outbox_subscription_counters (subscription_id, shard, acked)
@@ -15,4 +15,4 @@ counted AS (
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET acked = outbox_subscription_counters.acked + EXCLUDED.acked
 )
-SELECT position, ordering_key FROM acked
+SELECT position, attempt, lease_token, ordering_key FROM acked

@@ -5,4 +5,4 @@ SET due_at = now() + $5 * interval '1 millisecond', updated_at = now()
 WHERE d.ctid = ANY (ARRAY(SELECT ctid FROM leased))
   AND d.state = 'in_flight'
   AND d.lease_token = ANY ($4::bigint[])
-RETURNING d.position, d.due_at
+RETURNING d.position, d.attempt, d.lease_token, d.due_at
