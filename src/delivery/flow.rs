@@ -246,6 +246,10 @@ impl Streams {
             delivery.ack_id.lease_token,
             delivery.ack_deadline,
         );
+        // The source leased the event anew, so an older lease of it here is over (it
+        // expired, or was nacked on another gateway that has not told us yet): its
+        // stream's room comes back. Left in place, it would stay counted for good.
+        self.remove_lease(key);
         let mut delivery = delivery;
         let count = self.slots.len();
         for offset in 0..count {
@@ -467,6 +471,33 @@ mod tests {
             streams.place(delivery(position, 10), &budget).unwrap();
         }
         assert!(streams.claim_limits(500, &budget).is_none(), "3 in flight");
+    }
+
+    #[test]
+    fn an_event_leased_anew_frees_the_room_of_its_old_lease() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (first, mut first_receiver, _) = stream(&mut streams, 1, u64::MAX);
+        let (second, _second_receiver, _) = stream(&mut streams, 1, u64::MAX);
+        streams.place(delivery(1, 10), &budget).unwrap();
+        assert_eq!(streams.leases[&(SourceId(0), 1)].stream_id, first);
+        assert!(first_receiver.try_recv().is_ok());
+
+        // Nacked on another gateway and leased again before the notice arrived.
+        let mut again = delivery(1, 10);
+        again.ack_id.attempt = 2;
+        again.ack_id.lease_token = 8;
+        streams.place(again, &budget).unwrap();
+        assert_eq!(streams.leases[&(SourceId(0), 1)].stream_id, second);
+        assert_eq!(
+            streams.slots[0].in_flight, 0,
+            "the old lease's room is free"
+        );
+        assert_eq!(streams.slots[1].in_flight, 1);
+        let limits = streams
+            .claim_limits(500, &budget)
+            .expect("the first stream has room");
+        assert_eq!(limits.count, 1);
     }
 
     #[test]
