@@ -1,7 +1,8 @@
 //! The fault injector: at random intervals it `kill -9`s a gateway and restarts it,
 //! terminates every database connection the gateways hold, or takes the second source's
-//! server down for a moment; once per run it restarts a gateway gracefully (SIGTERM). Its choices come from a seeded generator, so a run's
-//! sequence of faults can be replayed with `--seed`.
+//! server down for a moment, each at least once; once per run it restarts a gateway
+//! gracefully (SIGTERM). Its choices come from a seeded generator, so a run's sequence of
+//! faults can be replayed with `--seed`.
 
 use std::{
     sync::{
@@ -76,16 +77,15 @@ pub async fn run(
         if !graceful_done && Instant::now() >= graceful_at {
             graceful_done = true;
             graceful_restart(&cluster, &counters, gateway, &mut rng).await;
-        } else if let Some(server) = remote_server
-            .as_ref()
-            .filter(|_| choose_outage(&counters, &mut rng))
-        {
-            source_outage(server, &counters, &mut rng).await;
-        } else if choose_kill(&counters, &mut rng) {
-            let also_cut = rng.random_bool(0.25);
-            crash(&cluster, &databases, &counters, gateway, also_cut, &mut rng).await;
         } else {
-            cut_connections(&databases, &counters).await;
+            match choose_fault(&counters, remote_server.as_ref(), &mut rng) {
+                Fault::SourceOutage(server) => source_outage(server, &counters, &mut rng).await,
+                Fault::Kill => {
+                    let also_cut = rng.random_bool(0.25);
+                    crash(&cluster, &databases, &counters, gateway, also_cut, &mut rng).await;
+                }
+                Fault::ConnectionCut => cut_connections(&databases, &counters).await,
+            }
         }
     }
     if !graceful_done {
@@ -95,9 +95,42 @@ pub async fn run(
     cluster.ensure_all_running(&counters).await;
 }
 
-/// A source outage now and then, at least once.
-fn choose_outage(counters: &ChaosCounters, rng: &mut StdRng) -> bool {
-    ChaosCounters::get(&counters.source_outages) == 0 || rng.random_bool(0.15)
+/// The faults chosen from at random (the graceful restart has its own time).
+#[derive(Clone, Copy)]
+enum Fault<'a> {
+    SourceOutage(&'a Arc<PostgresServer>),
+    Kill,
+    ConnectionCut,
+}
+
+/// The next fault: first each kind that has not happened yet, so that a short run still
+/// injects every one; then kills and cuts as often as each other, and a source outage
+/// now and then.
+fn choose_fault<'a>(
+    counters: &ChaosCounters,
+    remote_server: Option<&'a Arc<PostgresServer>>,
+    rng: &mut StdRng,
+) -> Fault<'a> {
+    let outage = remote_server.map(Fault::SourceOutage);
+    let missing: Vec<Fault> = [
+        (outage, &counters.source_outages),
+        (Some(Fault::Kill), &counters.kills),
+        (Some(Fault::ConnectionCut), &counters.connection_cuts),
+    ]
+    .into_iter()
+    .filter(|(_, count)| ChaosCounters::get(count) == 0)
+    .filter_map(|(fault, _)| fault)
+    .collect();
+    if !missing.is_empty() {
+        return missing[rng.random_range(0..missing.len())];
+    }
+    if let Some(outage) = outage.filter(|_| rng.random_bool(0.15)) {
+        outage
+    } else if rng.random_bool(0.5) {
+        Fault::Kill
+    } else {
+        Fault::ConnectionCut
+    }
 }
 
 /// Takes the second source's server down (like a crash) for a moment, then brings it
@@ -129,17 +162,6 @@ async fn source_outage(server: &Arc<PostgresServer>, counters: &ChaosCounters, r
             "source outage",
             format!("cannot start the source's server again: {error}"),
         ));
-    }
-}
-
-/// Kill or cut, at random, but each at least once as soon as the other happened.
-fn choose_kill(counters: &ChaosCounters, rng: &mut StdRng) -> bool {
-    let kills = ChaosCounters::get(&counters.kills);
-    let cuts = ChaosCounters::get(&counters.connection_cuts);
-    match (kills, cuts) {
-        (0, 1..) => true,
-        (1.., 0) => false,
-        _ => rng.random_bool(0.5),
     }
 }
 
