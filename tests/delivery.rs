@@ -404,18 +404,7 @@ async fn an_old_lease_named_beside_the_current_one_is_stale() {
         assert_eq!(current.attempt, 2, "{name}");
         let both = vec![old.ack_id.clone(), current.ack_id.clone()];
 
-        let stale = gateway
-            .subscriber()
-            .await
-            .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
-                subscription: name.into(),
-                ack_ids: both.clone(),
-                extension: seconds(60),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .stale_ack_ids;
+        let stale = extend(&gateway, name, both.clone(), Duration::from_secs(60)).await;
         assert_eq!(stale, vec![old.ack_id.clone()], "{name}: extension");
         assert_eq!(
             ack(&gateway, name, both.clone()).await,
@@ -672,18 +661,13 @@ async fn extending_the_deadline_keeps_the_lease() {
     publish(&gateway, vec![event("o-1", "order.created")]).await;
     let mut consumer = Consumer::open(&gateway, "orders", 0).await;
     let delivery = consumer.next(WAIT).await.unwrap();
-    let stale = gateway
-        .subscriber()
-        .await
-        .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
-            subscription: "orders".into(),
-            ack_ids: vec![delivery.ack_id.clone()],
-            extension: seconds(10),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .stale_ack_ids;
+    let stale = extend(
+        &gateway,
+        "orders",
+        vec![delivery.ack_id.clone()],
+        Duration::from_secs(10),
+    )
+    .await;
     assert!(stale.is_empty());
     assert!(
         consumer.next(Duration::from_millis(1800)).await.is_none(),

@@ -110,21 +110,14 @@ async fn a_paused_subscription_settles_what_is_out_and_hands_out_nothing_new() {
     // Acks, extensions and nacks of deliveries already out still apply.
     let stale = ack(&gateway, "work", vec![out[0].ack_id.clone()]).await;
     assert!(stale.is_empty(), "an ack while paused went stale");
-    let extended = gateway
-        .subscriber()
-        .await
-        .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
-            subscription: "work".into(),
-            ack_ids: vec![out[1].ack_id.clone()],
-            extension: seconds(60),
-        })
-        .await
-        .expect("extend")
-        .into_inner();
-    assert!(
-        extended.stale_ack_ids.is_empty(),
-        "an extension while paused went stale"
-    );
+    let stale = extend(
+        &gateway,
+        "work",
+        vec![out[1].ack_id.clone()],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(stale.is_empty(), "an extension while paused went stale");
     let nacked = nack(
         &gateway,
         proto::NackRequest {

@@ -416,6 +416,27 @@ pub async fn ack(gateway: &TestGateway, subscription: &str, ack_ids: Vec<String>
         .stale_ack_ids
 }
 
+/// Extends leases by `extension`; returns the stale ack ids.
+pub async fn extend(
+    gateway: &TestGateway,
+    subscription: &str,
+    ack_ids: Vec<String>,
+    extension: Duration,
+) -> Vec<String> {
+    gateway
+        .subscriber()
+        .await
+        .extend_ack_deadline(proto::ExtendAckDeadlineRequest {
+            subscription: subscription.into(),
+            ack_ids,
+            extension: prost_types::Duration::try_from(extension).ok(),
+        })
+        .await
+        .expect("extend")
+        .into_inner()
+        .stale_ack_ids
+}
+
 pub async fn nack(gateway: &TestGateway, request: proto::NackRequest) -> proto::NackResponse {
     gateway
         .subscriber()
