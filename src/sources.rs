@@ -28,6 +28,8 @@ use crate::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceHealth {
     pub connected: bool,
+    /// It was checked at least once (a source not yet checked counts as not connected).
+    pub checked: bool,
     /// Why it is not (in the gateway's words), and since when its state last changed.
     pub last_error: Option<String>,
     pub since: DateTime<Utc>,
@@ -71,19 +73,27 @@ impl Source {
         self.changed.subscribe()
     }
 
-    /// Records the outcome of a check; logs one line when the state changes. Returns
-    /// whether it did.
+    /// Records the outcome of a check; logs one line when the state changes, and one
+    /// when a source is first found down. Returns whether the state changed.
     fn record(&self, outcome: Result<(), String>) -> bool {
         let mut health = self.health.lock().expect("health lock");
         let connected = outcome.is_ok();
+        let first = !health.checked;
         let changed = health.connected != connected;
         match &outcome {
+            // Coming up for the first time is no news.
+            Ok(()) if first => {
+                tracing::debug!(source = %self.name, "source is reachable")
+            }
             Ok(()) if changed && self.name.is_default() => {
                 tracing::info!("the database is reachable again")
             }
             Ok(()) if changed => tracing::info!(source = %self.name, "source is reachable again"),
-            Err(error) if changed && self.name.is_default() => {
+            Err(error) if (changed || first) && self.name.is_default() => {
                 tracing::warn!(%error, "lost the database; calls answer UNAVAILABLE and deliveries pause until it is back")
+            }
+            Err(error) if first => {
+                tracing::warn!(source = %self.name, %error, "source is unreachable; its deliveries wait until it answers, the other sources go on")
             }
             Err(error) if changed => {
                 tracing::warn!(source = %self.name, %error, "source is unreachable; its deliveries pause, the other sources go on")
@@ -94,6 +104,7 @@ impl Source {
             health.since = Utc::now();
             self.changed.send_modify(|generation| *generation += 1);
         }
+        health.checked = true;
         health.connected = connected;
         health.last_error = outcome.err();
         changed
@@ -202,7 +213,7 @@ impl Sources {
                     });
                 }
                 Err(PrepareError::Store(error)) => {
-                    source.record(Err(describe(&error)));
+                    source.record(Err(error.to_string()));
                 }
             }
         }
@@ -210,19 +221,22 @@ impl Sources {
     }
 
     /// Checks every source every `interval` until `stop`, recording whether it is
-    /// reachable (and, for a source that was down, preparing its schema first).
+    /// reachable (and, for a source that was down, preparing its schema first). The
+    /// sources are checked side by side, so one that takes its whole connect timeout to
+    /// fail does not delay noticing that another is back.
     pub async fn watch(self, interval: Duration, stop: CancellationToken) {
         loop {
-            for source in self.list.iter().skip(1) {
+            futures_util::future::join_all(self.list.iter().skip(1).map(|source| async move {
                 let outcome = match source.prepare().await {
                     Ok(()) => Ok(()),
                     Err(PrepareError::NotMigrated) => Err(
                         "its outbox schema is missing or older than this gateway's; run `outbox-gateway migrate`".to_owned(),
                     ),
-                    Err(PrepareError::Store(error)) => Err(describe(&error)),
+                    Err(PrepareError::Store(error)) => Err(error.to_string()),
                 };
                 source.record(outcome);
-            }
+            }))
+            .await;
             tokio::select! {
                 _ = tokio::time::sleep(interval) => {}
                 _ = stop.cancelled() => return,
@@ -280,7 +294,7 @@ pub async fn migrate(config: &Config, only: Option<&str>) -> Result<Vec<String>,
             store_config(config, source, id).map_err(|error| error.to_string())?;
         store_config.max_connections = 1;
         let store = Store::connect_lazy(&store_config)
-            .map_err(|error| format!("source {:?}: {}", source.name, describe(&error)))?;
+            .map_err(|error| format!("source {:?}: {}", source.name, error))?;
         done.push(migrate_store(&store, &source.database_url).await?);
     }
     Ok(done)
@@ -294,7 +308,7 @@ async fn migrate_store(store: &Store, database_url: &str) -> Result<String, Stri
         format!(
             "source {:?} at {target}: {}",
             store.source().as_str(),
-            describe(&error)
+            error
         )
     })?;
     Ok(format!(
@@ -322,6 +336,7 @@ impl Source {
                 // `default` is connected by the time it is registered; the others are
                 // known once first checked.
                 connected: is_default,
+                checked: is_default,
                 last_error: (!is_default).then(|| "not checked yet".to_owned()),
                 since: Utc::now(),
             }),
@@ -378,13 +393,4 @@ fn store_config(
         acquire_timeout: config.db_acquire_timeout,
         idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     })
-}
-
-/// A store error as one line in the gateway's words, without driver noise.
-pub fn describe(error: &StoreError) -> String {
-    if error.is_unavailable() {
-        "cannot reach PostgreSQL".to_owned()
-    } else {
-        error.to_string()
-    }
 }

@@ -858,3 +858,238 @@ async fn scheduled_and_expiring_events_work_in_every_source() {
     .await;
     assert!(consumer.next(QUIET).await.is_none());
 }
+
+/// The state ListSources reports for `name`: (status, last error).
+async fn source_state(gateway: &TestGateway, name: &str) -> (i32, String) {
+    let sources = gateway
+        .admin()
+        .await
+        .list_sources(proto::ListSourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sources;
+    let source = sources.into_iter().find(|s| s.name == name).unwrap();
+    (source.status, source.last_error)
+}
+
+#[tokio::test]
+async fn a_down_source_neither_holds_acks_back_nor_slows_the_others() {
+    let server = tokio::task::spawn_blocking(PostgresServer::start)
+        .await
+        .unwrap()
+        .expect("a second PostgreSQL server");
+    let default = TestDatabase::create().await;
+    let remote = TestDatabase::create_on(&server.url()).await;
+    let mut config = config_with(&default, vec![source("remote", &remote)]);
+    // What a connection attempt to the stopped server may take: no ack may wait for it.
+    config.db_acquire_timeout = Duration::from_secs(5);
+    let gateway = TestGateway::start_with(&default, config).await;
+    let ack_deadline = Duration::from_secs(3);
+    let mut all = subscription("all");
+    all.ack_deadline = seconds(ack_deadline.as_secs());
+    create_subscription(&gateway, all).await;
+    let mut consumer = Consumer::open(&gateway, "all", 4).await;
+    publish_to(&gateway, "remote", "r-1", "order.created").await;
+    let remote_delivery = consumer.take(1, WAIT).await.remove(0);
+    let remote_leased_at = std::time::Instant::now();
+
+    server.stop().expect("stop the second server");
+    let unavailable = proto::SourceStatus::Unavailable as i32;
+    eventually("the gateway knows the source is down", WAIT, || async {
+        source_state(&gateway, "remote").await.0 == unavailable
+    })
+    .await;
+
+    // An ack that mixes sources answers at once, the down source's ids unavailable.
+    publish_to(&gateway, "", "d-0", "order.created").await;
+    let healthy = consumer.take(1, WAIT).await.remove(0);
+    let started = std::time::Instant::now();
+    let answer = gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: "all".into(),
+            ack_ids: vec![remote_delivery.ack_id.clone(), healthy.ack_id.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let took = started.elapsed();
+    assert_eq!(answer.unavailable_ack_ids, vec![remote_delivery.ack_id]);
+    assert!(answer.stale_ack_ids.is_empty());
+    assert!(
+        took < Duration::from_secs(2),
+        "the ack waited {took:?} for a source known to be down"
+    );
+
+    // The down source's lease runs past its deadline: that is no stalled consumer, so the
+    // stream still takes as many of the other source's deliveries as it may hold.
+    eventually("the remote lease's deadline passed", WAIT, || async {
+        remote_leased_at.elapsed() > ack_deadline + Duration::from_millis(500)
+    })
+    .await;
+    for index in 1..=4 {
+        publish_to(&gateway, "", &format!("d-{index}"), "order.created").await;
+    }
+    let held = consumer
+        .take(4, ack_deadline - Duration::from_millis(500))
+        .await;
+    let aggregates: BTreeSet<String> = held.iter().map(aggregate_of).collect();
+    assert_eq!(
+        aggregates.len(),
+        4,
+        "unacked deliveries held at once: {aggregates:?}"
+    );
+    let acked = held.into_iter().map(|delivery| delivery.ack_id).collect();
+    assert!(ack(&gateway, "all", acked).await.is_empty());
+
+    // Back: its deliveries resume within a poll interval or two.
+    server.resume().expect("start the second server again");
+    let connected = proto::SourceStatus::Connected as i32;
+    eventually("the source is reachable again", WAIT, || async {
+        source_state(&gateway, "remote").await.0 == connected
+    })
+    .await;
+    publish_to(&gateway, "remote", "r-2", "order.created").await;
+    let resumed = std::time::Instant::now();
+    let mut arrived = false;
+    while let Some(delivery) = consumer.next(Duration::from_secs(10)).await {
+        if aggregate_of(&delivery) == "r-2" {
+            arrived = true;
+            break;
+        }
+    }
+    assert!(
+        arrived,
+        "no delivery from the source within {:?} of its return",
+        resumed.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn an_ack_for_a_source_whose_database_is_gone_is_unavailable_and_says_why() {
+    let default = TestDatabase::create().await;
+    let gone = TestDatabase::create().await;
+    let config = config_with(&default, vec![source("gone", &gone)]);
+    let gateway = TestGateway::start_with(&default, config).await;
+    create_subscription(&gateway, subscription("all")).await;
+    let mut consumer = Consumer::open(&gateway, "all", 10).await;
+    publish_to(&gateway, "gone", "g-1", "order.created").await;
+    let delivery = consumer.take(1, WAIT).await.remove(0);
+
+    let pool = default.pool().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE \"{}\" WITH (FORCE)",
+        gone.name()
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop the source's database");
+
+    let answer = gateway
+        .subscriber()
+        .await
+        .ack(proto::AckRequest {
+            subscription: "all".into(),
+            ack_ids: vec![delivery.ack_id.clone()],
+        })
+        .await
+        .expect("an ack of an unreachable source is answered")
+        .into_inner();
+    assert_eq!(answer.unavailable_ack_ids, vec![delivery.ack_id]);
+    let unavailable = proto::SourceStatus::Unavailable as i32;
+    eventually(
+        "the source says its database does not exist",
+        WAIT,
+        || async {
+            let (status, last_error) = source_state(&gateway, "gone").await;
+            status == unavailable && last_error.contains("does not exist")
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_source_down_at_start_is_logged_once_and_healthy_ones_are_not_called_back() {
+    let default = TestDatabase::create().await;
+    let up = TestDatabase::create().await;
+    let nothing_there = outbox_testkit::gateway::free_loopback_address().expect("a free port");
+    let listen = outbox_testkit::gateway::free_loopback_address().expect("a free port");
+    let config_file =
+        std::env::temp_dir().join(format!("outbox-sources-{}.toml", uuid::Uuid::new_v4()));
+    std::fs::write(
+        &config_file,
+        format!(
+            "database_url = {:?}\n\n[[sources]]\nname = \"up\"\ndatabase_url = {:?}\n\n[[sources]]\nname = \"down\"\ndatabase_url = \"postgres://postgres@{nothing_there}/outbox\"\n",
+            default.url(),
+            up.url(),
+        ),
+    )
+    .unwrap();
+    let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["serve", "--config"])
+        .arg(&config_file)
+        .args(["--listen", &listen.to_string(), "--console-listen", "off"])
+        .args(["--metrics-listen", "off", "--db-acquire-timeout", "1s"])
+        .env_remove("RUST_LOG")
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the gateway");
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    for output in [
+        Box::new(gateway.stdout.take().unwrap()) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+        Box::new(gateway.stderr.take().unwrap()),
+    ] {
+        let lines = lines.clone();
+        tokio::spawn(async move {
+            use tokio::io::AsyncBufReadExt;
+            let mut reader = tokio::io::BufReader::new(output).lines();
+            while let Ok(Some(line)) = reader.next_line().await {
+                lines.lock().unwrap().push(line);
+            }
+        });
+    }
+    let logged = |needle: &'static str| {
+        let lines = lines.clone();
+        move || {
+            lines
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|line| line.contains(needle))
+                .cloned()
+                .collect::<Vec<_>>()
+        }
+    };
+    let down_lines = logged("unreachable");
+    eventually("the source down at start is logged", WAIT, || {
+        let found = !down_lines().is_empty();
+        async move { found }
+    })
+    .await;
+    // Let a few health checks pass: the down source is not logged again while it stays
+    // down, and no source is said to be back.
+    let serving = logged("serving gRPC");
+    eventually("the gateway serves", WAIT, || {
+        let found = !serving().is_empty();
+        async move { found }
+    })
+    .await;
+    let checks_done = std::time::Instant::now();
+    eventually("a few health checks pass", WAIT, || async {
+        checks_done.elapsed() > Duration::from_secs(3)
+    })
+    .await;
+    let down = down_lines();
+    assert_eq!(down.len(), 1, "{down:#?}");
+    assert!(down[0].contains("down"), "{}", down[0]);
+    let back = logged("reachable again")();
+    assert!(back.is_empty(), "{back:#?}");
+    let _ = gateway.kill().await;
+    let _ = std::fs::remove_file(config_file);
+}

@@ -90,6 +90,8 @@ struct SourceState {
     more_waiting: bool,
     /// After a failed claim, not before this; the delay doubles while failures go on.
     failing: Option<(Instant, Duration)>,
+    /// The source was down when last looked at (its leases' room was freed then).
+    down: bool,
 }
 
 impl SourceState {
@@ -389,7 +391,15 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     // Rotates which source is claimed first, so a busy one cannot starve the others.
     let mut first_source = 0usize;
 
+    // Wakes the loop when a source goes down or comes back.
+    let mut health: Vec<_> = dispatcher
+        .sources
+        .iter()
+        .map(|source| source.watch())
+        .collect();
+
     loop {
+        follow_source_health(&dispatcher);
         let checked_at = Utc::now();
         let overdue = dispatcher
             .state
@@ -398,15 +408,18 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             .streams
             .overdue(checked_at);
         let any_overdue = !overdue.is_empty();
+        let mut unanswered = Vec::new();
         for (source, leases) in overdue {
-            reread_leases(&dispatcher, source, leases, Missing::Expired).await;
+            if !reread_leases(&dispatcher, source, leases, Missing::Expired).await {
+                unanswered.push(source);
+            }
         }
         let (limits, refresh, full) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             // Only what the sources were asked about: leases that fell due since are the
             // next turn's, which their deadline wakes.
             if any_overdue {
-                for source in state.streams.expire(checked_at) {
+                for source in state.streams.expire(checked_at, &unanswered) {
                     state.sources.entry(source).or_default().due_pending = true;
                 }
             }
@@ -528,6 +541,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
             }
             _ = dispatcher.changed.notified() => {}
+            _ = any_changed(&mut health) => {}
             // Streams elsewhere in this process read what waited for them.
             _ = budget.freed.notified(), if budget.is_spent() => {}
             _ = tokio::time::sleep(sleep_for) => {
@@ -540,6 +554,39 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 return;
             }
         }
+    }
+}
+
+/// Frees the room of leases whose source went down (nobody can settle them meanwhile),
+/// and claims at once from a source that came back.
+fn follow_source_health(dispatcher: &Dispatcher) {
+    let mut state = dispatcher.state.lock().expect("dispatcher lock");
+    for source in dispatcher.sources.iter() {
+        let connected = source.is_connected();
+        let known = state.sources.entry(source.id).or_default();
+        if connected != known.down {
+            continue;
+        }
+        known.down = !connected;
+        if connected {
+            known.failing = None;
+            known.seen_events = None;
+            known.due_pending = true;
+        } else {
+            state.streams.forget_source(source.id);
+        }
+    }
+}
+
+/// Resolves when any of `watches` sees a change.
+async fn any_changed(watches: &mut [tokio::sync::watch::Receiver<u64>]) {
+    if watches.is_empty() {
+        return std::future::pending().await;
+    }
+    let changes = watches.iter_mut().map(|watch| Box::pin(watch.changed()));
+    if futures_util::future::select_all(changes).await.0.is_err() {
+        // The gateway is stopping (the sources are gone): the shutdown branch ends us.
+        std::future::pending::<()>().await;
     }
 }
 
@@ -766,18 +813,21 @@ enum Missing {
 
 /// Takes the deadlines of `leases` (position, token) from their source: a lease it still
 /// holds keeps its deadline there. Without an answer (the source is down) nothing
-/// changes.
+/// changes, and it returns false.
 async fn reread_leases(
     dispatcher: &Dispatcher,
     source_id: SourceId,
     leases: Vec<(i64, i64)>,
     missing: Missing,
-) {
+) -> bool {
     let Some(source) = dispatcher.sources.get(source_id) else {
-        return;
+        return false;
     };
-    if leases.is_empty() || !source.is_connected() {
-        return;
+    if leases.is_empty() {
+        return true;
+    }
+    if !source.is_connected() {
+        return false;
     }
     match source
         .store
@@ -797,9 +847,11 @@ async fn reread_leases(
                     (None, Missing::Expired) => {}
                 }
             }
+            true
         }
         Err(error) => {
-            tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "lease refresh failed")
+            tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "lease refresh failed");
+            false
         }
     }
 }

@@ -347,8 +347,11 @@ impl Streams {
     }
 
     /// Forgets leases whose deadline passed: they are no longer this process's to count.
-    /// Their streams rest, then take one at a time. Returns the sources they belonged to.
-    pub fn expire(&mut self, now: DateTime<Utc>) -> Vec<SourceId> {
+    /// Their streams rest, then take one at a time — unless their source could not be
+    /// asked (`unanswered`): a source that is down never makes a consumer look stalled,
+    /// so its outage does not slow what the others deliver. Returns the sources the
+    /// leases belonged to.
+    pub fn expire(&mut self, now: DateTime<Utc>, unanswered: &[SourceId]) -> Vec<SourceId> {
         let expired: Vec<LeaseKey> = self
             .leases
             .iter()
@@ -357,7 +360,9 @@ impl Streams {
             .collect();
         let mut stalled = Vec::new();
         for key in &expired {
-            if let Some(lease) = self.remove_lease(*key) {
+            if let Some(lease) = self.remove_lease(*key)
+                && !unanswered.contains(&key.0)
+            {
                 stalled.push(lease.stream_id);
             }
         }
@@ -377,6 +382,23 @@ impl Streams {
         sources.sort();
         sources.dedup();
         sources
+    }
+
+    /// Forgets every lease of a source that went down, freeing its streams' room without
+    /// counting a stall: nobody can settle those deliveries until the source is back
+    /// (an ack then still reaches its lease there), and they must not hold room that
+    /// the other sources' deliveries could use.
+    pub fn forget_source(&mut self, source: SourceId) -> usize {
+        let keys: Vec<LeaseKey> = self
+            .leases
+            .keys()
+            .filter(|(lease_source, _)| *lease_source == source)
+            .copied()
+            .collect();
+        for key in &keys {
+            self.remove_lease(*key);
+        }
+        keys.len()
     }
 
     /// When the next lease expires or the next resting stream may take again.
@@ -542,12 +564,44 @@ mod tests {
         );
         assert!(streams.claim_limits(500, &budget).is_none());
         let now = Utc::now();
-        assert_eq!(streams.expire(now), vec![SourceId(0)]);
+        assert_eq!(streams.expire(now, &[]), vec![SourceId(0)]);
         assert!(!streams.has_leases());
         // Its stream let the lease expire: it rests a second before taking more, and the
         // dispatcher is woken then.
         assert!(streams.claim_limits(500, &budget).is_none());
         assert_eq!(streams.next_deadline(), Some(now + FIRST_REST));
+    }
+
+    #[test]
+    fn a_down_source_never_makes_a_stream_rest_nor_holds_its_room() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 2, u64::MAX);
+        let down = SourceId(1);
+        let mut late = delivery(1, 10);
+        late.ack_id.source = down;
+        late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
+        streams.place(late, &budget).unwrap();
+        while receiver.try_recv().is_ok() {}
+        // Its source could not be asked whether it was settled: no stall.
+        assert_eq!(streams.expire(Utc::now(), &[down]), vec![down]);
+        assert!(streams.slots[0].resting_until.is_none());
+        assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 2);
+
+        // A source that goes down gives back the room of every lease it holds.
+        let mut held = delivery(2, 10);
+        held.ack_id.source = down;
+        streams.place(held, &budget).unwrap();
+        streams.place(delivery(3, 10), &budget).unwrap();
+        while receiver.try_recv().is_ok() {}
+        assert!(streams.claim_limits(500, &budget).is_none());
+        assert_eq!(streams.forget_source(down), 1);
+        assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 1);
+        assert!(streams.slots[0].resting_until.is_none());
+        assert_eq!(
+            streams.leases_of(SourceId(0)),
+            vec![(3, streams.leases[&(SourceId(0), 3)].token)]
+        );
     }
 
     #[test]
@@ -568,7 +622,7 @@ mod tests {
             streams.round_robin = 0;
             streams.place(expired(round), &budget).unwrap();
             let now = Utc::now();
-            streams.expire(now);
+            streams.expire(now, &[]);
             let slot = &streams.slots[0];
             rests.push((slot.resting_until.unwrap() - now).num_seconds());
         }
@@ -597,7 +651,7 @@ mod tests {
             late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
             streams.place(late, &budget).unwrap();
         }
-        streams.expire(Utc::now());
+        streams.expire(Utc::now(), &[]);
         streams.slots[0].resting_until = None;
         // Its channel is full of the expired deliveries until it reads them.
         assert!(streams.claim_limits(500, &budget).is_none());

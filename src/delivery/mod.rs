@@ -396,7 +396,10 @@ impl Relay {
             let subscription = &subscription;
             async move {
                 let outcome = match self.inner.sources.get(source_id) {
-                    Some(source) => source.store.ack(subscription, &acks).await,
+                    // Known to be down: answer at once rather than wait for a connection
+                    // attempt to time out; the health probe notices when it is back.
+                    Some(source) if !source.is_connected() => Err(None),
+                    Some(source) => source.store.ack(subscription, &acks).await.map_err(Some),
                     None => Ok(Vec::new()),
                 };
                 (source_id, acks, outcome)
@@ -408,12 +411,16 @@ impl Relay {
         for (source, acks, applied) in applied {
             let acked: HashSet<AckId> = match applied {
                 Ok(applied) => applied.into_iter().collect(),
-                Err(error) if error.is_unavailable() => {
+                Err(None) => {
+                    outcome.unavailable.extend(acks);
+                    continue;
+                }
+                Err(Some(error)) if error.is_unavailable() => {
                     tracing::debug!(source = source.0, %error, "acks of an unreachable source");
                     outcome.unavailable.extend(acks);
                     continue;
                 }
-                Err(error) => return Err(error.into()),
+                Err(Some(error)) => return Err(error.into()),
             };
             let (done, stale): (Vec<AckId>, Vec<AckId>) =
                 acks.into_iter().partition(|ack| acked.contains(ack));
@@ -602,11 +609,16 @@ impl Relay {
         self.inner.tasks.wait().await;
     }
 
+    /// The source an ack id names; unavailable at once when it is known to be down.
     fn source(&self, id: SourceId) -> Result<&Arc<Source>> {
-        self.inner
-            .sources
-            .get(id)
-            .ok_or_else(|| Error::invalid("ack_id", "names a source this gateway does not have"))
+        let source =
+            self.inner.sources.get(id).ok_or_else(|| {
+                Error::invalid("ack_id", "names a source this gateway does not have")
+            })?;
+        if !source.is_connected() {
+            return Err(Error::SourceUnavailable(source.name.clone()));
+        }
+        Ok(source)
     }
 
     /// The subscription as this process's dispatcher last saw it, or from the database.

@@ -159,8 +159,12 @@ impl From<sqlx::Error> for StoreError {
             | sqlx::Error::WorkerCrashed => true,
             sqlx::Error::Database(db) => {
                 let code = db.code().unwrap_or_default();
-                // Connection exceptions, shutdowns, "cannot connect now", too many clients.
-                code.starts_with("08") || code.starts_with("57P") || code == "53300"
+                // Connection exceptions, shutdowns, "cannot connect now", too many clients,
+                // and a database that no longer exists (dropped or renamed).
+                code.starts_with("08")
+                    || code.starts_with("57P")
+                    || code == "53300"
+                    || code == "3D000"
             }
             _ => false,
         };
@@ -207,6 +211,10 @@ pub struct Store {
     source_id: SourceId,
     pool: PgPool,
     publish_pool: PgPool,
+    /// One connection of its own for health checks: whether the database answers must
+    /// not depend on whether the main pool has a connection free. A pool busy with work
+    /// is back-pressure; only this probe failing means the database is lost.
+    probe_pool: PgPool,
 }
 
 impl Store {
@@ -235,12 +243,14 @@ impl Store {
         // PostgreSQL's cached plan (re-planning cost 0.2 ms of a 100-event call), and
         // its connections are its own: a committer keeps one while it publishes.
         let publish_pool = pool_options(PUBLISH_CONNECTIONS as u32, config.acquire_timeout)
-            .connect_lazy_with(options);
+            .connect_lazy_with(options.clone());
+        let probe_pool = pool_options(1, config.acquire_timeout).connect_lazy_with(options);
         Store {
             source: config.source.clone(),
             source_id: config.source_id,
             pool,
             publish_pool,
+            probe_pool,
         }
     }
 
@@ -294,16 +304,18 @@ impl Store {
         Ok(())
     }
 
-    /// True when every migration this build knows has been applied.
+    /// True when every migration this build knows has been applied. Asked on the health
+    /// probe's own connection.
     pub async fn is_migrated(&self) -> Result<bool> {
         Ok(self.schema_version().await? >= latest_schema_version())
     }
 
-    /// The newest migration applied to this database (0: none).
+    /// The newest migration applied to this database (0: none), asked on the health
+    /// probe's own connection.
     pub async fn schema_version(&self) -> Result<i64> {
         let applied: Option<i64> =
             sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                .fetch_one(&self.pool)
+                .fetch_one(&self.probe_pool)
                 .await
                 .or_else(|error| match &error {
                     // No migrations table yet.
@@ -313,8 +325,10 @@ impl Store {
         Ok(applied.unwrap_or_default())
     }
 
+    /// Whether the database answers, on the health probe's own connection: a main pool
+    /// whose connections are all busy does not make it look lost.
     pub async fn ping(&self) -> Result<()> {
-        self.pool.execute("SELECT 1").await?;
+        self.probe_pool.execute("SELECT 1").await?;
         Ok(())
     }
 
@@ -324,7 +338,11 @@ impl Store {
     }
 
     pub async fn close(&self) {
-        tokio::join!(self.pool.close(), self.publish_pool.close());
+        tokio::join!(
+            self.pool.close(),
+            self.publish_pool.close(),
+            self.probe_pool.close()
+        );
     }
 
     /// Tells every gateway listening on this database that events were committed (when
