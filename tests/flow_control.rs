@@ -173,3 +173,72 @@ async fn streams_that_never_read_cannot_hold_the_gateways_memory_or_starve_reade
     let held = in_flight(&pool, "stalled").await;
     assert!(held < 15, "streams that never read hold {held} deliveries");
 }
+
+#[tokio::test]
+async fn many_streams_ending_at_once_give_their_leases_back_on_a_busy_pool() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    // A small pool that runs out at once: waiting for it is back-pressure, not an outage.
+    config.db_max_connections = 2;
+    config.db_acquire_timeout = Duration::from_millis(100);
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut busy = subscription("busy");
+    // Far beyond the test: a lease that is not given back is not redelivered in time.
+    busy.ack_deadline = seconds(600);
+    create_subscription(&gateway, busy).await;
+    const STREAMS: usize = 1000;
+    let mut consumers = Vec::new();
+    for _ in 0..STREAMS {
+        consumers.push(Consumer::open(&gateway, "busy", 1).await);
+    }
+    let events: Vec<_> = (0..STREAMS)
+        .map(|index| event(&format!("a-{index}"), "order.created"))
+        .collect();
+    let publisher = &mut gateway.publisher().await;
+    for chunk in events.chunks(100) {
+        publisher
+            .publish(proto::PublishRequest {
+                events: chunk.to_vec(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    for consumer in &mut consumers {
+        assert!(consumer.next(WAIT).await.is_some(), "every stream gets one");
+    }
+
+    // Every stream ends at once; the gateway stays healthy while it gives the leases back.
+    drop(consumers);
+    let watching = tokio::spawn({
+        let endpoint = gateway.endpoint();
+        async move {
+            let channel = tonic::transport::Endpoint::from_shared(endpoint)
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+            let started = std::time::Instant::now();
+            let mut statuses = Vec::new();
+            while started.elapsed() < Duration::from_secs(3) {
+                let status = health
+                    .check(tonic_health::pb::HealthCheckRequest::default())
+                    .await
+                    .map(|answer| answer.into_inner().status);
+                statuses.push(status.map_err(|status| status.code()));
+                tokio::time::sleep(POLL).await;
+            }
+            statuses
+        }
+    });
+    let mut again = Consumer::open(&gateway, "busy", STREAMS as u32).await;
+    let redelivered = again.take(STREAMS, WAIT).await;
+    assert_eq!(redelivered.len(), STREAMS, "leases given back at once");
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    let statuses = watching.await.unwrap();
+    assert!(
+        statuses.iter().all(|status| *status == Ok(serving)),
+        "health while the pool was busy: {statuses:?}"
+    );
+}

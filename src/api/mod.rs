@@ -31,6 +31,12 @@ pub(crate) fn status_from(error: Error) -> Status {
         Error::FailedPrecondition(message) => Status::failed_precondition(bounded(message)),
         Error::Unauthenticated(message) => Status::unauthenticated(bounded(message)),
         Error::PermissionDenied(message) => Status::permission_denied(bounded(message)),
+        Error::Unavailable(source) if source.is_pool_exhausted() => {
+            tracing::debug!(error = %source, "no database connection free");
+            Status::unavailable(
+                "no database connection became free in time (the gateway is at its connection limit, or the database is slow to answer); retry later",
+            )
+        }
         Error::Unavailable(source) => {
             // The loss itself is logged once by the health monitor, not once per call.
             tracing::debug!(error = %source, "database unavailable");

@@ -36,6 +36,8 @@ use crate::{
 const DUE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// First retry delay after a failed claim on a source; doubles up to the poll interval.
 const FAILED_CLAIM_FIRST_DELAY: Duration = Duration::from_millis(100);
+/// How long releases wait for a busy pool before leaving leases to their deadline.
+const RELEASE_PATIENCE: Duration = Duration::from_secs(30);
 
 pub(super) struct Dispatcher {
     sources: Sources,
@@ -71,6 +73,9 @@ struct State {
     definition_stale: bool,
     /// Set when the dispatcher stops; later streams need a new dispatcher.
     closed: bool,
+    /// Leases to give back, and whether a task is giving them back now.
+    releases: Vec<(LeaseKey, i64)>,
+    releasing: bool,
 }
 
 /// A dispatcher's view of one source.
@@ -297,30 +302,74 @@ impl Dispatcher {
     }
 
     /// Gives leases back so other streams get them at once rather than at their deadline;
-    /// once they are back, the next claim looks for them.
+    /// once they are back, the next claim looks for them. Releases asked for while one
+    /// is under way join the next statement, so thousands of streams ending at once
+    /// make a few statements rather than queue for every connection of the pool.
     fn release_in_background(self: &Arc<Self>, leases: Vec<(LeaseKey, i64)>) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
-        for ((source, position), token) in leases {
-            by_source.entry(source).or_default().push((position, token));
+        let mut state = self.state.lock().expect("dispatcher lock");
+        state.releases.extend(leases);
+        if std::mem::replace(&mut state.releasing, true) {
+            return;
         }
-        for (source_id, leases) in by_source {
-            let Some(source) = self.sources.get(source_id).cloned() else {
-                continue;
+        drop(state);
+        self.tasks.spawn(self.clone().release_pending());
+    }
+
+    /// Releases what waits to be released until nothing does. A pool with no connection
+    /// free is waited out (back-pressure, for up to [`RELEASE_PATIENCE`]); any other
+    /// failure leaves the leases to expire at their deadline.
+    async fn release_pending(self: Arc<Self>) {
+        let started = Instant::now();
+        let mut delay = FAILED_CLAIM_FIRST_DELAY;
+        loop {
+            let leases = {
+                let mut state = self.state.lock().expect("dispatcher lock");
+                if state.releases.is_empty() {
+                    state.releasing = false;
+                    return;
+                }
+                std::mem::take(&mut state.releases)
             };
-            let dispatcher = self.clone();
-            self.tasks.spawn(async move {
-                if let Err(error) = source
+            let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
+            for ((source, position), token) in leases {
+                by_source.entry(source).or_default().push((position, token));
+            }
+            let mut busy = false;
+            for (source_id, leases) in by_source {
+                let Some(source) = self.sources.get(source_id).cloned() else {
+                    continue;
+                };
+                match source
                     .store
-                    .release_leases(dispatcher.subscription_id, &leases)
+                    .release_leases(self.subscription_id, &leases)
                     .await
                 {
-                    tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "could not release leases; they expire at their deadline");
+                    Ok(_) => self.due_in(source_id),
+                    Err(error)
+                        if error.is_pool_exhausted()
+                            && source.is_connected()
+                            && started.elapsed() < RELEASE_PATIENCE =>
+                    {
+                        busy = true;
+                        let mut state = self.state.lock().expect("dispatcher lock");
+                        state.releases.extend(
+                            leases
+                                .into_iter()
+                                .map(|(position, token)| ((source_id, position), token)),
+                        );
+                    }
+                    Err(error) => {
+                        tracing::warn!(subscription_id = self.subscription_id, source = %source.name, %error, "could not release leases; they expire at their deadline");
+                    }
                 }
-                dispatcher.due_in(source_id);
-            });
+            }
+            if busy {
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
         }
     }
 

@@ -116,6 +116,17 @@ impl StoreError {
         }
     }
 
+    /// No connection of the pool became free in time. While the health probe still
+    /// reaches the database this is back-pressure (every connection is busy), not an
+    /// outage.
+    pub fn is_pool_exhausted(&self) -> bool {
+        match self {
+            StoreError::Unavailable(sqlx::Error::PoolTimedOut) => true,
+            StoreError::Shared(inner) => inner.is_pool_exhausted(),
+            _ => false,
+        }
+    }
+
     /// The check constraint that refused a row, if that is what went wrong.
     pub fn check_violation(&self) -> Option<&str> {
         match self {
