@@ -348,6 +348,124 @@ async fn pages_need_a_sign_in_with_a_viewer_or_admin_token() {
     );
 }
 
+/// Whether a Location header is a path on the console itself, percent-encoded: visible
+/// ASCII only, one leading slash, no backslash.
+fn is_encoded_local_path(location: &str) -> bool {
+    location.starts_with('/')
+        && !location.starts_with("//")
+        && location
+            .bytes()
+            .all(|byte| byte.is_ascii_graphic() && byte != b'\\')
+}
+
+#[tokio::test]
+async fn signing_in_returns_only_to_a_path_of_this_console() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, config_with_tokens(&database)).await;
+    let console = gateway.console.unwrap();
+
+    // A tab (or any control character) in `next` is refused before the token is even
+    // looked at: no session, and no redirect a browser would read as another host's.
+    let mut stranger = Browser::new(console);
+    stranger
+        .get("/sign-in?next=/%09/evil.example/")
+        .await
+        .expect(StatusCode::BAD_REQUEST, "next");
+    for control in ["\t", "\r", "\n", "\0", "\x7f", "\x01", "\x1b"] {
+        let next = format!("/{control}/evil.example/");
+        let refused = stranger
+            .post("/sign-in", &[("token", "operator-secret"), ("next", &next)])
+            .await;
+        refused.expect(
+            StatusCode::BAD_REQUEST,
+            "next: must not contain control characters",
+        );
+        assert!(
+            !refused.headers.contains_key(header::SET_COOKIE),
+            "{control:?}: no session for a refused sign-in"
+        );
+        assert!(stranger.cookie.is_none(), "{control:?}");
+    }
+
+    // Anything but a path of this console that reads the same once parsed goes to the
+    // overview, before and after signing in.
+    let foreign = [
+        "//evil.example/",
+        "/\\evil.example/",
+        "https://evil.example/",
+        "/..//evil.example/",
+        "/./%2e/..//evil.example/",
+        "/ /evil.example",
+        "/subscriptions/ordérs",
+        "/events?q=\"<x>\"",
+        "evil.example",
+    ];
+    for next in foreign {
+        let signed_in = Browser::new(console)
+            .post("/sign-in", &[("token", "operator-secret"), ("next", next)])
+            .await;
+        assert_eq!(signed_in.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(signed_in.location(), "/", "{next:?}");
+    }
+    let mut operator = Browser::new(console);
+    operator.sign_in("operator").await;
+    for next in foreign {
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("next", next)
+            .finish();
+        let answer = operator.get(&format!("/sign-in?{query}")).await;
+        assert_eq!(answer.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(answer.location(), "/", "{next:?}");
+    }
+    operator
+        .get("/sign-in?next=/%09/evil.example/")
+        .await
+        .expect(StatusCode::BAD_REQUEST, "next");
+
+    // The console's own paths come back as they were.
+    for next in [
+        "/subscriptions/orders?event_type=order.paid&error=card%20declined",
+        "/events/0190b5e5-0000-7000-8000-000000000000?source=billing",
+        "/",
+    ] {
+        let signed_in = Browser::new(console)
+            .post("/sign-in", &[("token", "operator-secret"), ("next", next)])
+            .await;
+        assert_eq!(signed_in.location(), next);
+        assert!(is_encoded_local_path(signed_in.location()));
+    }
+}
+
+#[tokio::test]
+async fn without_tokens_sign_in_links_return_only_to_this_console() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    let console = gateway.console.unwrap();
+
+    let mut browser = Browser::new(console);
+    let refused = browser.get("/sign-in?next=/%09/evil.example/").await;
+    refused.expect(StatusCode::BAD_REQUEST, "next");
+    let refused = browser
+        .post("/sign-in", &[("next", "/\r\nSet-Cookie: x=1")])
+        .await;
+    refused.expect(StatusCode::BAD_REQUEST, "next");
+    assert!(browser.cookie.is_none(), "no session for a refused request");
+
+    for (next, location) in [
+        ("//evil.example/", "/"),
+        ("/..//evil.example/", "/"),
+        ("/subscriptions/ordérs", "/"),
+        ("/events?id=1", "/events?id=1"),
+    ] {
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("next", next)
+            .finish();
+        let answer = browser.get(&format!("/sign-in?{query}")).await;
+        assert_eq!(answer.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(answer.location(), location, "{next:?}");
+    }
+}
+
 #[tokio::test]
 async fn viewers_cannot_act_and_forged_or_foreign_forms_change_nothing() {
     let database = TestDatabase::create().await;

@@ -142,7 +142,7 @@ pub async fn serve(
 
 /// Puts the [`SessionState`] the request's cookie names into its extensions. Without
 /// authentication a browser without a session gets an anonymous one, so that its forms
-/// carry a CSRF token too.
+/// carry a CSRF token too; a request that is refused or fails leaves none behind.
 async fn find_session(
     State(console): State<Console>,
     mut request: Request,
@@ -153,13 +153,13 @@ async fn find_session(
         .headers()
         .get(header::COOKIE)
         .and_then(|value| value.to_str().ok());
-    let mut new_cookie = None;
+    let mut new_session = None;
     let state = match sessions.find(cookie_header) {
         SessionState::Active(session) => SessionState::Active(session),
         ended_or_missing => {
             if console.inner.authenticator.is_none() {
                 let (session, cookie) = sessions.create(Principal::anonymous());
-                new_cookie = Some(cookie);
+                new_session = Some((session.clone(), cookie));
                 SessionState::Active(Box::new(session))
             } else {
                 ended_or_missing
@@ -168,8 +168,13 @@ async fn find_session(
     };
     request.extensions_mut().insert(state);
     let mut response = next.run(request).await;
-    if let Some(cookie) = new_cookie.and_then(|cookie| HeaderValue::from_str(&cookie).ok()) {
-        response.headers_mut().append(header::SET_COOKIE, cookie);
+    if let Some((session, cookie)) = new_session {
+        let status = response.status();
+        if status.is_client_error() || status.is_server_error() {
+            sessions.remove(&session);
+        } else if let Ok(cookie) = HeaderValue::from_str(&cookie) {
+            response.headers_mut().append(header::SET_COOKIE, cookie);
+        }
     }
     response
 }
