@@ -17,6 +17,9 @@ struct Browser {
     client: reqwest::Client,
     base: String,
     cookie: Option<String>,
+    /// The Host header to send instead of the address dialled (a DNS name that resolves
+    /// to it, as far as the console can tell).
+    host: Option<String>,
 }
 
 /// A response as the tests look at it.
@@ -111,12 +114,17 @@ impl Browser {
                 .unwrap(),
             base: format!("http://{address}"),
             cookie: None,
+            host: None,
         }
     }
 
     async fn answer(&mut self, request: reqwest::RequestBuilder) -> Answer {
         let request = match &self.cookie {
             Some(cookie) => request.header(header::COOKIE, cookie),
+            None => request,
+        };
+        let request = match &self.host {
+            Some(host) => request.header(header::HOST, host),
             None => request,
         };
         let response = request.send().await.expect("the console answers");
@@ -464,6 +472,107 @@ async fn without_tokens_sign_in_links_return_only_to_this_console() {
         assert_eq!(answer.status, StatusCode::SEE_OTHER, "{next:?}");
         assert_eq!(answer.location(), location, "{next:?}");
     }
+}
+
+#[tokio::test]
+async fn without_tokens_the_console_answers_only_loopback_names_and_addresses() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let console = gateway.console.unwrap();
+    let port = console.port();
+
+    // A page from a name that a rebinding DNS server pointed at 127.0.0.1 gets no
+    // session, no page and no action.
+    for host in [
+        format!("rebind.example:{port}"),
+        "rebind.example".to_owned(),
+        format!("localhost.evil.example:{port}"),
+        format!("127.0.0.1.evil.example:{port}"),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.clone());
+        let refused = browser.get("/").await;
+        refused.expect(StatusCode::MISDIRECTED_REQUEST, "--console-allowed-hosts");
+        assert!(
+            !refused.headers.contains_key(header::SET_COOKIE),
+            "{host}: no session"
+        );
+        assert!(browser.cookie.is_none(), "{host}");
+    }
+    let mut local = Browser::new(console);
+    let csrf = local.get("/subscriptions/orders").await.csrf();
+    let mut rebound = Browser::new(console);
+    rebound.cookie = local.cookie.clone();
+    rebound.host = Some(format!("rebind.example:{port}"));
+    let pause = rebound
+        .client
+        .post(format!("{}/subscriptions/orders/pause", rebound.base))
+        .header(header::ORIGIN, format!("http://rebind.example:{port}"))
+        .form(&[("csrf", csrf.as_str()), ("reason", "rebound")]);
+    rebound
+        .answer(pause)
+        .await
+        .expect(StatusCode::MISDIRECTED_REQUEST, "rebind.example");
+    let orders = gateway
+        .admin()
+        .await
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!orders.paused, "nothing changed: {orders:?}");
+
+    // Loopback names and literal addresses are served.
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        "LOCALHOST".to_owned(),
+        format!("console.localhost:{port}"),
+        format!("[::1]:{port}"),
+        "10.1.2.3".to_owned(),
+        format!("[fd00::1]:{port}"),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.clone());
+        browser.get("/").await.expect(StatusCode::OK, "Overview");
+        assert!(browser.cookie.is_some(), "{host}: a session");
+    }
+
+    // Names the operator lists are served too, and only those.
+    let mut config = test_config(database.url());
+    config.console_allowed_hosts = outbox_gateway::domain::AllowedHosts::parse(&[
+        "console.internal".to_owned(),
+        "*.ops.example.com".to_owned(),
+    ])
+    .unwrap();
+    let listed = TestGateway::start_with_console(&database, config).await;
+    let console = listed.console.unwrap();
+    for (host, status) in [
+        ("console.internal:9465", StatusCode::OK),
+        ("gw-1.ops.example.com", StatusCode::OK),
+        ("127.0.0.1", StatusCode::OK),
+        ("rebind.example", StatusCode::MISDIRECTED_REQUEST),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.to_owned());
+        assert_eq!(browser.get("/").await.status, status, "{host}");
+    }
+}
+
+#[tokio::test]
+async fn with_tokens_any_host_name_is_sent_to_sign_in() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, config_with_tokens(&database)).await;
+    let mut browser = Browser::new(gateway.console.unwrap());
+    browser.host = Some("gateway.example.com".to_owned());
+    let page = browser.get("/").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    assert_eq!(page.location(), "/sign-in?next=%2F");
+    browser.sign_in("operator").await;
+    browser.get("/").await.expect(StatusCode::OK, "Overview");
 }
 
 #[tokio::test]

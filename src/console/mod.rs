@@ -6,15 +6,18 @@
 //! Security as strict as gRPC: with tokens configured, signing in takes a token with the
 //! admin or viewer role (viewers see but change nothing); the session is an HttpOnly,
 //! SameSite=Strict cookie (Secure under TLS) that expires; every action is a POST
-//! carrying the session's CSRF token. Every asset is embedded, and a strict
-//! content-security policy allows no inline script or style.
+//! carrying the session's CSRF token. Without tokens it answers only to names that DNS
+//! cannot rebind ([`hosts`]). Every asset is embedded, and a strict content-security
+//! policy allows no inline script or style.
 //!
+//! - [`hosts`]: the names a token-less console answers to.
 //! - [`session`]: sessions, cookies and CSRF tokens.
 //! - [`params`]: query strings and forms parsed into domain values.
 //! - [`pages`]: the handlers.
 //! - [`views`]: the HTML.
 //! - [`tls`]: TLS with the gRPC server's files.
 
+mod hosts;
 mod pages;
 mod params;
 mod session;
@@ -38,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     auth::{Authenticator, Principal},
     delivery::Relay,
+    domain::AllowedHosts,
     error::Error,
     operations::Operations,
     rates::DeliveryRates,
@@ -65,6 +69,9 @@ struct ConsoleInner {
     sessions: Sessions,
     /// `None`: authentication is off, and every browser gets an anonymous admin session.
     authenticator: Option<Authenticator>,
+    /// Names besides loopback names and addresses that the console answers to without
+    /// authentication.
+    allowed_hosts: AllowedHosts,
 }
 
 impl Console {
@@ -75,6 +82,7 @@ impl Console {
         rates: DeliveryRates,
         sessions: Sessions,
         authenticator: Option<Authenticator>,
+        allowed_hosts: AllowedHosts,
     ) -> Console {
         Console {
             inner: Arc::new(ConsoleInner {
@@ -84,6 +92,7 @@ impl Console {
                 rates,
                 sessions,
                 authenticator,
+                allowed_hosts,
             }),
         }
     }
@@ -108,6 +117,7 @@ impl Console {
             .route("/assets/{file}", get(pages::asset))
             .fallback(pages::not_found)
             .layer(from_fn_with_state(self.clone(), find_session))
+            .layer(from_fn_with_state(self.clone(), check_host))
             .layer(map_response(security_headers))
             .with_state(self)
     }
@@ -138,6 +148,39 @@ pub async fn serve(
             .await
         }
     }
+}
+
+/// Without authentication, refuses a request for a name a DNS server could have pointed
+/// at the console (see [`hosts`]), before any session is made for it. Both the request's
+/// authority (absolute-form) and its Host header must pass.
+async fn check_host(State(console): State<Console>, request: Request, next: Next) -> Response {
+    if console.inner.authenticator.is_some() {
+        // Tokens guard it: a rebound page has no token to sign in with.
+        return next.run(request).await;
+    }
+    let host_header = request
+        .headers()
+        .get(header::HOST)
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned());
+    let authority = request
+        .uri()
+        .authority()
+        .map(|authority| authority.to_string());
+    let named: Vec<String> = authority.into_iter().chain(host_header).collect();
+    let allowed = &console.inner.allowed_hosts;
+    let refused = if named.is_empty() {
+        Some("(no Host header)".to_owned())
+    } else {
+        named
+            .iter()
+            .find(|name| !hosts::is_allowed(name, allowed))
+            .map(|name| hosts::host_of(name).unwrap_or_else(|| name.clone()))
+    };
+    if let Some(host) = refused {
+        tracing::info!(%host, "refused a console request for a host name it does not answer without tokens");
+        return ConsoleError::UnknownHost(host).into_response();
+    }
+    next.run(request).await
 }
 
 /// Puts the [`SessionState`] the request's cookie names into its extensions. Without
@@ -217,6 +260,9 @@ pub enum ConsoleError {
     Forgery,
     /// No such page.
     NoPage,
+    /// Without tokens, a request for a host name (this one) that is neither a loopback
+    /// name, an address nor listed in `console_allowed_hosts`.
+    UnknownHost(String),
 }
 
 impl From<Error> for ConsoleError {
@@ -257,6 +303,13 @@ impl IntoResponse for ConsoleError {
                 StatusCode::FORBIDDEN,
                 "Form expired",
                 "This form does not carry your session's token (it is from an older session or from another site). Reload the page and try again. Nothing was changed.".to_owned(),
+            ),
+            ConsoleError::UnknownHost(host) => (
+                StatusCode::MISDIRECTED_REQUEST,
+                "Unknown host name",
+                format!(
+                    "This console has no tokens configured, so it answers only to localhost, *.localhost and IP addresses: a page of another site could otherwise reach it through a name its DNS points at this machine (DNS rebinding). To open it as {host:?}, add that name to --console-allowed-hosts (OUTBOX_CONSOLE_ALLOWED_HOSTS, or console_allowed_hosts in the configuration file), or configure [[tokens]]. Nothing was changed."
+                ),
             ),
             ConsoleError::NoPage => (
                 StatusCode::NOT_FOUND,
