@@ -394,6 +394,10 @@ async fn signing_in_returns_only_to_a_path_of_this_console() {
         );
         assert!(stranger.cookie.is_none(), "{control:?}");
     }
+    // Plain HTTP: no HSTS, which would pin the name to a TLS the console does not speak.
+    let page = stranger.get("/sign-in").await;
+    page.expect(StatusCode::OK, "name=\"token\"");
+    assert!(!page.headers.contains_key(header::STRICT_TRANSPORT_SECURITY));
 
     // Anything but a path of this console that reads the same once parsed goes to the
     // overview, before and after signing in.
@@ -1341,6 +1345,15 @@ async fn under_tls_the_console_speaks_only_tls_and_its_cookie_is_secure() {
     for attribute in ["Secure", "HttpOnly", "SameSite=Strict"] {
         assert!(cookie.contains(attribute), "{cookie}");
     }
+    // Browsers that saw the console over TLS never try it in plain HTTP again.
+    let hsts = answer
+        .lines()
+        .find(|line| {
+            line.to_ascii_lowercase()
+                .starts_with("strict-transport-security:")
+        })
+        .expect("HSTS under TLS");
+    assert!(hsts.contains("max-age=31536000"), "{hsts}");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_dir_all(dir);

@@ -7,8 +7,8 @@
 //! admin or viewer role (viewers see but change nothing); the session is an HttpOnly,
 //! SameSite=Strict cookie (Secure under TLS) that expires; every action is a POST
 //! carrying the session's CSRF token. Without tokens it answers only to names that DNS
-//! cannot rebind ([`hosts`]). Every asset is embedded, and a strict content-security
-//! policy allows no inline script or style.
+//! cannot rebind ([`hosts`]). Every asset is embedded, a strict content-security policy
+//! allows no inline script or style, and under TLS browsers are told to keep to it (HSTS).
 //!
 //! - [`hosts`]: the names a token-less console answers to.
 //! - [`session`]: sessions, cookies and CSRF tokens.
@@ -29,8 +29,8 @@ use std::sync::Arc;
 use axum::{
     Router,
     extract::{Request, State},
-    http::{HeaderValue, StatusCode, header},
-    middleware::{Next, from_fn_with_state, map_response},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    middleware::{Next, from_fn_with_state, map_response_with_state},
     response::{IntoResponse, Redirect, Response},
     routing::{get, post},
 };
@@ -54,6 +54,10 @@ pub use session::{Session, SessionState, Sessions};
 const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
      img-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; \
      base-uri 'none'";
+
+/// Under TLS: browsers that have seen the console once reach it only over TLS for a year
+/// (no plain-HTTP first request a network attacker could answer).
+const STRICT_TRANSPORT_SECURITY: &str = "max-age=31536000";
 
 /// What the console's handlers share; cheap to clone.
 #[derive(Clone)]
@@ -97,8 +101,8 @@ impl Console {
         }
     }
 
-    /// Every page, action and asset.
-    pub fn router(self) -> Router {
+    /// Every page, action and asset; `tls` when the console is served over TLS.
+    pub fn router(self, tls: bool) -> Router {
         Router::new()
             .route("/", get(pages::overview))
             .route("/sign-in", get(pages::sign_in_page).post(pages::sign_in))
@@ -118,7 +122,7 @@ impl Console {
             .fallback(pages::not_found)
             .layer(from_fn_with_state(self.clone(), find_session))
             .layer(from_fn_with_state(self.clone(), check_host))
-            .layer(map_response(security_headers))
+            .layer(map_response_with_state(tls, security_headers))
             .with_state(self)
     }
 }
@@ -131,7 +135,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let address = listener.local_addr()?;
-    let router = console.router();
+    let router = console.router(tls.is_some());
     tracing::info!(%address, tls = tls.is_some(), "serving the web console");
     match tls {
         None => {
@@ -222,8 +226,19 @@ async fn find_session(
     response
 }
 
-async fn security_headers(mut response: Response) -> Response {
-    let headers = response.headers_mut();
+async fn security_headers(State(tls): State<bool>, mut response: Response) -> Response {
+    add_security_headers(response.headers_mut(), tls);
+    response
+}
+
+/// The headers every answer carries; `tls` when the console is served over TLS.
+fn add_security_headers(headers: &mut HeaderMap, tls: bool) {
+    if tls {
+        headers.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static(STRICT_TRANSPORT_SECURITY),
+        );
+    }
     headers.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(CONTENT_SECURITY_POLICY),
@@ -241,7 +256,6 @@ async fn security_headers(mut response: Response) -> Response {
     headers
         .entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
-    response
 }
 
 /// Why a page or action was not served.
@@ -384,4 +398,21 @@ impl IntoResponse for ConsoleError {
 /// Percent-encodes a query value.
 fn encode(value: &str) -> String {
     form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_console_served_over_tls_asks_for_hsts() {
+        let mut plain = HeaderMap::new();
+        add_security_headers(&mut plain, false);
+        assert!(!plain.contains_key(header::STRICT_TRANSPORT_SECURITY));
+        assert!(plain.contains_key(header::CONTENT_SECURITY_POLICY));
+        let mut tls = HeaderMap::new();
+        add_security_headers(&mut tls, true);
+        assert_eq!(tls[header::STRICT_TRANSPORT_SECURITY], "max-age=31536000");
+        assert!(tls.contains_key(header::CONTENT_SECURITY_POLICY));
+    }
 }
