@@ -206,6 +206,12 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_CONSOLE_SESSION_TTL")]
     pub console_session_ttl: Option<DurationSetting>,
 
+    /// Host names the console answers to without tokens, besides localhost, *.localhost
+    /// and IP addresses (a guard against DNS rebinding): `console.internal`,
+    /// `*.example.com` or `*`. Repeat the flag or separate names with commas.
+    #[arg(long, env = "OUTBOX_CONSOLE_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub console_allowed_hosts: Option<Vec<String>>,
+
     /// Log format: text or json. [default: text]
     #[arg(long, env = "OUTBOX_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -357,6 +363,8 @@ pub struct Config {
     pub console_listen: Option<SocketAddr>,
     /// How long a console sign-in lasts.
     pub console_session_ttl: Duration,
+    /// Names a token-less console answers to besides loopback names and addresses.
+    pub console_allowed_hosts: AllowedHosts,
     /// How often the console's delivery and ack rates are sampled (not a setting: tests
     /// shorten it).
     pub console_rate_interval: Duration,
@@ -583,6 +591,13 @@ impl Config {
                 settings.console_session_ttl,
                 Duration::from_secs(8 * 60 * 60),
             ),
+            console_allowed_hosts: AllowedHosts::parse(
+                &settings.console_allowed_hosts.unwrap_or_default(),
+            )
+            .map_err(|message| ConfigError::Invalid {
+                setting: "console_allowed_hosts",
+                message,
+            })?,
             console_rate_interval: Duration::from_secs(10),
             log_format: settings.log_format.unwrap_or_default(),
             log_level: settings.log_level.unwrap_or_else(|| "info".to_owned()),
@@ -814,6 +829,7 @@ impl Settings {
             metrics_refresh_interval,
             console_listen,
             console_session_ttl,
+            console_allowed_hosts,
             log_format,
             log_level,
         )
@@ -874,6 +890,49 @@ mod tests {
             Config::from_settings(bad),
             Err(ConfigError::Invalid {
                 setting: "console_listen",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_console_takes_the_host_names_it_answers_to() {
+        let settings: Settings = toml::from_str(
+            "console_allowed_hosts = [\"console.internal\", \"*.ops.example.com\"]\n",
+        )
+        .unwrap();
+        let config = Config::from_settings(settings).unwrap();
+        for name in ["console.internal", "gw.ops.example.com"] {
+            assert!(
+                config.console_allowed_hosts.allowance(name).is_some(),
+                "{name}"
+            );
+        }
+        assert!(Config::default().console_allowed_hosts.is_empty());
+        #[derive(clap::Parser)]
+        struct Serve {
+            #[command(flatten)]
+            settings: Settings,
+        }
+        let flags = <Serve as clap::Parser>::try_parse_from([
+            "serve",
+            "--console-allowed-hosts",
+            "a.internal",
+            "--console-allowed-hosts=b.internal,c.internal",
+        ])
+        .unwrap();
+        assert_eq!(
+            flags.settings.console_allowed_hosts.unwrap(),
+            ["a.internal", "b.internal", "c.internal"]
+        );
+        let bad = Settings {
+            console_allowed_hosts: Some(vec!["http://console.internal/".into()]),
+            ..Default::default()
+        };
+        assert!(matches!(
+            Config::from_settings(bad),
+            Err(ConfigError::Invalid {
+                setting: "console_allowed_hosts",
                 ..
             })
         ));

@@ -234,6 +234,7 @@ pub async fn run_with_console(
             rates,
             sessions,
             authenticator.clone(),
+            config.console_allowed_hosts.clone(),
         );
         tokio::spawn(console::serve(
             console,

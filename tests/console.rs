@@ -17,6 +17,9 @@ struct Browser {
     client: reqwest::Client,
     base: String,
     cookie: Option<String>,
+    /// The Host header to send instead of the address dialled (a DNS name that resolves
+    /// to it, as far as the console can tell).
+    host: Option<String>,
 }
 
 /// A response as the tests look at it.
@@ -111,12 +114,17 @@ impl Browser {
                 .unwrap(),
             base: format!("http://{address}"),
             cookie: None,
+            host: None,
         }
     }
 
     async fn answer(&mut self, request: reqwest::RequestBuilder) -> Answer {
         let request = match &self.cookie {
             Some(cookie) => request.header(header::COOKIE, cookie),
+            None => request,
+        };
+        let request = match &self.host {
+            Some(host) => request.header(header::HOST, host),
             None => request,
         };
         let response = request.send().await.expect("the console answers");
@@ -346,6 +354,229 @@ async fn pages_need_a_sign_in_with_a_viewer_or_admin_token() {
         "{}",
         page.location()
     );
+}
+
+/// Whether a Location header is a path on the console itself, percent-encoded: visible
+/// ASCII only, one leading slash, no backslash.
+fn is_encoded_local_path(location: &str) -> bool {
+    location.starts_with('/')
+        && !location.starts_with("//")
+        && location
+            .bytes()
+            .all(|byte| byte.is_ascii_graphic() && byte != b'\\')
+}
+
+#[tokio::test]
+async fn signing_in_returns_only_to_a_path_of_this_console() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, config_with_tokens(&database)).await;
+    let console = gateway.console.unwrap();
+
+    // A tab (or any control character) in `next` is refused before the token is even
+    // looked at: no session, and no redirect a browser would read as another host's.
+    let mut stranger = Browser::new(console);
+    stranger
+        .get("/sign-in?next=/%09/evil.example/")
+        .await
+        .expect(StatusCode::BAD_REQUEST, "next");
+    for control in ["\t", "\r", "\n", "\0", "\x7f", "\x01", "\x1b"] {
+        let next = format!("/{control}/evil.example/");
+        let refused = stranger
+            .post("/sign-in", &[("token", "operator-secret"), ("next", &next)])
+            .await;
+        refused.expect(
+            StatusCode::BAD_REQUEST,
+            "next: must not contain control characters",
+        );
+        assert!(
+            !refused.headers.contains_key(header::SET_COOKIE),
+            "{control:?}: no session for a refused sign-in"
+        );
+        assert!(stranger.cookie.is_none(), "{control:?}");
+    }
+    // Plain HTTP: no HSTS, which would pin the name to a TLS the console does not speak.
+    let page = stranger.get("/sign-in").await;
+    page.expect(StatusCode::OK, "name=\"token\"");
+    assert!(!page.headers.contains_key(header::STRICT_TRANSPORT_SECURITY));
+
+    // Anything but a path of this console that reads the same once parsed goes to the
+    // overview, before and after signing in.
+    let foreign = [
+        "//evil.example/",
+        "/\\evil.example/",
+        "https://evil.example/",
+        "/..//evil.example/",
+        "/./%2e/..//evil.example/",
+        "/ /evil.example",
+        "/subscriptions/ordérs",
+        "/events?q=\"<x>\"",
+        "evil.example",
+    ];
+    for next in foreign {
+        let signed_in = Browser::new(console)
+            .post("/sign-in", &[("token", "operator-secret"), ("next", next)])
+            .await;
+        assert_eq!(signed_in.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(signed_in.location(), "/", "{next:?}");
+    }
+    let mut operator = Browser::new(console);
+    operator.sign_in("operator").await;
+    for next in foreign {
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("next", next)
+            .finish();
+        let answer = operator.get(&format!("/sign-in?{query}")).await;
+        assert_eq!(answer.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(answer.location(), "/", "{next:?}");
+    }
+    operator
+        .get("/sign-in?next=/%09/evil.example/")
+        .await
+        .expect(StatusCode::BAD_REQUEST, "next");
+
+    // The console's own paths come back as they were.
+    for next in [
+        "/subscriptions/orders?event_type=order.paid&error=card%20declined",
+        "/events/0190b5e5-0000-7000-8000-000000000000?source=billing",
+        "/",
+    ] {
+        let signed_in = Browser::new(console)
+            .post("/sign-in", &[("token", "operator-secret"), ("next", next)])
+            .await;
+        assert_eq!(signed_in.location(), next);
+        assert!(is_encoded_local_path(signed_in.location()));
+    }
+}
+
+#[tokio::test]
+async fn without_tokens_sign_in_links_return_only_to_this_console() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    let console = gateway.console.unwrap();
+
+    let mut browser = Browser::new(console);
+    let refused = browser.get("/sign-in?next=/%09/evil.example/").await;
+    refused.expect(StatusCode::BAD_REQUEST, "next");
+    let refused = browser
+        .post("/sign-in", &[("next", "/\r\nSet-Cookie: x=1")])
+        .await;
+    refused.expect(StatusCode::BAD_REQUEST, "next");
+    assert!(browser.cookie.is_none(), "no session for a refused request");
+
+    for (next, location) in [
+        ("//evil.example/", "/"),
+        ("/..//evil.example/", "/"),
+        ("/subscriptions/ordérs", "/"),
+        ("/events?id=1", "/events?id=1"),
+    ] {
+        let query = form_urlencoded::Serializer::new(String::new())
+            .append_pair("next", next)
+            .finish();
+        let answer = browser.get(&format!("/sign-in?{query}")).await;
+        assert_eq!(answer.status, StatusCode::SEE_OTHER, "{next:?}");
+        assert_eq!(answer.location(), location, "{next:?}");
+    }
+}
+
+#[tokio::test]
+async fn without_tokens_the_console_answers_only_loopback_names_and_addresses() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let console = gateway.console.unwrap();
+    let port = console.port();
+
+    // A page from a name that a rebinding DNS server pointed at 127.0.0.1 gets no
+    // session, no page and no action.
+    for host in [
+        format!("rebind.example:{port}"),
+        "rebind.example".to_owned(),
+        format!("localhost.evil.example:{port}"),
+        format!("127.0.0.1.evil.example:{port}"),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.clone());
+        let refused = browser.get("/").await;
+        refused.expect(StatusCode::MISDIRECTED_REQUEST, "--console-allowed-hosts");
+        assert!(
+            !refused.headers.contains_key(header::SET_COOKIE),
+            "{host}: no session"
+        );
+        assert!(browser.cookie.is_none(), "{host}");
+    }
+    let mut local = Browser::new(console);
+    let csrf = local.get("/subscriptions/orders").await.csrf();
+    let mut rebound = Browser::new(console);
+    rebound.cookie = local.cookie.clone();
+    rebound.host = Some(format!("rebind.example:{port}"));
+    let pause = rebound
+        .client
+        .post(format!("{}/subscriptions/orders/pause", rebound.base))
+        .header(header::ORIGIN, format!("http://rebind.example:{port}"))
+        .form(&[("csrf", csrf.as_str()), ("reason", "rebound")]);
+    rebound
+        .answer(pause)
+        .await
+        .expect(StatusCode::MISDIRECTED_REQUEST, "rebind.example");
+    let orders = gateway
+        .admin()
+        .await
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!orders.paused, "nothing changed: {orders:?}");
+
+    // Loopback names and literal addresses are served.
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        "LOCALHOST".to_owned(),
+        format!("console.localhost:{port}"),
+        format!("[::1]:{port}"),
+        "10.1.2.3".to_owned(),
+        format!("[fd00::1]:{port}"),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.clone());
+        browser.get("/").await.expect(StatusCode::OK, "Overview");
+        assert!(browser.cookie.is_some(), "{host}: a session");
+    }
+
+    // Names the operator lists are served too, and only those.
+    let mut config = test_config(database.url());
+    config.console_allowed_hosts = outbox_gateway::domain::AllowedHosts::parse(&[
+        "console.internal".to_owned(),
+        "*.ops.example.com".to_owned(),
+    ])
+    .unwrap();
+    let listed = TestGateway::start_with_console(&database, config).await;
+    let console = listed.console.unwrap();
+    for (host, status) in [
+        ("console.internal:9465", StatusCode::OK),
+        ("gw-1.ops.example.com", StatusCode::OK),
+        ("127.0.0.1", StatusCode::OK),
+        ("rebind.example", StatusCode::MISDIRECTED_REQUEST),
+    ] {
+        let mut browser = Browser::new(console);
+        browser.host = Some(host.to_owned());
+        assert_eq!(browser.get("/").await.status, status, "{host}");
+    }
+}
+
+#[tokio::test]
+async fn with_tokens_any_host_name_is_sent_to_sign_in() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, config_with_tokens(&database)).await;
+    let mut browser = Browser::new(gateway.console.unwrap());
+    browser.host = Some("gateway.example.com".to_owned());
+    let page = browser.get("/").await;
+    assert_eq!(page.status, StatusCode::SEE_OTHER);
+    assert_eq!(page.location(), "/sign-in?next=%2F");
+    browser.sign_in("operator").await;
+    browser.get("/").await.expect(StatusCode::OK, "Overview");
 }
 
 #[tokio::test]
@@ -1114,6 +1345,15 @@ async fn under_tls_the_console_speaks_only_tls_and_its_cookie_is_secure() {
     for attribute in ["Secure", "HttpOnly", "SameSite=Strict"] {
         assert!(cookie.contains(attribute), "{cookie}");
     }
+    // Browsers that saw the console over TLS never try it in plain HTTP again.
+    let hsts = answer
+        .lines()
+        .find(|line| {
+            line.to_ascii_lowercase()
+                .starts_with("strict-transport-security:")
+        })
+        .expect("HSTS under TLS");
+    assert!(hsts.contains("max-age=31536000"), "{hsts}");
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_dir_all(dir);

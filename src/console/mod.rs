@@ -6,15 +6,18 @@
 //! Security as strict as gRPC: with tokens configured, signing in takes a token with the
 //! admin or viewer role (viewers see but change nothing); the session is an HttpOnly,
 //! SameSite=Strict cookie (Secure under TLS) that expires; every action is a POST
-//! carrying the session's CSRF token. Every asset is embedded, and a strict
-//! content-security policy allows no inline script or style.
+//! carrying the session's CSRF token. Without tokens it answers only to names that DNS
+//! cannot rebind ([`hosts`]). Every asset is embedded, a strict content-security policy
+//! allows no inline script or style, and under TLS browsers are told to keep to it (HSTS).
 //!
+//! - [`hosts`]: the names a token-less console answers to.
 //! - [`session`]: sessions, cookies and CSRF tokens.
 //! - [`params`]: query strings and forms parsed into domain values.
 //! - [`pages`]: the handlers.
 //! - [`views`]: the HTML.
 //! - [`tls`]: TLS with the gRPC server's files.
 
+mod hosts;
 mod pages;
 mod params;
 mod session;
@@ -26,8 +29,8 @@ use std::sync::Arc;
 use axum::{
     Router,
     extract::{Request, State},
-    http::{HeaderValue, StatusCode, header},
-    middleware::{Next, from_fn_with_state, map_response},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    middleware::{Next, from_fn_with_state, map_response_with_state},
     response::{IntoResponse, Redirect, Response},
     routing::{get, post},
 };
@@ -38,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     auth::{Authenticator, Principal},
     delivery::Relay,
+    domain::AllowedHosts,
     error::Error,
     operations::Operations,
     rates::DeliveryRates,
@@ -50,6 +54,10 @@ pub use session::{Session, SessionState, Sessions};
 const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
      img-src 'self'; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; \
      base-uri 'none'";
+
+/// Under TLS: browsers that have seen the console once reach it only over TLS for a year
+/// (no plain-HTTP first request a network attacker could answer).
+const STRICT_TRANSPORT_SECURITY: &str = "max-age=31536000";
 
 /// What the console's handlers share; cheap to clone.
 #[derive(Clone)]
@@ -65,6 +73,9 @@ struct ConsoleInner {
     sessions: Sessions,
     /// `None`: authentication is off, and every browser gets an anonymous admin session.
     authenticator: Option<Authenticator>,
+    /// Names besides loopback names and addresses that the console answers to without
+    /// authentication.
+    allowed_hosts: AllowedHosts,
 }
 
 impl Console {
@@ -75,6 +86,7 @@ impl Console {
         rates: DeliveryRates,
         sessions: Sessions,
         authenticator: Option<Authenticator>,
+        allowed_hosts: AllowedHosts,
     ) -> Console {
         Console {
             inner: Arc::new(ConsoleInner {
@@ -84,12 +96,13 @@ impl Console {
                 rates,
                 sessions,
                 authenticator,
+                allowed_hosts,
             }),
         }
     }
 
-    /// Every page, action and asset.
-    pub fn router(self) -> Router {
+    /// Every page, action and asset; `tls` when the console is served over TLS.
+    pub fn router(self, tls: bool) -> Router {
         Router::new()
             .route("/", get(pages::overview))
             .route("/sign-in", get(pages::sign_in_page).post(pages::sign_in))
@@ -108,7 +121,8 @@ impl Console {
             .route("/assets/{file}", get(pages::asset))
             .fallback(pages::not_found)
             .layer(from_fn_with_state(self.clone(), find_session))
-            .layer(map_response(security_headers))
+            .layer(from_fn_with_state(self.clone(), check_host))
+            .layer(map_response_with_state(tls, security_headers))
             .with_state(self)
     }
 }
@@ -121,7 +135,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let address = listener.local_addr()?;
-    let router = console.router();
+    let router = console.router(tls.is_some());
     tracing::info!(%address, tls = tls.is_some(), "serving the web console");
     match tls {
         None => {
@@ -140,9 +154,42 @@ pub async fn serve(
     }
 }
 
+/// Without authentication, refuses a request for a name a DNS server could have pointed
+/// at the console (see [`hosts`]), before any session is made for it. Both the request's
+/// authority (absolute-form) and its Host header must pass.
+async fn check_host(State(console): State<Console>, request: Request, next: Next) -> Response {
+    if console.inner.authenticator.is_some() {
+        // Tokens guard it: a rebound page has no token to sign in with.
+        return next.run(request).await;
+    }
+    let host_header = request
+        .headers()
+        .get(header::HOST)
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned());
+    let authority = request
+        .uri()
+        .authority()
+        .map(|authority| authority.to_string());
+    let named: Vec<String> = authority.into_iter().chain(host_header).collect();
+    let allowed = &console.inner.allowed_hosts;
+    let refused = if named.is_empty() {
+        Some("(no Host header)".to_owned())
+    } else {
+        named
+            .iter()
+            .find(|name| !hosts::is_allowed(name, allowed))
+            .map(|name| hosts::host_of(name).unwrap_or_else(|| name.clone()))
+    };
+    if let Some(host) = refused {
+        tracing::info!(%host, "refused a console request for a host name it does not answer without tokens");
+        return ConsoleError::UnknownHost(host).into_response();
+    }
+    next.run(request).await
+}
+
 /// Puts the [`SessionState`] the request's cookie names into its extensions. Without
 /// authentication a browser without a session gets an anonymous one, so that its forms
-/// carry a CSRF token too.
+/// carry a CSRF token too; a request that is refused or fails leaves none behind.
 async fn find_session(
     State(console): State<Console>,
     mut request: Request,
@@ -153,13 +200,13 @@ async fn find_session(
         .headers()
         .get(header::COOKIE)
         .and_then(|value| value.to_str().ok());
-    let mut new_cookie = None;
+    let mut new_session = None;
     let state = match sessions.find(cookie_header) {
         SessionState::Active(session) => SessionState::Active(session),
         ended_or_missing => {
             if console.inner.authenticator.is_none() {
                 let (session, cookie) = sessions.create(Principal::anonymous());
-                new_cookie = Some(cookie);
+                new_session = Some((session.clone(), cookie));
                 SessionState::Active(Box::new(session))
             } else {
                 ended_or_missing
@@ -168,14 +215,30 @@ async fn find_session(
     };
     request.extensions_mut().insert(state);
     let mut response = next.run(request).await;
-    if let Some(cookie) = new_cookie.and_then(|cookie| HeaderValue::from_str(&cookie).ok()) {
-        response.headers_mut().append(header::SET_COOKIE, cookie);
+    if let Some((session, cookie)) = new_session {
+        let status = response.status();
+        if status.is_client_error() || status.is_server_error() {
+            sessions.remove(&session);
+        } else if let Ok(cookie) = HeaderValue::from_str(&cookie) {
+            response.headers_mut().append(header::SET_COOKIE, cookie);
+        }
     }
     response
 }
 
-async fn security_headers(mut response: Response) -> Response {
-    let headers = response.headers_mut();
+async fn security_headers(State(tls): State<bool>, mut response: Response) -> Response {
+    add_security_headers(response.headers_mut(), tls);
+    response
+}
+
+/// The headers every answer carries; `tls` when the console is served over TLS.
+fn add_security_headers(headers: &mut HeaderMap, tls: bool) {
+    if tls {
+        headers.insert(
+            header::STRICT_TRANSPORT_SECURITY,
+            HeaderValue::from_static(STRICT_TRANSPORT_SECURITY),
+        );
+    }
     headers.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(CONTENT_SECURITY_POLICY),
@@ -193,7 +256,6 @@ async fn security_headers(mut response: Response) -> Response {
     headers
         .entry(header::CACHE_CONTROL)
         .or_insert(HeaderValue::from_static("no-store"));
-    response
 }
 
 /// Why a page or action was not served.
@@ -212,6 +274,9 @@ pub enum ConsoleError {
     Forgery,
     /// No such page.
     NoPage,
+    /// Without tokens, a request for a host name (this one) that is neither a loopback
+    /// name, an address nor listed in `console_allowed_hosts`.
+    UnknownHost(String),
 }
 
 impl From<Error> for ConsoleError {
@@ -252,6 +317,13 @@ impl IntoResponse for ConsoleError {
                 StatusCode::FORBIDDEN,
                 "Form expired",
                 "This form does not carry your session's token (it is from an older session or from another site). Reload the page and try again. Nothing was changed.".to_owned(),
+            ),
+            ConsoleError::UnknownHost(host) => (
+                StatusCode::MISDIRECTED_REQUEST,
+                "Unknown host name",
+                format!(
+                    "This console has no tokens configured, so it answers only to localhost, *.localhost and IP addresses: a page of another site could otherwise reach it through a name its DNS points at this machine (DNS rebinding). To open it as {host:?}, add that name to --console-allowed-hosts (OUTBOX_CONSOLE_ALLOWED_HOSTS, or console_allowed_hosts in the configuration file), or configure [[tokens]]. Nothing was changed."
+                ),
             ),
             ConsoleError::NoPage => (
                 StatusCode::NOT_FOUND,
@@ -326,4 +398,21 @@ impl IntoResponse for ConsoleError {
 /// Percent-encodes a query value.
 fn encode(value: &str) -> String {
     form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_console_served_over_tls_asks_for_hsts() {
+        let mut plain = HeaderMap::new();
+        add_security_headers(&mut plain, false);
+        assert!(!plain.contains_key(header::STRICT_TRANSPORT_SECURITY));
+        assert!(plain.contains_key(header::CONTENT_SECURITY_POLICY));
+        let mut tls = HeaderMap::new();
+        add_security_headers(&mut tls, true);
+        assert_eq!(tls[header::STRICT_TRANSPORT_SECURITY], "max-age=31536000");
+        assert!(tls.contains_key(header::CONTENT_SECURITY_POLICY));
+    }
 }

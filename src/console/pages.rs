@@ -9,6 +9,7 @@ use axum::{
     response::{IntoResponse, Redirect, Response},
 };
 use chrono::Utc;
+use url::{Position, Url};
 
 use super::{
     Console, ConsoleError,
@@ -491,7 +492,7 @@ pub async fn sign_in_page(
     headers: HeaderMap,
 ) -> Page {
     let query = Params::parse(query.unwrap_or_default().as_bytes());
-    let next = local_path(query.get("next"));
+    let next = local_path(query.get("next"))?;
     if console.inner.authenticator.is_none() || is_signed_in(&console, &headers) {
         return Ok(Redirect::to(&next).into_response());
     }
@@ -508,7 +509,8 @@ fn is_signed_in(console: &Console, headers: &HeaderMap) -> bool {
 pub async fn sign_in(State(console): State<Console>, headers: HeaderMap, body: Bytes) -> Page {
     same_origin(&headers)?;
     let form = Params::parse(&body);
-    let next = local_path(form.get("next"));
+    // Before the token: a refused `next` starts no session.
+    let next = local_path(form.get("next"))?;
     let Some(authenticator) = &console.inner.authenticator else {
         return Ok(Redirect::to(&next).into_response());
     };
@@ -623,13 +625,41 @@ fn same_origin(headers: &HeaderMap) -> Result<(), ConsoleError> {
 }
 
 /// A path on this console to return to after signing in; anything else is the overview.
-fn local_path(next: Option<&str>) -> String {
-    match next {
-        Some(path) if path.starts_with('/') && !path.starts_with("//") && !path.contains('\\') => {
-            path.to_owned()
-        }
-        _ => "/".to_owned(),
+/// Only a path that a browser reads exactly as written qualifies: browsers drop tabs and
+/// newlines from a Location and read `\\` as `/`, so `/\t/evil.example` or
+/// `/\\evil.example` would leave for another host, and a path the URL parser rewrites
+/// (dot segments, characters it percent-encodes) is not what was checked. What comes back
+/// is therefore already percent-encoded and safe as a Location. Control characters are
+/// refused outright: no link of the console carries them.
+fn local_path(next: Option<&str>) -> Result<String, ConsoleError> {
+    let Some(next) = next else {
+        return Ok("/".to_owned());
+    };
+    if next.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "next",
+            "must not contain control characters (it is the console path to return to after signing in)",
+        )
+        .into());
     }
+    Ok(same_origin_path(next).unwrap_or_else(|| "/".to_owned()))
+}
+
+/// `next` when it is a path and query of this console that parses to itself.
+fn same_origin_path(next: &str) -> Option<String> {
+    if !next.starts_with('/')
+        || next.starts_with("//")
+        || next.contains('\\')
+        || next.chars().any(char::is_whitespace)
+    {
+        return None;
+    }
+    // Any origin will do: only whether the reference stays on it matters.
+    let origin = Url::parse("http://console.invalid/").ok()?;
+    let parsed = origin.join(next).ok()?;
+    let path = &parsed[Position::BeforePath..];
+    (parsed.origin() == origin.origin() && path == next && !path.starts_with("//"))
+        .then(|| path.to_owned())
 }
 
 #[cfg(test)]
@@ -637,15 +667,50 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sign_in_returns_only_to_local_paths() {
-        assert_eq!(
-            local_path(Some("/subscriptions/orders?x=1")),
-            "/subscriptions/orders?x=1"
-        );
-        for foreign in ["//evil.example", "https://evil.example", "/\\evil", "x"] {
-            assert_eq!(local_path(Some(foreign)), "/", "{foreign}");
+    fn sign_in_returns_only_to_paths_that_parse_to_themselves() {
+        for local in [
+            "/",
+            "/subscriptions/orders?x=1",
+            "/subscriptions/orders?error=card%20declined&tz=Europe%2FParis",
+            "/events/0190b5e5-0000-7000-8000-000000000000?source=billing",
+            "/%09/evil.example/",
+        ] {
+            assert_eq!(local_path(Some(local)).unwrap(), local);
         }
-        assert_eq!(local_path(None), "/");
+        for foreign in [
+            "//evil.example",
+            "https://evil.example",
+            "/\\evil",
+            "\\/evil",
+            "x",
+            "",
+            "/..//evil.example",
+            "/.//evil.example",
+            "/%2e%2e//evil.example",
+            "/ /evil.example",
+            "/\u{a0}/evil.example",
+            "/\u{3000}/evil.example",
+            "/ordérs",
+            "/events?q=\"<x>\"",
+            "/a/../b",
+        ] {
+            assert_eq!(local_path(Some(foreign)).unwrap(), "/", "{foreign:?}");
+        }
+        assert_eq!(local_path(None).unwrap(), "/");
+    }
+
+    #[test]
+    fn control_characters_in_next_are_refused_naming_the_field() {
+        for control in ['\t', '\r', '\n', '\0', '\x01', '\x1b', '\x7f', '\u{85}'] {
+            let next = format!("/{control}/evil.example/");
+            match local_path(Some(&next)) {
+                Err(ConsoleError::Domain(Error::InvalidArgument { field, message })) => {
+                    assert_eq!(field, "next");
+                    assert!(message.contains("control characters"), "{message}");
+                }
+                other => panic!("{next:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -307,8 +307,9 @@ pub fn webhook_signature(
     signatures.join(" ")
 }
 
-/// The destinations the operator allows (`[push] allowed_hosts`): exact host names or
-/// addresses, `*.example.com` (any subdomain) or `*` (any host). Loopback, link-local,
+/// The hosts the operator allows: push destinations (`[push] allowed_hosts`), and the names
+/// a console without tokens answers to (`console_allowed_hosts`). Exact host names or
+/// addresses, `*.example.com` (any subdomain) or `*` (any host). For push, loopback, link-local,
 /// unspecified and multicast addresses are allowed only for an entry naming the host
 /// exactly, both as written in the endpoint and after name resolution.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
