@@ -244,6 +244,7 @@ pub async fn run_with_console(
     });
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(config.max_concurrent_streams)
+        .http2_max_header_list_size(api::MAX_HEADER_LIST_BYTES)
         .timeout(config.rpc_timeout);
     if let Some(tls) = &config.tls {
         builder = builder
@@ -258,6 +259,8 @@ pub async fn run_with_console(
                 .layer(api::MessageLimitLayer {
                     max_message_bytes: max_message,
                 })
+                // Before authentication: an oversized token is refused for its size.
+                .layer(api::HeaderLimitLayer)
                 .layer(api::AuthLayer::new(authenticator)),
         )
         .add_service(health_service)

@@ -343,6 +343,39 @@ async fn limits_are_answered_with_resource_exhausted() {
     assert_status(second, Code::ResourceExhausted, "Subscribe streams");
 }
 
+/// Publish request for `event_type` carrying `bytes` of metadata in one entry.
+fn with_metadata_of(bytes: usize, aggregate_id: &str) -> Request<proto::PublishRequest> {
+    let mut request = Request::new(proto::PublishRequest {
+        events: vec![event(aggregate_id, "order.created")],
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("x-note", "n".repeat(bytes).parse().unwrap());
+    request
+}
+
+#[tokio::test]
+async fn oversized_request_metadata_is_answered_with_the_limit_named() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut publisher = gateway.publisher().await;
+
+    // Past the limit, yet within what the transport reads: a gRPC status naming it.
+    let refused = publisher.publish(with_metadata_of(20 * 1024, "o-1")).await;
+    assert_status(refused, Code::ResourceExhausted, "the limit is 16 KiB");
+    let refused = publisher.publish(with_metadata_of(60 * 1024, "o-2")).await;
+    assert_status(refused, Code::ResourceExhausted, "request metadata is 61");
+    assert_eq!(count_events(&database.pool().await).await, 0);
+
+    // Under it the call goes through, on the same connection.
+    publisher
+        .publish(with_metadata_of(12 * 1024, "o-3"))
+        .await
+        .expect("12 KiB of metadata is within the limit");
+    assert_eq!(count_events(&database.pool().await).await, 1);
+}
+
 #[tokio::test]
 async fn the_writer_role_may_only_add_events() {
     let database = TestDatabase::create().await;
