@@ -376,6 +376,116 @@ async fn oversized_request_metadata_is_answered_with_the_limit_named() {
     assert_eq!(count_events(&database.pool().await).await, 1);
 }
 
+/// A gateway that closes connections silent for 1 s and pings after 200 ms.
+async fn gateway_with_short_idle_timeout(database: &std::sync::Arc<TestDatabase>) -> TestGateway {
+    let mut config = test_config(database.url());
+    config.connection_idle_timeout = Duration::from_secs(1);
+    config.http2_keepalive_interval = Duration::from_millis(200);
+    config.http2_keepalive_timeout = Duration::from_millis(300);
+    TestGateway::start_with(database, config).await
+}
+
+/// Reads what the gateway sends on a raw connection until it closes it, for at most
+/// `within`; returns the bytes read and how long the connection stayed open.
+async fn read_until_closed(
+    connection: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> (Vec<u8>, Duration) {
+    use tokio::io::AsyncReadExt;
+    let opened = std::time::Instant::now();
+    let mut received = Vec::new();
+    let closed = tokio::time::timeout(within, async {
+        let mut buffer = [0; 1024];
+        // EOF or a reset: either way the gateway closed it.
+        while let Ok(read @ 1..) = connection.read(&mut buffer).await {
+            received.extend_from_slice(&buffer[..read]);
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the connection was still open after {within:?} (received {received:?})"
+    );
+    (received, opened.elapsed())
+}
+
+/// The types of the HTTP/2 frames in `bytes`, a server's side of a connection.
+fn frame_types(bytes: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    let mut rest = bytes;
+    while rest.len() >= 9 {
+        let length = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        types.push(rest[3]);
+        rest = &rest[(9 + length).min(rest.len())..];
+    }
+    types
+}
+
+#[tokio::test]
+async fn connections_that_send_nothing_or_only_the_preface_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    const PING: u8 = 0x6;
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_short_idle_timeout(&database).await;
+
+    let mut silent = tokio::net::TcpStream::connect(gateway.address)
+        .await
+        .unwrap();
+    let mut preface_only = tokio::net::TcpStream::connect(gateway.address)
+        .await
+        .unwrap();
+    preface_only
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+
+    let ((_, silent_for), (received, preface_only_for)) = tokio::join!(
+        read_until_closed(&mut silent, Duration::from_secs(15)),
+        read_until_closed(&mut preface_only, Duration::from_secs(15)),
+    );
+    // Closed by the idle timeout, not before it.
+    assert!(silent_for >= Duration::from_millis(900), "{silent_for:?}");
+    // The gateway pinged the connection that completed the preface; unanswered, the
+    // ping closed it.
+    assert!(
+        frame_types(&received).contains(&PING),
+        "no PING among the frames {:?} (open {preface_only_for:?})",
+        frame_types(&received)
+    );
+
+    // The gateway still serves.
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+}
+
+#[tokio::test]
+async fn a_quiet_subscribe_stream_outlives_many_idle_timeouts() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_short_idle_timeout(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut stream = gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("subscribe")
+        .into_inner();
+
+    // Nothing to deliver for four idle timeouts: the stream stays open all along.
+    let quiet = tokio::time::timeout(Duration::from_secs(4), stream.message()).await;
+    assert!(quiet.is_err(), "the quiet stream ended: {quiet:?}");
+
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let delivery = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("a delivery on the stream that stayed open")
+        .expect("the stream is healthy")
+        .expect("the stream is open");
+    assert_eq!(delivery.event.unwrap().aggregate_id, "o-1");
+}
+
 #[tokio::test]
 async fn the_writer_role_may_only_add_events() {
     let database = TestDatabase::create().await;
