@@ -88,6 +88,27 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_RPC_TIMEOUT")]
     pub rpc_timeout: Option<DurationSetting>,
 
+    /// A gRPC client connection that sends nothing for this long is closed: one that
+    /// never completes its TLS or HTTP/2 handshake, or stops answering keepalive pings.
+    /// Longer than the keepalive interval plus its timeout. [default: 30s]
+    #[arg(long, env = "OUTBOX_CONNECTION_IDLE_TIMEOUT")]
+    pub connection_idle_timeout: Option<DurationSetting>,
+
+    /// The gateway pings a gRPC connection (HTTP/2 PING) that has sent nothing for this
+    /// long, even without calls on it. [default: 10s]
+    #[arg(long, env = "OUTBOX_HTTP2_KEEPALIVE_INTERVAL")]
+    pub http2_keepalive_interval: Option<DurationSetting>,
+
+    /// A connection that does not answer a keepalive ping within this is closed.
+    /// [default: 10s]
+    #[arg(long, env = "OUTBOX_HTTP2_KEEPALIVE_TIMEOUT")]
+    pub http2_keepalive_timeout: Option<DurationSetting>,
+
+    /// Idle time before the operating system probes a gRPC connection's peer (TCP
+    /// keepalive). [default: 60s]
+    #[arg(long, env = "OUTBOX_TCP_KEEPALIVE")]
+    pub tcp_keepalive: Option<DurationSetting>,
+
     /// Do not apply pending schema migrations at start.
     #[arg(long, env = "OUTBOX_NO_MIGRATE", num_args = 0..=1, default_missing_value = "true")]
     pub no_migrate: Option<bool>,
@@ -344,6 +365,13 @@ pub struct Config {
     pub max_message_bytes: usize,
     pub max_concurrent_streams: u32,
     pub rpc_timeout: Duration,
+    /// Client connections that send nothing this long are closed.
+    pub connection_idle_timeout: Duration,
+    /// HTTP/2 pings keep quiet but healthy connections from the idle timeout, and find
+    /// the ones whose peer is gone.
+    pub http2_keepalive_interval: Duration,
+    pub http2_keepalive_timeout: Duration,
+    pub tcp_keepalive: Duration,
     pub migrate: bool,
     pub db_max_connections: u32,
     /// Bound on connecting (and creating the database) at start-up.
@@ -489,6 +517,19 @@ impl Config {
             max_message_bytes: settings.max_message_bytes.unwrap_or(16 * 1024 * 1024),
             max_concurrent_streams: settings.max_concurrent_streams.unwrap_or(256),
             rpc_timeout: duration(settings.rpc_timeout, Duration::from_secs(30)),
+            connection_idle_timeout: duration(
+                settings.connection_idle_timeout,
+                Duration::from_secs(30),
+            ),
+            http2_keepalive_interval: duration(
+                settings.http2_keepalive_interval,
+                Duration::from_secs(10),
+            ),
+            http2_keepalive_timeout: duration(
+                settings.http2_keepalive_timeout,
+                Duration::from_secs(10),
+            ),
+            tcp_keepalive: duration(settings.tcp_keepalive, Duration::from_secs(60)),
             migrate: !settings.no_migrate.unwrap_or(false),
             db_max_connections: settings.db_max_connections.unwrap_or(10),
             db_connect_timeout: duration(settings.db_connect_timeout, Duration::from_secs(10)),
@@ -656,6 +697,26 @@ impl Config {
         if self.max_concurrent_streams == 0 {
             return invalid("max_concurrent_streams", "must be at least 1");
         }
+        for (setting, value) in [
+            ("connection_idle_timeout", self.connection_idle_timeout),
+            ("http2_keepalive_interval", self.http2_keepalive_interval),
+            ("http2_keepalive_timeout", self.http2_keepalive_timeout),
+            ("tcp_keepalive", self.tcp_keepalive),
+        ] {
+            if value < Duration::from_millis(100) {
+                return invalid(setting, "must be at least 100ms");
+            }
+        }
+        // A quiet, healthy client sends its first bytes after the keepalive interval,
+        // when it answers the ping.
+        if self.connection_idle_timeout
+            <= self.http2_keepalive_interval + self.http2_keepalive_timeout
+        {
+            return invalid(
+                "connection_idle_timeout",
+                "must be longer than http2_keepalive_interval plus http2_keepalive_timeout: a quiet but healthy client sends nothing until it answers a keepalive ping",
+            );
+        }
         if self.db_max_connections < 2 {
             // One connection is held by the NOTIFY listener.
             return invalid("db_max_connections", "must be at least 2");
@@ -801,6 +862,10 @@ impl Settings {
             max_concurrent_streams,
             max_subscribe_streams,
             rpc_timeout,
+            connection_idle_timeout,
+            http2_keepalive_interval,
+            http2_keepalive_timeout,
+            tcp_keepalive,
             no_migrate,
             db_max_connections,
             db_connect_timeout,
@@ -983,6 +1048,34 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_idle_timeout_must_outlast_a_keepalive_round() {
+        let from_file = |text: &str| {
+            Config::from_settings(toml::from_str::<Settings>(text).expect("valid TOML"))
+        };
+        let config = from_file("connection_idle_timeout = \"5s\"\nhttp2_keepalive_interval = \"2s\"\nhttp2_keepalive_timeout = \"1s\"").unwrap();
+        assert_eq!(config.connection_idle_timeout, Duration::from_secs(5));
+        assert_eq!(config.http2_keepalive_interval, Duration::from_secs(2));
+        assert_eq!(config.http2_keepalive_timeout, Duration::from_secs(1));
+        // A quiet client answers only the ping after 2s, by 3s at the latest.
+        let error = from_file("connection_idle_timeout = \"3s\"\nhttp2_keepalive_interval = \"2s\"\nhttp2_keepalive_timeout = \"1s\"").unwrap_err();
+        assert!(
+            matches!(&error, ConfigError::Invalid { setting: "connection_idle_timeout", message } if message.contains("http2_keepalive_interval")),
+            "{error}"
+        );
+        let error = from_file("tcp_keepalive = \"0s\"").unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                ConfigError::Invalid {
+                    setting: "tcp_keepalive",
+                    ..
+                }
+            ),
+            "{error}"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@
 //! - [`auth`]: bearer tokens, roles and their scopes.
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`console`]: the web console, an HTTP adapter over the same core operations.
+//! - [`connections`]: closing client connections that send nothing.
 //! - [`rates`]: delivery and ack rates over the last 15 minutes, for the console.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
@@ -32,6 +33,7 @@ pub mod api;
 pub mod auth;
 pub mod cli;
 pub mod config;
+pub mod connections;
 pub mod console;
 pub mod delivery;
 pub mod domain;
@@ -49,6 +51,7 @@ pub mod telemetry;
 
 use std::{future::Future, time::Duration};
 
+use futures_util::StreamExt;
 use tokio::net::TcpListener;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
@@ -245,13 +248,21 @@ pub async fn run_with_console(
     });
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(config.max_concurrent_streams)
+        .http2_max_header_list_size(api::MAX_HEADER_LIST_BYTES)
+        .http2_keepalive_interval(Some(config.http2_keepalive_interval))
+        .http2_keepalive_timeout(Some(config.http2_keepalive_timeout))
         .timeout(config.rpc_timeout);
     if let Some(tls) = &config.tls {
         builder = builder
-            .tls_config(tls_config(tls).await?)
+            .tls_config(
+                tls_config(tls)
+                    .await?
+                    .timeout(config.connection_idle_timeout),
+            )
             .map_err(|error| RunError::Tls(error.to_string()))?;
     }
     let max_message = config.max_message_bytes;
+    let connection_idle_timeout = config.connection_idle_timeout;
     let server = builder
         .layer(
             tower::ServiceBuilder::new()
@@ -259,6 +270,8 @@ pub async fn run_with_console(
                 .layer(api::MessageLimitLayer {
                     max_message_bytes: max_message,
                 })
+                // Before authentication: an oversized token is refused for its size.
+                .layer(api::HeaderLimitLayer)
                 .layer(api::AuthLayer::new(authenticator)),
         )
         .add_service(health_service)
@@ -279,7 +292,14 @@ pub async fn run_with_console(
         .serve_with_incoming_shutdown(
             // Without TCP_NODELAY a unary answer's trailers wait for the client's
             // delayed ACK: about 40 ms per call.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(config.tcp_keepalive))
+                .map(move |connection| {
+                    connection.map(|connection| {
+                        connections::IdleTimeout::new(connection, connection_idle_timeout)
+                    })
+                }),
             stop_serving.clone().cancelled_owned(),
         );
     tracing::info!(address = ?address, "serving gRPC");

@@ -343,6 +343,149 @@ async fn limits_are_answered_with_resource_exhausted() {
     assert_status(second, Code::ResourceExhausted, "Subscribe streams");
 }
 
+/// Publish request for `event_type` carrying `bytes` of metadata in one entry.
+fn with_metadata_of(bytes: usize, aggregate_id: &str) -> Request<proto::PublishRequest> {
+    let mut request = Request::new(proto::PublishRequest {
+        events: vec![event(aggregate_id, "order.created")],
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("x-note", "n".repeat(bytes).parse().unwrap());
+    request
+}
+
+#[tokio::test]
+async fn oversized_request_metadata_is_answered_with_the_limit_named() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut publisher = gateway.publisher().await;
+
+    // Past the limit, yet within what the transport reads: a gRPC status naming it.
+    let refused = publisher.publish(with_metadata_of(20 * 1024, "o-1")).await;
+    assert_status(refused, Code::ResourceExhausted, "the limit is 16 KiB");
+    let refused = publisher.publish(with_metadata_of(60 * 1024, "o-2")).await;
+    assert_status(refused, Code::ResourceExhausted, "request metadata is 61");
+    assert_eq!(count_events(&database.pool().await).await, 0);
+
+    // Under it the call goes through, on the same connection.
+    publisher
+        .publish(with_metadata_of(12 * 1024, "o-3"))
+        .await
+        .expect("12 KiB of metadata is within the limit");
+    assert_eq!(count_events(&database.pool().await).await, 1);
+}
+
+/// A gateway that closes connections silent for 1 s and pings after 200 ms.
+async fn gateway_with_short_idle_timeout(database: &std::sync::Arc<TestDatabase>) -> TestGateway {
+    let mut config = test_config(database.url());
+    config.connection_idle_timeout = Duration::from_secs(1);
+    config.http2_keepalive_interval = Duration::from_millis(200);
+    config.http2_keepalive_timeout = Duration::from_millis(300);
+    TestGateway::start_with(database, config).await
+}
+
+/// Reads what the gateway sends on a raw connection until it closes it, for at most
+/// `within`; returns the bytes read and how long the connection stayed open.
+async fn read_until_closed(
+    connection: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> (Vec<u8>, Duration) {
+    use tokio::io::AsyncReadExt;
+    let opened = std::time::Instant::now();
+    let mut received = Vec::new();
+    let closed = tokio::time::timeout(within, async {
+        let mut buffer = [0; 1024];
+        // EOF or a reset: either way the gateway closed it.
+        while let Ok(read @ 1..) = connection.read(&mut buffer).await {
+            received.extend_from_slice(&buffer[..read]);
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the connection was still open after {within:?} (received {received:?})"
+    );
+    (received, opened.elapsed())
+}
+
+/// The types of the HTTP/2 frames in `bytes`, a server's side of a connection.
+fn frame_types(bytes: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    let mut rest = bytes;
+    while rest.len() >= 9 {
+        let length = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        types.push(rest[3]);
+        rest = &rest[(9 + length).min(rest.len())..];
+    }
+    types
+}
+
+#[tokio::test]
+async fn connections_that_send_nothing_or_only_the_preface_are_closed() {
+    use tokio::io::AsyncWriteExt;
+    const PING: u8 = 0x6;
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_short_idle_timeout(&database).await;
+
+    let mut silent = tokio::net::TcpStream::connect(gateway.address)
+        .await
+        .unwrap();
+    let mut preface_only = tokio::net::TcpStream::connect(gateway.address)
+        .await
+        .unwrap();
+    preface_only
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+
+    let ((_, silent_for), (received, preface_only_for)) = tokio::join!(
+        read_until_closed(&mut silent, Duration::from_secs(15)),
+        read_until_closed(&mut preface_only, Duration::from_secs(15)),
+    );
+    // Closed by the idle timeout, not before it.
+    assert!(silent_for >= Duration::from_millis(900), "{silent_for:?}");
+    // The gateway pinged the connection that completed the preface; unanswered, the
+    // ping closed it.
+    assert!(
+        frame_types(&received).contains(&PING),
+        "no PING among the frames {:?} (open {preface_only_for:?})",
+        frame_types(&received)
+    );
+
+    // The gateway still serves.
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+}
+
+#[tokio::test]
+async fn a_quiet_subscribe_stream_outlives_many_idle_timeouts() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_short_idle_timeout(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut stream = gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("subscribe")
+        .into_inner();
+
+    // Nothing to deliver for four idle timeouts: the stream stays open all along.
+    let quiet = tokio::time::timeout(Duration::from_secs(4), stream.message()).await;
+    assert!(quiet.is_err(), "the quiet stream ended: {quiet:?}");
+
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let delivery = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("a delivery on the stream that stayed open")
+        .expect("the stream is healthy")
+        .expect("the stream is open");
+    assert_eq!(delivery.event.unwrap().aggregate_id, "o-1");
+}
+
 #[tokio::test]
 async fn the_writer_role_may_only_add_events() {
     let database = TestDatabase::create().await;

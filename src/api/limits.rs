@@ -3,6 +3,12 @@
 //! clients do not associate with a size limit), a malformed one with INVALID_ARGUMENT
 //! (tonic says INTERNAL). Both appear in the headers or, for calls that already
 //! answered, in the trailers.
+//!
+//! Oversized request metadata is refused here too, before authentication: HTTP/2 itself
+//! can only answer a header list over its limit with HTTP 431, which gRPC clients report
+//! as UNKNOWN. So the transport reads up to [`MAX_HEADER_LIST_BYTES`] and
+//! [`HeaderLimitLayer`] answers anything over [`MAX_REQUEST_METADATA_BYTES`] with
+//! RESOURCE_EXHAUSTED naming the limit.
 
 use std::{
     pin::Pin,
@@ -11,6 +17,76 @@ use std::{
 
 use http::{HeaderMap, HeaderValue};
 use http_body::Frame;
+use tonic::Status;
+
+/// The request metadata a call may carry, counted as HTTP/2 counts a header list: each
+/// entry's name and value plus 32 bytes. gRPC's usual limit, and what the transport
+/// allowed before it answered more with HTTP 431.
+pub const MAX_REQUEST_METADATA_BYTES: usize = 16 * 1024;
+
+/// The header list the HTTP/2 transport reads (pseudo-headers included), above which it
+/// answers HTTP 431 itself. Four times the metadata limit, so that a caller a little or
+/// a lot over it learns the limit from a gRPC status; bounded, because the transport
+/// holds a stream's headers in memory before any layer sees them.
+pub const MAX_HEADER_LIST_BYTES: u32 = 4 * MAX_REQUEST_METADATA_BYTES as u32;
+
+/// Refuses calls whose metadata exceeds [`MAX_REQUEST_METADATA_BYTES`].
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderLimitLayer;
+
+impl<S> tower::Layer<S> for HeaderLimitLayer {
+    type Service = HeaderLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        HeaderLimit { inner }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HeaderLimit<S> {
+    inner: S,
+}
+
+impl<S, RequestBody, ResponseBody> tower::Service<http::Request<RequestBody>> for HeaderLimit<S>
+where
+    S: tower::Service<http::Request<RequestBody>, Response = http::Response<ResponseBody>>,
+    S::Future: Send + 'static,
+    ResponseBody: Default + Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<RequestBody>) -> Self::Future {
+        let size = metadata_size(request.headers());
+        if size <= MAX_REQUEST_METADATA_BYTES {
+            return Box::pin(self.inner.call(request));
+        }
+        tracing::info!(
+            path = request.uri().path(),
+            size,
+            "refused a call with oversized metadata"
+        );
+        let response = Status::resource_exhausted(format!(
+            "request metadata is {size} bytes; the limit is 16 KiB ({MAX_REQUEST_METADATA_BYTES} bytes, each entry counted as its name and value plus 32); send less metadata"
+        ))
+        .into_http();
+        Box::pin(async move { Ok(response) })
+    }
+}
+
+/// The size of a header list as HTTP/2 counts it (RFC 9113, SETTINGS_MAX_HEADER_LIST_SIZE).
+fn metadata_size(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 32)
+        .sum()
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct MessageLimitLayer {

@@ -11,7 +11,9 @@ mod subscriber;
 
 pub use admin::AdminApi;
 pub use auth::AuthLayer;
-pub use limits::MessageLimitLayer;
+pub use limits::{
+    HeaderLimitLayer, MAX_HEADER_LIST_BYTES, MAX_REQUEST_METADATA_BYTES, MessageLimitLayer,
+};
 pub use publisher::PublisherApi;
 pub use subscriber::SubscriberApi;
 
