@@ -242,3 +242,62 @@ async fn many_streams_ending_at_once_give_their_leases_back_on_a_busy_pool() {
         "health while the pool was busy: {statuses:?}"
     );
 }
+
+#[tokio::test]
+async fn streams_that_never_read_hold_at_most_the_budget_and_two_deliveries_each() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    const EVENT_BYTES: usize = 64 * 1024;
+    const BUDGET_EVENTS: i64 = 4;
+    config.delivery.max_buffered_bytes = BUDGET_EVENTS as u64 * EVENT_BYTES as u64;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("stalled")).await;
+    let pool = database.pool().await;
+    publish(&gateway, large_events(100, EVENT_BYTES)).await;
+
+    const STREAMS: i64 = 10;
+    let mut stalled = Vec::new();
+    for _ in 0..STREAMS {
+        // Tiny HTTP/2 windows: what a stream does not read stays in the gateway.
+        let channel = tonic::transport::Endpoint::from_shared(gateway.endpoint())
+            .unwrap()
+            .initial_stream_window_size(Some(1024))
+            .initial_connection_window_size(Some(1024))
+            .connect()
+            .await
+            .unwrap();
+        let stream = proto::subscriber_client::SubscriberClient::new(channel)
+            .subscribe(proto::SubscribeRequest {
+                subscription: "stalled".into(),
+                max_in_flight: 1000,
+                max_in_flight_bytes: 64 * 1024 * 1024,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        stalled.push(stream);
+    }
+    // Until what they hold stops growing.
+    let deadline = Instant::now() + WAIT;
+    let mut last = -1;
+    let mut steady_since = Instant::now();
+    while last <= 0 || steady_since.elapsed() < Duration::from_secs(2) {
+        assert!(
+            Instant::now() < deadline,
+            "what the streams hold never settled"
+        );
+        let held = in_flight(&pool, "stalled").await;
+        if held != last {
+            last = held;
+            steady_since = Instant::now();
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    // The budget, plus per stream the delivery HTTP/2 is still sending and the one the
+    // transport asked for since.
+    assert!(
+        last <= BUDGET_EVENTS + 2 * STREAMS,
+        "{STREAMS} streams that never read hold {last} deliveries of {EVENT_BYTES} bytes \
+         against a budget of {BUDGET_EVENTS}"
+    );
+}
