@@ -213,7 +213,7 @@ impl Sources {
                     });
                 }
                 Err(PrepareError::Store(error)) => {
-                    source.record(Err(error.to_string()));
+                    source.record(Err(probe_failure(&error)));
                 }
             }
         }
@@ -232,7 +232,7 @@ impl Sources {
                     Err(PrepareError::NotMigrated) => Err(
                         "its outbox schema is missing or older than this gateway's; run `outbox-gateway migrate`".to_owned(),
                     ),
-                    Err(PrepareError::Store(error)) => Err(error.to_string()),
+                    Err(PrepareError::Store(error)) => Err(probe_failure(&error)),
                 };
                 source.record(outcome);
             }))
@@ -393,4 +393,15 @@ fn store_config(
         acquire_timeout: config.db_acquire_timeout,
         idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
     })
+}
+
+/// Why a health probe failed, in the source's status and the log. The probe has a
+/// connection of its own, so running out of time means no connection could be opened
+/// (the server refuses or does not answer), never a busy pool.
+fn probe_failure(error: &StoreError) -> String {
+    if error.is_pool_exhausted() {
+        "cannot reach PostgreSQL: no connection could be opened in time".to_owned()
+    } else {
+        error.to_string()
+    }
 }

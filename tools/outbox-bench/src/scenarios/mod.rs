@@ -13,6 +13,7 @@ mod publish;
 mod push;
 mod replicas;
 mod scheduled;
+mod source_outage;
 mod stalled;
 
 use std::{path::PathBuf, time::Duration};
@@ -40,6 +41,7 @@ pub enum Scenario {
     Latency,
     HeldTransaction,
     StalledConsumers,
+    SourceOutage,
     Replicas,
     BacklogScaling,
     Memory,
@@ -48,7 +50,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 14] = [
+    pub const ALL: [Scenario; 15] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -58,6 +60,7 @@ impl Scenario {
         Scenario::Latency,
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
+        Scenario::SourceOutage,
         Scenario::Replicas,
         Scenario::BacklogScaling,
         Scenario::Memory,
@@ -76,6 +79,7 @@ impl Scenario {
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
+            Scenario::SourceOutage => "source-outage",
             Scenario::Replicas => "replicas",
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
@@ -97,6 +101,7 @@ impl Scenario {
             | Scenario::Latency
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
+            | Scenario::SourceOutage
             | Scenario::Replicas
             | Scenario::BacklogScaling
             | Scenario::Memory
@@ -116,6 +121,7 @@ impl Scenario {
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
+            Scenario::SourceOutage => source_outage::run(bench).await,
             Scenario::Replicas => replicas::run(bench, gateway).await,
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
