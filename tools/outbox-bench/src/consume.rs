@@ -220,6 +220,14 @@ impl ConsumerGroup {
         })
     }
 
+    /// Deliveries acked so far, across every subscription.
+    pub fn acked(&self) -> u64 {
+        self.progress
+            .iter()
+            .map(|progress| progress.acked.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Waits until every subscription has reached its target, a stream failed, or
     /// `limit` has passed since the group started.
     pub async fn wait(&self, limit: Duration) {

@@ -8,6 +8,7 @@ mod deliver;
 mod fan_in;
 mod held;
 mod latency;
+mod many_subscriptions;
 mod memory;
 mod publish;
 mod push;
@@ -42,6 +43,7 @@ pub enum Scenario {
     HeldTransaction,
     StalledConsumers,
     SourceOutage,
+    ManySubscriptions,
     Replicas,
     BacklogScaling,
     Memory,
@@ -50,7 +52,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 15] = [
+    pub const ALL: [Scenario; 16] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -61,6 +63,7 @@ impl Scenario {
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
         Scenario::SourceOutage,
+        Scenario::ManySubscriptions,
         Scenario::Replicas,
         Scenario::BacklogScaling,
         Scenario::Memory,
@@ -80,6 +83,7 @@ impl Scenario {
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
             Scenario::SourceOutage => "source-outage",
+            Scenario::ManySubscriptions => "many-subscriptions",
             Scenario::Replicas => "replicas",
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
@@ -102,6 +106,7 @@ impl Scenario {
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
             | Scenario::SourceOutage
+            | Scenario::ManySubscriptions
             | Scenario::Replicas
             | Scenario::BacklogScaling
             | Scenario::Memory
@@ -122,6 +127,7 @@ impl Scenario {
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
             Scenario::SourceOutage => source_outage::run(bench).await,
+            Scenario::ManySubscriptions => many_subscriptions::run(bench, gateway).await,
             Scenario::Replicas => replicas::run(bench, gateway).await,
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
