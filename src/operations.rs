@@ -11,7 +11,7 @@ use crate::{
     domain::{
         DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event, EventDeliveries,
         OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName, SubscriptionStats,
-        check_text,
+        check_event_key, check_text,
     },
     error::{Error, Result},
     metrics,
@@ -187,16 +187,7 @@ impl Operations {
         subscription: Option<&SubscriptionName>,
         source: Option<&SourceName>,
     ) -> Result<u64> {
-        for (field, value) in [
-            ("aggregate_type", aggregate_type),
-            ("aggregate_id", aggregate_id),
-            ("event_type", event_type),
-        ] {
-            if value.is_empty() {
-                return Err(Error::invalid(field, "is required"));
-            }
-            check_text(field, value)?;
-        }
+        check_event_key(aggregate_type, aggregate_id, event_type)?;
         let mut latest: Option<(Arc<Source>, i64, Event)> = None;
         for candidate in self.sources(source)? {
             let found = candidate

@@ -346,6 +346,21 @@ async fn settlements_and_operations_the_database_would_refuse_are_refused_by_fie
             requeue("order", "o-1", "order.\0created"),
             "event_type",
         ),
+        (
+            "a pattern as RequeueLatest's event type",
+            requeue("order", "o-1", "fx.*"),
+            "event_type",
+        ),
+        (
+            "a 1 MiB aggregate type in RequeueLatest",
+            requeue(&"a".repeat(1 << 20), "o-1", "order.created"),
+            "aggregate_type",
+        ),
+        (
+            "a 1 MiB aggregate id in RequeueLatest",
+            requeue("order", &"a".repeat(1 << 20), "order.created"),
+            "aggregate_id",
+        ),
     ] {
         refused(what, admin.requeue_latest(request).await, field);
     }

@@ -283,6 +283,15 @@ pub fn is_json_content_type(content_type: &str) -> bool {
     })
 }
 
+/// The aggregate and event type that name events in a lookup (such as RequeueLatest),
+/// held to the rules Publish applies, so a value no event can have is refused as the
+/// caller's mistake instead of answered "not found".
+pub fn check_event_key(aggregate_type: &str, aggregate_id: &str, event_type: &str) -> Result<()> {
+    check_identifier(aggregate_type, || "aggregate_type".into())?;
+    check_identifier(aggregate_id, || "aggregate_id".into())?;
+    check_event_type(event_type).map_err(|message| Error::invalid("event_type", message))
+}
+
 fn check_identifier(value: &str, field: impl Fn() -> String) -> Result<()> {
     if value.is_empty() {
         return Err(Error::invalid(field(), "must not be empty"));
@@ -424,6 +433,23 @@ mod tests {
         binary.content_type = "application/octet-stream".into();
         binary.payload = vec![0xff, 0x00];
         binary.validate(0, &PublishLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn event_keys_follow_the_publish_rules() {
+        check_event_key("order", "o-1", "order.created").unwrap();
+        let field = |result: Result<()>| field_of(result);
+        assert_eq!(field(check_event_key("order", "o-1", "fx.*")), "event_type");
+        assert_eq!(field(check_event_key("order", "o-1", "")), "event_type");
+        let long = "a".repeat(MAX_IDENTIFIER_BYTES + 1);
+        assert_eq!(
+            field(check_event_key(&long, "o-1", "order.created")),
+            "aggregate_type"
+        );
+        assert_eq!(
+            field(check_event_key("order", &long, "order.created")),
+            "aggregate_id"
+        );
     }
 
     #[test]
