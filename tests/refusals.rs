@@ -100,6 +100,14 @@ async fn events_the_database_would_refuse_are_refused_by_field() {
             "events[0].metadata",
         ),
         (
+            "a metadata value over 1,024 bytes",
+            proto::EventInput {
+                metadata: [("tenant".to_owned(), "a".repeat(1025))].into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].metadata[\"tenant\"]",
+        ),
+        (
             "invalid UTF-8 inside a JSON string",
             proto::EventInput {
                 payload: b"{\"name\": \"\xff\xfe\"}".to_vec(),

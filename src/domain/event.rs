@@ -15,6 +15,10 @@ use crate::error::{Error, Result};
 const MAX_IDENTIFIER_BYTES: usize = 255;
 /// Longest metadata key, in bytes; the database enforces the same bound.
 const MAX_METADATA_KEY_BYTES: usize = 128;
+/// Longest metadata value, in bytes: metadata is for filtering and tracing, not for
+/// payload. Publish enforces it; the table allows more for direct SQL writers, whose
+/// rows the gateway handles all the same.
+const MAX_METADATA_VALUE_BYTES: usize = 1024;
 pub const DEFAULT_CONTENT_TYPE: &str = "application/json";
 /// Metadata keys carrying W3C trace context from producer to consumer.
 pub const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
@@ -195,6 +199,15 @@ impl NewEvent {
                 ));
             }
             check_text(format!("{field}[{}]", Echo(key)), value)?;
+            if value.len() > MAX_METADATA_VALUE_BYTES {
+                return Err(Error::invalid(
+                    format!("{field}[{}]", Echo(key)),
+                    format!(
+                        "is {} bytes, more than the limit of {MAX_METADATA_VALUE_BYTES}",
+                        value.len()
+                    ),
+                ));
+            }
             check_text(format!("{field} key {}", Echo(key)), key)?;
             total_bytes += key.len() + value.len();
         }
@@ -389,6 +402,19 @@ mod tests {
         let mut bad = event();
         bad.metadata.insert(String::new(), "v".into());
         assert_eq!(field_of(bad.validate(0, &limits)), "events[0].metadata");
+
+        let mut longest = event();
+        longest
+            .metadata
+            .insert("tenant".into(), "v".repeat(MAX_METADATA_VALUE_BYTES));
+        longest.validate(0, &limits).unwrap();
+        let mut bad = longest;
+        bad.metadata
+            .insert("tenant".into(), "v".repeat(MAX_METADATA_VALUE_BYTES + 1));
+        assert_eq!(
+            field_of(bad.validate(2, &limits)),
+            "events[2].metadata[\"tenant\"]"
+        );
     }
 
     #[test]
