@@ -861,6 +861,16 @@ async fn bad_input_gets_a_clear_message_and_changes_nothing() {
         ),
         ("/events?id=zz", StatusCode::BAD_REQUEST, "id"),
         (
+            "/events/0192F1C4-0000-7000-8000-000000000000",
+            StatusCode::BAD_REQUEST,
+            "canonical",
+        ),
+        (
+            "/events?id=%7B0192f1c4-0000-7000-8000-000000000000%7D",
+            StatusCode::BAD_REQUEST,
+            "canonical",
+        ),
+        (
             "/events?aggregate_type=order",
             StatusCode::BAD_REQUEST,
             "aggregate_id: is required",

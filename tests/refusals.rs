@@ -407,3 +407,78 @@ async fn settlements_and_operations_the_database_would_refuse_are_refused_by_fie
         Vec::<String>::new()
     );
 }
+
+/// The forms of one event id that parse as a UUID but are not its canonical text.
+fn non_canonical(id: &uuid::Uuid) -> Vec<(&'static str, String)> {
+    vec![
+        ("braces", format!("{{{id}}}")),
+        ("a URN", format!("urn:uuid:{id}")),
+        ("no hyphens", id.simple().to_string()),
+        ("upper case", id.to_string().to_uppercase()),
+    ]
+}
+
+#[tokio::test]
+async fn event_ids_are_taken_only_in_canonical_form() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    let id = uuid::Uuid::now_v7();
+    let mut publisher = gateway.publisher().await;
+    for (form, text) in non_canonical(&id) {
+        let answer = publisher
+            .publish(proto::PublishRequest {
+                events: vec![proto::EventInput {
+                    id: text,
+                    ..event("o-1", "order.created")
+                }],
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("Publish with {form}"), answer, "events[0].id");
+    }
+    assert_eq!(count_events(&database.pool().await).await, 0);
+
+    publisher
+        .publish(proto::PublishRequest {
+            events: vec![proto::EventInput {
+                id: id.to_string(),
+                ..event("o-1", "order.created")
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect("the canonical form is taken");
+    let mut admin = gateway.admin().await;
+    admin
+        .get_event(proto::GetEventRequest {
+            id: id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("the canonical form finds the event");
+    for (form, text) in non_canonical(&id) {
+        let answer = admin
+            .get_event(proto::GetEventRequest {
+                id: text.clone(),
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("GetEvent with {form}"), answer, "id");
+        let answer = admin
+            .requeue_event(proto::RequeueEventRequest {
+                id: text.clone(),
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("RequeueEvent with {form}"), answer, "id");
+        let answer = admin
+            .requeue_dead_letters(proto::RequeueDeadLettersRequest {
+                subscription: "work".into(),
+                ids: vec![text],
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("RequeueDeadLetters with {form}"), answer, "ids[0]");
+    }
+}

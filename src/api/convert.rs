@@ -12,6 +12,7 @@ use crate::{
         DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
         PushFormat, PushInput, SourceName, StartPosition, Subscription, SubscriptionName,
         SubscriptionPatch, SubscriptionSettings, SubscriptionStats, check_timestamp, fingerprint,
+        parse_event_id,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionFigures},
@@ -371,7 +372,7 @@ pub(super) fn optional_subscription_name(
 }
 
 pub(super) fn event_id(field: &str, id: &str) -> Result<Uuid> {
-    Uuid::parse_str(id).map_err(|_| Error::invalid(field, format!("{} is not a UUID", Echo(id))))
+    parse_event_id(field, id)
 }
 
 pub(super) fn event_type_patterns(field: &str, values: &[String]) -> Result<PatternSet> {

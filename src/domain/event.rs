@@ -296,6 +296,29 @@ pub fn is_json_content_type(content_type: &str) -> bool {
     })
 }
 
+/// An event id as the API takes it: a UUID in its canonical text form (lowercase hex,
+/// hyphenated 8-4-4-4-12), the form every answer and every stored id has. Other
+/// spellings the UUID parser accepts (braces, `urn:uuid:`, no hyphens, upper case) are
+/// refused rather than silently rewritten, so an id compares equal as text wherever
+/// it travels.
+pub fn parse_event_id(field: impl Into<String>, text: &str) -> Result<Uuid> {
+    match Uuid::try_parse(text) {
+        Ok(id) if id.hyphenated().to_string() == text => Ok(id),
+        Ok(id) => Err(Error::invalid(
+            field,
+            format!("{} is not in canonical form; send it as {id}", Echo(text)),
+        )),
+        Err(_) => Err(Error::invalid(
+            field,
+            format!(
+                "{} is not an event id (a UUID in canonical form, like {})",
+                Echo(text),
+                Uuid::nil()
+            ),
+        )),
+    }
+}
+
 /// The aggregate and event type that name events in a lookup (such as RequeueLatest),
 /// held to the rules Publish applies, so a value no event can have is refused as the
 /// caller's mistake instead of answered "not found".
@@ -459,6 +482,27 @@ mod tests {
         binary.content_type = "application/octet-stream".into();
         binary.payload = vec![0xff, 0x00];
         binary.validate(0, &PublishLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn event_ids_are_taken_in_canonical_form_only() {
+        let id = Uuid::now_v7();
+        assert_eq!(parse_event_id("id", &id.to_string()).unwrap(), id);
+        for text in [
+            format!("{{{id}}}"),
+            format!("urn:uuid:{id}"),
+            id.simple().to_string(),
+            id.to_string().to_uppercase(),
+        ] {
+            match parse_event_id("id", &text) {
+                Err(Error::InvalidArgument { field, message }) => {
+                    assert_eq!(field, "id");
+                    assert!(message.contains(&id.to_string()), "{message}");
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert_eq!(field_of(parse_event_id("id", "nope").map(drop)), "id");
     }
 
     #[test]

@@ -107,6 +107,14 @@ impl PushConfig {
                 format!("must be at most {MAX_ENDPOINT_BYTES} bytes"),
             ));
         }
+        // The URL parser strips tabs, newlines and surrounding control characters: what
+        // it would store is not what was given.
+        if input.endpoint.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                field("endpoint"),
+                "must not contain control characters (such as NUL, tab or newline)",
+            ));
+        }
         let endpoint = Url::parse(&input.endpoint).map_err(|error| {
             Error::invalid(
                 field("endpoint"),
