@@ -424,6 +424,57 @@ async fn structured_mode_sends_one_cloudevents_json_document() {
     assert!(blob.get("data").is_none());
 }
 
+/// A binary-mode header value as the CloudEvents HTTP binding has the receiver read it:
+/// every `%XX` decoded, the result UTF-8.
+fn decode_header(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut decoded = Vec::new();
+    let mut index = 0;
+    while index < bytes.len() {
+        if bytes[index] == b'%' {
+            let hex = std::str::from_utf8(&bytes[index + 1..index + 3]).unwrap();
+            decoded.push(u8::from_str_radix(hex, 16).unwrap());
+            index += 3;
+        } else {
+            decoded.push(bytes[index]);
+            index += 1;
+        }
+    }
+    String::from_utf8(decoded).unwrap()
+}
+
+#[tokio::test]
+async fn both_modes_give_the_receiver_the_same_attributes() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let binary = Receiver::start().await;
+    let structured = Receiver::start().await;
+    create_push(&gateway, push_subscription("binary", &binary.endpoint())).await;
+    let mut subscription = push_subscription("structured", &structured.endpoint());
+    subscription.push.as_mut().unwrap().format = proto::PushFormat::CloudeventsStructured as i32;
+    create_push(&gateway, subscription).await;
+    let mut odd = event("o 1/%\"ü", "order.created");
+    odd.aggregate_type = "a/b c%".into();
+    odd.payload = b"{}".to_vec();
+    odd.metadata = [("tenant".to_owned(), "100% \"acme\" ü".to_owned())].into();
+    publish(&gateway, vec![odd]).await;
+
+    let headers = binary.wait_for(1).await.remove(0);
+    let document: serde_json::Value =
+        serde_json::from_slice(&structured.wait_for(1).await[0].body).unwrap();
+    assert_eq!(
+        document["source"],
+        "/sources/default/aggregates/a%2Fb%20c%25"
+    );
+    for attribute in ["source", "subject", "type", "tenant"] {
+        assert_eq!(
+            decode_header(headers.header(&format!("ce-{attribute}"))),
+            document[attribute].as_str().unwrap(),
+            "{attribute}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn server_errors_retry_with_backoff_until_accepted() {
     let database = TestDatabase::create().await;
