@@ -1498,6 +1498,23 @@ async fn refuses_out_of_range_push_settings() {
             with(&|push| push.rate_limit = Some(0.0)),
             "subscription.push.rate_limit",
         ),
+        // One request in 1e300 s: the pause between requests is no duration at all.
+        (
+            with(&|push| push.rate_limit = Some(1e-300)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(0.0009)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(f64::NAN)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(f64::INFINITY)),
+            "subscription.push.rate_limit",
+        ),
         (with(&|push| push.format = 7), "subscription.push.format"),
         (
             with(&|push| {

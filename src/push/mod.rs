@@ -357,9 +357,7 @@ impl Pusher {
             }
         };
         tracing::info!(subscription = %name, endpoint = %push.endpoint, "pushing");
-        let pause = push
-            .rate_limit
-            .map(|rate| Duration::from_secs_f64(1.0 / rate));
+        let pause = push.request_interval();
         let mut next_start = Instant::now();
         let mut requests = JoinSet::new();
         // At most max_concurrency requests at once; the stream leases a few times that,
