@@ -1541,6 +1541,28 @@ async fn refuses_out_of_range_push_settings() {
 }
 
 #[tokio::test]
+async fn a_rate_stored_before_the_bounds_still_pushes() {
+    let database = TestDatabase::create().await;
+    let receiver = Receiver::start().await;
+    let first = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    create_push(&first, push_subscription("slow", &receiver.endpoint())).await;
+    first.stop().await.expect("stops cleanly");
+    // As a gateway that took any positive rate stored it.
+    sqlx::query(
+        "UPDATE outbox_subscriptions SET push = jsonb_set(push, '{rate_limit}', '1e-300') \
+         WHERE name = 'slow'",
+    )
+    .execute(&database.pool().await)
+    .await
+    .unwrap();
+
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let published = publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert_eq!(received[0].header("webhook-id"), published[0].id);
+}
+
+#[tokio::test]
 async fn failures_dead_letter_after_max_attempts_unless_the_type_is_persistent() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
