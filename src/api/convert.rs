@@ -282,8 +282,10 @@ fn push_config(field: &str, message: proto::PushConfig) -> Result<PushConfig> {
 }
 
 fn patterns(field: &str, patterns: &[String]) -> Result<PatternSet> {
-    PatternSet::parse(patterns)
-        .map_err(|(index, message)| Error::invalid(format!("{field}[{index}]"), message))
+    let set = PatternSet::parse(patterns)
+        .map_err(|(index, message)| Error::invalid(format!("{field}[{index}]"), message))?;
+    set.check_size(field)?;
+    Ok(set)
 }
 
 pub(super) fn start_position(

@@ -80,6 +80,7 @@ pub fn dead_letter_filter(params: &Params) -> Result<DeadLetterSelection> {
             format!("{}: {message}", Echo(patterns[index])),
         )
     })?;
+    event_types.check_size("event_type")?;
     let selection = DeadLetterSelection {
         ids: Vec::new(),
         event_types,

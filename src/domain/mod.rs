@@ -18,8 +18,8 @@ pub use event::{
     is_json_content_type, parse_event_id,
 };
 pub use input::{
-    Echo, MAX_JSON_DEPTH, check_json, check_text, check_texts, check_timestamp, earliest_timestamp,
-    latest_timestamp,
+    Echo, MAX_FILTER_BYTES, MAX_FILTER_ENTRIES, MAX_JSON_DEPTH, check_filter_size, check_json,
+    check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
 };
 pub use operations::{
     DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, EventDeliveries, OutboxStats,
