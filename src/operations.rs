@@ -101,6 +101,9 @@ pub struct SubscriptionFigures {
     /// Of a push subscription: its requests as this gateway process saw them, and why
     /// pushing stopped, if it did.
     pub push: Option<PushFigures>,
+    /// Why some of its figures could not be computed (logged in full): shown for this
+    /// subscription alone, so one failing query does not fail every shared view.
+    pub error: Option<String>,
 }
 
 /// A push subscription's figures.
@@ -609,16 +612,33 @@ impl Operations {
         let mut figures = Vec::with_capacity(subscriptions.len());
         for subscription in &subscriptions {
             let mut per_source = Vec::new();
+            let mut error = None;
             for source in self.relay.sources().of(subscription) {
                 if !source.is_connected() {
                     continue;
                 }
-                // A subscription deleted meanwhile simply drops out of the figures.
-                if let Some(stats) = source.store.subscription_stats(subscription).await? {
-                    per_source.push(stats);
+                match source.store.subscription_stats(subscription).await {
+                    Ok(Some(stats)) => per_source.push(stats),
+                    // A subscription deleted meanwhile simply drops out of the figures.
+                    Ok(None) => {}
+                    Err(failure) => {
+                        tracing::warn!(
+                            subscription = %subscription.name,
+                            source = %source.name,
+                            error = %failure,
+                            "cannot compute a subscription's figures"
+                        );
+                        // The client sees the error's category, never database text.
+                        error = Some(format!(
+                            "its figures in source {} could not be computed ({}); the gateway log has the cause",
+                            source.name,
+                            source.error(failure)
+                        ));
+                    }
                 }
             }
             figures.push(SubscriptionFigures {
+                error,
                 total: total(subscription, &per_source),
                 per_source,
                 push: subscription.settings.push.as_ref().map(|_| PushFigures {

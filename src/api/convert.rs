@@ -631,6 +631,7 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
                         .stopped
                         .map(|stopped| stopped.reason)
                         .unwrap_or_default(),
+                    error: figures.error.unwrap_or_default(),
                     ..subscription_stats(figures.total, now, newest)
                 }
             })
