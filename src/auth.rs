@@ -217,13 +217,12 @@ impl Authenticator {
 
     /// The principal of an `authorization: Bearer <token>` header value.
     pub fn authenticate(&self, authorization: Option<&str>) -> Result<Principal> {
+        // RFC 7235: the scheme is a case-insensitive token, then at least one space.
         let token = authorization
-            .and_then(|value| {
-                value
-                    .strip_prefix("Bearer ")
-                    .or_else(|| value.strip_prefix("bearer "))
-            })
-            .map(str::trim)
+            .and_then(|value| value.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
+            .filter(|token| !token.is_empty())
             .ok_or_else(|| {
                 Error::Unauthenticated("send a bearer token in the authorization metadata".into())
             })?;
@@ -290,6 +289,18 @@ mod tests {
         ));
         assert!(matches!(
             auth.authenticate(Some("s3cret")),
+            Err(Error::Unauthenticated(_))
+        ));
+        for scheme in ["bearer", "BEARER", "bEaReR"] {
+            assert_eq!(
+                auth.authenticate(Some(&format!("{scheme} s3cret")))
+                    .unwrap()
+                    .name,
+                "svc"
+            );
+        }
+        assert!(matches!(
+            auth.authenticate(Some("Basic s3cret")),
             Err(Error::Unauthenticated(_))
         ));
     }

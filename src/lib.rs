@@ -22,6 +22,7 @@
 //! - [`console`]: the web console, an HTTP adapter over the same core operations.
 //! - [`connections`]: closing client connections that send nothing.
 //! - [`rates`]: delivery and ack rates over the last 15 minutes, for the console.
+//! - [`tasks`]: long-lived background tasks restarted after a panic, loudly.
 //! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
 //! - [`metrics`]: Prometheus metric names and the exporter.
 //! - [`cli`]: the binary's client subcommands (health checks, administration), built on
@@ -47,12 +48,14 @@ pub mod rates;
 pub mod sources;
 pub mod storage;
 pub mod subscriptions;
+pub mod tasks;
 pub mod telemetry;
 
 use std::{future::Future, time::Duration};
 
 use futures_util::StreamExt;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 pub use config::Config;
@@ -65,6 +68,7 @@ use crate::{
     sources::{Sources, SourcesError},
     storage::{Store, StoreConfig, StoreError},
     subscriptions::Subscriptions,
+    tasks::{RestartDelays, TaskName, keep_running},
 };
 
 /// Generated protobuf types and gRPC stubs of `outbox.v1`: one copy, in the client crate.
@@ -180,31 +184,60 @@ pub async fn run_with_console(
         .map_err(|error| RunError::Push(error.to_string()))?;
     let operations = Operations::new(relay.clone(), push_board.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
-    let maintenance = tokio::spawn(maintenance::run(
-        relay.clone(),
-        subscriptions.clone(),
-        config.maintenance.clone(),
+    let maintenance = tokio::spawn(keep_running(
+        TaskName::single("maintenance"),
+        RestartDelays::default(),
         stop_maintenance.clone(),
+        {
+            let (relay, subscriptions) = (relay.clone(), subscriptions.clone());
+            let (settings, stop) = (config.maintenance.clone(), stop_maintenance.clone());
+            move || {
+                maintenance::run(
+                    relay.clone(),
+                    subscriptions.clone(),
+                    settings.clone(),
+                    stop.clone(),
+                )
+            }
+        },
+        |_| {},
     ));
-    let source_watch = tokio::spawn(
-        sources
-            .clone()
-            .watch(config.health_check_interval, stop_maintenance.clone()),
-    );
+    let source_watch = tokio::spawn(keep_running(
+        TaskName::single("source_watch"),
+        RestartDelays::default(),
+        stop_maintenance.clone(),
+        {
+            let (sources, stop) = (sources.clone(), stop_maintenance.clone());
+            let interval = config.health_check_interval;
+            move || sources.clone().watch(interval, stop.clone())
+        },
+        |_| {},
+    ));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
+    // These two are aborted at shutdown, which ends a wait to restart as well.
     let figures = config.metrics_listen.map(|_| {
-        tokio::spawn(refresh_figures(
-            sources.clone(),
-            operations.clone(),
-            config.metrics_refresh_interval,
+        let (sources, operations) = (sources.clone(), operations.clone());
+        let interval = config.metrics_refresh_interval;
+        tokio::spawn(keep_running(
+            TaskName::single("figures"),
+            RestartDelays::default(),
+            CancellationToken::new(),
+            move || refresh_figures(sources.clone(), operations.clone(), interval),
+            |_| {},
         ))
     });
-    let health_monitor = tokio::spawn(monitor_health(
-        sources.clone(),
-        health_reporter.clone(),
-        config.health_check_interval,
+    let health_monitor = tokio::spawn(keep_running(
+        TaskName::single("health_monitor"),
+        RestartDelays::default(),
+        CancellationToken::new(),
+        {
+            let (sources, reporter) = (sources.clone(), health_reporter.clone());
+            let interval = config.health_check_interval;
+            move || monitor_health(sources.clone(), reporter.clone(), interval)
+        },
+        |_| {},
     ));
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)

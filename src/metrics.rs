@@ -163,6 +163,10 @@ fn describe() {
         "time from an event's creation to its first delivery"
     );
     describe_counter!("outbox_acks_total", "deliveries acknowledged");
+    describe_counter!(
+        "outbox_task_panics_total",
+        "background tasks that panicked and were restarted, by task (pusher, push_supervisor, maintenance, ...)"
+    );
     describe_histogram!(
         "outbox_deliver_to_ack_seconds",
         Unit::Seconds,
@@ -353,6 +357,11 @@ pub fn expired(subscription: &str, count: u64) {
 
 pub fn requeued(subscription: &str, source: &str, count: u64) {
     counter!("outbox_requeued_total", &per_source(subscription, source)).increment(count);
+}
+
+/// A background task panicked (and is being restarted).
+pub fn task_panicked(task: &'static str) {
+    counter!("outbox_task_panics_total", "task" => task).increment(1);
 }
 
 /// The labels of a subscription's figures in one source.

@@ -11,7 +11,7 @@ use crate::{
     domain::{
         DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event, EventDeliveries,
         OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName, SubscriptionStats,
-        check_text,
+        check_event_key, check_text,
     },
     error::{Error, Result},
     metrics,
@@ -101,6 +101,9 @@ pub struct SubscriptionFigures {
     /// Of a push subscription: its requests as this gateway process saw them, and why
     /// pushing stopped, if it did.
     pub push: Option<PushFigures>,
+    /// Why some of its figures could not be computed (logged in full): shown for this
+    /// subscription alone, so one failing query does not fail every shared view.
+    pub error: Option<String>,
 }
 
 /// A push subscription's figures.
@@ -187,16 +190,7 @@ impl Operations {
         subscription: Option<&SubscriptionName>,
         source: Option<&SourceName>,
     ) -> Result<u64> {
-        for (field, value) in [
-            ("aggregate_type", aggregate_type),
-            ("aggregate_id", aggregate_id),
-            ("event_type", event_type),
-        ] {
-            if value.is_empty() {
-                return Err(Error::invalid(field, "is required"));
-            }
-            check_text(field, value)?;
-        }
+        check_event_key(aggregate_type, aggregate_id, event_type)?;
         let mut latest: Option<(Arc<Source>, i64, Event)> = None;
         for candidate in self.sources(source)? {
             let found = candidate
@@ -618,16 +612,33 @@ impl Operations {
         let mut figures = Vec::with_capacity(subscriptions.len());
         for subscription in &subscriptions {
             let mut per_source = Vec::new();
+            let mut error = None;
             for source in self.relay.sources().of(subscription) {
                 if !source.is_connected() {
                     continue;
                 }
-                // A subscription deleted meanwhile simply drops out of the figures.
-                if let Some(stats) = source.store.subscription_stats(subscription).await? {
-                    per_source.push(stats);
+                match source.store.subscription_stats(subscription).await {
+                    Ok(Some(stats)) => per_source.push(stats),
+                    // A subscription deleted meanwhile simply drops out of the figures.
+                    Ok(None) => {}
+                    Err(failure) => {
+                        tracing::warn!(
+                            subscription = %subscription.name,
+                            source = %source.name,
+                            error = %failure,
+                            "cannot compute a subscription's figures"
+                        );
+                        // The client sees the error's category, never database text.
+                        error = Some(format!(
+                            "its figures in source {} could not be computed ({}); the gateway log has the cause",
+                            source.name,
+                            source.error(failure)
+                        ));
+                    }
                 }
             }
             figures.push(SubscriptionFigures {
+                error,
                 total: total(subscription, &per_source),
                 per_source,
                 push: subscription.settings.push.as_ref().map(|_| PushFigures {

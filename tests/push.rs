@@ -424,6 +424,57 @@ async fn structured_mode_sends_one_cloudevents_json_document() {
     assert!(blob.get("data").is_none());
 }
 
+/// A binary-mode header value as the CloudEvents HTTP binding has the receiver read it:
+/// every `%XX` decoded, the result UTF-8.
+fn decode_header(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut decoded = Vec::new();
+    let mut index = 0;
+    while index < bytes.len() {
+        if bytes[index] == b'%' {
+            let hex = std::str::from_utf8(&bytes[index + 1..index + 3]).unwrap();
+            decoded.push(u8::from_str_radix(hex, 16).unwrap());
+            index += 3;
+        } else {
+            decoded.push(bytes[index]);
+            index += 1;
+        }
+    }
+    String::from_utf8(decoded).unwrap()
+}
+
+#[tokio::test]
+async fn both_modes_give_the_receiver_the_same_attributes() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let binary = Receiver::start().await;
+    let structured = Receiver::start().await;
+    create_push(&gateway, push_subscription("binary", &binary.endpoint())).await;
+    let mut subscription = push_subscription("structured", &structured.endpoint());
+    subscription.push.as_mut().unwrap().format = proto::PushFormat::CloudeventsStructured as i32;
+    create_push(&gateway, subscription).await;
+    let mut odd = event("o 1/%\"ü", "order.created");
+    odd.aggregate_type = "a/b c%".into();
+    odd.payload = b"{}".to_vec();
+    odd.metadata = [("tenant".to_owned(), "100% \"acme\" ü".to_owned())].into();
+    publish(&gateway, vec![odd]).await;
+
+    let headers = binary.wait_for(1).await.remove(0);
+    let document: serde_json::Value =
+        serde_json::from_slice(&structured.wait_for(1).await[0].body).unwrap();
+    assert_eq!(
+        document["source"],
+        "/sources/default/aggregates/a%2Fb%20c%25"
+    );
+    for attribute in ["source", "subject", "type", "tenant"] {
+        assert_eq!(
+            decode_header(headers.header(&format!("ce-{attribute}"))),
+            document[attribute].as_str().unwrap(),
+            "{attribute}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn server_errors_retry_with_backoff_until_accepted() {
     let database = TestDatabase::create().await;
@@ -759,6 +810,20 @@ async fn refuses_disallowed_hosts_and_reserved_headers() {
         Code::InvalidArgument,
         "http",
     );
+    // A URL parser drops a trailing NUL and strips tabs and newlines: the endpoint
+    // stored would not be the one given, so control characters are refused.
+    for endpoint in [
+        "https://hooks.example.com/hook\0",
+        "https://hooks.example.com/ho\tok",
+        "https://hooks.example.com/hook\n",
+        "\u{1}https://hooks.example.com/hook",
+    ] {
+        assert_status(
+            admin.create_subscription(create(endpoint, vec![])).await,
+            Code::InvalidArgument,
+            "subscription.push.endpoint",
+        );
+    }
     // Nothing was created by the refused calls.
     let listed = admin
         .list_subscriptions(proto::ListSubscriptionsRequest {})
@@ -1433,6 +1498,23 @@ async fn refuses_out_of_range_push_settings() {
             with(&|push| push.rate_limit = Some(0.0)),
             "subscription.push.rate_limit",
         ),
+        // One request in 1e300 s: the pause between requests is no duration at all.
+        (
+            with(&|push| push.rate_limit = Some(1e-300)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(0.0009)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(f64::NAN)),
+            "subscription.push.rate_limit",
+        ),
+        (
+            with(&|push| push.rate_limit = Some(f64::INFINITY)),
+            "subscription.push.rate_limit",
+        ),
         (with(&|push| push.format = 7), "subscription.push.format"),
         (
             with(&|push| {
@@ -1456,6 +1538,28 @@ async fn refuses_out_of_range_push_settings() {
             .subscriptions
             .is_empty()
     );
+}
+
+#[tokio::test]
+async fn a_rate_stored_before_the_bounds_still_pushes() {
+    let database = TestDatabase::create().await;
+    let receiver = Receiver::start().await;
+    let first = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    create_push(&first, push_subscription("slow", &receiver.endpoint())).await;
+    first.stop().await.expect("stops cleanly");
+    // As a gateway that took any positive rate stored it.
+    sqlx::query(
+        "UPDATE outbox_subscriptions SET push = jsonb_set(push, '{rate_limit}', '1e-300') \
+         WHERE name = 'slow'",
+    )
+    .execute(&database.pool().await)
+    .await
+    .unwrap();
+
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let published = publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert_eq!(received[0].header("webhook-id"), published[0].id);
 }
 
 #[tokio::test]

@@ -100,6 +100,14 @@ async fn events_the_database_would_refuse_are_refused_by_field() {
             "events[0].metadata",
         ),
         (
+            "a metadata value over 1,024 bytes",
+            proto::EventInput {
+                metadata: [("tenant".to_owned(), "a".repeat(1025))].into(),
+                ..event("o-1", "order.created")
+            },
+            "events[0].metadata[\"tenant\"]",
+        ),
+        (
             "invalid UTF-8 inside a JSON string",
             proto::EventInput {
                 payload: b"{\"name\": \"\xff\xfe\"}".to_vec(),
@@ -234,6 +242,48 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
             subscription(&"n".repeat(10_000)),
             "subscription.name",
         ),
+        (
+            "5,000 event-type patterns of 250 bytes",
+            proto::Subscription {
+                event_types: huge_patterns(5000),
+                ..subscription("orders")
+            },
+            "subscription.event_types",
+        ),
+        (
+            "101 event-type patterns",
+            proto::Subscription {
+                event_types: (0..101).map(|i| format!("t{i}")).collect(),
+                ..subscription("orders")
+            },
+            "subscription.event_types",
+        ),
+        (
+            "100 patterns over 8 KiB",
+            proto::Subscription {
+                persistent_event_types: huge_patterns(100),
+                ..subscription("orders")
+            },
+            "subscription.persistent_event_types",
+        ),
+        (
+            "101 aggregate types",
+            proto::Subscription {
+                aggregate_types: (0..101).map(|i| format!("a{i}")).collect(),
+                ..subscription("orders")
+            },
+            "subscription.aggregate_types",
+        ),
+        (
+            "101 metadata_match pairs",
+            proto::Subscription {
+                metadata_match: (0..101)
+                    .map(|i| (format!("k{i}"), "v".to_owned()))
+                    .collect(),
+                ..subscription("orders")
+            },
+            "subscription.metadata_match",
+        ),
     ];
     for (what, input, field) in cases {
         let answer = admin
@@ -251,6 +301,22 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
     assert!(listed.subscriptions.is_empty(), "{listed:?}");
 
     create_subscription(&gateway, subscription("orders")).await;
+    let answer = admin
+        .update_subscription(proto::UpdateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                event_types: huge_patterns(5000),
+                ..subscription("orders")
+            }),
+            update_mask: Some(prost_types::FieldMask {
+                paths: vec!["event_types".into()],
+            }),
+        })
+        .await;
+    refused(
+        "an update to 5,000 patterns",
+        answer,
+        "subscription.event_types",
+    );
     let answer = admin
         .seek_subscription(proto::SeekSubscriptionRequest {
             subscription: "orders".into(),
@@ -346,6 +412,21 @@ async fn settlements_and_operations_the_database_would_refuse_are_refused_by_fie
             requeue("order", "o-1", "order.\0created"),
             "event_type",
         ),
+        (
+            "a pattern as RequeueLatest's event type",
+            requeue("order", "o-1", "fx.*"),
+            "event_type",
+        ),
+        (
+            "a 1 MiB aggregate type in RequeueLatest",
+            requeue(&"a".repeat(1 << 20), "o-1", "order.created"),
+            "aggregate_type",
+        ),
+        (
+            "a 1 MiB aggregate id in RequeueLatest",
+            requeue("order", &"a".repeat(1 << 20), "order.created"),
+            "aggregate_id",
+        ),
     ] {
         refused(what, admin.requeue_latest(request).await, field);
     }
@@ -383,4 +464,149 @@ async fn settlements_and_operations_the_database_would_refuse_are_refused_by_fie
         ack(&gateway, "work", vec![delivery.ack_id]).await,
         Vec::<String>::new()
     );
+}
+
+/// `count` distinct literal patterns of 250 bytes: 5,000 of them make a regular
+/// expression PostgreSQL refuses as too complex.
+fn huge_patterns(count: usize) -> Vec<String> {
+    (0..count)
+        .map(|i| format!("t{i:04}{}", "x".repeat(245)))
+        .collect()
+}
+
+/// Patterns at the bounds: 100 of them, 8,000 bytes in all, in the costliest shape.
+fn patterns_at_the_limit() -> Vec<String> {
+    (0..100)
+        .map(|i| format!("t{i:02}.{}.**", vec!["*"; 37].join(".")))
+        .collect()
+}
+
+#[tokio::test]
+async fn filters_at_their_bounds_work_in_the_database() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let patterns = patterns_at_the_limit();
+    assert_eq!(patterns.len(), 100);
+    assert!(patterns.iter().map(String::len).sum::<usize>() <= 8 * 1024);
+    let event_type = format!("t42.{}.x.y", vec!["s"; 37].join("."));
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            event_types: patterns.clone(),
+            persistent_event_types: patterns,
+            aggregate_types: (0..100).map(|i| format!("{i:0>80}")).collect(),
+            start: Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                )),
+            }),
+            ..subscription("wide")
+        },
+    )
+    .await;
+    let aggregate = format!("{:0>80}", 42);
+    publish(
+        &gateway,
+        vec![
+            proto::EventInput {
+                aggregate_type: aggregate.clone(),
+                ..event("o-1", &event_type)
+            },
+            proto::EventInput {
+                aggregate_type: aggregate,
+                ..event("o-2", "other.type")
+            },
+        ],
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "wide", 10).await;
+    let delivery = consumer
+        .next(std::time::Duration::from_secs(15))
+        .await
+        .expect("the matching event is delivered");
+    assert_eq!(delivery.event.as_ref().unwrap().event_type, event_type);
+    let stats = gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest::default())
+        .await
+        .expect("stats of a subscription at the bounds")
+        .into_inner();
+    assert_eq!(stats.subscriptions[0].in_flight, 1, "{stats:?}");
+    assert_eq!(stats.subscriptions[0].pending, 0, "{stats:?}");
+}
+
+/// The forms of one event id that parse as a UUID but are not its canonical text.
+fn non_canonical(id: &uuid::Uuid) -> Vec<(&'static str, String)> {
+    vec![
+        ("braces", format!("{{{id}}}")),
+        ("a URN", format!("urn:uuid:{id}")),
+        ("no hyphens", id.simple().to_string()),
+        ("upper case", id.to_string().to_uppercase()),
+    ]
+}
+
+#[tokio::test]
+async fn event_ids_are_taken_only_in_canonical_form() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    let id = uuid::Uuid::now_v7();
+    let mut publisher = gateway.publisher().await;
+    for (form, text) in non_canonical(&id) {
+        let answer = publisher
+            .publish(proto::PublishRequest {
+                events: vec![proto::EventInput {
+                    id: text,
+                    ..event("o-1", "order.created")
+                }],
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("Publish with {form}"), answer, "events[0].id");
+    }
+    assert_eq!(count_events(&database.pool().await).await, 0);
+
+    publisher
+        .publish(proto::PublishRequest {
+            events: vec![proto::EventInput {
+                id: id.to_string(),
+                ..event("o-1", "order.created")
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect("the canonical form is taken");
+    let mut admin = gateway.admin().await;
+    admin
+        .get_event(proto::GetEventRequest {
+            id: id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("the canonical form finds the event");
+    for (form, text) in non_canonical(&id) {
+        let answer = admin
+            .get_event(proto::GetEventRequest {
+                id: text.clone(),
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("GetEvent with {form}"), answer, "id");
+        let answer = admin
+            .requeue_event(proto::RequeueEventRequest {
+                id: text.clone(),
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("RequeueEvent with {form}"), answer, "id");
+        let answer = admin
+            .requeue_dead_letters(proto::RequeueDeadLettersRequest {
+                subscription: "work".into(),
+                ids: vec![text],
+                ..Default::default()
+            })
+            .await;
+        refused(&format!("RequeueDeadLetters with {form}"), answer, "ids[0]");
+    }
 }

@@ -46,6 +46,36 @@ fn publish_request(event_type: &str) -> proto::PublishRequest {
 }
 
 #[tokio::test]
+async fn the_authorization_scheme_is_matched_in_any_case() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![token("operator", vec![Role::Admin])];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let mut admin = AdminClient::new(gateway.channel().await);
+    let list = |authorization: &str| {
+        let mut request = Request::new(proto::ListSubscriptionsRequest {});
+        request
+            .metadata_mut()
+            .insert("authorization", authorization.parse().unwrap());
+        request
+    };
+    // RFC 7235: the scheme is a case-insensitive token.
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        admin
+            .list_subscriptions(list(&format!("{scheme} operator-secret")))
+            .await
+            .unwrap_or_else(|status| panic!("scheme {scheme:?}: {status:?}"));
+    }
+    for authorization in ["Basic operator-secret", "Bearer", "Beareroperator-secret"] {
+        assert_status(
+            admin.list_subscriptions(list(authorization)).await,
+            Code::Unauthenticated,
+            "",
+        );
+    }
+}
+
+#[tokio::test]
 async fn tokens_authenticate_and_roles_with_scopes_authorize() {
     let database = TestDatabase::create().await;
     let mut config = test_config(database.url());

@@ -12,6 +12,7 @@ use crate::{
         DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
         PushFormat, PushInput, SourceName, StartPosition, Subscription, SubscriptionName,
         SubscriptionPatch, SubscriptionSettings, SubscriptionStats, check_timestamp, fingerprint,
+        parse_event_id,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionFigures},
@@ -281,8 +282,10 @@ fn push_config(field: &str, message: proto::PushConfig) -> Result<PushConfig> {
 }
 
 fn patterns(field: &str, patterns: &[String]) -> Result<PatternSet> {
-    PatternSet::parse(patterns)
-        .map_err(|(index, message)| Error::invalid(format!("{field}[{index}]"), message))
+    let set = PatternSet::parse(patterns)
+        .map_err(|(index, message)| Error::invalid(format!("{field}[{index}]"), message))?;
+    set.check_size(field)?;
+    Ok(set)
 }
 
 pub(super) fn start_position(
@@ -371,7 +374,7 @@ pub(super) fn optional_subscription_name(
 }
 
 pub(super) fn event_id(field: &str, id: &str) -> Result<Uuid> {
-    Uuid::parse_str(id).map_err(|_| Error::invalid(field, format!("{} is not a UUID", Echo(id))))
+    parse_event_id(field, id)
 }
 
 pub(super) fn event_type_patterns(field: &str, values: &[String]) -> Result<PatternSet> {
@@ -628,6 +631,7 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
                         .stopped
                         .map(|stopped| stopped.reason)
                         .unwrap_or_default(),
+                    error: figures.error.unwrap_or_default(),
                     ..subscription_stats(figures.total, now, newest)
                 }
             })

@@ -77,6 +77,7 @@ pub async fn overview(State(console): State<Console>, session: Session) -> Page 
                 .copied()
                 .unwrap_or(0),
             stats: figures.total,
+            error: figures.error,
         })
         .collect();
     let sources = inner.operations.sources_status().await;

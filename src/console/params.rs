@@ -5,7 +5,10 @@ use chrono::{DateTime, FixedOffset, NaiveDateTime, TimeZone, Utc};
 use uuid::Uuid;
 
 use crate::{
-    domain::{DeadLetterSelection, Echo, PatternSet, SourceName, StartPosition, SubscriptionName},
+    domain::{
+        DeadLetterSelection, Echo, PatternSet, SourceName, StartPosition, SubscriptionName,
+        parse_event_id,
+    },
     error::{Error, Result},
     operations::{MAX_PAGE_SIZE, PageToken},
 };
@@ -77,6 +80,7 @@ pub fn dead_letter_filter(params: &Params) -> Result<DeadLetterSelection> {
             format!("{}: {message}", Echo(patterns[index])),
         )
     })?;
+    event_types.check_size("event_type")?;
     let selection = DeadLetterSelection {
         ids: Vec::new(),
         event_types,
@@ -123,9 +127,9 @@ pub fn event_ids(params: &Params) -> Result<Vec<Uuid>> {
     Ok(ids)
 }
 
+/// An event id in canonical form; surrounding whitespace (a pasted id) is dropped.
 pub fn event_id(field: &str, text: &str) -> Result<Uuid> {
-    Uuid::parse_str(text.trim())
-        .map_err(|_| Error::invalid(field, format!("{} is not an event id (a UUID)", Echo(text))))
+    parse_event_id(field, text.trim())
 }
 
 pub fn subscription_name(text: &str) -> Result<SubscriptionName> {

@@ -96,6 +96,9 @@ pub struct OverviewRow {
     pub rates: Option<SubscriptionRates>,
     /// Subscribe streams open on this gateway.
     pub streams: usize,
+    /// Why its figures could not be computed; the row says so instead of the page
+    /// failing for every subscription.
+    pub error: Option<String>,
 }
 
 pub fn overview(
@@ -217,7 +220,14 @@ fn overview_row(row: &OverviewRow, outbox: &OutboxStats, now: DateTime<Utc>) -> 
     html! {
         tr.alert[dead].warn[behind && !dead] data-subscription=(name) {
             th scope="row" { a href=(subscription_href(&stats.name)) { (name) } }
-            td { (status_badge(dead, behind, stats.lag_events())) }
+            td {
+                @if let Some(error) = &row.error {
+                    span.badge.bad title=(error) { "Figures unavailable" }
+                    span.sub.below { (error) }
+                } @else {
+                    (status_badge(dead, behind, stats.lag_events()))
+                }
+            }
             td.num { (figure(name, "pending", stats.pending)) }
             td.num { (figure(name, "in_flight", stats.in_flight)) }
             td.num { (figure(name, "awaiting_retry", stats.awaiting_retry)) }

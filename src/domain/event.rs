@@ -15,6 +15,10 @@ use crate::error::{Error, Result};
 const MAX_IDENTIFIER_BYTES: usize = 255;
 /// Longest metadata key, in bytes; the database enforces the same bound.
 const MAX_METADATA_KEY_BYTES: usize = 128;
+/// Longest metadata value, in bytes: metadata is for filtering and tracing, not for
+/// payload. Publish enforces it; the table allows more for direct SQL writers, whose
+/// rows the gateway handles all the same.
+const MAX_METADATA_VALUE_BYTES: usize = 1024;
 pub const DEFAULT_CONTENT_TYPE: &str = "application/json";
 /// Metadata keys carrying W3C trace context from producer to consumer.
 pub const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
@@ -195,6 +199,15 @@ impl NewEvent {
                 ));
             }
             check_text(format!("{field}[{}]", Echo(key)), value)?;
+            if value.len() > MAX_METADATA_VALUE_BYTES {
+                return Err(Error::invalid(
+                    format!("{field}[{}]", Echo(key)),
+                    format!(
+                        "is {} bytes, more than the limit of {MAX_METADATA_VALUE_BYTES}",
+                        value.len()
+                    ),
+                ));
+            }
             check_text(format!("{field} key {}", Echo(key)), key)?;
             total_bytes += key.len() + value.len();
         }
@@ -281,6 +294,38 @@ pub fn is_json_content_type(content_type: &str) -> bool {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"._+-".contains(&b))
     })
+}
+
+/// An event id as the API takes it: a UUID in its canonical text form (lowercase hex,
+/// hyphenated 8-4-4-4-12), the form every answer and every stored id has. Other
+/// spellings the UUID parser accepts (braces, `urn:uuid:`, no hyphens, upper case) are
+/// refused rather than silently rewritten, so an id compares equal as text wherever
+/// it travels.
+pub fn parse_event_id(field: impl Into<String>, text: &str) -> Result<Uuid> {
+    match Uuid::try_parse(text) {
+        Ok(id) if id.hyphenated().to_string() == text => Ok(id),
+        Ok(id) => Err(Error::invalid(
+            field,
+            format!("{} is not in canonical form; send it as {id}", Echo(text)),
+        )),
+        Err(_) => Err(Error::invalid(
+            field,
+            format!(
+                "{} is not an event id (a UUID in canonical form, like {})",
+                Echo(text),
+                Uuid::nil()
+            ),
+        )),
+    }
+}
+
+/// The aggregate and event type that name events in a lookup (such as RequeueLatest),
+/// held to the rules Publish applies, so a value no event can have is refused as the
+/// caller's mistake instead of answered "not found".
+pub fn check_event_key(aggregate_type: &str, aggregate_id: &str, event_type: &str) -> Result<()> {
+    check_identifier(aggregate_type, || "aggregate_type".into())?;
+    check_identifier(aggregate_id, || "aggregate_id".into())?;
+    check_event_type(event_type).map_err(|message| Error::invalid("event_type", message))
 }
 
 fn check_identifier(value: &str, field: impl Fn() -> String) -> Result<()> {
@@ -380,6 +425,19 @@ mod tests {
         let mut bad = event();
         bad.metadata.insert(String::new(), "v".into());
         assert_eq!(field_of(bad.validate(0, &limits)), "events[0].metadata");
+
+        let mut longest = event();
+        longest
+            .metadata
+            .insert("tenant".into(), "v".repeat(MAX_METADATA_VALUE_BYTES));
+        longest.validate(0, &limits).unwrap();
+        let mut bad = longest;
+        bad.metadata
+            .insert("tenant".into(), "v".repeat(MAX_METADATA_VALUE_BYTES + 1));
+        assert_eq!(
+            field_of(bad.validate(2, &limits)),
+            "events[2].metadata[\"tenant\"]"
+        );
     }
 
     #[test]
@@ -424,6 +482,44 @@ mod tests {
         binary.content_type = "application/octet-stream".into();
         binary.payload = vec![0xff, 0x00];
         binary.validate(0, &PublishLimits::default()).unwrap();
+    }
+
+    #[test]
+    fn event_ids_are_taken_in_canonical_form_only() {
+        let id = Uuid::now_v7();
+        assert_eq!(parse_event_id("id", &id.to_string()).unwrap(), id);
+        for text in [
+            format!("{{{id}}}"),
+            format!("urn:uuid:{id}"),
+            id.simple().to_string(),
+            id.to_string().to_uppercase(),
+        ] {
+            match parse_event_id("id", &text) {
+                Err(Error::InvalidArgument { field, message }) => {
+                    assert_eq!(field, "id");
+                    assert!(message.contains(&id.to_string()), "{message}");
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert_eq!(field_of(parse_event_id("id", "nope").map(drop)), "id");
+    }
+
+    #[test]
+    fn event_keys_follow_the_publish_rules() {
+        check_event_key("order", "o-1", "order.created").unwrap();
+        let field = |result: Result<()>| field_of(result);
+        assert_eq!(field(check_event_key("order", "o-1", "fx.*")), "event_type");
+        assert_eq!(field(check_event_key("order", "o-1", "")), "event_type");
+        let long = "a".repeat(MAX_IDENTIFIER_BYTES + 1);
+        assert_eq!(
+            field(check_event_key(&long, "o-1", "order.created")),
+            "aggregate_type"
+        );
+        assert_eq!(
+            field(check_event_key("order", &long, "order.created")),
+            "aggregate_id"
+        );
     }
 
     #[test]

@@ -50,6 +50,29 @@ pub fn check_texts<S: AsRef<str>>(field: &str, values: &[S]) -> Result<()> {
     Ok(())
 }
 
+/// Most entries of one filter list (event-type patterns, aggregate types, metadata
+/// pairs). Event-type patterns become one regular expression per list, which PostgreSQL
+/// refuses as "too complex" somewhere past a few hundred kilobytes; these bounds keep
+/// the worst case near 64 KB of expression, which it compiles, and are far beyond what
+/// a subscription needs.
+pub const MAX_FILTER_ENTRIES: usize = 100;
+/// Most bytes of one filter list, all entries together.
+pub const MAX_FILTER_BYTES: usize = 8 * 1024;
+
+/// Holds a filter list of `entries` entries totalling `bytes` bytes to the bounds above.
+pub fn check_filter_size(field: impl Into<String>, entries: usize, bytes: usize) -> Result<()> {
+    if entries > MAX_FILTER_ENTRIES || bytes > MAX_FILTER_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!(
+                "has {entries} entries of {bytes} bytes in all; at most {MAX_FILTER_ENTRIES} entries \
+                 and {MAX_FILTER_BYTES} bytes are allowed"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A JSON document as PostgreSQL's `json` type accepts it: UTF-8 throughout (also
 /// inside strings, which a parser skipping over them would not check), well-formed, and
 /// nested at most [`MAX_JSON_DEPTH`] deep. The error says what is wrong.

@@ -14,11 +14,12 @@ mod subscription;
 pub use ack::AckId;
 pub use delivery::{DELIVERY_OVERHEAD_BYTES, Delivery};
 pub use event::{
-    DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, is_json_content_type,
+    DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, check_event_key,
+    is_json_content_type, parse_event_id,
 };
 pub use input::{
-    Echo, MAX_JSON_DEPTH, check_json, check_text, check_texts, check_timestamp, earliest_timestamp,
-    latest_timestamp,
+    Echo, MAX_FILTER_BYTES, MAX_FILTER_ENTRIES, MAX_JSON_DEPTH, check_filter_size, check_json,
+    check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
 };
 pub use operations::{
     DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, EventDeliveries, OutboxStats,

@@ -16,6 +16,11 @@ pub const MIN_PUSH_TIMEOUT: Duration = Duration::from_secs(1);
 pub const MAX_PUSH_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 pub const DEFAULT_PUSH_CONCURRENCY: u32 = 16;
 pub const MAX_PUSH_CONCURRENCY: u32 = 1000;
+/// Slowest rate limit, in requests per second: one request every 1,000 s. Slower is
+/// no push at all, and the pause between requests would overflow a duration.
+pub const MIN_PUSH_RATE: f64 = 0.001;
+/// Fastest rate limit, in requests per second.
+pub const MAX_PUSH_RATE: f64 = 1_000_000.0;
 /// Longest endpoint URL accepted.
 const MAX_ENDPOINT_BYTES: usize = 2048;
 /// Most extra headers, and longest value of one.
@@ -107,6 +112,14 @@ impl PushConfig {
                 format!("must be at most {MAX_ENDPOINT_BYTES} bytes"),
             ));
         }
+        // The URL parser strips tabs, newlines and surrounding control characters: what
+        // it would store is not what was given.
+        if input.endpoint.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                field("endpoint"),
+                "must not contain control characters (such as NUL, tab or newline)",
+            ));
+        }
         let endpoint = Url::parse(&input.endpoint).map_err(|error| {
             Error::invalid(
                 field("endpoint"),
@@ -192,11 +205,13 @@ impl PushConfig {
             n => n,
         };
         if let Some(rate) = input.rate_limit
-            && !(rate.is_finite() && rate > 0.0 && rate <= 1_000_000.0)
+            && !(MIN_PUSH_RATE..=MAX_PUSH_RATE).contains(&rate)
         {
             return Err(Error::invalid(
                 field("rate_limit"),
-                "must be a number of requests per second above 0 and at most 1000000",
+                format!(
+                    "must be a number of requests per second from {MIN_PUSH_RATE} to {MAX_PUSH_RATE}, got {rate}"
+                ),
             ));
         }
         Ok(PushConfig {
@@ -206,6 +221,19 @@ impl PushConfig {
             timeout,
             max_concurrency,
             rate_limit: input.rate_limit,
+        })
+    }
+
+    /// The pause between two request starts that `rate_limit` asks for. A rate stored
+    /// before the bounds were checked is held to them, so this never fails.
+    pub fn request_interval(&self) -> Option<Duration> {
+        self.rate_limit.map(|rate| {
+            let rate = if rate.is_nan() {
+                MAX_PUSH_RATE
+            } else {
+                rate.clamp(MIN_PUSH_RATE, MAX_PUSH_RATE)
+            };
+            Duration::from_secs_f64(1.0 / rate)
         })
     }
 
@@ -463,6 +491,37 @@ mod tests {
             },
         )
         .unwrap()
+    }
+
+    #[test]
+    fn rate_limits_are_bounded_and_their_interval_never_fails() {
+        let with_rate = |rate: f64| {
+            PushConfig::parse(
+                "push",
+                PushInput {
+                    endpoint: "https://hooks.example.com/x".into(),
+                    rate_limit: Some(rate),
+                    ..Default::default()
+                },
+            )
+        };
+        for rate in [MIN_PUSH_RATE, 1.0, MAX_PUSH_RATE] {
+            with_rate(rate).unwrap();
+        }
+        for rate in [1e-300, 0.0009, 0.0, -1.0, 2e6, f64::NAN, f64::INFINITY] {
+            match with_rate(rate) {
+                Err(Error::InvalidArgument { field, .. }) => assert_eq!(field, "push.rate_limit"),
+                other => panic!("{rate}: {other:?}"),
+            }
+        }
+        // A rate stored before the bounds were checked is held to them.
+        let mut stored = config("https://hooks.example.com/x");
+        stored.rate_limit = Some(1e-300);
+        assert_eq!(stored.request_interval(), Some(Duration::from_secs(1000)));
+        stored.rate_limit = Some(4.0);
+        assert_eq!(stored.request_interval(), Some(Duration::from_millis(250)));
+        stored.rate_limit = None;
+        assert_eq!(stored.request_interval(), None);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 use chrono::{DateTime, Utc};
 
 use super::{
-    input::{Echo, check_text, check_texts},
+    input::{Echo, check_filter_size, check_text, check_texts},
     pattern::PatternSet,
     push::{PushConfig, PushSecret, PushStopped},
     source::SourceName,
@@ -163,6 +163,22 @@ impl SubscriptionSettings {
                 format!("must be at most {MAX_ATTEMPTS} (0 retries forever)"),
             ));
         }
+        self.event_types.check_size(&field("event_types"))?;
+        self.persistent_event_types
+            .check_size(&field("persistent_event_types"))?;
+        check_filter_size(
+            field("aggregate_types"),
+            self.aggregate_types.len(),
+            self.aggregate_types.iter().map(String::len).sum(),
+        )?;
+        check_filter_size(
+            field("metadata_match"),
+            self.metadata_match.len(),
+            self.metadata_match
+                .iter()
+                .map(|(key, value)| key.len() + value.len())
+                .sum(),
+        )?;
         for (index, aggregate_type) in self.aggregate_types.iter().enumerate() {
             if aggregate_type.is_empty() || aggregate_type.len() > 255 {
                 return Err(Error::invalid(

@@ -31,6 +31,7 @@ use crate::{
     },
     error::Error,
     metrics,
+    tasks::{RestartDelays, TaskName, keep_running},
 };
 
 /// Longest part of a refusing endpoint's body kept in the dead letter's error.
@@ -188,9 +189,25 @@ impl Pushers {
         statuses: PushBoard,
     ) -> Result<(), PushClientError> {
         let client = Arc::new(PushClient::new(&settings)?);
-        relay
-            .clone()
-            .track(supervise(relay, client, settings, statuses));
+        let stop = relay.stopping();
+        let start = {
+            let relay = relay.clone();
+            move || {
+                supervise(
+                    relay.clone(),
+                    client.clone(),
+                    settings.clone(),
+                    statuses.clone(),
+                )
+            }
+        };
+        relay.track(keep_running(
+            TaskName::single("push_supervisor"),
+            RestartDelays::default(),
+            stop,
+            start,
+            |_| {},
+        ));
         Ok(())
     }
 }
@@ -249,17 +266,43 @@ async fn supervise(
                             generation,
                         },
                     );
-                    let pusher = Pusher {
-                        metrics: metrics::PushRequestMetrics::new(subscription.name.as_str()),
-                        relay: relay.clone(),
-                        client: client.clone(),
-                        allowed_hosts: settings.allowed_hosts.clone(),
-                        subscription: Arc::new(subscription),
-                        statuses: statuses.clone(),
-                        stop,
+                    let subscription = Arc::new(subscription);
+                    let (relay, client, statuses) =
+                        (relay.clone(), client.clone(), statuses.clone());
+                    let allowed_hosts = settings.allowed_hosts.clone();
+                    let start = {
+                        let (subscription, statuses, stop) =
+                            (subscription.clone(), statuses.clone(), stop.clone());
+                        move || {
+                            Pusher {
+                                metrics: metrics::PushRequestMetrics::new(
+                                    subscription.name.as_str(),
+                                ),
+                                relay: relay.clone(),
+                                client: client.clone(),
+                                allowed_hosts: allowed_hosts.clone(),
+                                subscription: subscription.clone(),
+                                statuses: statuses.clone(),
+                                stop: stop.clone(),
+                            }
+                            .run()
+                        }
+                    };
+                    // Shown as the push's last error, where the API and the console
+                    // show why pushing fails.
+                    let on_panic = move |message: &str| {
+                        statuses.update(id, |status| {
+                            status.last_error =
+                                Some(format!("the pusher panicked and restarts: {message}"));
+                            status.last_error_at = Some(Utc::now());
+                        });
                     };
                     pushers.spawn(async move {
-                        pusher.run().await;
+                        let name = TaskName {
+                            task: "pusher",
+                            name: subscription.name.as_str(),
+                        };
+                        keep_running(name, RestartDelays::default(), stop, start, on_panic).await;
                         (id, generation)
                     });
                 }
@@ -269,12 +312,17 @@ async fn supervise(
         // A pusher that ended by itself (its stream closed, or the push stopped) is
         // forgotten, so the next round starts a new one if the subscription still wants it.
         while let Some(ended) = pushers.try_join_next() {
-            if let Ok((id, generation)) = ended
-                && running
-                    .get(&id)
-                    .is_some_and(|pusher| pusher.generation == generation)
-            {
-                running.remove(&id);
+            match ended {
+                Ok((id, generation)) => {
+                    if running
+                        .get(&id)
+                        .is_some_and(|pusher| pusher.generation == generation)
+                    {
+                        running.remove(&id);
+                    }
+                }
+                // keep_running catches the pusher's panics; this is only for the record.
+                Err(error) => tracing::error!(%error, "a pusher task failed"),
             }
         }
         tokio::select! {
@@ -357,9 +405,7 @@ impl Pusher {
             }
         };
         tracing::info!(subscription = %name, endpoint = %push.endpoint, "pushing");
-        let pause = push
-            .rate_limit
-            .map(|rate| Duration::from_secs_f64(1.0 / rate));
+        let pause = push.request_interval();
         let mut next_start = Instant::now();
         let mut requests = JoinSet::new();
         // At most max_concurrency requests at once; the stream leases a few times that,
@@ -397,10 +443,14 @@ impl Pusher {
                 pusher.push(delivery, acks).await;
                 drop(permit);
             });
-            while requests.try_join_next().is_some() {}
+            while let Some(done) = requests.try_join_next() {
+                reraise_panic(done);
+            }
         }
         // Settle what is in flight before the stream (and with it the leases) goes.
-        while requests.join_next().await.is_some() {}
+        while let Some(done) = requests.join_next().await {
+            reraise_panic(done);
+        }
         drop(acks);
         let _ = acker.await;
         drop(stream);
@@ -529,6 +579,16 @@ impl Pusher {
 const GONE_REASON: &str = "the endpoint answered 410 Gone";
 /// Most acks applied in one statement.
 const ACK_BATCH: usize = 500;
+
+/// A request task's panic is its pusher's: raised again there, so the pusher restarts
+/// (and says so) instead of losing a request slot and its in-flight count quietly.
+fn reraise_panic(done: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = done
+        && error.is_panic()
+    {
+        std::panic::resume_unwind(error.into_panic());
+    }
+}
 
 /// Acks what the endpoint accepted, as many at a time as have piled up meanwhile, until
 /// the pusher's requests are all done.

@@ -6,7 +6,9 @@
 //! - `id`: the event id; `type`: the event type; `subject`: the aggregate id;
 //!   `time`: `occurred_at`; `datacontenttype`: the event's content type.
 //! - `source`: `/sources/<source>/aggregates/<aggregate type>` (percent-encoded), so a
-//!   receiver tells the source database and the aggregate type apart.
+//!   receiver tells the source database and the aggregate type apart. In binary mode it
+//!   is header-encoded once more, like every attribute, so the decoded header is the
+//!   structured `source` exactly.
 //! - extension `aggregateversion` when the producer gave one; every metadata key that is
 //!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
 //!   extension; `traceparent` / `tracestate` as plain HTTP headers.
@@ -99,7 +101,9 @@ pub fn build(
             headers.push(("ce-specversion".into(), "1.0".into()));
             headers.push(("ce-id".into(), id.clone()));
             headers.push(("ce-type".into(), encode(&event.event_type)));
-            headers.push(("ce-source".into(), ce_source(event)));
+            // Like every attribute: the receiver decodes the header, and must get the
+            // same `source` as structured mode sends, its own escapes intact.
+            headers.push(("ce-source".into(), encode(&ce_source(event))));
             headers.push(("ce-subject".into(), encode(&event.aggregate_id)));
             headers.push(("ce-time".into(), ce_time(event.occurred_at)));
             if let Some(version) = event.aggregate_version {
@@ -207,7 +211,7 @@ mod tests {
         assert_eq!(request.body, br#"{"a":1}"#);
         assert_eq!(
             header(&request, "ce-source"),
-            Some("/sources/default/aggregates/order%20line")
+            Some("/sources/default/aggregates/order%2520line")
         );
         assert_eq!(header(&request, "ce-tenant"), Some("acme%20corp"));
         assert_eq!(header(&request, "ce-aggregateversion"), Some("3"));
