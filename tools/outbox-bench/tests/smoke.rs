@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 14] = [
+const SCENARIOS: [&str; 16] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -23,6 +23,8 @@ const SCENARIOS: [&str; 14] = [
     "latency",
     "held-transaction",
     "stalled-consumers",
+    "source-outage",
+    "many-subscriptions",
     "replicas",
     "backlog-scaling",
     "memory",

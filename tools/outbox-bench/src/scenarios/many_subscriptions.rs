@@ -19,6 +19,7 @@ use crate::{
     consume::{ConsumerConfig, ConsumerGroup, SubscriptionLoad},
     database::Notify,
     gateway::Gateway,
+    measure::Series,
     report::{Report, Table, Target, format_number},
     workload,
 };
@@ -34,21 +35,35 @@ const BATCH: u64 = 10;
 struct Run {
     acked_per_second: f64,
     transactions_per_second: f64,
+    /// The active subscriptions' acked events/s over the run.
+    acked: Series,
 }
 
 pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "many-subscriptions";
-    let divisor = if bench.settings.quick { QUICK_DIVISOR } else { 1 };
+    let divisor = if bench.settings.quick {
+        QUICK_DIVISOR
+    } else {
+        1
+    };
     let (active, idle) = (ACTIVE / divisor, IDLE / divisor);
     for index in 0..active {
-        create(gateway, &format!("active-{index}"), &format!("active.{index}")).await?;
+        create(
+            gateway,
+            &format!("active-{index}"),
+            &format!("active.{index}"),
+        )
+        .await?;
     }
     let stats = bench.database.pool(1, Notify::Suppress).await?;
 
     progress(scenario, format!("{active} active subscriptions alone"));
     let alone = measure(bench, gateway, &stats, active).await?;
 
-    progress(scenario, format!("creating {idle} idle subscriptions with a stream each"));
+    progress(
+        scenario,
+        format!("creating {idle} idle subscriptions with a stream each"),
+    );
     let mut idle_streams = Vec::with_capacity(idle);
     for index in 0..idle {
         let name = format!("idle-{index}");
@@ -71,7 +86,8 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     stats.close().await;
 
     let ratio = beside.acked_per_second / alone.acked_per_second.max(f64::EPSILON);
-    let idle_transactions = (beside.transactions_per_second - alone.transactions_per_second).max(0.0);
+    let idle_transactions =
+        (beside.transactions_per_second - alone.transactions_per_second).max(0.0);
     progress(
         scenario,
         format!(
@@ -132,6 +148,16 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         25.0 / divisor as f64,
         "/s",
     ));
+    bench.time_chart(
+        &mut report,
+        "many-subscriptions-throughput.svg",
+        "many-subscriptions: the active subscriptions' acked events/s",
+        "events/s",
+        &[
+            alone.acked.clone().labelled("alone"),
+            beside.acked.clone().labelled(format!("beside {idle} idle")),
+        ],
+    )?;
     Ok(report)
 }
 
@@ -188,10 +214,11 @@ async fn measure(
     let transactions = transactions(stats).await? - transactions_before;
     stop.cancel();
     publisher.await??;
-    consumers.finish().await?;
+    let outcome = consumers.finish().await?;
     Ok(Run {
         acked_per_second: acked as f64 / seconds,
         transactions_per_second: transactions as f64 / seconds,
+        acked: outcome.total_samples,
     })
 }
 

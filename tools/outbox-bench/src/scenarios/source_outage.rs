@@ -232,6 +232,21 @@ async fn measure(
         5.0,
         " s",
     ));
+    bench.latency_chart(
+        &mut report,
+        "source-outage-latency.svg",
+        "source-outage: the healthy source's commit-to-delivery",
+        &[
+            (
+                "other source up".to_owned(),
+                before.commit_to_delivery_histogram(),
+            ),
+            (
+                "other source down".to_owned(),
+                during.commit_to_delivery_histogram(),
+            ),
+        ],
+    )?;
     Ok(report)
 }
 
