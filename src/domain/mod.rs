@@ -21,8 +21,9 @@ pub use input::{
     latest_timestamp,
 };
 pub use operations::{
-    DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, EventDeliveries, OutboxStats,
-    SubscriptionPatch, SubscriptionStats,
+    BEHIND_AFTER, Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState,
+    EventDeliveries, NO_CONSUMER_AFTER, OutboxStats, StatusKind, SubscriptionPatch,
+    SubscriptionStats, SubscriptionStatus,
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use push::{
