@@ -262,8 +262,9 @@ pub enum SubscriptionStatus {
     CaughtUp,
 }
 
-/// The kinds of [`SubscriptionStatus`], with the words every view uses for them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The kinds of [`SubscriptionStatus`], with the words every view uses for them; ordered
+/// most pressing first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StatusKind {
     PushStopped,
     Paused,
