@@ -187,7 +187,7 @@ fn describe() {
     );
     describe_gauge!(
         "outbox_subscription_backlog",
-        "events matching the subscription not yet delivered"
+        "events matching the subscription that are due and not yet delivered (scheduled ones are in outbox_subscription_scheduled)"
     );
     describe_gauge!(
         "outbox_subscription_in_flight",
@@ -204,7 +204,7 @@ fn describe() {
     describe_gauge!(
         "outbox_subscription_oldest_unacked_age_seconds",
         Unit::Seconds,
-        "age of the oldest event delivered but not yet acknowledged, 0 when none"
+        "how long the oldest due event not yet acked or dead-lettered has been due (since its creation, or its deliver_at when later), 0 when none"
     );
     describe_gauge!(
         "outbox_subscription_late_transactions",

@@ -9,9 +9,9 @@ use uuid::Uuid;
 use crate::{
     delivery::Relay,
     domain::{
-        DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event, EventDeliveries,
-        OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName, SubscriptionStats,
-        check_event_key, check_text,
+        Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event,
+        EventDeliveries, OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName,
+        SubscriptionStats, SubscriptionStatus, check_event_key, check_text,
     },
     error::{Error, Result},
     metrics,
@@ -96,6 +96,8 @@ impl PageToken {
 /// reached are left out of both).
 #[derive(Debug, Clone)]
 pub struct SubscriptionFigures {
+    /// The one state to show for it, from its total, pause, push and consumers.
+    pub status: SubscriptionStatus,
     pub total: SubscriptionStats,
     pub per_source: Vec<SubscriptionStats>,
     /// Of a push subscription: its requests as this gateway process saw them, and why
@@ -610,6 +612,8 @@ impl Operations {
             None => self.subscriptions().await?,
         };
         let mut figures = Vec::with_capacity(subscriptions.len());
+        let attached_here = self.relay.attached_subscriptions();
+        let now = Utc::now();
         for subscription in &subscriptions {
             let mut per_source = Vec::new();
             let mut error = None;
@@ -637,9 +641,21 @@ impl Operations {
                     }
                 }
             }
+            let total = total(subscription, &per_source);
+            let consumers = if subscription.settings.push.is_some() {
+                Consumers::Push
+            } else if attached_here.contains(&subscription.id) {
+                Consumers::Attached
+            } else {
+                // Streams of other gateways show in the time they last recorded.
+                Consumers::Absent {
+                    since: subscription.last_attached_at,
+                }
+            };
             figures.push(SubscriptionFigures {
                 error,
-                total: total(subscription, &per_source),
+                status: SubscriptionStatus::of(subscription, &total, consumers, now),
+                total,
                 per_source,
                 push: subscription.settings.push.as_ref().map(|_| PushFigures {
                     requests: self.push_board.get(subscription.id).unwrap_or_default(),

@@ -1017,3 +1017,136 @@ async fn destructive_commands_ask_at_a_terminal() {
     assert!(confirmed, "{screen}");
     assert_eq!(subscription_names(&gateway).await, Vec::<String>::new());
 }
+
+#[tokio::test]
+async fn text_output_tells_the_status_the_pause_and_scheduled_events() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("work")).await;
+    publish(
+        &gateway,
+        vec![outbox_gateway::proto::EventInput {
+            deliver_at: Some(prost_types::Timestamp::from(
+                std::time::SystemTime::now() + std::time::Duration::from_secs(15 * 60),
+            )),
+            ..event("r-1", "reminder.due")
+        }],
+    )
+    .await;
+
+    let stats = cli(&gateway, &["stats"]).await;
+    assert!(stats.success, "{}", stats.stderr);
+    let header = stats.stdout.lines().next().unwrap_or_default();
+    let columns: Vec<&str> = header.split_whitespace().collect();
+    assert_eq!(
+        &columns[..4],
+        ["SUBSCRIPTION", "STATUS", "PENDING", "SCHEDULED"],
+        "{}",
+        stats.stdout
+    );
+    let row = stats.stdout.lines().nth(1).unwrap_or_default();
+    let cells: Vec<&str> = row
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert_eq!(
+        &cells[..4],
+        ["work", "scheduled only", "0", "1"],
+        "a scheduled event is neither pending nor lag:\n{}",
+        stats.stdout
+    );
+
+    let paused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "pause",
+            "work",
+            "--reason",
+            "downstream outage",
+            "--until",
+            "1h",
+        ],
+    )
+    .await;
+    assert!(paused.success, "{}", paused.stderr);
+    let pause_line = paused
+        .stdout
+        .lines()
+        .find(|line| line.starts_with("paused:"))
+        .unwrap_or_else(|| panic!("no pause in:\n{}", paused.stdout));
+    assert!(
+        pause_line.contains(" until ") && pause_line.ends_with(": downstream outage"),
+        "{pause_line}"
+    );
+
+    let got = cli(&gateway, &["subscriptions", "get", "work"]).await;
+    assert!(got.success, "{}", got.stderr);
+    assert!(got.stdout.contains("downstream outage"), "{}", got.stdout);
+    let status_line = got
+        .stdout
+        .lines()
+        .find(|line| line.starts_with("status:"))
+        .unwrap_or_else(|| panic!("no status in:\n{}", got.stdout));
+    assert!(status_line.contains(" paused ("), "{status_line}");
+
+    let stats = cli(&gateway, &["stats", "--subscription", "work"]).await;
+    assert!(stats.success, "{}", stats.stderr);
+    assert!(
+        stats
+            .stdout
+            .lines()
+            .nth(1)
+            .unwrap_or_default()
+            .contains(" paused "),
+        "{}",
+        stats.stdout
+    );
+    assert!(
+        stats
+            .stdout
+            .lines()
+            .any(|line| line.starts_with("work: paused since")
+                && line.ends_with("downstream outage")),
+        "{}",
+        stats.stdout
+    );
+
+    // Nothing comes from a paused subscription: pull says so at once and fails.
+    let started = std::time::Instant::now();
+    let pulled = cli(&gateway, &["pull", "work", "--wait", "10s"]).await;
+    assert!(!pulled.success, "pull of a paused subscription succeeded");
+    assert!(
+        pulled.stderr.contains("work is paused")
+            && pulled
+                .stderr
+                .contains("outbox-gateway subscriptions resume work"),
+        "{}",
+        pulled.stderr
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(8),
+        "pull waited for deliveries that cannot come"
+    );
+
+    // tail streams on, and says why nothing comes.
+    let mut tail = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["tail", "work"])
+        .env("OUTBOX_ENDPOINT", gateway.endpoint())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run tail");
+    let mut lines = tokio::io::BufReader::new(tail.stderr.take().expect("stderr")).lines();
+    let notice = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("tail says something")
+        .expect("read stderr")
+        .unwrap_or_default();
+    assert!(notice.contains("work is paused"), "{notice}");
+    tail.kill().await.expect("stop tail");
+}

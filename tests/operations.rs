@@ -1107,3 +1107,122 @@ async fn a_subscription_unused_past_its_expire_after_idle_is_deleted() {
     )
     .await;
 }
+
+/// Each subscription's status and what it means, as GetStats gives them.
+async fn statuses(gateway: &TestGateway) -> Vec<(String, proto::SubscriptionStatus, String)> {
+    gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest::default())
+        .await
+        .expect("stats")
+        .into_inner()
+        .subscriptions
+        .into_iter()
+        .map(|stats| (stats.name.clone(), stats.status(), stats.status_detail))
+        .collect()
+}
+
+async fn status_of(gateway: &TestGateway, name: &str) -> (proto::SubscriptionStatus, String) {
+    statuses(gateway)
+        .await
+        .into_iter()
+        .find(|(found, _, _)| found == name)
+        .map(|(_, status, detail)| (status, detail))
+        .unwrap_or_else(|| panic!("no stats of {name}"))
+}
+
+fn only(name: &str, event_type: &str) -> proto::Subscription {
+    proto::Subscription {
+        event_types: vec![event_type.into()],
+        ..subscription(name)
+    }
+}
+
+#[tokio::test]
+async fn stats_give_each_subscription_its_most_pressing_status() {
+    use proto::SubscriptionStatus as Status;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let pool = database.pool().await;
+    for (name, event_type) in [
+        ("idle", "nothing.*"),
+        ("later", "reminder.*"),
+        ("orphan", "order.*"),
+        ("held", "order.*"),
+        ("dead", "invoice.*"),
+        ("late", "old.*"),
+    ] {
+        create_subscription(&gateway, only(name, event_type)).await;
+    }
+    gateway
+        .admin()
+        .await
+        .pause_subscription(proto::PauseSubscriptionRequest {
+            name: "held".into(),
+            reason: "deploy".into(),
+            until: None,
+        })
+        .await
+        .expect("pause");
+    publish(
+        &gateway,
+        vec![
+            proto::EventInput {
+                deliver_at: Some(prost_types::Timestamp::from(
+                    std::time::SystemTime::now() + Duration::from_secs(15 * 60),
+                )),
+                ..event("r-1", "reminder.due")
+            },
+            event("o-1", "order.created"),
+            event("i-1", "invoice.created"),
+        ],
+    )
+    .await;
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+         VALUES ('old', 'x-1', 'old.event', '{}', now() - interval '10 minutes')",
+    )
+    .execute(&pool)
+    .await
+    .expect("an event ten minutes old");
+    let mut consumer = Consumer::open(&gateway, "dead", 1).await;
+    let invoice = consumer.take(1, WAIT).await.remove(0);
+    nack(&gateway, dead_letter_now("dead", invoice.ack_id)).await;
+
+    let (status, detail) = status_of(&gateway, "held").await;
+    assert_eq!(status, Status::Paused, "{detail}");
+    assert!(detail.contains("deploy"), "{detail}");
+    assert_eq!(status_of(&gateway, "idle").await.0, Status::CaughtUp);
+    let (status, detail) = status_of(&gateway, "later").await;
+    assert_eq!(status, Status::ScheduledOnly, "{detail}");
+    eventually("the dead letter shows", WAIT, || async {
+        status_of(&gateway, "dead").await.0 == Status::DeadLetters
+    })
+    .await;
+    // Just created: a consumer may still be on its way.
+    assert_eq!(status_of(&gateway, "orphan").await.0, Status::Delivering);
+    assert_eq!(status_of(&gateway, "late").await.0, Status::Behind);
+
+    // No stream anywhere for minutes.
+    sqlx::query(
+        "UPDATE outbox_subscriptions SET last_attached_at = now() - interval '5 minutes' \
+         WHERE name IN ('orphan', 'late')",
+    )
+    .execute(&pool)
+    .await
+    .expect("age the last attach");
+    let (status, detail) = status_of(&gateway, "orphan").await;
+    assert_eq!(status, Status::NoConsumer, "{detail}");
+    assert!(detail.contains("no consumer"), "{detail}");
+    let (status, detail) = status_of(&gateway, "late").await;
+    assert_eq!(status, Status::Behind, "behind outranks no consumer");
+    assert!(detail.contains("no consumer"), "{detail}");
+
+    // A stream attached again: the consumer is back.
+    let _orphan_consumer = Consumer::open(&gateway, "orphan", 1).await;
+    eventually("the consumer counts as attached", WAIT, || async {
+        status_of(&gateway, "orphan").await.0 != Status::NoConsumer
+    })
+    .await;
+}

@@ -562,6 +562,16 @@ async fn gone_stops_pushing_until_push_is_set_again() {
             .push_stopped_reason
             .contains("410 Gone")
     );
+    // The one status to show, ahead of the events that now wait.
+    assert_eq!(
+        stats.subscriptions[0].status(),
+        proto::SubscriptionStatus::PushStopped
+    );
+    assert!(
+        stats.subscriptions[0].status_detail.contains("410 Gone"),
+        "{}",
+        stats.subscriptions[0].status_detail
+    );
     publish(&gateway, vec![event("o-2", "order.created")]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(

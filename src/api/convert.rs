@@ -10,9 +10,9 @@ use crate::{
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
         DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
-        PushFormat, PushInput, SourceName, StartPosition, Subscription, SubscriptionName,
-        SubscriptionPatch, SubscriptionSettings, SubscriptionStats, check_timestamp, fingerprint,
-        parse_event_id,
+        PushFormat, PushInput, SourceName, StartPosition, StatusKind, Subscription,
+        SubscriptionName, SubscriptionPatch, SubscriptionSettings, SubscriptionStats,
+        check_timestamp, fingerprint, parse_event_id,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionFigures},
@@ -632,6 +632,8 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
                         .map(|stopped| stopped.reason)
                         .unwrap_or_default(),
                     error: figures.error.unwrap_or_default(),
+                    status: subscription_status(figures.status.kind()) as i32,
+                    status_detail: figures.status.detail(),
                     ..subscription_stats(figures.total, now, newest)
                 }
             })
@@ -645,6 +647,19 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
             )),
             events_force_expired: outbox.events_force_expired,
         }),
+    }
+}
+
+fn subscription_status(kind: StatusKind) -> proto::SubscriptionStatus {
+    match kind {
+        StatusKind::PushStopped => proto::SubscriptionStatus::PushStopped,
+        StatusKind::Paused => proto::SubscriptionStatus::Paused,
+        StatusKind::DeadLetters => proto::SubscriptionStatus::DeadLetters,
+        StatusKind::Behind => proto::SubscriptionStatus::Behind,
+        StatusKind::NoConsumer => proto::SubscriptionStatus::NoConsumer,
+        StatusKind::Delivering => proto::SubscriptionStatus::Delivering,
+        StatusKind::ScheduledOnly => proto::SubscriptionStatus::ScheduledOnly,
+        StatusKind::CaughtUp => proto::SubscriptionStatus::CaughtUp,
     }
 }
 

@@ -958,10 +958,25 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
         }
         SubscriptionCommand::Get { name } => {
             let subscription = admin
-                .get_subscription(proto::GetSubscriptionRequest { name })
+                .get_subscription(proto::GetSubscriptionRequest { name: name.clone() })
                 .await
-                .map_err(describe)?;
-            show(subscription.into_inner());
+                .map_err(describe)?
+                .into_inner();
+            // The text also says how it is doing, in the words of `stats` and the console.
+            let figures = match target.json {
+                true => None,
+                false => admin
+                    .get_stats(proto::GetStatsRequest { subscription: name })
+                    .await
+                    .ok()
+                    .and_then(|stats| stats.into_inner().subscriptions.into_iter().next()),
+            };
+            target.print(render::subscription(&subscription), || {
+                render::subscription_text(&subscription);
+                if let Some(figures) = &figures {
+                    render::status_text(figures);
+                }
+            });
         }
         SubscriptionCommand::Update {
             name,
@@ -1514,7 +1529,13 @@ async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
     let gateway = target.connect(false).await?;
     let mut admin = gateway.admin();
     let (name, ephemeral) = match args.subscription {
-        Some(name) => (name, false),
+        Some(name) => {
+            // It streams on: deliveries come once the pause ends.
+            if let Some(paused) = pause_notice(&gateway, &name).await {
+                eprintln!("outbox-gateway: {paused}");
+            }
+            (name, false)
+        }
         None => {
             let name = format!("tail-{}", uuid::Uuid::new_v4().simple());
             admin
@@ -1611,6 +1632,24 @@ fn gateway_went_away(status: &Status) -> bool {
     }
 }
 
+/// Why nothing comes from a subscription that is paused: its pause in words, with how to
+/// end it; `None` when it is not paused, or when this token may not read it (a
+/// subscriber's token need not see definitions).
+async fn pause_notice(gateway: &GatewayChannel, name: &str) -> Option<String> {
+    let subscription = gateway
+        .admin()
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: name.to_owned(),
+        })
+        .await
+        .ok()?
+        .into_inner();
+    let pause = render::pause_text(&subscription)?;
+    Some(format!(
+        "subscription {name} is paused {pause}; nothing is handed out until `outbox-gateway subscriptions resume {name}`"
+    ))
+}
+
 /// Longest wait between attempts to reach a gateway that went away.
 const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
 
@@ -1703,6 +1742,9 @@ async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
         return Err("--reason goes with --nack or --dead-letter".into());
     }
     let gateway = target.connect(false).await?;
+    if let Some(paused) = pause_notice(&gateway, &args.subscription).await {
+        return Err(paused);
+    }
     let mut subscriber = gateway.subscriber();
     let mut stream = subscriber
         .subscribe(proto::SubscribeRequest {

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::{domain::is_json_content_type, proto};
+use crate::{
+    domain::{StatusKind, is_json_content_type},
+    proto,
+};
 
 pub fn timestamp(timestamp: &Option<prost_types::Timestamp>) -> Value {
     timestamp
@@ -191,6 +194,9 @@ pub fn subscription_text(subscription: &proto::Subscription) {
     for (label, value) in lines {
         println!("{:<23} {value}", format!("{label}:"));
     }
+    if let Some(pause) = pause_text(subscription) {
+        println!("{:<23} {pause}", "paused:");
+    }
     if let Some(stopped) = &subscription.push_stopped {
         println!(
             "{:<23} {} ({})",
@@ -210,6 +216,40 @@ pub fn subscription_text(subscription: &proto::Subscription) {
             "signing secret:", push.signing_secret
         );
     }
+}
+
+/// A subscription's status and push requests as `key: value` lines.
+pub fn status_text(stats: &proto::SubscriptionStats) {
+    if status_kind(stats).is_some() {
+        println!(
+            "{:<23} {} ({})",
+            "status:",
+            status_label(stats),
+            stats.status_detail
+        );
+    }
+    if let Some(push) = push_text(stats) {
+        println!("{:<23} {push}", "push requests:");
+    }
+}
+
+/// A pause in force in words: since when, until when, and why.
+pub fn pause_text(subscription: &proto::Subscription) -> Option<String> {
+    if !subscription.paused {
+        return None;
+    }
+    let mut text = format!(
+        "since {}",
+        timestamp(&subscription.paused_at).as_str().unwrap_or("-")
+    );
+    match timestamp(&subscription.paused_until).as_str() {
+        Some(until) => text.push_str(&format!(" until {until}")),
+        None => text.push_str(" until resumed"),
+    }
+    if !subscription.pause_reason.is_empty() {
+        text.push_str(&format!(": {}", subscription.pause_reason));
+    }
+    Some(text)
 }
 
 fn push(push: &proto::PushConfig) -> Value {
@@ -250,6 +290,8 @@ pub fn stats(stats: &proto::Stats) -> Value {
     json!({
         "subscriptions": stats.subscriptions.iter().map(|s| with_push_stats(s, json!({
             "name": s.name,
+            "status": status_label(s),
+            "status_detail": s.status_detail,
             "pending": s.pending,
             "in_flight": s.in_flight,
             "awaiting_retry": s.awaiting_retry,
@@ -271,6 +313,60 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "events_force_expired": outbox.events_force_expired,
         },
     })
+}
+
+/// The kind of a subscription's status, `None` when the gateway gave none (an older
+/// gateway, or a figure per source).
+pub fn status_kind(stats: &proto::SubscriptionStats) -> Option<StatusKind> {
+    Some(match stats.status() {
+        proto::SubscriptionStatus::Unspecified => return None,
+        proto::SubscriptionStatus::PushStopped => StatusKind::PushStopped,
+        proto::SubscriptionStatus::Paused => StatusKind::Paused,
+        proto::SubscriptionStatus::DeadLetters => StatusKind::DeadLetters,
+        proto::SubscriptionStatus::Behind => StatusKind::Behind,
+        proto::SubscriptionStatus::NoConsumer => StatusKind::NoConsumer,
+        proto::SubscriptionStatus::Delivering => StatusKind::Delivering,
+        proto::SubscriptionStatus::ScheduledOnly => StatusKind::ScheduledOnly,
+        proto::SubscriptionStatus::CaughtUp => StatusKind::CaughtUp,
+    })
+}
+
+/// The status in the words the console shows too.
+pub fn status_label(stats: &proto::SubscriptionStats) -> &'static str {
+    status_kind(stats).map_or("-", StatusKind::label)
+}
+
+/// A push subscription's requests in a line: how many, the last answer, the last
+/// failure; `None` for a pull subscription.
+pub fn push_text(stats: &proto::SubscriptionStats) -> Option<String> {
+    let pushes = stats.push_requests_total > 0
+        || stats.push_in_flight > 0
+        || !stats.push_last_error.is_empty()
+        || !stats.push_stopped_reason.is_empty();
+    if !pushes {
+        return None;
+    }
+    let mut text = format!(
+        "{} requests ({:.1}/s), {} in flight, last answer {}",
+        stats.push_requests_total,
+        stats.push_rate,
+        stats.push_in_flight,
+        match stats.push_last_status {
+            0 => "none".to_owned(),
+            status => status.to_string(),
+        }
+    );
+    if !stats.push_last_error.is_empty() {
+        text.push_str(&format!(
+            "; last error {}: {}",
+            timestamp(&stats.push_last_error_at).as_str().unwrap_or("-"),
+            stats.push_last_error
+        ));
+    }
+    if !stats.push_stopped_reason.is_empty() {
+        text.push_str(&format!("; stopped: {}", stats.push_stopped_reason));
+    }
+    Some(text)
 }
 
 /// Adds a push subscription's request figures (a pull subscription has none).
@@ -385,7 +481,9 @@ pub fn stats_table(stats: &proto::Stats) {
         .map(|s| {
             vec![
                 s.name.clone(),
+                status_label(s).to_owned(),
                 s.pending.to_string(),
+                s.scheduled.to_string(),
                 s.in_flight.to_string(),
                 s.awaiting_retry.to_string(),
                 s.dead_lettered.to_string(),
@@ -400,7 +498,9 @@ pub fn stats_table(stats: &proto::Stats) {
     table(
         &[
             "SUBSCRIPTION",
+            "STATUS",
             "PENDING",
+            "SCHEDULED",
             "IN FLIGHT",
             "RETRY",
             "DEAD",
@@ -412,6 +512,24 @@ pub fn stats_table(stats: &proto::Stats) {
         ],
         &rows,
     );
+    // What the columns cannot hold: why each subscription that needs a look does, and
+    // how its pushes go.
+    let mut notes = Vec::new();
+    for s in &stats.subscriptions {
+        let kind = status_kind(s);
+        if kind.is_some_and(|kind| kind.needs_attention() || kind == StatusKind::ScheduledOnly) {
+            notes.push(format!("{}: {}", s.name, s.status_detail));
+        }
+        if let Some(push) = push_text(s) {
+            notes.push(format!("{}: push {push}", s.name));
+        }
+    }
+    if !notes.is_empty() {
+        println!();
+        for note in notes {
+            println!("{note}");
+        }
+    }
     if let Some(outbox) = &stats.outbox {
         println!();
         println!(

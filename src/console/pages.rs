@@ -67,9 +67,10 @@ pub async fn overview(State(console): State<Console>, session: Session) -> Page 
     let (figures, outbox) = inner.operations.stats(None).await?;
     let ids = subscription_ids(&console).await?;
     let streams = inner.relay.stream_counts();
-    let rows: Vec<views::OverviewRow> = figures
+    let mut rows: Vec<views::OverviewRow> = figures
         .into_iter()
         .map(|figures| views::OverviewRow {
+            status: figures.status,
             rates: inner.rates.of(&figures.total.name),
             streams: ids
                 .get(&figures.total.name)
@@ -80,6 +81,8 @@ pub async fn overview(State(console): State<Console>, session: Session) -> Page 
             error: figures.error,
         })
         .collect();
+    // Those that need a look first, most pressing on top; by name within a status.
+    rows.sort_by_key(|row| row.status.kind());
     let sources = inner.operations.sources_status().await;
     let frame = console.frame(&session);
     Ok(views::overview(&frame, &rows, &outbox, &sources, Utc::now()).into_response())
@@ -149,6 +152,7 @@ pub async fn subscription(
     let frame = console.frame(&session);
     let view = views::SubscriptionView {
         subscription: &subscription,
+        status: &figures.status,
         stats: &figures.total,
         per_source: &figures.per_source,
         sources: &sources,

@@ -11,17 +11,14 @@ use maud::{DOCTYPE, Markup, html};
 use super::session::Notice;
 use crate::{
     domain::{
-        DeadLetter, DeadLetterGroup, DeliveryState, Event, EventDeliveries, OutboxStats,
-        SourceName, StartPosition, Subscription, SubscriptionName, SubscriptionStats,
-        is_json_content_type,
+        BEHIND_AFTER, DeadLetter, DeadLetterGroup, DeliveryState, Event, EventDeliveries,
+        OutboxStats, SourceName, StartPosition, StatusKind, Subscription, SubscriptionName,
+        SubscriptionStats, SubscriptionStatus, is_json_content_type,
     },
     operations::{PageToken, SourceStatus},
     rates::{SubscriptionRates, WINDOW},
 };
 
-/// An oldest unacked event older than this, or an open transaction older than this,
-/// marks the row as behind.
-const BEHIND_AFTER: Duration = Duration::from_secs(60);
 /// Most payload bytes a page shows.
 const MAX_SHOWN_PAYLOAD: usize = 64 * 1024;
 
@@ -92,6 +89,8 @@ fn csrf_field(frame: &Frame) -> Markup {
 
 /// A row of the overview.
 pub struct OverviewRow {
+    /// Its one status, as GetStats and the CLI show it.
+    pub status: SubscriptionStatus,
     pub stats: SubscriptionStats,
     pub rates: Option<SubscriptionRates>,
     /// Subscribe streams open on this gateway.
@@ -214,18 +213,17 @@ fn sources_table(sources: &[SourceStatus], now: DateTime<Utc>) -> Markup {
 fn overview_row(row: &OverviewRow, outbox: &OutboxStats, now: DateTime<Utc>) -> Markup {
     let stats = &row.stats;
     let name = stats.name.as_str();
-    let oldest_age = age_since(stats.oldest_unacked_at, now);
-    let behind = oldest_age > BEHIND_AFTER;
-    let dead = stats.dead_lettered > 0;
+    let kind = row.status.kind();
+    let alert = matches!(kind, StatusKind::PushStopped | StatusKind::DeadLetters);
     html! {
-        tr.alert[dead].warn[behind && !dead] data-subscription=(name) {
+        tr.alert[alert].warn[kind.needs_attention() && !alert] data-subscription=(name) {
             th scope="row" { a href=(subscription_href(&stats.name)) { (name) } }
             td {
                 @if let Some(error) = &row.error {
                     span.badge.bad title=(error) { "Figures unavailable" }
                     span.sub.below { (error) }
                 } @else {
-                    (status_badge(dead, behind, stats.lag_events()))
+                    (status_badge(&row.status))
                 }
             }
             td.num { (figure(name, "pending", stats.pending)) }
@@ -245,16 +243,19 @@ fn overview_row(row: &OverviewRow, outbox: &OutboxStats, now: DateTime<Utc>) -> 
     }
 }
 
-fn status_badge(dead: bool, behind: bool, lag_events: u64) -> Markup {
+/// The status in the words GetStats and the CLI use, what it means on hover.
+fn status_badge(status: &SubscriptionStatus) -> Markup {
+    let kind = status.kind();
+    let class = match kind {
+        StatusKind::PushStopped | StatusKind::DeadLetters => "bad",
+        StatusKind::Paused | StatusKind::Behind | StatusKind::NoConsumer => "warn",
+        StatusKind::Delivering => "busy",
+        StatusKind::ScheduledOnly => "muted",
+        StatusKind::CaughtUp => "good",
+    };
     html! {
-        @if dead {
-            span.badge.bad { "Dead letters" }
-        } @else if behind {
-            span.badge.warn { "Behind" }
-        } @else if lag_events > 0 {
-            span.badge.busy { "Delivering" }
-        } @else {
-            span.badge.good { "Caught up" }
+        span class=(format!("badge {class}")) data-status=(kind.label()) title=(status.detail()) {
+            (capitalized(kind.label()))
         }
     }
 }
@@ -295,6 +296,8 @@ fn outbox_cards(outbox: &OutboxStats) -> Markup {
 /// What the subscription page shows.
 pub struct SubscriptionView<'a> {
     pub subscription: &'a Subscription,
+    /// Its one status, as GetStats and the CLI show it.
+    pub status: &'a SubscriptionStatus,
     /// Its figures over all its sources, and in each.
     pub stats: &'a SubscriptionStats,
     pub per_source: &'a [SubscriptionStats],
@@ -320,6 +323,7 @@ pub fn subscription(frame: &Frame, view: &SubscriptionView) -> Markup {
     let content = html! {
         nav.crumbs aria-label="Breadcrumb" { a href="/" { "Overview" } " › " span aria-current="page" { (name) } }
         h1 { (name) }
+        (status_banner(frame, view))
         section #figures data-refresh aria-label="Delivery figures" {
             (subscription_cards(view))
             @if view.per_source.len() > 1 {
@@ -462,6 +466,27 @@ pub fn subscription(frame: &Frame, view: &SubscriptionView) -> Markup {
         }
     };
     layout(name.as_str(), Some(frame), content)
+}
+
+/// The status first, with what it means and, when something stopped deliveries, the
+/// Resume that restarts them right there.
+fn status_banner(frame: &Frame, view: &SubscriptionView) -> Markup {
+    let kind = view.status.kind();
+    let stopped = matches!(kind, StatusKind::PushStopped | StatusKind::Paused);
+    html! {
+        section #status data-refresh aria-label="Status" {
+            p.status-line {
+                (status_badge(view.status)) " "
+                span #status-detail { (capitalized(&view.status.detail())) "." }
+            }
+            @if stopped && frame.admin {
+                form.inline method="post" action=(format!("{}/resume", subscription_href(&view.subscription.name))) {
+                    (csrf_field(frame))
+                    button.primary type="submit" { "Resume" }
+                }
+            }
+        }
+    }
 }
 
 fn subscription_cards(view: &SubscriptionView) -> Markup {

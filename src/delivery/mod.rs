@@ -356,7 +356,7 @@ impl Relay {
         }
         if subscription.settings.push.is_some() && !for_push {
             return Err(Error::FailedPrecondition(format!(
-                "subscription {name:?} is a push subscription: the gateway sends its events to its endpoint; clear `push` with UpdateSubscription to read it with Subscribe"
+                "subscription {name:?} is a push subscription: the gateway sends its events to its endpoint; clear `push` with UpdateSubscription (`outbox-gateway subscriptions update {name} --pull`) to read it with Subscribe"
             )));
         }
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
@@ -671,7 +671,8 @@ impl Relay {
 }
 
 /// Records, every [`ATTACHED_HEARTBEAT`], which subscriptions have streams in this
-/// process, so that none of them is taken for unused and expired by any gateway.
+/// process, so that none of them is taken for unused and expired by any gateway, nor
+/// shown as having no consumer.
 async fn record_attached_streams(relay: Relay) {
     let mut beats = tokio::time::interval(ATTACHED_HEARTBEAT);
     beats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -22,8 +22,9 @@ pub use input::{
     check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
 };
 pub use operations::{
-    DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, EventDeliveries, OutboxStats,
-    SubscriptionPatch, SubscriptionStats,
+    BEHIND_AFTER, Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState,
+    EventDeliveries, NO_CONSUMER_AFTER, OutboxStats, StatusKind, SubscriptionPatch,
+    SubscriptionStats, SubscriptionStatus,
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use push::{

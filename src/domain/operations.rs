@@ -184,11 +184,13 @@ pub struct SubscriptionStats {
     pub name: SubscriptionName,
     /// The source they count; `None` for the total over its sources.
     pub source: Option<SourceName>,
+    /// Due and not handed out yet (scheduled events are counted in `scheduled` only).
     pub pending: u64,
     pub in_flight: u64,
     pub awaiting_retry: u64,
     pub dead_lettered: u64,
-    /// Creation time of the oldest event not yet acked or dead-lettered.
+    /// When the oldest due event not yet acked or dead-lettered became due: its
+    /// creation, or its `deliver_at` when later. Scheduled events do not count.
     pub oldest_unacked_at: Option<DateTime<Utc>>,
     pub delivered_total: u64,
     pub acked_total: u64,
@@ -198,7 +200,7 @@ pub struct SubscriptionStats {
     pub late_transactions: u64,
     /// Events it let expire (dropped or dead-lettered) since it began.
     pub expired_total: u64,
-    /// Events waiting for their `deliver_at` (counted in `pending` too).
+    /// Events waiting for their `deliver_at`; not in `pending` nor in the lag.
     pub scheduled: u64,
     /// When the next of them is due.
     pub next_scheduled_at: Option<DateTime<Utc>>,
@@ -208,6 +210,242 @@ impl SubscriptionStats {
     pub fn lag_events(&self) -> u64 {
         self.pending + self.in_flight + self.awaiting_retry
     }
+}
+
+/// An oldest due, unacked event older than this makes a subscription behind.
+pub const BEHIND_AFTER: Duration = Duration::from_secs(60);
+
+/// A pull subscription with due events and no Subscribe stream anywhere for this long
+/// has no consumer: well above how often gateways record the streams they hold, so a
+/// consumer that reconnects or sits on another replica is not taken for gone.
+pub const NO_CONSUMER_AFTER: Duration = Duration::from_secs(30);
+
+/// The one thing an operator most needs to know about a subscription: the most pressing
+/// of its states, in this order. GetStats, the console and the CLI all show this one.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SubscriptionStatus {
+    /// A push subscription whose endpoint stopped it (410 Gone); resuming restarts it.
+    PushStopped {
+        at: DateTime<Utc>,
+        reason: String,
+    },
+    /// Paused by an operator (or by the gateway itself); nothing new goes out.
+    Paused {
+        reason: String,
+        since: DateTime<Utc>,
+        until: Option<DateTime<Utc>>,
+    },
+    /// Unresolved dead letters wait for someone to requeue or resolve them.
+    DeadLetters {
+        count: u64,
+    },
+    /// The oldest due event has waited longer than [`BEHIND_AFTER`] since `since`.
+    Behind {
+        since: DateTime<Utc>,
+        /// Also no consumer attached since then (pull subscriptions).
+        no_consumer_since: Option<DateTime<Utc>>,
+    },
+    /// A pull subscription with due events and no stream attached anywhere since
+    /// `since` (longer than [`NO_CONSUMER_AFTER`]).
+    NoConsumer {
+        since: DateTime<Utc>,
+    },
+    /// Due events are going out, none of them late.
+    Delivering {
+        events: u64,
+    },
+    /// Nothing due; events wait for their `deliver_at`, the next at `next_at`.
+    ScheduledOnly {
+        count: u64,
+        next_at: Option<DateTime<Utc>>,
+    },
+    CaughtUp,
+}
+
+/// The kinds of [`SubscriptionStatus`], with the words every view uses for them; ordered
+/// most pressing first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum StatusKind {
+    PushStopped,
+    Paused,
+    DeadLetters,
+    Behind,
+    NoConsumer,
+    Delivering,
+    ScheduledOnly,
+    CaughtUp,
+}
+
+impl StatusKind {
+    /// The status in the words the console, the CLI and the docs use.
+    pub fn label(self) -> &'static str {
+        match self {
+            StatusKind::PushStopped => "push stopped",
+            StatusKind::Paused => "paused",
+            StatusKind::DeadLetters => "dead letters",
+            StatusKind::Behind => "behind",
+            StatusKind::NoConsumer => "no consumer",
+            StatusKind::Delivering => "delivering",
+            StatusKind::ScheduledOnly => "scheduled only",
+            StatusKind::CaughtUp => "caught up",
+        }
+    }
+
+    /// Whether an operator has something to do (or to look into).
+    pub fn needs_attention(self) -> bool {
+        matches!(
+            self,
+            StatusKind::PushStopped
+                | StatusKind::Paused
+                | StatusKind::DeadLetters
+                | StatusKind::Behind
+                | StatusKind::NoConsumer
+        )
+    }
+}
+
+/// Where a subscription's consumers stand, for its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consumers {
+    /// A push subscription: the gateway itself delivers.
+    Push,
+    /// A Subscribe stream is attached on some gateway now.
+    Attached,
+    /// None attached; the last one left (or the subscription was created) then.
+    Absent { since: DateTime<Utc> },
+}
+
+impl SubscriptionStatus {
+    /// The status of a subscription with these figures (its total over its sources) and
+    /// consumers, at `now`.
+    pub fn of(
+        subscription: &super::Subscription,
+        stats: &SubscriptionStats,
+        consumers: Consumers,
+        now: DateTime<Utc>,
+    ) -> SubscriptionStatus {
+        if subscription.settings.push.is_some()
+            && let Some(stopped) = &subscription.push_stopped
+        {
+            return SubscriptionStatus::PushStopped {
+                at: stopped.at,
+                reason: stopped.reason.clone(),
+            };
+        }
+        if let Some(pause) = subscription.pause_in_force(now) {
+            return SubscriptionStatus::Paused {
+                reason: pause.reason.clone(),
+                since: pause.since,
+                until: pause.until,
+            };
+        }
+        if stats.dead_lettered > 0 {
+            return SubscriptionStatus::DeadLetters {
+                count: stats.dead_lettered,
+            };
+        }
+        let waited = |since: DateTime<Utc>| (now - since).to_std().unwrap_or_default();
+        let no_consumer_since = match consumers {
+            Consumers::Absent { since } if waited(since) > NO_CONSUMER_AFTER => Some(since),
+            _ => None,
+        };
+        if let Some(since) = stats.oldest_unacked_at
+            && waited(since) > BEHIND_AFTER
+        {
+            return SubscriptionStatus::Behind {
+                since,
+                no_consumer_since,
+            };
+        }
+        let events = stats.lag_events();
+        if events > 0 {
+            return match no_consumer_since {
+                Some(since) => SubscriptionStatus::NoConsumer { since },
+                None => SubscriptionStatus::Delivering { events },
+            };
+        }
+        if stats.scheduled > 0 {
+            return SubscriptionStatus::ScheduledOnly {
+                count: stats.scheduled,
+                next_at: stats.next_scheduled_at,
+            };
+        }
+        SubscriptionStatus::CaughtUp
+    }
+
+    pub fn kind(&self) -> StatusKind {
+        match self {
+            SubscriptionStatus::PushStopped { .. } => StatusKind::PushStopped,
+            SubscriptionStatus::Paused { .. } => StatusKind::Paused,
+            SubscriptionStatus::DeadLetters { .. } => StatusKind::DeadLetters,
+            SubscriptionStatus::Behind { .. } => StatusKind::Behind,
+            SubscriptionStatus::NoConsumer { .. } => StatusKind::NoConsumer,
+            SubscriptionStatus::Delivering { .. } => StatusKind::Delivering,
+            SubscriptionStatus::ScheduledOnly { .. } => StatusKind::ScheduledOnly,
+            SubscriptionStatus::CaughtUp => StatusKind::CaughtUp,
+        }
+    }
+
+    /// What the status means for this subscription, in one sentence of plain text
+    /// (times in UTC): what GetStats and the CLI show next to the status.
+    pub fn detail(&self) -> String {
+        let at = |time: &DateTime<Utc>| time.format("%Y-%m-%d %H:%M:%S UTC").to_string();
+        match self {
+            SubscriptionStatus::PushStopped {
+                at: stopped,
+                reason,
+            } => format!(
+                "{reason} at {}: pushing stopped until it is resumed",
+                at(stopped)
+            ),
+            SubscriptionStatus::Paused {
+                reason,
+                since,
+                until,
+            } => {
+                let mut text = format!("paused since {}", at(since));
+                if let Some(until) = until {
+                    text.push_str(&format!(" until {}", at(until)));
+                }
+                if !reason.is_empty() {
+                    text.push_str(&format!(": {reason}"));
+                }
+                text
+            }
+            SubscriptionStatus::DeadLetters { count } => {
+                format!("{count} unresolved dead letter{}", plural(*count))
+            }
+            SubscriptionStatus::Behind {
+                since,
+                no_consumer_since,
+            } => {
+                let mut text = format!("the oldest due event has waited since {}", at(since));
+                if let Some(gone) = no_consumer_since {
+                    text.push_str(&format!(", and no consumer is attached since {}", at(gone)));
+                }
+                text
+            }
+            SubscriptionStatus::NoConsumer { since } => format!(
+                "events are due and no consumer is attached since {}",
+                at(since)
+            ),
+            SubscriptionStatus::Delivering { events } => {
+                format!("{events} event{} on the way", plural(*events))
+            }
+            SubscriptionStatus::ScheduledOnly { count, next_at } => {
+                let mut text = format!("{count} event{} scheduled", plural(*count));
+                if let Some(next) = next_at {
+                    text.push_str(&format!(", the next due at {}", at(next)));
+                }
+                text
+            }
+            SubscriptionStatus::CaughtUp => "nothing waits".to_owned(),
+        }
+    }
+}
+
+fn plural(count: u64) -> &'static str {
+    if count == 1 { "" } else { "s" }
 }
 
 /// Figures of an outbox.
@@ -271,5 +509,129 @@ impl SubscriptionSettings {
                 .metadata_match
                 .iter()
                 .all(|(key, value)| event.metadata.get(key) == Some(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Pause, PushStopped, StartPosition, Subscription};
+
+    fn subscription(now: DateTime<Utc>) -> Subscription {
+        Subscription {
+            id: 1,
+            name: SubscriptionName::parse("name", "work").unwrap(),
+            settings: SubscriptionSettings::default(),
+            sources: Vec::new(),
+            start: StartPosition::Latest,
+            expire_after_idle: None,
+            created_at: now,
+            pause: None,
+            push_secrets: Vec::new(),
+            push_stopped: None,
+            last_attached_at: now,
+        }
+    }
+
+    fn stats() -> SubscriptionStats {
+        SubscriptionStats {
+            name: SubscriptionName::parse("name", "work").unwrap(),
+            source: None,
+            pending: 0,
+            in_flight: 0,
+            awaiting_retry: 0,
+            dead_lettered: 0,
+            oldest_unacked_at: None,
+            delivered_total: 0,
+            acked_total: 0,
+            late_transactions: 0,
+            expired_total: 0,
+            scheduled: 0,
+            next_scheduled_at: None,
+        }
+    }
+
+    #[test]
+    fn each_status_outranks_the_ones_after_it() {
+        let now = Utc::now();
+        let minutes_ago = |minutes| now - chrono::Duration::minutes(minutes);
+        let gone = Consumers::Absent {
+            since: minutes_ago(5),
+        };
+        let kind = |subscription: &Subscription, stats: &SubscriptionStats, consumers| {
+            SubscriptionStatus::of(subscription, stats, consumers, now).kind()
+        };
+
+        let mut subscription = subscription(minutes_ago(10));
+        let mut stats = stats();
+        assert_eq!(kind(&subscription, &stats, gone), StatusKind::CaughtUp);
+        stats.scheduled = 3;
+        assert_eq!(kind(&subscription, &stats, gone), StatusKind::ScheduledOnly);
+        stats.pending = 2;
+        stats.oldest_unacked_at = Some(now - chrono::Duration::seconds(5));
+        assert_eq!(
+            kind(&subscription, &stats, Consumers::Attached),
+            StatusKind::Delivering
+        );
+        // A consumer gone only a moment ago may be reconnecting.
+        let just_left = Consumers::Absent {
+            since: now - chrono::Duration::seconds(5),
+        };
+        assert_eq!(
+            kind(&subscription, &stats, just_left),
+            StatusKind::Delivering
+        );
+        assert_eq!(kind(&subscription, &stats, gone), StatusKind::NoConsumer);
+        assert_eq!(
+            kind(&subscription, &stats, Consumers::Push),
+            StatusKind::Delivering
+        );
+        stats.oldest_unacked_at = Some(minutes_ago(2));
+        let behind = SubscriptionStatus::of(&subscription, &stats, gone, now);
+        assert_eq!(behind.kind(), StatusKind::Behind);
+        assert!(
+            behind.detail().contains("no consumer"),
+            "{}",
+            behind.detail()
+        );
+        stats.dead_lettered = 1;
+        assert_eq!(kind(&subscription, &stats, gone), StatusKind::DeadLetters);
+        subscription.pause = Some(Pause {
+            reason: "deploy".into(),
+            since: minutes_ago(1),
+            until: Some(now + chrono::Duration::minutes(30)),
+        });
+        let paused = SubscriptionStatus::of(&subscription, &stats, gone, now);
+        assert_eq!(paused.kind(), StatusKind::Paused);
+        assert!(paused.detail().ends_with(": deploy"), "{}", paused.detail());
+        assert!(paused.detail().contains(" until "), "{}", paused.detail());
+        // Pushing stopped outranks all; it counts only while `push` is set.
+        subscription.push_stopped = Some(PushStopped {
+            at: minutes_ago(1),
+            reason: "the endpoint answered 410 Gone".into(),
+        });
+        assert_eq!(kind(&subscription, &stats, gone), StatusKind::Paused);
+        subscription.settings.push = Some(crate::domain::PushConfig {
+            endpoint: "https://example.com/hook".parse().unwrap(),
+            headers: BTreeMap::new(),
+            format: crate::domain::PushFormat::Binary,
+            timeout: Duration::from_secs(10),
+            max_concurrency: 1,
+            rate_limit: None,
+        });
+        let stopped = SubscriptionStatus::of(&subscription, &stats, Consumers::Push, now);
+        assert_eq!(stopped.kind(), StatusKind::PushStopped);
+        assert!(
+            stopped.detail().contains("410 Gone"),
+            "{}",
+            stopped.detail()
+        );
+        // A pause that has ended is no pause.
+        subscription.push_stopped = None;
+        subscription.pause.as_mut().unwrap().until = Some(minutes_ago(0));
+        assert_eq!(
+            kind(&subscription, &stats, Consumers::Push),
+            StatusKind::DeadLetters
+        );
     }
 }

@@ -232,6 +232,9 @@ pub struct Subscription {
     /// Set when pushing stopped (410 Gone) until an administrator resumes it
     /// (ResumeSubscription, or setting `push` again).
     pub push_stopped: Option<PushStopped>,
+    /// When a gateway last recorded a Subscribe stream attached to it (every
+    /// [`ATTACHED_HEARTBEAT`] while one is); its creation time until then.
+    pub last_attached_at: DateTime<Utc>,
 }
 
 /// Longest pause reason kept.

@@ -118,16 +118,13 @@ impl Store {
         rows.iter().map(subscription_from_row).collect()
     }
 
-    /// Records that streams are attached to these subscriptions now (only those that can
-    /// expire need it).
+    /// Records that streams are attached to these subscriptions now: idle ones expire by
+    /// it, and an operator's view tells from it whether a subscription has a consumer.
     pub async fn touch_attached(&self, subscription_ids: &[i64]) -> Result<()> {
-        sqlx::query(
-            "UPDATE outbox_subscriptions SET last_attached_at = now() \
-             WHERE id = ANY ($1) AND expire_after_idle_ms IS NOT NULL",
-        )
-        .bind(subscription_ids)
-        .execute(&self.pool)
-        .await?;
+        sqlx::query("UPDATE outbox_subscriptions SET last_attached_at = now() WHERE id = ANY ($1)")
+            .bind(subscription_ids)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
@@ -483,6 +480,7 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             }),
             None => None,
         },
+        last_attached_at: row.try_get("last_attached_at")?,
     })
 }
 

@@ -108,6 +108,17 @@ async function main() {
     await watch(page, "dead_lettered", true, expectedDead, "dead letters did not appear on the overview");
     const shownTime = await page.$eval("time[data-relative]", (element) => element.getAttribute("data-ago"));
     if (!/ago|just now/.test(shownTime || "")) throw new Error(`times are not shown relative: ${shownTime}`);
+    // One status per subscription, in the words of GetStats and the CLI.
+    await page.waitForFunction(
+      (name) => {
+        const badge = document.querySelector(`tr[data-subscription="${name}"] [data-status]`);
+        return badge !== null && badge.getAttribute("data-status") === "dead letters";
+      },
+      subscription,
+      { timeout: WAIT, polling: 250 }
+    );
+    const firstRow = await page.$eval("tr[data-subscription]", (row) => row.getAttribute("data-subscription"));
+    if (firstRow !== subscription) throw new Error(`${firstRow} is listed above ${subscription}, which has dead letters`);
     step("dead letters appeared", { dead_lettered: await figure(page, "dead_lettered") });
     await page.evaluate(() => document.activeElement && document.activeElement.blur());
     await page.screenshot({ path: path.join(screenshots, "console-overview.png"), fullPage: true });
@@ -163,6 +174,15 @@ async function main() {
       await page.goto(`${base}${target}`);
       const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
       if (overflow > 1) throw new Error(`${target} is ${overflow} px wider than a phone`);
+    }
+    // The per-event Requeue stays on screen, not past the right edge of a wide table.
+    await page.goto(`${base}/events/${eventId}`);
+    const requeue = page.locator(`tr[data-subscription="${subscription}"] button`, { hasText: "Requeue" });
+    await requeue.scrollIntoViewIfNeeded();
+    const box = await requeue.boundingBox();
+    const width = await page.evaluate(() => window.innerWidth);
+    if (box === null || box.x < 0 || box.x + box.width > width) {
+      throw new Error(`Requeue is off screen at phone width: ${JSON.stringify(box)} in ${width} px`);
     }
     await page.goto(`${base}/`);
     await page.screenshot({ path: path.join(screenshots, "console-phone.png"), fullPage: true });

@@ -2,6 +2,10 @@
 -- filters as a claim. $1 subscription id, $2/$3 cursor, $4 event-type regex,
 -- $5 aggregate types, $6 metadata match (NULL: all), $7 not_before, $8 pending
 -- transaction ids, $9 the position up to which each one's rows were taken.
+-- An event whose deliver_at is still ahead is scheduled, not pending: it is counted in
+-- `scheduled` only, and the oldest unacked event is the one longest due (since its
+-- creation, or its deliver_at when later), as an operator's lag is how long events wait
+-- once they may go out.
 WITH pending AS (
     SELECT p.xact_id, p.taken,
            pg_visible_in_snapshot(p.xact_id::text::xid8, pg_current_snapshot()) AS finished
@@ -38,7 +42,10 @@ records AS (
                AS next_scheduled,
            count(*) FILTER (WHERE d.state = 'waiting') AS waiting,
            count(*) FILTER (WHERE d.state = 'dead' AND d.resolved_at IS NULL) AS dead_lettered,
-           min(e.created_at) FILTER (WHERE d.state <> 'dead') AS oldest_record
+           min(GREATEST(e.created_at, e.deliver_at))
+               FILTER (WHERE d.state <> 'dead'
+                         AND NOT (d.state = 'retry' AND d.attempt = 0 AND d.due_at > now()))
+               AS oldest_record
     FROM outbox_deliveries d
     JOIN outbox_events e ON e.position = d.position
     WHERE d.subscription_id = $1
@@ -49,9 +56,12 @@ totals AS (
     FROM outbox_subscription_counters
     WHERE subscription_id = $1
 )
-SELECT (SELECT count(*) FROM not_handed_out) + r.waiting + r.scheduled AS pending,
+SELECT (SELECT count(*) FROM not_handed_out
+        WHERE deliver_at IS NULL OR deliver_at <= now()) + r.waiting AS pending,
        r.in_flight, r.awaiting_retry, r.dead_lettered,
-       LEAST(r.oldest_record, (SELECT min(created_at) FROM not_handed_out)) AS oldest_unacked,
+       LEAST(r.oldest_record,
+             (SELECT min(GREATEST(created_at, deliver_at)) FROM not_handed_out
+              WHERE deliver_at IS NULL OR deliver_at <= now())) AS oldest_unacked,
        t.delivered, t.acked, t.expired,
        (SELECT count(*) FROM pending WHERE finished) AS late_transactions,
        r.scheduled + (SELECT count(*) FROM not_handed_out WHERE deliver_at > now()) AS scheduled,
