@@ -1391,6 +1391,30 @@ async fn a_wrong_port_and_a_missing_token_say_what_to_do() {
         http.stderr
     );
 
+    // An HTTP/1 server only, as the metrics endpoint is: it answers the HTTP/2 preface
+    // with 400 and hangs up.
+    let http1 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http1_address = http1.local_addr().unwrap().to_string();
+    let _served = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        while let Ok((mut connection, _)) = http1.accept().await {
+            let mut request = [0u8; 1024];
+            let _ = connection.read(&mut request).await;
+            let _ = connection
+                .write_all(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n")
+                .await;
+        }
+    });
+    let metrics_like = cli_with_input(&http1_address, &["stats"], None).await;
+    assert!(
+        !metrics_like.success
+            && metrics_like
+                .stderr
+                .contains("that port speaks HTTP, not gRPC: is it --listen (default 50051)?"),
+        "{}",
+        metrics_like.stderr
+    );
+
     let anonymous = cli(&gateway, &["stats"]).await;
     assert!(!anonymous.success);
     for hint in ["--token", "OUTBOX_TOKEN", "context"] {
