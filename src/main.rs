@@ -56,7 +56,11 @@ struct MigrateArgs {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let result = match Cli::parse().command {
+    let command = Cli::parse().command;
+    if !matches!(command, Command::Serve(_) | Command::Migrate(_)) {
+        cli::exit_quietly_on_closed_stdout();
+    }
+    let result = match command {
         Command::Serve(settings) => match load_config(settings) {
             Ok(config) => serve(config).await,
             Err(code) => return code,
@@ -75,7 +79,13 @@ async fn main() -> ExitCode {
             }
             Err(code) => return code,
         },
-        Command::Client(command) => cli::run(command).await,
+        Command::Client(command) => match cli::run(command).await {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                eprintln!("outbox-gateway: {}", error.message());
+                return ExitCode::from(error.exit_code());
+            }
+        },
         Command::Token(command) => cli::token(command),
         Command::Context(command) => cli::context::run(command),
     };

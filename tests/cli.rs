@@ -11,6 +11,8 @@ use tokio::{io::AsyncWriteExt, process::Command};
 /// Output of one CLI run.
 struct Run {
     success: bool,
+    /// The exit code; `None` when a signal ended the process.
+    code: Option<i32>,
     stdout: String,
     stderr: String,
 }
@@ -61,6 +63,7 @@ async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> R
     let output = child.wait_with_output().await.expect("CLI output");
     Run {
         success: output.status.success(),
+        code: output.status.code(),
         stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
@@ -603,6 +606,8 @@ async fn every_flag_has_help_and_migrate_lists_only_its_own() {
         &["dlq", "list"],
         &["dlq", "requeue"],
         &["dlq", "resolve"],
+        &["dlq", "summarize"],
+        &["events", "get"],
         &["requeue"],
         &["stats"],
         &["publish"],
@@ -818,9 +823,8 @@ async fn pull_takes_prints_and_settles_deliveries() {
     .await
     .json_lines();
     assert_eq!(aggregates(&dead), ["o-3"]);
-    // Released deliveries come again (a pull's stream may also have leased o-3 while
-    // the acks of the first pull were under way).
-    assert!(dead[0]["attempt"].as_u64() >= Some(2), "{dead:?}");
+    // Released deliveries come again, their release counted as an attempt.
+    assert_eq!(dead[0]["attempt"].as_u64(), Some(2), "{dead:?}");
     let letters = cli(&gateway, &["dlq", "list", "orders", "--json"])
         .await
         .json();
@@ -886,6 +890,7 @@ async fn cli_in(config_home: &std::path::Path, args: &[&str], env: &[(&str, &str
     let output = command.output().await.expect("run the CLI");
     Run {
         success: output.status.success(),
+        code: output.status.code(),
         stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
@@ -1149,4 +1154,472 @@ async fn text_output_tells_the_status_the_pause_and_scheduled_events() {
         .unwrap_or_default();
     assert!(notice.contains("work is paused"), "{notice}");
     tail.kill().await.expect("stop tail");
+}
+
+/// Stats of one subscription, straight from the gateway.
+async fn stats_of(gateway: &TestGateway, name: &str) -> outbox_gateway::proto::SubscriptionStats {
+    gateway
+        .admin()
+        .await
+        .get_stats(outbox_gateway::proto::GetStatsRequest {
+            subscription: name.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .subscriptions
+        .remove(0)
+}
+
+#[tokio::test]
+async fn pull_leases_no_more_than_it_prints() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        (1..=8)
+            .map(|n| event(&format!("o-{n}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    // Each pull acks what it took while its stream is still open. A stream that leased
+    // again once those acks freed its room would take the next event and give it back
+    // on closing, and that event's next delivery would be its second attempt.
+    let mut attempts = Vec::new();
+    for _ in 0..4 {
+        let pulled = cli(
+            &gateway,
+            &["pull", "orders", "--max", "2", "--ack", "--json"],
+        )
+        .await
+        .json_lines();
+        assert_eq!(pulled.len(), 2, "{pulled:?}");
+        attempts.extend(pulled.iter().map(|line| line["attempt"].as_u64()));
+    }
+    assert_eq!(attempts, [Some(1); 8]);
+    let stats = stats_of(&gateway, "orders").await;
+    assert_eq!((stats.delivered_total, stats.acked_total), (8, 8));
+}
+
+/// Runs the CLI with its standard output a pipe whose reader is already gone, like
+/// `outbox-gateway stats | head -0`; returns its exit code and standard error.
+async fn into_closed_pipe(endpoint: &str, args: &[&str]) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(args)
+        .env("OUTBOX_ENDPOINT", endpoint)
+        .env(
+            "XDG_CONFIG_HOME",
+            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+        )
+        .env_remove("OUTBOX_CONTEXT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run the CLI");
+    drop(child.stdout.take());
+    let output = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .expect("the CLI exits")
+        .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn table_commands_exit_quietly_into_a_closed_pipe() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    for command in [
+        &["stats"][..],
+        &["stats", "--json"],
+        &["subscriptions", "list"],
+        &["subscriptions", "get", "orders"],
+        &["dlq", "list", "orders"],
+        &["sources"],
+        &["health"],
+        &["token", "generate"],
+    ] {
+        let (code, stderr) = into_closed_pipe(&gateway.endpoint(), command).await;
+        assert_eq!(code, Some(0), "{command:?}: {stderr}");
+        assert_eq!(stderr, "", "{command:?}");
+    }
+}
+
+#[tokio::test]
+async fn settings_clear_from_the_command_line_and_unchangeable_ones_are_named() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let created = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "orders",
+            "--event-type",
+            "order.*",
+            "--aggregate-type",
+            "order",
+            "--metadata",
+            "tenant=acme",
+            "--persistent-event-type",
+            "order.paid",
+            "--max-event-age",
+            "1h",
+            "--source",
+            "default",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(created["sources"], serde_json::json!(["default"]));
+    assert_eq!(created["max_event_age"], "1h");
+
+    let cleared = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "orders",
+            "--clear-event-types",
+            "--clear-aggregate-types",
+            "--clear-metadata",
+            "--clear-persistent-event-types",
+            "--no-max-event-age",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(
+        (
+            &cleared["event_types"],
+            &cleared["aggregate_types"],
+            &cleared["metadata_match"],
+            &cleared["persistent_event_types"],
+            &cleared["max_event_age"],
+        ),
+        (
+            &serde_json::json!([]),
+            &serde_json::json!([]),
+            &serde_json::json!({}),
+            &serde_json::json!([]),
+            &Value::Null,
+        )
+    );
+
+    // A setting and its clearing at once is a usage error.
+    let both = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "orders",
+            "--metadata",
+            "tenant=acme",
+            "--clear-metadata",
+        ],
+    )
+    .await;
+    assert_eq!(both.code, Some(2), "{}", both.stderr);
+
+    for (flag, named) in [
+        (&["--ordered"][..], "ordered"),
+        (&["--source", "default"], "sources"),
+    ] {
+        let mut args = vec!["subscriptions", "update", "orders"];
+        args.extend_from_slice(flag);
+        let refused = cli(&gateway, &args).await;
+        assert_eq!(refused.code, Some(2), "{flag:?}: {}", refused.stderr);
+        assert!(
+            refused.stderr.contains(named)
+                && refused.stderr.contains("cannot change")
+                && !refused.stderr.contains("tip:"),
+            "{flag:?}: {}",
+            refused.stderr
+        );
+    }
+}
+
+/// Dead-letters events of `orders` with the reasons given, in order; returns their ids.
+async fn dead_letter_all(gateway: &TestGateway, reasons: &[&str]) -> Vec<String> {
+    let mut consumer = Consumer::open(gateway, "orders", 0).await;
+    let mut ids = Vec::new();
+    for reason in reasons {
+        let delivery = consumer
+            .next(std::time::Duration::from_secs(10))
+            .await
+            .expect("a delivery");
+        ids.push(delivery.event.as_ref().unwrap().id.clone());
+        nack(
+            gateway,
+            outbox_gateway::proto::NackRequest {
+                subscription: "orders".into(),
+                ack_id: delivery.ack_id,
+                reason: (*reason).into(),
+                dead_letter: true,
+                ..Default::default()
+            },
+        )
+        .await;
+    }
+    ids
+}
+
+#[tokio::test]
+async fn dead_letters_resolve_in_bulk_and_summarize_and_events_show_where_they_stand() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    create_subscription(
+        &gateway,
+        outbox_gateway::proto::Subscription {
+            event_types: vec!["invoice.*".into()],
+            ..subscription("invoices")
+        },
+    )
+    .await;
+    publish(
+        &gateway,
+        vec![
+            event("o-1", "order.created"),
+            event("o-2", "order.created"),
+            event("o-3", "order.paid"),
+        ],
+    )
+    .await;
+    let ids = dead_letter_all(&gateway, &["bad data", "bad data", "timeout"]).await;
+
+    let summary = cli(&gateway, &["dlq", "summarize", "orders"]).await;
+    assert!(summary.success, "{}", summary.stderr);
+    let bad_data = summary
+        .stdout
+        .lines()
+        .find(|line| line.contains("bad data"))
+        .unwrap_or_else(|| panic!("{}", summary.stdout));
+    assert!(
+        bad_data.split_whitespace().any(|word| word == "2"),
+        "{bad_data}"
+    );
+    let groups = cli(&gateway, &["dlq", "summarize", "orders", "--json"])
+        .await
+        .json();
+    assert_eq!(
+        (
+            groups["groups"][0]["last_error"].as_str(),
+            groups["groups"][0]["count"].as_u64(),
+            groups["groups"][1]["last_error"].as_str(),
+        ),
+        (Some("bad data"), Some(2), Some("timeout"))
+    );
+
+    let event = cli(&gateway, &["events", "get", &ids[2], "--json"])
+        .await
+        .json();
+    assert_eq!(event["event"]["event_type"], "order.paid");
+    let states: Vec<(&str, &str)> = event["subscriptions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| {
+            (
+                entry["subscription"].as_str().unwrap(),
+                entry["state"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(states, [("invoices", "not_matched"), ("orders", "dead")]);
+    let text = cli(&gateway, &["events", "get", &ids[2]]).await;
+    assert!(
+        text.success && text.stdout.contains("order.paid") && text.stdout.contains("timeout"),
+        "{} {}",
+        text.stdout,
+        text.stderr
+    );
+    let missing = cli(
+        &gateway,
+        &["events", "get", &uuid::Uuid::new_v4().to_string()],
+    )
+    .await;
+    assert!(
+        !missing.success && missing.stderr.contains("not found"),
+        "{}",
+        missing.stderr
+    );
+
+    let no_selector = cli(&gateway, &["dlq", "resolve", "orders", "--by", "ops"]).await;
+    assert_eq!(no_selector.code, Some(2), "{}", no_selector.stderr);
+    assert!(
+        no_selector.stderr.contains("--id") && no_selector.stderr.contains("--all"),
+        "{}",
+        no_selector.stderr
+    );
+    let everything = cli(
+        &gateway,
+        &["dlq", "resolve", "orders", "--all", "--by", "ops"],
+    )
+    .await;
+    assert!(
+        !everything.success && everything.stderr.contains("--yes"),
+        "{}",
+        everything.stderr
+    );
+    let by_error = cli(
+        &gateway,
+        &[
+            "dlq",
+            "resolve",
+            "orders",
+            "--last-error",
+            "bad data",
+            "--by",
+            "ops",
+            "--notes",
+            "fixed upstream",
+        ],
+    )
+    .await;
+    assert!(by_error.success, "{}", by_error.stderr);
+    assert_eq!(by_error.stdout.trim(), "resolved 2 dead letters");
+    let by_id = cli(
+        &gateway,
+        &[
+            "dlq", "resolve", "orders", "--id", &ids[2], "--by", "ops", "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(by_id["resolved_count"], 1);
+    assert_eq!(stats_of(&gateway, "orders").await.dead_lettered, 0);
+}
+
+#[tokio::test]
+async fn a_wrong_port_and_a_missing_token_say_what_to_do() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.tokens = vec![outbox_gateway::auth::TokenConfig {
+        name: "ops".into(),
+        sha256: outbox_gateway::auth::token_digest("ops-secret"),
+        roles: vec![outbox_gateway::auth::Role::Admin],
+        event_types: Vec::new(),
+        aggregate_types: Vec::new(),
+        subscriptions: Vec::new(),
+        sources: Vec::new(),
+    }];
+    let gateway = TestGateway::start_with_console(&database, config).await;
+    let console = gateway.console.expect("a console").to_string();
+
+    let http = cli_with_input(&console, &["stats"], None).await;
+    assert!(!http.success);
+    assert!(
+        http.stderr
+            .contains("that port speaks HTTP, not gRPC: is it --listen (default 50051)?"),
+        "{}",
+        http.stderr
+    );
+
+    // An HTTP/1 server only, as the metrics endpoint is: it answers the HTTP/2 preface
+    // with 400 and hangs up.
+    let http1 = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http1_address = http1.local_addr().unwrap().to_string();
+    let _served = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        while let Ok((mut connection, _)) = http1.accept().await {
+            let mut request = [0u8; 1024];
+            let _ = connection.read(&mut request).await;
+            let _ = connection
+                .write_all(b"HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n")
+                .await;
+        }
+    });
+    let metrics_like = cli_with_input(&http1_address, &["stats"], None).await;
+    assert!(
+        !metrics_like.success
+            && metrics_like
+                .stderr
+                .contains("that port speaks HTTP, not gRPC: is it --listen (default 50051)?"),
+        "{}",
+        metrics_like.stderr
+    );
+
+    let anonymous = cli(&gateway, &["stats"]).await;
+    assert!(!anonymous.success);
+    for hint in ["--token", "OUTBOX_TOKEN", "context"] {
+        assert!(
+            anonymous.stderr.contains(hint),
+            "{hint}: {}",
+            anonymous.stderr
+        );
+    }
+    let with_token = cli(&gateway, &["stats", "--token", "ops-secret"]).await;
+    assert!(with_token.success, "{}", with_token.stderr);
+
+    // A selected context holds the token, but --endpoint names the gateway: the context
+    // is not used, and the answer says so.
+    let home = std::env::temp_dir().join(format!("outbox-contexts-{}", uuid::Uuid::new_v4()));
+    let saved = cli_in(
+        &home,
+        &[
+            "context",
+            "save",
+            "prod",
+            "--endpoint",
+            &gateway.endpoint(),
+            "--token",
+            "ops-secret",
+            "--select",
+        ],
+        &[],
+    )
+    .await;
+    assert!(saved.success, "{}", saved.stderr);
+    let bypassed = cli_in(&home, &["stats", "--endpoint", &gateway.endpoint()], &[]).await;
+    assert!(!bypassed.success);
+    assert!(
+        bypassed.stderr.contains("context \"prod\"")
+            && bypassed.stderr.contains("--endpoint")
+            && bypassed.stderr.contains("--context prod"),
+        "{}",
+        bypassed.stderr
+    );
+    let _ = std::fs::remove_dir_all(&home);
+}
+
+#[tokio::test]
+async fn token_generate_takes_roles() {
+    let generated = cli_with_input(
+        "http://127.0.0.1:1",
+        &[
+            "token", "generate", "--name", "ops", "--role", "admin", "--role", "viewer",
+        ],
+        None,
+    )
+    .await;
+    assert!(generated.success, "{}", generated.stderr);
+    assert!(
+        generated.stdout.contains("roles = [\"admin\", \"viewer\"]"),
+        "{}",
+        generated.stdout
+    );
+    let json = cli_with_input(
+        "http://127.0.0.1:1",
+        &["token", "generate", "--role", "subscriber", "--json"],
+        None,
+    )
+    .await
+    .json();
+    assert_eq!(json["roles"], serde_json::json!(["subscriber"]));
+    let unknown = cli_with_input(
+        "http://127.0.0.1:1",
+        &["token", "generate", "--role", "root"],
+        None,
+    )
+    .await;
+    assert_eq!(unknown.code, Some(2), "{}", unknown.stderr);
 }

@@ -49,6 +49,7 @@ async fn open_stream(
             subscription: subscription.into(),
             max_in_flight,
             max_in_flight_bytes,
+            ..Default::default()
         })
         .await
         .expect("subscribe")
@@ -118,6 +119,7 @@ async fn a_byte_limit_beyond_the_gateways_is_refused() {
             subscription: "orders".into(),
             max_in_flight: 0,
             max_in_flight_bytes: u64::MAX,
+            ..Default::default()
         })
         .await;
     assert_status(refused, Code::InvalidArgument, "max_in_flight_bytes");
@@ -151,6 +153,7 @@ async fn streams_that_never_read_cannot_hold_the_gateways_memory_or_starve_reade
                 subscription: "stalled".into(),
                 max_in_flight: 1000,
                 max_in_flight_bytes: 64 * 1024 * 1024,
+                ..Default::default()
             })
             .await
             .unwrap()
@@ -271,6 +274,7 @@ async fn streams_that_never_read_hold_at_most_the_budget_and_two_deliveries_each
                 subscription: "stalled".into(),
                 max_in_flight: 1000,
                 max_in_flight_bytes: 64 * 1024 * 1024,
+                ..Default::default()
             })
             .await
             .unwrap()

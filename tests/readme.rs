@@ -303,3 +303,72 @@ async fn the_several_databases_walk_through_works_as_written() {
         "{last_output}"
     );
 }
+
+/// The files the README's commands write, by name: the targets of `>` redirections in
+/// shell blocks and the files TOML blocks name on their first line.
+fn files_the_readme_writes() -> BTreeSet<String> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("read README.md");
+    let mut files = BTreeSet::new();
+    for (index, block) in readme.split("```").enumerate() {
+        // Odd pieces are inside fences, starting with the language.
+        if index % 2 == 0 {
+            continue;
+        }
+        let (language, body) = block.split_once('\n').unwrap_or((block, ""));
+        match language.trim() {
+            "toml" => {
+                if let Some(file) = body.lines().next().and_then(|line| line.strip_prefix("# ")) {
+                    files.insert(file.trim().to_owned());
+                }
+            }
+            "sh" => {
+                let words: Vec<&str> = body.split_whitespace().collect();
+                for pair in words.windows(2) {
+                    if pair[0] == ">" || pair[0] == ">>" {
+                        files.insert(pair[1].trim_end_matches([';', '&']).to_owned());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    files.retain(|file| !file.starts_with('/') && !file.starts_with('$') && !file.starts_with('&'));
+    files
+}
+
+#[test]
+fn the_install_is_locked_and_lean_and_the_walk_throughs_leave_nothing_to_commit() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("read README.md");
+    assert!(
+        readme.contains("cargo install --locked --path ."),
+        "the README installs with the versions of Cargo.lock"
+    );
+    let manifest: toml::Table = std::fs::read_to_string(root.join("Cargo.toml"))
+        .expect("read Cargo.toml")
+        .parse()
+        .expect("Cargo.toml parses");
+    let debug = manifest["profile"]["release"].get("debug");
+    assert!(
+        matches!(
+            debug.and_then(|debug| debug.as_str()),
+            Some("line-tables-only" | "none")
+        ) || debug
+            .is_none_or(|debug| debug.as_bool() == Some(false) || debug.as_integer() == Some(0)),
+        "the installed binary carries line tables at most: {debug:?}"
+    );
+    let files = files_the_readme_writes();
+    assert!(files.contains("deliveries.json"), "{files:?}");
+    for file in files {
+        let ignored = std::process::Command::new("git")
+            .args(["check-ignore", "--quiet", "--no-index", &file])
+            .current_dir(root)
+            .status()
+            .expect("run git");
+        assert!(
+            ignored.success(),
+            "{file}, which the README's commands write, is not in .gitignore"
+        );
+    }
+}

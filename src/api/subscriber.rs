@@ -43,7 +43,12 @@ impl SubscriberService for SubscriberApi {
         principal.check_subscription(&name)?;
         let stream = self
             .relay
-            .subscribe(&name, request.max_in_flight, request.max_in_flight_bytes)
+            .subscribe(
+                &name,
+                request.max_in_flight,
+                request.max_in_flight_bytes,
+                request.max_deliveries,
+            )
             .await?;
         let stream = stream.map(|item| item.map(convert::delivery).map_err(Status::from));
         Ok(Response::new(Box::pin(stream)))

@@ -5,7 +5,12 @@
 pub mod context;
 mod render;
 
-use std::{collections::HashMap, io::BufRead, time::Duration};
+use std::{
+    collections::HashMap,
+    io::BufRead,
+    sync::atomic::{AtomicU8, Ordering},
+    time::Duration,
+};
 
 use outbox_client::{
     ClientError, Connection, GatewayChannel,
@@ -49,6 +54,55 @@ pub struct Target {
     pub key: Option<std::path::PathBuf>,
 }
 
+/// Why a client command failed, and the exit code that says so.
+#[derive(Debug)]
+pub enum CliError {
+    /// The command line asks for something the command cannot do (exit code 2, as for
+    /// the usage errors clap finds).
+    Usage(String),
+    /// The gateway could not be reached or refused the call, or the work failed (1).
+    Failed(String),
+}
+
+impl CliError {
+    pub fn message(&self) -> &str {
+        match self {
+            CliError::Usage(message) | CliError::Failed(message) => message,
+        }
+    }
+
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(_) => 2,
+            CliError::Failed(_) => 1,
+        }
+    }
+}
+
+impl From<String> for CliError {
+    fn from(message: String) -> Self {
+        CliError::Failed(message)
+    }
+}
+
+/// A usage error: the command line asks for something the command cannot do.
+fn usage(message: impl Into<String>) -> CliError {
+    CliError::Usage(message.into())
+}
+
+/// What [`describe`] or [`explain_connect_failure`] noticed about a failure that only the
+/// command's [`Target`] can explain further (one command runs per process).
+static NOTICED: AtomicU8 = AtomicU8::new(NOTICED_NOTHING);
+const NOTICED_NOTHING: u8 = 0;
+/// The answer was not gRPC: maybe the endpoint is another port of the gateway.
+const NOTICED_NOT_GRPC: u8 = 1;
+/// The gateway asked for a token.
+const NOTICED_UNAUTHENTICATED: u8 = 2;
+
+fn notice(what: u8) {
+    NOTICED.store(what, Ordering::Relaxed);
+}
+
 /// The connection settings of a command: its flags and environment over its context.
 struct Resolved {
     endpoint: String,
@@ -62,6 +116,42 @@ struct Resolved {
 const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:50051";
 
 impl Target {
+    /// The selected context this command does not use because --endpoint (or
+    /// OUTBOX_ENDPOINT) names the gateway.
+    fn bypassed_context(&self) -> Option<String> {
+        if self.context.is_some() || self.endpoint.is_none() {
+            return None;
+        }
+        context::load().ok()?.current
+    }
+
+    /// A failed command's message, with what only the command's settings can add: that
+    /// the endpoint speaks HTTP, not gRPC; that a selected context was left unused.
+    async fn explain(&self, message: String) -> String {
+        match NOTICED.load(Ordering::Relaxed) {
+            NOTICED_NOT_GRPC => {
+                let Ok(resolved) = self.resolve() else {
+                    return message;
+                };
+                let endpoint = endpoint_url(&resolved);
+                if speaks_http1(&endpoint, self.timeout).await {
+                    format!(
+                        "cannot use {endpoint}: that port speaks HTTP, not gRPC: is it --listen (default 50051)? The metrics and the console listen on ports of their own"
+                    )
+                } else {
+                    message
+                }
+            }
+            NOTICED_UNAUTHENTICATED => match self.bypassed_context() {
+                Some(name) => format!(
+                    "{message}; the selected context {name:?} was not used because --endpoint (or OUTBOX_ENDPOINT) was given: add --context {name} to use it"
+                ),
+                None => message,
+            },
+            _ => message,
+        }
+    }
+
     fn resolve(&self) -> Result<Resolved, String> {
         let saved = match (&self.context, &self.endpoint) {
             (Some(name), _) => context::chosen(Some(name))?,
@@ -147,6 +237,29 @@ fn endpoint_url(resolved: &Resolved) -> String {
     format!("{scheme}://{}", resolved.endpoint)
 }
 
+/// Whether the server at a plain `http://` endpoint answers an HTTP/1.1 request: the
+/// gateway's metrics and console ports do, its gRPC port (HTTP/2 only) does not.
+async fn speaks_http1(endpoint: &str, timeout: Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rest) = endpoint.strip_prefix("http://") else {
+        return false;
+    };
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect(authority).await.ok()?;
+        let request = format!("HEAD / HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut answer = [0u8; 7];
+        stream.read_exact(&mut answer).await.ok()?;
+        Some(&answer == b"HTTP/1.")
+    };
+    tokio::time::timeout(timeout.min(Duration::from_secs(5)), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
 /// Says in a few words why a connection failed, from the transport error's causes.
 fn explain_connect_failure(
     error: &(dyn std::error::Error + 'static),
@@ -200,6 +313,7 @@ fn explain_connect_failure(
         );
     }
     if !tls {
+        notice(NOTICED_NOT_GRPC);
         return format!(
             "the connection failed during the HTTP/2 handshake ({}); if the gateway serves TLS, use https:// in --endpoint (and --ca)",
             causes.last().cloned().unwrap_or_default()
@@ -251,6 +365,20 @@ fn describe(status: Status) -> String {
     let hung_up = status.message().contains("h2 protocol error")
         || (status.code() == Code::Unknown && status.message() == "transport error")
         || (status.code() == Code::Cancelled && status.message() == "operation was canceled");
+    // What a gRPC client makes of an HTTP server's answer, such as the console's 404 page.
+    let not_grpc = status
+        .message()
+        .contains("while receiving response with status")
+        || status.message().contains("mapped from HTTP status code");
+    if hung_up || not_grpc {
+        notice(NOTICED_NOT_GRPC);
+    }
+    if not_grpc {
+        return format!(
+            "the answer is not gRPC ({}): is --endpoint the gateway's gRPC address?",
+            status.message()
+        );
+    }
     if hung_up {
         return format!(
             "the gateway hung up ({}): if it serves TLS, use https:// in --endpoint (and --ca)",
@@ -259,6 +387,13 @@ fn describe(status: Status) -> String {
     }
     match status.code() {
         Code::Unavailable => format!("gateway unavailable: {}", status.message()),
+        Code::Unauthenticated => {
+            notice(NOTICED_UNAUTHENTICATED);
+            format!(
+                "unauthenticated: {}; pass --token, set OUTBOX_TOKEN, or use a context that holds one (outbox-gateway context save NAME --token ...)",
+                status.message()
+            )
+        }
         code => format!("{}: {}", code_name(code), status.message()),
     }
 }
@@ -286,12 +421,19 @@ pub enum ClientCommand {
         #[command(subcommand)]
         command: SubscriptionCommand,
     },
-    /// List, requeue or resolve a subscription's dead letters.
+    /// List, summarize, requeue or resolve a subscription's dead letters.
     Dlq {
         #[command(flatten)]
         target: Target,
         #[command(subcommand)]
         command: DeadLetterCommand,
+    },
+    /// Show an event and where it stands on every subscription.
+    Events {
+        #[command(flatten)]
+        target: Target,
+        #[command(subcommand)]
+        command: EventCommand,
     },
     /// Make one event deliverable again: by id, or the latest of an aggregate.
     Requeue {
@@ -428,6 +570,45 @@ impl SubscriptionSettingsArgs {
     }
 }
 
+/// `subscriptions update` flags that take a setting back to "none", where the field
+/// mask allows it. The other settings (ack deadline, attempts, backoff) always have a
+/// value: give the one wanted.
+#[derive(Debug, clap::Args)]
+pub struct ClearArgs {
+    /// Match every event type again (drop the --event-type patterns).
+    #[arg(long, conflicts_with = "event_types")]
+    clear_event_types: bool,
+    /// Match every aggregate type again.
+    #[arg(long, conflicts_with = "aggregate_types")]
+    clear_aggregate_types: bool,
+    /// Drop the metadata the events must match.
+    #[arg(long, conflicts_with = "metadata_match")]
+    clear_metadata: bool,
+    /// Let every event type dead-letter again.
+    #[arg(long, conflicts_with = "persistent_event_types")]
+    clear_persistent_event_types: bool,
+    /// Let events of any age be delivered again (drop --max-event-age).
+    #[arg(long, conflicts_with = "max_event_age")]
+    no_max_event_age: bool,
+}
+
+impl ClearArgs {
+    /// The update-mask paths of the settings to clear: sent empty, they clear.
+    fn paths(&self) -> Vec<String> {
+        [
+            ("event_types", self.clear_event_types),
+            ("aggregate_types", self.clear_aggregate_types),
+            ("metadata_match", self.clear_metadata),
+            ("persistent_event_types", self.clear_persistent_event_types),
+            ("max_event_age", self.no_max_event_age),
+        ]
+        .into_iter()
+        .filter(|(_, clear)| *clear)
+        .map(|(path, _)| path.to_owned())
+        .collect()
+    }
+}
+
 /// Push delivery settings of `subscriptions create` and `update`.
 #[derive(Debug, clap::Args)]
 pub struct PushArgs {
@@ -496,6 +677,10 @@ pub enum SubscriptionCommand {
         /// least 10s), e.g. 1h.
         #[arg(long, value_parser = humantime::parse_duration)]
         expire_after_idle: Option<Duration>,
+        /// Read only this source database (`default`, or a `[[sources]]` name);
+        /// repeatable. Every source, including ones added later, when omitted.
+        #[arg(long = "source", value_name = "NAME")]
+        sources: Vec<String>,
         #[command(flatten)]
         push: PushArgs,
     },
@@ -519,6 +704,14 @@ pub enum SubscriptionCommand {
         /// Stop pushing: consumers read the subscription with Subscribe again.
         #[arg(long, conflicts_with = "push_endpoint")]
         pull: bool,
+        #[command(flatten)]
+        clear: ClearArgs,
+        /// Refused: ordering is chosen at creation (accepted here only to say so).
+        #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+        ordered: Option<bool>,
+        /// Refused: the sources are chosen at creation (accepted here only to say so).
+        #[arg(long = "source", hide = true, value_name = "NAME")]
+        sources: Vec<String>,
     },
     /// Give a push subscription a new signing secret (printed once); the previous one
     /// keeps signing beside it for --keep-previous-for.
@@ -589,44 +782,139 @@ pub enum DeadLetterCommand {
         #[arg(long, default_value = "")]
         source: String,
     },
-    /// Send dead letters back for delivery, attempts reset.
-    Requeue {
+    /// A subscription's unresolved dead letters grouped by last error, largest group
+    /// first.
+    Summarize {
         /// The subscription.
         subscription: String,
-        /// Event id; repeatable.
-        #[arg(long = "id")]
-        ids: Vec<String>,
-        /// Event-type pattern; repeatable.
-        #[arg(long = "event-type")]
-        event_types: Vec<String>,
-        /// Only dead letters dead-lettered before this RFC 3339 time.
-        #[arg(long, value_parser = parse_time)]
-        before: Option<prost_types::Timestamp>,
-        /// Requeue every unresolved dead letter (asks first).
-        #[arg(long)]
-        all: bool,
         /// Only this source database (`default`, or a `[[sources]]` name); every source
         /// when omitted.
         #[arg(long, default_value = "")]
         source: String,
-        /// Do not ask for confirmation (for scripts).
-        #[arg(long, short = 'y')]
-        yes: bool,
     },
-    /// Mark a dead letter handled without redelivering it.
+    /// Send dead letters back for delivery, attempts reset.
+    Requeue {
+        /// The subscription.
+        subscription: String,
+        #[command(flatten)]
+        select: DeadLetterSelector,
+    },
+    /// Mark dead letters handled without redelivering them: one by its id, or those the
+    /// selectors choose.
     Resolve {
         /// The subscription.
         subscription: String,
         /// The dead letter's event id.
-        id: String,
+        id: Option<String>,
+        #[command(flatten)]
+        select: DeadLetterSelector,
         /// Who handled it.
         #[arg(long = "by")]
         resolved_by: String,
         /// What was done.
         #[arg(long, default_value = "")]
         notes: String,
-        /// Only this source database (`default`, or a `[[sources]]` name); every source
-        /// when omitted.
+    },
+}
+
+/// Which dead letters `dlq requeue` and `dlq resolve` take: those every given selector
+/// chooses, or every one with --all.
+#[derive(Debug, clap::Args)]
+pub struct DeadLetterSelector {
+    /// Event id; repeatable.
+    #[arg(long = "id")]
+    ids: Vec<String>,
+    /// Event-type pattern; repeatable.
+    #[arg(long = "event-type")]
+    event_types: Vec<String>,
+    /// Only events of this aggregate type.
+    #[arg(long)]
+    aggregate_type: Option<String>,
+    /// Only events of this aggregate id.
+    #[arg(long)]
+    aggregate_id: Option<String>,
+    /// Only dead letters whose last error is exactly this.
+    #[arg(long)]
+    last_error: Option<String>,
+    /// Only dead letters dead-lettered at or after this RFC 3339 time.
+    #[arg(long, value_parser = parse_time)]
+    after: Option<prost_types::Timestamp>,
+    /// Only dead letters dead-lettered before this RFC 3339 time.
+    #[arg(long, value_parser = parse_time)]
+    before: Option<prost_types::Timestamp>,
+    /// Take every unresolved dead letter (asks first).
+    #[arg(long)]
+    all: bool,
+    /// Only this source database (`default`, or a `[[sources]]` name); every source
+    /// when omitted.
+    #[arg(long, default_value = "")]
+    source: String,
+    /// Do not ask for confirmation (for scripts).
+    #[arg(long, short = 'y')]
+    yes: bool,
+}
+
+impl DeadLetterSelector {
+    fn chooses_nothing(&self) -> bool {
+        self.ids.is_empty()
+            && self.event_types.is_empty()
+            && self.aggregate_type.is_none()
+            && self.aggregate_id.is_none()
+            && self.last_error.is_none()
+            && self.after.is_none()
+            && self.before.is_none()
+            && !self.all
+    }
+
+    fn requeue_request(&self, subscription: &str) -> proto::RequeueDeadLettersRequest {
+        proto::RequeueDeadLettersRequest {
+            subscription: subscription.to_owned(),
+            ids: self.ids.clone(),
+            event_types: self.event_types.clone(),
+            dead_lettered_before: self.before,
+            all: self.all,
+            source: self.source.clone(),
+            aggregate_type: self.aggregate_type.clone().unwrap_or_default(),
+            aggregate_id: self.aggregate_id.clone().unwrap_or_default(),
+            last_error: self.last_error.clone().unwrap_or_default(),
+            dead_lettered_after: self.after,
+            validate_only: false,
+        }
+    }
+
+    fn resolve_request(
+        &self,
+        subscription: &str,
+        resolved_by: &str,
+        notes: &str,
+    ) -> proto::ResolveDeadLettersRequest {
+        proto::ResolveDeadLettersRequest {
+            subscription: subscription.to_owned(),
+            ids: self.ids.clone(),
+            event_types: self.event_types.clone(),
+            aggregate_type: self.aggregate_type.clone().unwrap_or_default(),
+            aggregate_id: self.aggregate_id.clone().unwrap_or_default(),
+            last_error: self.last_error.clone().unwrap_or_default(),
+            dead_lettered_after: self.after,
+            dead_lettered_before: self.before,
+            all: self.all,
+            resolved_by: resolved_by.to_owned(),
+            notes: notes.to_owned(),
+            validate_only: false,
+            source: self.source.clone(),
+        }
+    }
+}
+
+/// What `outbox-gateway events` does.
+#[derive(Debug, clap::Subcommand)]
+pub enum EventCommand {
+    /// Show an event: its fields and payload, and on every subscription whether it is
+    /// pending, in flight, awaiting retry, acked or dead.
+    Get {
+        /// The event's id (UUID).
+        id: String,
+        /// The source database holding it (default: the first that has it).
         #[arg(long, default_value = "")]
         source: String,
     },
@@ -854,24 +1142,76 @@ fn parse_position(text: &str) -> Result<proto::StartPosition, String> {
 }
 
 /// Runs a client command.
-pub async fn run(command: ClientCommand) -> Result<(), String> {
-    match command {
+pub async fn run(command: ClientCommand) -> Result<(), CliError> {
+    let target = match &command {
+        ClientCommand::Subscriptions { target, .. }
+        | ClientCommand::Dlq { target, .. }
+        | ClientCommand::Events { target, .. }
+        | ClientCommand::Requeue { target, .. }
+        | ClientCommand::Stats { target, .. }
+        | ClientCommand::Publish { target, .. }
+        | ClientCommand::Tail { target, .. }
+        | ClientCommand::Sources { target }
+        | ClientCommand::Pull { target, .. }
+        | ClientCommand::Health { target } => target.clone(),
+    };
+    let result = match command {
         ClientCommand::Subscriptions { target, command } => subscriptions(&target, command).await,
         ClientCommand::Dlq { target, command } => dead_letters(&target, command).await,
-        ClientCommand::Requeue { target, args } => requeue(&target, args).await,
+        ClientCommand::Events { target, command } => {
+            events(&target, command).await.map_err(CliError::from)
+        }
+        ClientCommand::Requeue { target, args } => {
+            requeue(&target, args).await.map_err(CliError::from)
+        }
         ClientCommand::Stats {
             target,
             subscription,
             watch,
             interval,
-        } => stats(&target, subscription.unwrap_or_default(), watch, interval).await,
-        ClientCommand::Publish { target, args } => publish(&target, args).await,
-        ClientCommand::Tail { target, args } => tail(&target, args).await,
-        ClientCommand::Sources { target } => sources(&target).await,
+        } => stats(&target, subscription.unwrap_or_default(), watch, interval)
+            .await
+            .map_err(CliError::from),
+        ClientCommand::Publish { target, args } => {
+            publish(&target, args).await.map_err(CliError::from)
+        }
+        ClientCommand::Tail { target, args } => tail(&target, args).await.map_err(CliError::from),
+        ClientCommand::Sources { target } => sources(&target).await.map_err(CliError::from),
         ClientCommand::Pull { target, args } => pull(&target, args).await,
-        ClientCommand::Health { target } => health(&target).await,
+        ClientCommand::Health { target } => health(&target).await.map_err(CliError::from),
+    };
+    match result {
+        Err(CliError::Failed(message)) => Err(CliError::Failed(target.explain(message).await)),
+        other => other,
     }
 }
+
+/// Makes a write to a closed standard output (`outbox-gateway stats | head -1`) end the
+/// command quietly with exit code 0 instead of a panic. Rust ignores SIGPIPE, so
+/// `println!` panics when the reader has gone; restoring SIGPIPE's default instead
+/// would also kill the CLI when it writes to a gRPC connection the gateway has reset.
+/// `tail` handles its own writes, so that it can delete its ephemeral subscription.
+pub fn exit_quietly_on_closed_stdout() {
+    let closed = format!(
+        "failed printing to stdout: {}",
+        std::io::Error::from_raw_os_error(EPIPE)
+    );
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied());
+        if message == Some(closed.as_str()) {
+            std::process::exit(0);
+        }
+        default_hook(info);
+    }));
+}
+
+/// The "broken pipe" error number (the same on Linux, the BSDs and macOS).
+const EPIPE: i32 = 32;
 
 async fn sources(target: &Target) -> Result<(), String> {
     let mut admin = target.connect(true).await?.admin();
@@ -888,7 +1228,7 @@ async fn sources(target: &Target) -> Result<(), String> {
     Ok(())
 }
 
-async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<(), String> {
+async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<(), CliError> {
     let mut admin = target.connect(true).await?.admin();
     let show = |subscription: proto::Subscription| {
         let value = render::subscription(&subscription);
@@ -901,11 +1241,13 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
             start,
             ordered,
             expire_after_idle,
+            sources,
             push,
         } => {
             let subscription = proto::Subscription {
                 start: Some(start),
                 ordered,
+                sources,
                 expire_after_idle: expire_after_idle
                     .and_then(|idle| prost_types::Duration::try_from(idle).ok()),
                 push: push.into_push(),
@@ -983,14 +1325,30 @@ async fn subscriptions(target: &Target, command: SubscriptionCommand) -> Result<
             settings,
             push,
             pull,
+            clear,
+            ordered,
+            sources,
         } => {
+            if ordered.is_some() {
+                return Err(usage(format!(
+                    "ordered cannot change after creation: it would break the order of the events in flight; create a new subscription with --ordered (and --start) instead of {name}"
+                )));
+            }
+            if !sources.is_empty() {
+                return Err(usage(format!(
+                    "sources cannot change after creation: the read positions are kept per source; create a new subscription with --source (and --start) instead of {name}"
+                )));
+            }
             let mut paths = settings.given_paths();
+            paths.extend(clear.paths());
             let push = push.into_push();
             if push.is_some() || pull {
                 paths.push("push".into());
             }
             if paths.is_empty() {
-                return Err("give at least one setting to change".into());
+                return Err(usage(
+                    "give at least one setting to change (or to clear, e.g. --clear-metadata)",
+                ));
             }
             let updated = admin
                 .update_subscription(proto::UpdateSubscriptionRequest {
@@ -1117,7 +1475,7 @@ fn join_or_all(values: &[String]) -> String {
     }
 }
 
-async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(), String> {
+async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(), CliError> {
     let mut admin = target.connect(true).await?.admin();
     match command {
         DeadLetterCommand::List {
@@ -1186,27 +1544,67 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                 }
             });
         }
+        DeadLetterCommand::Summarize {
+            subscription,
+            source,
+        } => {
+            let summary = admin
+                .summarize_dead_letters(proto::SummarizeDeadLettersRequest {
+                    subscription: subscription.clone(),
+                    source,
+                })
+                .await
+                .map_err(describe)?
+                .into_inner();
+            let value = json!({
+                "groups": summary.groups.iter().map(render::dead_letter_group).collect::<Vec<_>>(),
+            });
+            target.print(value, || {
+                if summary.groups.is_empty() {
+                    println!("no unresolved dead letters in {subscription}");
+                    return;
+                }
+                let time = |at: &Option<prost_types::Timestamp>| {
+                    render::timestamp(at).as_str().unwrap_or("-").to_owned()
+                };
+                let rows: Vec<Vec<String>> = summary
+                    .groups
+                    .iter()
+                    .map(|group| {
+                        vec![
+                            group.count.to_string(),
+                            time(&group.first_dead_lettered_at),
+                            time(&group.last_dead_lettered_at),
+                            group.example_event_id.clone(),
+                            if group.last_error.is_empty() {
+                                "-".into()
+                            } else {
+                                group.last_error.clone()
+                            },
+                        ]
+                    })
+                    .collect();
+                render::table(
+                    &["COUNT", "FIRST", "LAST", "EXAMPLE EVENT", "LAST ERROR"],
+                    &rows,
+                );
+            });
+        }
         DeadLetterCommand::Requeue {
             subscription,
-            ids,
-            event_types,
-            before,
-            all,
-            source,
-            yes,
+            select,
         } => {
-            if ids.is_empty() && event_types.is_empty() && before.is_none() && !all {
-                return Err("choose dead letters with --id, --event-type or --before, or take every one with --all".into());
+            if select.chooses_nothing() {
+                return Err(usage(
+                    "choose dead letters with --id, --event-type, --aggregate-type, --aggregate-id, --last-error, --after or --before, or take every one with --all",
+                ));
             }
-            let asked_ids = ids.len() as u64;
-            if all && !yes {
+            let asked_ids = select.ids.len() as u64;
+            if select.all && !select.yes {
                 let would = admin
                     .requeue_dead_letters(proto::RequeueDeadLettersRequest {
-                        subscription: subscription.clone(),
-                        all: true,
                         validate_only: true,
-                        source: source.clone(),
-                        ..Default::default()
+                        ..select.requeue_request(&subscription)
                     })
                     .await
                     .map_err(describe)?
@@ -1218,25 +1616,17 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
                 ))?;
             }
             let requeued = admin
-                .requeue_dead_letters(proto::RequeueDeadLettersRequest {
-                    subscription: subscription.clone(),
-                    ids,
-                    event_types,
-                    dead_lettered_before: before,
-                    all,
-                    source,
-                    ..Default::default()
-                })
+                .requeue_dead_letters(select.requeue_request(&subscription))
                 .await
                 .map_err(describe)?
                 .into_inner()
                 .requeued_count;
-            let subscription_name = subscription;
             if asked_ids > 0 && requeued < asked_ids {
                 return Err(format!(
-                    "requeued {} of {asked_ids}: the others are not unresolved dead letters of {subscription_name} (see `dlq list {subscription_name} --include-resolved`)",
+                    "requeued {} of {asked_ids}: the others are not unresolved dead letters of {subscription} (see `dlq list {subscription} --include-resolved`)",
                     count(requeued, "dead letter")
-                ));
+                )
+                .into());
             }
             target.print(json!({ "requeued_count": requeued }), || {
                 println!("requeued {}", count(requeued, "dead letter"))
@@ -1245,22 +1635,83 @@ async fn dead_letters(target: &Target, command: DeadLetterCommand) -> Result<(),
         DeadLetterCommand::Resolve {
             subscription,
             id,
+            mut select,
             resolved_by,
             notes,
-            source,
         } => {
-            let letter = admin
-                .resolve_dead_letter(proto::ResolveDeadLetterRequest {
-                    subscription,
-                    id: id.clone(),
-                    resolved_by,
-                    notes,
-                    source,
-                })
+            // One dead letter by its id: the record it became.
+            if let Some(id) = &id
+                && select.chooses_nothing()
+            {
+                let letter = admin
+                    .resolve_dead_letter(proto::ResolveDeadLetterRequest {
+                        subscription,
+                        id: id.clone(),
+                        resolved_by,
+                        notes,
+                        source: select.source,
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner();
+                target.print(render::dead_letter(&letter), || println!("resolved {id}"));
+                return Ok(());
+            }
+            select.ids.extend(id);
+            if select.chooses_nothing() {
+                return Err(usage(
+                    "choose dead letters by ID, or with --id, --event-type, --aggregate-type, --aggregate-id, --last-error, --after or --before, or take every one with --all",
+                ));
+            }
+            let asked_ids = select.ids.len() as u64;
+            if select.all && !select.yes {
+                let would = admin
+                    .resolve_dead_letters(proto::ResolveDeadLettersRequest {
+                        validate_only: true,
+                        ..select.resolve_request(&subscription, &resolved_by, &notes)
+                    })
+                    .await
+                    .map_err(describe)?
+                    .into_inner()
+                    .resolved_count;
+                confirm(&format!(
+                    "resolve all {} of {subscription} without delivering them",
+                    count(would, "unresolved dead letter")
+                ))?;
+            }
+            let resolved = admin
+                .resolve_dead_letters(select.resolve_request(&subscription, &resolved_by, &notes))
+                .await
+                .map_err(describe)?
+                .into_inner()
+                .resolved_count;
+            if asked_ids > 0 && resolved < asked_ids {
+                return Err(format!(
+                    "resolved {} of {asked_ids}: the others are not unresolved dead letters of {subscription} (see `dlq list {subscription} --include-resolved`)",
+                    count(resolved, "dead letter")
+                )
+                .into());
+            }
+            target.print(json!({ "resolved_count": resolved }), || {
+                println!("resolved {}", count(resolved, "dead letter"))
+            });
+        }
+    }
+    Ok(())
+}
+
+async fn events(target: &Target, command: EventCommand) -> Result<(), String> {
+    let mut admin = target.connect(true).await?.admin();
+    match command {
+        EventCommand::Get { id, source } => {
+            let deliveries = admin
+                .get_event(proto::GetEventRequest { id, source })
                 .await
                 .map_err(describe)?
                 .into_inner();
-            target.print(render::dead_letter(&letter), || println!("resolved {id}"));
+            target.print(render::event_deliveries(&deliveries), || {
+                render::event_deliveries_text(&deliveries)
+            });
         }
     }
     Ok(())
@@ -1669,10 +2120,14 @@ async fn stream_deliveries(
     let mut reconnect_delay = Duration::from_millis(100);
     let mut announced_loss = false;
     while limit.is_none_or(|limit| seen < limit) {
+        // With a limit, the stream takes no more than is left to print: one it leased
+        // beyond would go back when tail ends, at the cost of an attempt.
+        let max_deliveries = limit.map_or(0, |limit| u32::try_from(limit - seen).unwrap_or(0));
         let opened = subscriber
             .subscribe(proto::SubscribeRequest {
                 subscription: subscription.to_owned(),
                 max_in_flight,
+                max_deliveries,
                 ..Default::default()
             })
             .await;
@@ -1737,19 +2192,23 @@ const PULL_LINGER: Duration = Duration::from_millis(300);
 
 /// Takes up to `--max` deliveries on a stream of its own, prints them and settles them
 /// before the stream closes (closing it gives unsettled deliveries back at once).
-async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
+async fn pull(target: &Target, args: PullArgs) -> Result<(), CliError> {
     if args.reason.is_some() && !(args.nack || args.dead_letter) {
-        return Err("--reason goes with --nack or --dead-letter".into());
+        return Err(usage("--reason goes with --nack or --dead-letter"));
     }
     let gateway = target.connect(false).await?;
     if let Some(paused) = pause_notice(&gateway, &args.subscription).await {
-        return Err(paused);
+        return Err(CliError::Failed(paused));
     }
     let mut subscriber = gateway.subscriber();
     let mut stream = subscriber
         .subscribe(proto::SubscribeRequest {
             subscription: args.subscription.clone(),
             max_in_flight: args.max,
+            // Settling frees room on the stream: without this it would lease more while
+            // the acks are under way, then give them back on closing, each at the cost
+            // of an attempt.
+            max_deliveries: args.max,
             ..Default::default()
         })
         .await
@@ -1761,7 +2220,7 @@ async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
         match tokio::time::timeout(wait, stream.message()).await {
             Ok(Ok(Some(delivery))) => deliveries.push(delivery),
             Ok(Ok(None)) | Err(_) => break,
-            Ok(Err(status)) => return Err(describe(status)),
+            Ok(Err(status)) => return Err(describe(status).into()),
         }
         wait = PULL_LINGER;
     }
@@ -1787,7 +2246,7 @@ async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
             .map_err(describe)?
             .into_inner();
         if !answer.stale_ack_ids.is_empty() || !answer.unavailable_ack_ids.is_empty() {
-            return Err(format!(
+            return Err(CliError::Failed(format!(
                 "{} not acked (lease lost or source unreachable): {}",
                 count(
                     (answer.stale_ack_ids.len() + answer.unavailable_ack_ids.len()) as u64,
@@ -1796,7 +2255,7 @@ async fn pull(target: &Target, args: PullArgs) -> Result<(), String> {
                 [answer.stale_ack_ids, answer.unavailable_ack_ids]
                     .concat()
                     .join(", ")
-            ));
+            )));
         }
     }
     if args.nack || args.dead_letter {
@@ -1867,6 +2326,11 @@ pub enum TokenCommand {
         /// Name of the token holder, for the printed configuration snippet.
         #[arg(long, default_value = "my-service")]
         name: String,
+        /// Role of the token (publisher, subscriber, admin or viewer); repeatable.
+        /// `pull` and `tail` need subscriber, the other client commands admin (or viewer
+        /// for those that only read). [default: publisher and subscriber]
+        #[arg(long = "role", value_enum)]
+        roles: Vec<RoleArg>,
         /// Print JSON (token, name, sha256) instead of text.
         #[arg(long)]
         json: bool,
@@ -1879,9 +2343,40 @@ pub enum TokenCommand {
     },
 }
 
+/// A role `token generate` writes into the configuration snippet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    Publisher,
+    Subscriber,
+    Admin,
+    Viewer,
+}
+
+impl RoleArg {
+    fn name(self) -> &'static str {
+        match self {
+            RoleArg::Publisher => "publisher",
+            RoleArg::Subscriber => "subscriber",
+            RoleArg::Admin => "admin",
+            RoleArg::Viewer => "viewer",
+        }
+    }
+}
+
 pub fn token(command: TokenCommand) -> Result<(), String> {
     match command {
-        TokenCommand::Generate { name, json } => {
+        TokenCommand::Generate { name, roles, json } => {
+            let mut roles: Vec<&str> = if roles.is_empty() {
+                vec!["publisher", "subscriber"]
+            } else {
+                roles.into_iter().map(RoleArg::name).collect()
+            };
+            roles = roles
+                .iter()
+                .enumerate()
+                .filter(|(index, role)| !roles[..*index].contains(role))
+                .map(|(_, role)| *role)
+                .collect();
             let token: String = (0..32)
                 .map(|_| format!("{:02x}", rand::random::<u8>()))
                 .collect();
@@ -1889,7 +2384,7 @@ pub fn token(command: TokenCommand) -> Result<(), String> {
             if json {
                 println!(
                     "{}",
-                    json!({ "token": token, "name": name, "sha256": sha256 })
+                    json!({ "token": token, "name": name, "sha256": sha256, "roles": roles })
                 );
                 return Ok(());
             }
@@ -1898,7 +2393,8 @@ pub fn token(command: TokenCommand) -> Result<(), String> {
             println!("[[tokens]]");
             println!("name = {name:?}");
             println!("sha256 = \"{sha256}\"");
-            println!("roles = [\"publisher\", \"subscriber\"]");
+            let roles: Vec<String> = roles.iter().map(|role| format!("{role:?}")).collect();
+            println!("roles = [{}]", roles.join(", "));
         }
         TokenCommand::Hash { json } => {
             let mut token = String::new();

@@ -95,6 +95,7 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "retry_backoff_max": duration(&subscription.retry_backoff_max),
         "ordered": subscription.ordered,
         "persistent_event_types": subscription.persistent_event_types,
+        "sources": subscription.sources,
         "max_event_age": subscription.max_event_age.map(|age| duration(&Some(age))),
         "dead_letter_expired": subscription.dead_letter_expired,
         "created_at": timestamp(&subscription.created_at),
@@ -545,4 +546,92 @@ pub fn stats_table(stats: &proto::Stats) {
             }
         );
     }
+}
+
+pub fn dead_letter_group(group: &proto::DeadLetterGroup) -> Value {
+    json!({
+        "last_error": group.last_error,
+        "count": group.count,
+        "first_dead_lettered_at": timestamp(&group.first_dead_lettered_at),
+        "last_dead_lettered_at": timestamp(&group.last_dead_lettered_at),
+        "example_event_id": group.example_event_id,
+    })
+}
+
+/// A delivery state as a JSON word: `in_flight`, `dead`, ...
+fn delivery_state(state: i32) -> String {
+    proto::DeliveryState::try_from(state)
+        .map(|state| {
+            state
+                .as_str_name()
+                .trim_start_matches("DELIVERY_STATE_")
+                .to_ascii_lowercase()
+        })
+        .unwrap_or_else(|_| format!("unknown ({state})"))
+}
+
+pub fn event_deliveries(deliveries: &proto::EventDeliveries) -> Value {
+    json!({
+        "event": deliveries.event.as_ref().map(event),
+        "subscriptions": deliveries.subscriptions.iter().map(|entry| json!({
+            "subscription": entry.subscription,
+            "state": delivery_state(entry.state),
+            "attempt": entry.attempt,
+            "due_at": timestamp(&entry.due_at),
+            "last_error": entry.last_error,
+            "dead_lettered_at": timestamp(&entry.dead_lettered_at),
+            "resolved_at": timestamp(&entry.resolved_at),
+            "resolved_by": entry.resolved_by,
+            "notes": entry.notes,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// An event, then one row per subscription saying where it stands there.
+pub fn event_deliveries_text(deliveries: &proto::EventDeliveries) {
+    let event = deliveries.event.clone().unwrap_or_default();
+    let time =
+        |at: &Option<prost_types::Timestamp>| timestamp(at).as_str().unwrap_or("-").to_owned();
+    for (label, value) in [
+        ("id", event.id.clone()),
+        ("event type", event.event_type.clone()),
+        (
+            "aggregate",
+            format!("{}/{}", event.aggregate_type, event.aggregate_id),
+        ),
+        ("source", event.source.clone()),
+        ("created at", time(&event.created_at)),
+        (
+            "payload",
+            String::from_utf8_lossy(&event.payload).into_owned(),
+        ),
+    ] {
+        println!("{:<23} {value}", format!("{label}:"));
+    }
+    println!();
+    let rows: Vec<Vec<String>> = deliveries
+        .subscriptions
+        .iter()
+        .map(|entry| {
+            let resolved = if entry.resolved_at.is_some() {
+                format!(" (resolved by {})", entry.resolved_by)
+            } else {
+                String::new()
+            };
+            vec![
+                entry.subscription.clone(),
+                format!(
+                    "{}{resolved}",
+                    delivery_state(entry.state).replace('_', " ")
+                ),
+                entry.attempt.to_string(),
+                time(&entry.due_at),
+                entry.last_error.clone(),
+            ]
+        })
+        .collect();
+    table(
+        &["SUBSCRIPTION", "STATE", "ATTEMPT", "DUE AT", "LAST ERROR"],
+        &rows,
+    );
 }

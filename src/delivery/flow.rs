@@ -7,6 +7,9 @@
 //! - a stream holds at most `max_in_flight` unsettled deliveries and, beyond its first,
 //!   at most `max_in_flight_bytes` of them (so one delivery larger than the limit still
 //!   goes out, and a stream exceeds its byte limit by at most one delivery);
+//! - a stream that asked for at most `max_deliveries` in all takes no more once it has
+//!   them, whatever it settles: a consumer that reads a fixed number never has one more
+//!   leased that it would only give back, at the cost of an attempt;
 //! - deliveries waiting in this process's memory for their stream to send them count
 //!   against one gateway-wide budget; while it is spent, only a stream that has nothing
 //!   waiting may take a delivery, one at a time. Memory stays bounded whatever consumers
@@ -44,6 +47,8 @@ pub type LeaseKey = (SourceId, i64);
 pub struct StreamLimits {
     pub deliveries: usize,
     pub bytes: u64,
+    /// Most deliveries it takes in all; `None`: no end.
+    pub total: Option<u64>,
 }
 
 /// Bytes of deliveries waiting in this process's memory for their streams, across all
@@ -112,6 +117,8 @@ struct Slot {
     window: usize,
     /// Times in a row its leases expired with no settlement between.
     stalls: u32,
+    /// Deliveries it may still take in all (`StreamLimits::total`); `None`: no end.
+    remaining: Option<u64>,
     /// It takes nothing before this (its leases expired unsettled).
     resting_until: Option<DateTime<Utc>>,
 }
@@ -123,6 +130,7 @@ const LONGEST_REST: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
 impl Slot {
     fn can_take(&self, budget: &BufferBudget) -> bool {
         self.resting_until.is_none_or(|until| until <= Utc::now())
+            && self.remaining != Some(0)
             && !self.sender.is_closed()
             // Full with deliveries whose leases expired before it read them.
             && self.sender.capacity() > 0
@@ -173,6 +181,7 @@ impl Streams {
             sender,
             window: limits.deliveries,
             stalls: 0,
+            remaining: limits.total,
             resting_until: None,
         });
         id
@@ -217,7 +226,10 @@ impl Streams {
         }
         let (mut count, mut bytes) = (0usize, 0u64);
         for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
-            count += slot.window - slot.in_flight;
+            let room = slot.window - slot.in_flight;
+            count += slot.remaining.map_or(room, |remaining| {
+                room.min(usize::try_from(remaining).unwrap_or(room))
+            });
             bytes = bytes.saturating_add(
                 slot.limits
                     .bytes
@@ -264,6 +276,9 @@ impl Streams {
             match slot.sender.try_send(Ok(delivery)) {
                 Ok(()) => {
                     slot.in_flight += 1;
+                    if let Some(remaining) = &mut slot.remaining {
+                        *remaining -= 1;
+                    }
                     slot.in_flight_bytes += size;
                     let stream_id = slot.id;
                     self.leases.insert(
@@ -469,7 +484,15 @@ mod tests {
     ) -> (u64, mpsc::Receiver<Result<Delivery, Error>>, Arc<AtomicU64>) {
         let (sender, receiver) = mpsc::channel(deliveries);
         let buffered = Arc::new(AtomicU64::new(0));
-        let id = streams.attach(StreamLimits { deliveries, bytes }, sender, buffered.clone());
+        let id = streams.attach(
+            StreamLimits {
+                deliveries,
+                bytes,
+                total: None,
+            },
+            sender,
+            buffered.clone(),
+        );
         (id, receiver, buffered)
     }
 
@@ -493,6 +516,31 @@ mod tests {
             streams.place(delivery(position, 10), &budget).unwrap();
         }
         assert!(streams.claim_limits(500, &budget).is_none(), "3 in flight");
+    }
+
+    #[test]
+    fn a_stream_with_a_total_takes_no_more_once_it_has_them_whatever_it_settles() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (sender, mut receiver) = mpsc::channel(5);
+        let limits = StreamLimits {
+            deliveries: 5,
+            bytes: u64::MAX,
+            total: Some(2),
+        };
+        streams.attach(limits, sender, Arc::new(AtomicU64::new(0)));
+        assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 2);
+        streams.place(delivery(1, 10), &budget).unwrap();
+        assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 1);
+        streams.place(delivery(2, 10), &budget).unwrap();
+        assert!(receiver.try_recv().is_ok() && receiver.try_recv().is_ok());
+        streams.forget((SourceId(0), 1));
+        streams.forget((SourceId(0), 2));
+        assert!(
+            streams.claim_limits(500, &budget).is_none(),
+            "settling frees no room beyond the total"
+        );
+        assert!(streams.place(delivery(3, 10), &budget).is_err());
     }
 
     #[test]

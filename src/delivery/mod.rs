@@ -279,15 +279,17 @@ impl Relay {
 
     /// Opens a delivery stream on the subscription that holds at most `max_in_flight`
     /// unsettled deliveries and, beyond its first, `max_in_flight_bytes` of them (0: the
-    /// configured defaults). A push subscription is FAILED_PRECONDITION: the gateway
-    /// itself drains it.
+    /// configured defaults), and takes at most `max_deliveries` in all (0: no end). A
+    /// push subscription is FAILED_PRECONDITION: the gateway itself drains it.
     pub async fn subscribe(
         &self,
         name: &SubscriptionName,
         max_in_flight: u32,
         max_in_flight_bytes: u64,
+        max_deliveries: u32,
     ) -> Result<DeliveryStream> {
-        self.open_stream(name, max_in_flight, max_in_flight_bytes, false)
+        let total = (max_deliveries > 0).then_some(u64::from(max_deliveries));
+        self.open_stream(name, max_in_flight, max_in_flight_bytes, total, false)
             .await
     }
 
@@ -297,7 +299,7 @@ impl Relay {
         name: &SubscriptionName,
         max_in_flight: u32,
     ) -> Result<DeliveryStream> {
-        self.open_stream(name, max_in_flight, 0, true).await
+        self.open_stream(name, max_in_flight, 0, None, true).await
     }
 
     async fn open_stream(
@@ -305,6 +307,7 @@ impl Relay {
         name: &SubscriptionName,
         max_in_flight: u32,
         max_in_flight_bytes: u64,
+        total: Option<u64>,
         for_push: bool,
     ) -> Result<DeliveryStream> {
         let config = &self.inner.config;
@@ -332,6 +335,7 @@ impl Relay {
                 }
                 n => n,
             },
+            total,
         };
         if self.inner.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);

@@ -91,3 +91,30 @@ pub mod proto {
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         include_bytes!(concat!(env!("OUT_DIR"), "/outbox_descriptor.bin"));
 }
+
+#[cfg(test)]
+mod tests {
+    /// docs/api.md shows each message, enum and service with the comment right above it;
+    /// one without would stand there undescribed.
+    #[test]
+    fn every_message_enum_and_service_of_the_proto_is_described() {
+        let proto = include_str!("../proto/outbox/v1/outbox.proto");
+        let lines: Vec<&str> = proto.lines().collect();
+        let undescribed: Vec<&str> = lines
+            .iter()
+            .enumerate()
+            .filter(|(_, line)| {
+                ["message ", "enum ", "service "]
+                    .iter()
+                    .any(|keyword| line.starts_with(keyword))
+            })
+            .filter(|(index, _)| {
+                *index == 0
+                    || !lines[index - 1].starts_with("// ")
+                    || lines[index - 1].trim() == "//"
+            })
+            .map(|(_, line)| line.split_whitespace().nth(1).unwrap_or(line))
+            .collect();
+        assert!(undescribed.is_empty(), "no comment above: {undescribed:?}");
+    }
+}
