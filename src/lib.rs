@@ -18,6 +18,7 @@
 //!   requests (CloudEvents, Standard Webhooks).
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`auth`]: bearer tokens, roles and their scopes.
+//! - [`audit`]: the audit trail of administrators' changes.
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`console`]: the web console, an HTTP adapter over the same core operations.
 //! - [`connections`]: closing client connections that send nothing.
@@ -31,6 +32,7 @@
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
+pub mod audit;
 pub mod auth;
 pub mod cli;
 pub mod config;
@@ -251,7 +253,9 @@ pub async fn run_with_console(
         .expect("descriptor sets are valid");
 
     let stop_serving = tokio_util::sync::CancellationToken::new();
-    let address = listener.local_addr().ok();
+    let address = listener
+        .local_addr()
+        .map_or_else(|_| config.listen.to_string(), |address| address.to_string());
     let authenticator = (!config.tokens.is_empty())
         .then(|| auth::Authenticator::new(&config.tokens))
         .transpose()
@@ -335,7 +339,7 @@ pub async fn run_with_console(
                 }),
             stop_serving.clone().cancelled_owned(),
         );
-    tracing::info!(address = ?address, "serving gRPC");
+    tracing::info!(%address, "serving gRPC");
 
     let mut server = Box::pin(server);
     tokio::select! {
@@ -416,7 +420,8 @@ pub async fn connect_within(
     timeout: Duration,
 ) -> Result<Store, RunError> {
     let target = storage::describe_target(&store_config.database_url);
-    tracing::info!(%target, "connecting to PostgreSQL");
+    // Not `target`: JSON logs already have a key of that name (the module).
+    tracing::info!(database = %target, "connecting to PostgreSQL");
     match tokio::time::timeout(timeout, Store::connect(store_config)).await {
         Ok(Ok(store)) => Ok(store),
         Ok(Err(source)) => Err(RunError::Connect { target, source }),
@@ -500,6 +505,10 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
                 );
                 for figures in &subscriptions {
                     for stats in &figures.per_source {
+                        metrics::subscription_counters(
+                            stats.name.as_str(),
+                            stats.source.as_ref().map_or("", |source| source.as_str()),
+                        );
                         metrics::subscription_figures(stats, now);
                     }
                 }
@@ -509,6 +518,7 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
         }
         let (size, idle) = sources.default_source().store.pool_usage();
         metrics::pool(size, idle);
+        metrics::process_figures();
         tokio::time::sleep(interval.max(started.elapsed() * 20)).await;
     }
 }

@@ -114,7 +114,12 @@ async fn serve(config: Config) -> Result<(), String> {
     let telemetry = Telemetry::init(config.log_format, &config.log_level)?;
     let listener = TcpListener::bind(config.listen)
         .await
-        .map_err(|error| format!("cannot listen on {}: {error}", config.listen))?;
+        .map_err(|error| {
+            format!(
+                "cannot listen on {}: {error}. Choose another address with --listen (OUTBOX_LISTEN, or listen in the configuration file)",
+                config.listen
+            )
+        })?;
     let result = outbox_gateway::run(config, listener, shutdown_signal())
         .await
         .map_err(|error| error.to_string());

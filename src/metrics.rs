@@ -151,7 +151,7 @@ fn describe() {
     );
     describe_counter!(
         "outbox_deliveries_total",
-        "deliveries handed to Subscribe streams, first attempts and redeliveries"
+        "deliveries leased to Subscribe streams or push senders, first attempts and redeliveries"
     );
     describe_counter!(
         "outbox_redeliveries_total",
@@ -162,7 +162,10 @@ fn describe() {
         Unit::Seconds,
         "time from an event's creation to its first delivery"
     );
-    describe_counter!("outbox_acks_total", "deliveries acknowledged");
+    describe_counter!(
+        "outbox_acks_total",
+        "deliveries acknowledged (by Ack, or a push endpoint's 2xx answer)"
+    );
     describe_counter!(
         "outbox_task_panics_total",
         "background tasks that panicked and were restarted, by task (pusher, push_supervisor, maintenance, ...)"
@@ -172,14 +175,17 @@ fn describe() {
         Unit::Seconds,
         "time from delivery to acknowledgement"
     );
-    describe_counter!("outbox_nacks_total", "deliveries refused by their consumer");
+    describe_counter!(
+        "outbox_nacks_total",
+        "deliveries refused by their consumer with Nack"
+    );
     describe_counter!(
         "outbox_dead_letters_total",
         "deliveries dead-lettered (attempts exhausted or refused for good)"
     );
     describe_counter!(
         "outbox_requeued_total",
-        "dead letters or events sent back for delivery"
+        "delivery records sent back for delivery by a requeue (dead letters or delivered events)"
     );
     describe_counter!(
         "outbox_relay_wakeups_total",
@@ -218,7 +224,34 @@ fn describe() {
     describe_gauge!(
         "outbox_oldest_open_transaction_age_seconds",
         Unit::Seconds,
-        "age of the oldest open transaction in the cluster, which holds delivery back"
+        "age of the oldest transaction still open in the cluster that has written anything, 0 when none; it holds back vacuum (a long one is usually a mistake) and its own events until it commits, not the delivery of others"
+    );
+    describe_gauge!(
+        "outbox_build_info",
+        "always 1, labelled with the version of the running gateway"
+    );
+    describe_counter!(
+        "process_cpu_seconds_total",
+        Unit::Seconds,
+        "user and system CPU time of the gateway process, in whole seconds"
+    );
+    describe_gauge!(
+        "process_resident_memory_bytes",
+        Unit::Bytes,
+        "resident memory of the gateway process"
+    );
+    describe_gauge!(
+        "process_open_fds",
+        "file descriptors the gateway process holds open (connections included)"
+    );
+    describe_gauge!(
+        "process_max_fds",
+        "most file descriptors the gateway process may open"
+    );
+    describe_gauge!(
+        "process_start_time_seconds",
+        Unit::Seconds,
+        "when the gateway process started, in seconds since the Unix epoch"
     );
     describe_gauge!(
         "outbox_db_pool_connections",
@@ -377,6 +410,39 @@ pub fn wakeup(cause: &'static str) {
     counter!("outbox_relay_wakeups_total", "cause" => cause).increment(1);
 }
 
+/// Puts every counter of a subscription in one source on the endpoint, at 0 until
+/// something happens: a series that only appears with its first increment defeats
+/// `rate()` over it and `absent()` alerts.
+pub fn subscription_counters(subscription: &str, source: &str) {
+    let labels = per_source(subscription, source);
+    for name in [
+        "outbox_deliveries_total",
+        "outbox_redeliveries_total",
+        "outbox_acks_total",
+        "outbox_nacks_total",
+        "outbox_dead_letters_total",
+        "outbox_requeued_total",
+    ] {
+        counter!(name, &labels).increment(0);
+    }
+    counter!("outbox_events_expired_total", "subscription" => subscription.to_owned()).increment(0);
+}
+
+/// The build and the process's own figures. Gauges are set again on every refresh, since
+/// those left alone for a while leave the endpoint.
+pub fn process_figures() {
+    gauge!("outbox_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    if let Some(figures) = process::read() {
+        counter!("process_cpu_seconds_total").absolute(figures.cpu_seconds as u64);
+        gauge!("process_resident_memory_bytes").set(figures.resident_bytes as f64);
+        gauge!("process_open_fds").set(figures.open_fds as f64);
+        if let Some(max_fds) = figures.max_fds {
+            gauge!("process_max_fds").set(max_fds as f64);
+        }
+        gauge!("process_start_time_seconds").set(figures.start_time_seconds);
+    }
+}
+
 /// The lag gauges of one subscription in one source.
 pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
     let labels = per_source(
@@ -410,4 +476,118 @@ pub fn pool(size: u32, idle: usize) {
     gauge!("outbox_db_pool_connections", "state" => "idle").set(idle as f64);
     gauge!("outbox_db_pool_connections", "state" => "in_use")
         .set(size.saturating_sub(idle as u32) as f64);
+}
+
+/// The process figures as the Prometheus client libraries name them, read from `/proc`
+/// (Linux only; elsewhere there are none).
+mod process {
+    /// The figures of this process.
+    pub struct Figures {
+        pub cpu_seconds: f64,
+        pub resident_bytes: u64,
+        pub open_fds: usize,
+        pub max_fds: Option<u64>,
+        pub start_time_seconds: f64,
+    }
+
+    #[cfg(target_os = "linux")]
+    pub fn read() -> Option<Figures> {
+        // SAFETY: sysconf only reads a configuration value.
+        let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if ticks_per_second <= 0 || page_size <= 0 {
+            return None;
+        }
+        let ticks_per_second = ticks_per_second as f64;
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let stat = parse_stat(&stat)?;
+        let boot_time = std::fs::read_to_string("/proc/stat")
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("btime "))?
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
+        let max_fds = std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .and_then(|limits| parse_max_open_files(&limits));
+        Some(Figures {
+            cpu_seconds: (stat.user_ticks + stat.system_ticks) as f64 / ticks_per_second,
+            resident_bytes: stat.resident_pages * page_size as u64,
+            open_fds,
+            max_fds,
+            start_time_seconds: boot_time as f64 + stat.start_ticks as f64 / ticks_per_second,
+        })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn read() -> Option<Figures> {
+        None
+    }
+
+    /// The fields of `/proc/self/stat` used here, in clock ticks and pages.
+    #[derive(Debug, PartialEq)]
+    pub(super) struct Stat {
+        pub user_ticks: u64,
+        pub system_ticks: u64,
+        pub start_ticks: u64,
+        pub resident_pages: u64,
+    }
+
+    /// Fields after the command name, which is in parentheses and may itself hold spaces
+    /// and parentheses: the last `)` ends it. Then `state` is field 3, `utime` 14,
+    /// `stime` 15, `starttime` 22 and `rss` 24 (proc(5)).
+    pub(super) fn parse_stat(stat: &str) -> Option<Stat> {
+        let (_, rest) = stat.rsplit_once(')')?;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |number: usize| fields.get(number - 3)?.parse::<u64>().ok();
+        Some(Stat {
+            user_ticks: field(14)?,
+            system_ticks: field(15)?,
+            start_ticks: field(22)?,
+            resident_pages: field(24)?,
+        })
+    }
+
+    /// The soft limit of `Max open files` in `/proc/self/limits`.
+    pub(super) fn parse_max_open_files(limits: &str) -> Option<u64> {
+        let line = limits
+            .lines()
+            .find(|line| line.starts_with("Max open files"))?;
+        line["Max open files".len()..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::process::{Stat, parse_max_open_files, parse_stat};
+
+    #[test]
+    fn reads_proc_stat_past_a_command_name_with_spaces_and_parentheses() {
+        let stat = "4242 (outbox (gw) x) S 1 4242 4242 0 -1 4194560 1234 0 0 0 \
+                    150 75 0 0 20 0 9 0 8800 123456789 2048 18446744073709551615";
+        assert_eq!(
+            parse_stat(stat),
+            Some(Stat {
+                user_ticks: 150,
+                system_ticks: 75,
+                start_ticks: 8800,
+                resident_pages: 2048,
+            })
+        );
+        assert_eq!(parse_stat("4242 (cut short) S 1"), None);
+    }
+
+    #[test]
+    fn reads_the_soft_open_files_limit() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             127431               127431               processes \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(parse_max_open_files(limits), Some(1024));
+    }
 }

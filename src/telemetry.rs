@@ -1,19 +1,27 @@
 //! Logs and traces: the process-wide tracing subscriber (text or JSON logs, plus an
-//! OpenTelemetry exporter when the standard `OTEL_*` variables ask for one), W3C trace
-//! context propagation, and the tower layer that gives every RPC a span and metrics.
+//! OpenTelemetry exporter when the standard `OTEL_*` variables ask for one, over OTLP/gRPC
+//! or OTLP/HTTP), W3C trace context propagation, and the tower layer that gives every RPC
+//! a span and metrics. Span attributes follow the OpenTelemetry semantic conventions for
+//! RPC and messaging.
 
 use std::{
+    io::IsTerminal,
     pin::Pin,
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use opentelemetry::{
     propagation::{Extractor, TextMapPropagator},
     trace::{TraceContextExt, TracerProvider as _},
 };
-use opentelemetry_sdk::{Resource, propagation::TraceContextPropagator, trace::SdkTracerProvider};
+use opentelemetry_sdk::{
+    Resource, error::OTelSdkResult, propagation::TraceContextPropagator, trace::SdkTracerProvider,
+};
 use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
@@ -49,14 +57,26 @@ impl Telemetry {
         };
         let filter =
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(directives));
-        let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        // Colours only for a person at a terminal: escape codes in a file or a log
+        // collector are noise. `NO_COLOR` turns them off there too.
+        let colours = std::io::stderr().is_terminal()
+            && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty());
+        let logs = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(colours);
         let logs = match format {
             LogFormat::Text => logs.boxed(),
             LogFormat::Json => logs.json().flatten_event(true).boxed(),
         };
-        let provider = otlp_provider()?;
+        let destination = TraceDestination::from_env(|name| std::env::var(name).ok())?;
+        let provider = destination.as_ref().map(otlp_provider).transpose()?;
+        // Thread ids and busy/idle times say nothing about the gateway's work (its tasks
+        // move between threads), and are not conventional attributes.
         let traces = provider.as_ref().map(|provider| {
-            tracing_opentelemetry::layer().with_tracer(provider.tracer("outbox-gateway"))
+            tracing_opentelemetry::layer()
+                .with_tracer(provider.tracer("outbox-gateway"))
+                .with_threads(false)
+                .with_tracked_inactivity(false)
         });
         tracing_subscriber::registry()
             .with(filter)
@@ -64,7 +84,12 @@ impl Telemetry {
             .with(traces)
             .try_init()
             .map_err(|error| format!("cannot install logging: {error}"))?;
-        if provider.is_some() {
+        if let Some(destination) = &destination {
+            tracing::info!(
+                endpoint = %destination.endpoint,
+                protocol = destination.protocol.as_str(),
+                "exporting traces"
+            );
             opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
             EXPORTING.store(true, Ordering::Relaxed);
         }
@@ -81,30 +106,276 @@ impl Telemetry {
     }
 }
 
-fn otlp_provider() -> Result<Option<SdkTracerProvider>, String> {
-    let configured = [
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-    ]
-    .iter()
-    .any(|name| std::env::var_os(name).is_some_and(|value| !value.is_empty()));
-    if !configured {
-        return Ok(None);
+/// How spans leave the process: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`, else `grpc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceProtocol {
+    Grpc,
+    HttpProtobuf,
+}
+
+impl TraceProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TraceProtocol::Grpc => "grpc",
+            TraceProtocol::HttpProtobuf => "http/protobuf",
+        }
     }
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .build()
-        .map_err(|error| format!("cannot set up the OTLP exporter: {error}"))?;
+}
+
+/// Where and how spans are exported, as the standard variables say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceDestination {
+    pub protocol: TraceProtocol,
+    /// The full URL spans are sent to.
+    pub endpoint: String,
+}
+
+impl TraceDestination {
+    /// Spans are exported when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` is set (and neither `OTEL_SDK_DISABLED=true` nor
+    /// `OTEL_TRACES_EXPORTER=none` says otherwise). The traces endpoint is used as it is;
+    /// the general one gets `/v1/traces` appended over HTTP, as the OTLP exporter
+    /// specification says. An unknown protocol is an error naming its variable.
+    pub fn from_env(
+        variable: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<TraceDestination>, String> {
+        let set = |name: &str| variable(name).filter(|value| !value.trim().is_empty());
+        if set("OTEL_SDK_DISABLED").is_some_and(|value| value.trim().eq_ignore_ascii_case("true"))
+            || set("OTEL_TRACES_EXPORTER")
+                .is_some_and(|value| value.trim().eq_ignore_ascii_case("none"))
+        {
+            return Ok(None);
+        }
+        let protocol = match [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ]
+        .into_iter()
+        .find_map(|name| set(name).map(|value| (name, value)))
+        {
+            None => TraceProtocol::Grpc,
+            Some((name, value)) => match value.trim() {
+                "grpc" => TraceProtocol::Grpc,
+                "http/protobuf" => TraceProtocol::HttpProtobuf,
+                other => {
+                    return Err(format!(
+                        "{name}: {other:?} is not a trace protocol of this gateway; use grpc or http/protobuf"
+                    ));
+                }
+            },
+        };
+        let endpoint = match (
+            set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            set("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ) {
+            (Some(traces), _) => traces.trim().to_owned(),
+            (None, Some(base)) => match protocol {
+                TraceProtocol::Grpc => base.trim().to_owned(),
+                TraceProtocol::HttpProtobuf => {
+                    format!("{}/v1/traces", base.trim().trim_end_matches('/'))
+                }
+            },
+            (None, None) => return Ok(None),
+        };
+        Ok(Some(TraceDestination { protocol, endpoint }))
+    }
+}
+
+fn otlp_provider(destination: &TraceDestination) -> Result<SdkTracerProvider, String> {
+    use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let exporter = match destination.protocol {
+        TraceProtocol::Grpc => builder
+            .with_tonic()
+            .with_endpoint(destination.endpoint.clone())
+            .build(),
+        TraceProtocol::HttpProtobuf => builder
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(destination.endpoint.clone())
+            .with_http_client(otlp_http::Client::new(export_timeout())?)
+            .build(),
+    }
+    .map_err(|error| format!("cannot set up the OTLP exporter: {error}"))?;
     let mut resource = Resource::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("outbox-gateway");
     }
-    Ok(Some(
-        SdkTracerProvider::builder()
-            .with_batch_exporter(exporter)
-            .with_resource(resource.build())
-            .build(),
-    ))
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(ReportingExporter::new(exporter, &destination.endpoint))
+        .with_resource(resource.build())
+        .build())
+}
+
+/// `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, else `OTEL_EXPORTER_OTLP_TIMEOUT`, in
+/// milliseconds; 10 s by default. The HTTP client enforces it.
+fn export_timeout() -> Duration {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|name| std::env::var(name).ok()?.trim().parse::<u64>().ok())
+    .map_or(Duration::from_secs(10), Duration::from_millis)
+}
+
+/// How often a failing export is reported at most.
+const EXPORT_WARNING_INTERVAL: Duration = Duration::from_secs(300);
+
+/// The OTLP exporter, saying when exports fail — once, then at most every
+/// [`EXPORT_WARNING_INTERVAL`] while they go on failing — and when they work again.
+/// Without it a wrong endpoint or a collector that is down goes unnoticed.
+#[derive(Debug)]
+struct ReportingExporter {
+    inner: opentelemetry_otlp::SpanExporter,
+    endpoint: String,
+    health: Mutex<ExportHealth>,
+}
+
+#[derive(Debug, Default)]
+struct ExportHealth {
+    /// Batches that failed since the last success.
+    failed_batches: u64,
+    last_warning: Option<Instant>,
+}
+
+impl ReportingExporter {
+    fn new(inner: opentelemetry_otlp::SpanExporter, endpoint: &str) -> ReportingExporter {
+        ReportingExporter {
+            inner,
+            endpoint: endpoint.to_owned(),
+            health: Mutex::new(ExportHealth::default()),
+        }
+    }
+}
+
+impl opentelemetry_sdk::trace::SpanExporter for ReportingExporter {
+    async fn export(&self, batch: Vec<opentelemetry_sdk::trace::SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        let result = self.inner.export(batch).await;
+        let mut health = self
+            .health
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match &result {
+            Ok(()) if health.failed_batches > 0 => {
+                tracing::info!(
+                    endpoint = %self.endpoint,
+                    failed_batches = health.failed_batches,
+                    "exporting traces again"
+                );
+                *health = ExportHealth::default();
+            }
+            Ok(()) => {}
+            Err(error) => {
+                health.failed_batches += 1;
+                if health
+                    .last_warning
+                    .is_none_or(|at| at.elapsed() >= EXPORT_WARNING_INTERVAL)
+                {
+                    health.last_warning = Some(Instant::now());
+                    tracing::warn!(
+                        endpoint = %self.endpoint,
+                        %error,
+                        spans,
+                        failed_batches = health.failed_batches,
+                        "cannot export traces; their spans are dropped (said again at most every 5 minutes while it lasts)"
+                    );
+                }
+            }
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// The HTTP client of OTLP/HTTP export: the hyper and rustls (ring) stack the rest of
+/// the gateway uses, with the public web roots. The batch processor exports from a
+/// thread of its own, outside the Tokio runtime, so each request runs as a task on the
+/// runtime the telemetry was set up in.
+mod otlp_http {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full, Limited};
+    use hyper_rustls::HttpsConnector;
+    use hyper_util::{
+        client::legacy::{Client as HyperClient, connect::HttpConnector},
+        rt::TokioExecutor,
+    };
+    use opentelemetry_http::{HttpClient, HttpError, Request, Response};
+
+    /// Largest collector answer read.
+    const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+
+    #[derive(Debug)]
+    pub struct Client {
+        http: HyperClient<HttpsConnector<HttpConnector>, Full<Bytes>>,
+        runtime: tokio::runtime::Handle,
+        timeout: Duration,
+    }
+
+    impl Client {
+        /// Must be called inside the Tokio runtime.
+        pub fn new(timeout: Duration) -> Result<Client, String> {
+            let runtime = tokio::runtime::Handle::try_current()
+                .map_err(|error| format!("cannot set up the OTLP/HTTP exporter: {error}"))?;
+            let roots = rustls::RootCertStore {
+                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+            };
+            let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+            let tls = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|error| format!("cannot set up TLS for the OTLP/HTTP exporter: {error}"))?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            let https = hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(tls)
+                .https_or_http()
+                .enable_http1()
+                .build();
+            Ok(Client {
+                http: HyperClient::builder(TokioExecutor::new()).build(https),
+                runtime,
+                timeout,
+            })
+        }
+    }
+
+    #[tonic::async_trait]
+    impl HttpClient for Client {
+        async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
+            let http = self.http.clone();
+            let timeout = self.timeout;
+            let exchange = async move {
+                let response = http.request(request.map(Full::new)).await?;
+                let (parts, body) = response.into_parts();
+                let body = Limited::new(body, MAX_ANSWER_BYTES).collect().await?;
+                Ok::<_, HttpError>(Response::from_parts(parts, body.to_bytes()))
+            };
+            // The timer, too, is made on the runtime: this thread has none.
+            let exchange = async move { tokio::time::timeout(timeout, exchange).await };
+            match self.runtime.spawn(exchange).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => {
+                    Err(format!("no answer within {}", humantime::format_duration(timeout)).into())
+                }
+                Err(error) => Err(Box::new(error)),
+            }
+        }
+    }
 }
 
 /// W3C `traceparent` / `tracestate` values as they travel with a call or an event.
@@ -188,8 +459,9 @@ pub fn link_to_producer(span: &Span, metadata: &std::collections::BTreeMap<Strin
     }
 }
 
-/// Tower layer that wraps every RPC in a span (method, gRPC status code, duration; the
-/// parent taken from the caller's `traceparent`) and records its metrics.
+/// Tower layer that wraps every RPC in a span (`rpc.system`, `rpc.service`, `rpc.method`
+/// and `rpc.grpc.status_code`, as the RPC conventions name them; the parent taken from
+/// the caller's `traceparent`) and records its metrics.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RpcLayer;
 
@@ -230,13 +502,17 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let method = request.uri().path().to_owned();
+        // `/package.Service/Method`, named `package.Service/Method` by the conventions.
+        let full_name = method.trim_start_matches('/');
+        let (service, method_name) = full_name.split_once('/').unwrap_or(("", full_name));
         let span = tracing::info_span!(
             "rpc",
-            otel.name = %method.trim_start_matches('/'),
+            otel.name = %full_name,
             otel.kind = "server",
-            rpc.method = %method,
+            rpc.system = "grpc",
+            rpc.service = %service,
+            rpc.method = %method_name,
             rpc.grpc.status_code = tracing::field::Empty,
-            duration_ms = tracing::field::Empty,
         );
         if exporting() {
             let headers = TraceHeaders::from_headers(request.headers());
@@ -292,8 +568,8 @@ fn grpc_status(headers: &http::HeaderMap) -> Option<tonic::Code> {
         .map(tonic::Code::from_i32)
 }
 
-/// What is recorded when an RPC ends: its span gets the status and duration, and the
-/// RPC metrics count it.
+/// What is recorded when an RPC ends: its span gets the status, and the RPC metrics
+/// count it and its duration.
 struct RpcOutcome {
     method: String,
     started: Instant,
@@ -305,7 +581,6 @@ impl RpcOutcome {
     fn finish(self, code: tonic::Code) {
         let elapsed = self.started.elapsed();
         self.span.record("rpc.grpc.status_code", code as i32);
-        self.span.record("duration_ms", elapsed.as_secs_f64() * 1e3);
         crate::metrics::rpc_finished(&self.method, code, elapsed);
         self.span
             .in_scope(|| tracing::debug!(code = ?code, "rpc finished"));
@@ -384,5 +659,89 @@ mod tests {
         ] {
             assert!(!is_traceparent(bad), "{bad:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod destination_tests {
+    use super::*;
+
+    fn destination(variables: &[(&str, &str)]) -> Result<Option<TraceDestination>, String> {
+        TraceDestination::from_env(|name| {
+            variables
+                .iter()
+                .find(|(key, _)| *key == name)
+                .map(|(_, value)| (*value).to_owned())
+        })
+    }
+
+    fn to(protocol: TraceProtocol, endpoint: &str) -> Result<Option<TraceDestination>, String> {
+        Ok(Some(TraceDestination {
+            protocol,
+            endpoint: endpoint.to_owned(),
+        }))
+    }
+
+    #[test]
+    fn the_standard_variables_choose_protocol_and_endpoint() {
+        assert_eq!(destination(&[]), Ok(None));
+        assert_eq!(
+            destination(&[("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")]),
+            Ok(None),
+            "no endpoint, no export"
+        );
+        assert_eq!(
+            destination(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")]),
+            to(TraceProtocol::Grpc, "http://collector:4317")
+        );
+        assert_eq!(
+            destination(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ]),
+            to(
+                TraceProtocol::HttpProtobuf,
+                "http://collector:4318/v1/traces"
+            )
+        );
+        assert_eq!(
+            destination(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "https://traces.example/ingest"
+                ),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            ]),
+            to(TraceProtocol::HttpProtobuf, "https://traces.example/ingest")
+        );
+        assert_eq!(
+            destination(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+                ("OTEL_TRACES_EXPORTER", "none"),
+            ]),
+            Ok(None)
+        );
+        assert_eq!(
+            destination(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+                ("OTEL_SDK_DISABLED", "true"),
+            ]),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn an_unknown_protocol_names_its_variable() {
+        let error = destination(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json"),
+        ])
+        .unwrap_err();
+        assert!(
+            error.starts_with("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: \"http/json\""),
+            "{error}"
+        );
     }
 }

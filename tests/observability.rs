@@ -54,17 +54,18 @@ impl GatewayProcess {
     async fn start_on(database_url: &str, args: &[&str], env: &[(&str, String)]) -> GatewayProcess {
         let port = free_port();
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+        command.args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--database-url",
+            database_url,
+        ]);
+        if !args.contains(&"--console-listen") {
+            // Tests run gateways side by side; the console has tests of its own.
+            command.args(["--console-listen", "off"]);
+        }
         command
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--database-url",
-                database_url,
-                // Tests run gateways side by side; the console has tests of its own.
-                "--console-listen",
-                "off",
-            ])
             .args(args)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
@@ -530,32 +531,87 @@ impl TraceService for Collector {
     }
 }
 
-#[tokio::test]
-async fn traces_flow_from_producer_through_publish_to_delivery() {
-    let collector = Collector::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let collector_address = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let database = TestDatabase::create().await;
-    let gateway = GatewayProcess::start(
-        &database,
-        &["--metrics-listen", "off"],
-        &[
-            (
-                "OTEL_EXPORTER_OTLP_ENDPOINT",
-                format!("http://{collector_address}"),
-            ),
-            ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
-        ],
-    )
-    .await;
+impl Collector {
+    /// Serves OTLP over gRPC on a loopback port; returns its address.
+    async fn serve_grpc(&self) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(self.clone()))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        address
+    }
 
-    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let producer_span = "00f067aa0ba902b7";
+    /// Serves OTLP over HTTP (binary protobuf) at `path` on a loopback port; returns its
+    /// address.
+    async fn serve_http(&self, path: &str) -> std::net::SocketAddr {
+        use prost::Message;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let spans = self.spans.clone();
+        let router = axum::Router::new().route(
+            path,
+            axum::routing::post(
+                move |headers: axum::http::HeaderMap, body: axum::body::Bytes| async move {
+                    assert_eq!(
+                        headers.get("content-type").unwrap(),
+                        "application/x-protobuf"
+                    );
+                    let request = ExportTraceServiceRequest::decode(body).expect("OTLP protobuf");
+                    let mut spans = spans.lock().unwrap();
+                    for resource in request.resource_spans {
+                        for scope in resource.scope_spans {
+                            spans.extend(scope.spans);
+                        }
+                    }
+                    (
+                        [("content-type", "application/x-protobuf")],
+                        ExportTraceServiceResponse {
+                            partial_success: None,
+                        }
+                        .encode_to_vec(),
+                    )
+                },
+            ),
+        );
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        address
+    }
+}
+
+/// A string, integer or boolean attribute of `span`, as text.
+fn attribute(span: &Span, key: &str) -> Option<String> {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    let value = span
+        .attributes
+        .iter()
+        .find(|attribute| attribute.key == key)?
+        .value
+        .as_ref()?
+        .value
+        .as_ref()?;
+    match value {
+        Value::StringValue(text) => Some(text.clone()),
+        Value::IntValue(number) => Some(number.to_string()),
+        Value::BoolValue(flag) => Some(flag.to_string()),
+        other => Some(format!("{other:?}")),
+    }
+}
+
+/// Publishes one event with a producer's trace context through a gateway exporting
+/// with `env`, consumes it and stops the gateway; returns the event's id, what the
+/// collector received and the gateway's log.
+async fn traced_delivery(
+    collector: &Collector,
+    env: &[(&str, String)],
+) -> (String, Vec<Span>, Vec<String>) {
+    let database = TestDatabase::create().await;
+    let mut env = env.to_vec();
+    env.push(("OTEL_BSP_SCHEDULE_DELAY", "100".into()));
+    let gateway = GatewayProcess::start(&database, &["--metrics-listen", "off"], &env).await;
+
     let channel = gateway.channel().await;
     let mut admin = proto::admin_client::AdminClient::new(channel.clone());
     admin
@@ -570,7 +626,7 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
     });
     request.metadata_mut().insert(
         "traceparent",
-        format!("00-{trace_id}-{producer_span}-01").parse().unwrap(),
+        format!("00-{TRACE_ID}-{PRODUCER_SPAN}-01").parse().unwrap(),
     );
     proto::publisher_client::PublisherClient::new(channel.clone())
         .publish(request)
@@ -590,44 +646,194 @@ async fn traces_flow_from_producer_through_publish_to_delivery() {
         .unwrap()
         .unwrap()
         .unwrap();
-    let traceparent = delivery.event.unwrap().metadata["traceparent"].clone();
+    let event = delivery.event.unwrap();
     assert_eq!(
-        traceparent,
-        format!("00-{trace_id}-{producer_span}-01"),
+        event.metadata["traceparent"],
+        format!("00-{TRACE_ID}-{PRODUCER_SPAN}-01"),
         "the consumer can continue the producer's trace"
     );
     drop(stream);
+    let stderr = gateway.stderr.clone();
     gateway.stop().await;
-
     let spans = collector.spans.lock().unwrap().clone();
+    let lines = stderr.lock().unwrap().clone();
+    (event.id, spans, lines)
+}
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PRODUCER_SPAN: &str = "00f067aa0ba902b7";
+
+/// The Publish span continues the producer's trace and the deliver span links to it,
+/// both described by the OpenTelemetry semantic conventions, without thread ids or
+/// busy/idle timings; the log says once where the traces go.
+fn check_trace(event_id: &str, spans: &[Span], lines: &[String], endpoint: &str) {
     let publish = spans
         .iter()
-        .find(|span| span.name.contains("Publisher/Publish"))
+        .find(|span| span.name == "outbox.v1.Publisher/Publish")
         .unwrap_or_else(|| {
             panic!(
                 "no Publish span among {:?}",
                 spans.iter().map(|s| &s.name).collect::<Vec<_>>()
             )
         });
-    assert_eq!(hex::encode(&publish.trace_id), trace_id);
+    assert_eq!(hex::encode(&publish.trace_id), TRACE_ID);
     assert_eq!(
         hex::encode(&publish.parent_span_id),
-        producer_span,
+        PRODUCER_SPAN,
         "the Publish span is the producer's child"
     );
+    for (key, value) in [
+        ("rpc.system", "grpc"),
+        ("rpc.service", "outbox.v1.Publisher"),
+        ("rpc.method", "Publish"),
+        ("rpc.grpc.status_code", "0"),
+    ] {
+        assert_eq!(
+            attribute(publish, key).as_deref(),
+            Some(value),
+            "{key}: {publish:?}"
+        );
+    }
     let deliver = spans
         .iter()
-        .find(|span| span.name == "deliver")
-        .expect("a deliver span");
+        .find(|span| attribute(span, "messaging.operation.type").is_some())
+        .expect("a delivery span");
+    assert_eq!(deliver.name, "deliver orders");
+    for (key, value) in [
+        ("messaging.system", "outbox"),
+        ("messaging.operation.type", "send"),
+        ("messaging.destination.name", "orders"),
+        ("messaging.message.id", event_id),
+    ] {
+        assert_eq!(
+            attribute(deliver, key).as_deref(),
+            Some(value),
+            "{key}: {deliver:?}"
+        );
+    }
     assert!(
         deliver
             .links
             .iter()
-            .any(|link| hex::encode(&link.trace_id) == trace_id
-                && hex::encode(&link.span_id) == producer_span),
+            .any(|link| hex::encode(&link.trace_id) == TRACE_ID
+                && hex::encode(&link.span_id) == PRODUCER_SPAN),
         "the delivery is linked to the producer's context: {:?}",
         deliver.links
     );
+    for span in spans {
+        for noise in [
+            "thread.id",
+            "thread.name",
+            "busy_ns",
+            "idle_ns",
+            "duration_ms",
+        ] {
+            assert!(attribute(span, noise).is_none(), "{noise} on {span:?}");
+        }
+    }
+    let told: Vec<&String> = lines
+        .iter()
+        .filter(|line| line.contains("exporting traces"))
+        .collect();
+    assert_eq!(told.len(), 1, "{lines:#?}");
+    assert!(told[0].contains(endpoint), "{told:?} names {endpoint}");
+}
+
+#[tokio::test]
+async fn traces_flow_from_producer_through_publish_to_delivery() {
+    let collector = Collector::default();
+    let address = collector.serve_grpc().await;
+    let endpoint = format!("http://{address}");
+    let (event_id, spans, lines) = traced_delivery(
+        &collector,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.clone()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()),
+        ],
+    )
+    .await;
+    check_trace(&event_id, &spans, &lines, &endpoint);
+}
+
+#[tokio::test]
+async fn traces_go_over_http_protobuf_when_the_protocol_says_so() {
+    let collector = Collector::default();
+    let address = collector.serve_http("/v1/traces").await;
+    let (event_id, spans, lines) = traced_delivery(
+        &collector,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{address}")),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".into()),
+        ],
+    )
+    .await;
+    check_trace(
+        &event_id,
+        &spans,
+        &lines,
+        &format!("http://{address}/v1/traces"),
+    );
+}
+
+#[tokio::test]
+async fn the_traces_variables_take_precedence_over_the_general_ones() {
+    let collector = Collector::default();
+    let address = collector.serve_http("/collector/traces").await;
+    let endpoint = format!("http://{address}/collector/traces");
+    let (event_id, spans, lines) = traced_delivery(
+        &collector,
+        &[
+            // The general ones point at nothing.
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9".into()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc".into()),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint.clone()),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf".into()),
+        ],
+    )
+    .await;
+    check_trace(&event_id, &spans, &lines, &endpoint);
+}
+
+#[tokio::test]
+async fn failing_trace_exports_are_one_warning_not_one_per_batch() {
+    let database = TestDatabase::create().await;
+    // Nothing listens there.
+    let endpoint = format!("http://127.0.0.1:{}", free_port());
+    let gateway = GatewayProcess::start(
+        &database,
+        &["--metrics-listen", "off"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.clone()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".into()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
+        ],
+    )
+    .await;
+    let warnings = || {
+        gateway
+            .stderr
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line.contains("WARN") && line.contains("cannot export traces"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    create_subscription_over(&gateway, "a").await;
+    eventually("the failure is logged", WAIT, || async {
+        !warnings().is_empty()
+    })
+    .await;
+    // More spans, more batches (one every 100 ms) failing within the next second or so:
+    // a fixed window, since what is checked is that nothing more is logged.
+    for name in ["b", "c", "d"] {
+        create_subscription_over(&gateway, name).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let logged = warnings();
+    assert_eq!(logged.len(), 1, "{logged:#?}");
+    assert!(logged[0].contains(&endpoint), "{logged:?}");
+    gateway.stop().await;
 }
 
 #[tokio::test]
@@ -647,10 +853,431 @@ async fn json_logs_are_one_object_per_line() {
     for line in &lines {
         let value: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        if let Err(error) = serde_json::from_str::<UniqueKeys>(line) {
+            panic!("{error}: {line}");
+        }
         for field in ["timestamp", "level", "target", "message"] {
             assert!(value.get(field).is_some(), "{field} missing in {line}");
         }
         saw_serving |= value["message"] == "serving gRPC";
     }
     assert!(saw_serving, "{lines:?}");
+}
+
+/// A JSON value whose objects, nested ones too, have each key once: serde_json itself
+/// keeps the last of duplicated keys silently, and log shippers differ in which one they
+/// keep.
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UniqueKeys;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("a JSON value")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    map.next_value::<UniqueKeys>()?;
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!("duplicated key {key:?}")));
+                    }
+                }
+                Ok(UniqueKeys)
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                while seq.next_element::<UniqueKeys>()?.is_some() {}
+                Ok(UniqueKeys)
+            }
+
+            fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+
+            fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+                Ok(UniqueKeys)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+#[tokio::test]
+async fn piped_text_logs_have_no_colours_and_no_debug_wrappers() {
+    let database = TestDatabase::create().await;
+    let gateway = GatewayProcess::start(&database, &["--metrics-listen", "off"], &[]).await;
+    let address = gateway.endpoint.trim_start_matches("http://").to_owned();
+    create_subscription_over(&gateway, "orders").await;
+    let stderr = gateway.stderr.clone();
+    gateway.stop().await;
+    let lines = stderr.lock().unwrap().clone();
+    assert!(
+        lines.iter().any(|line| line.contains(" INFO ")
+            && line.contains(" audit: admin action ")
+            && line.contains("principal=\"anonymous\"")
+            && line.contains("action=\"CreateSubscription\"")
+            && line.contains("subscription=orders")),
+        "the action of an open gateway is the anonymous caller's: {lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|line| line.contains("serving gRPC")
+                && line.contains(&format!("address={address}"))),
+        "{lines:#?}"
+    );
+    for line in &lines {
+        assert!(
+            !line.contains('\u{1b}'),
+            "terminal colours in a pipe: {line:?}"
+        );
+        assert!(!line.contains("Some("), "a Debug-formatted Option: {line}");
+    }
+}
+
+#[tokio::test]
+async fn a_taken_listen_address_says_how_to_choose_another() {
+    let database = TestDatabase::create().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    let output = tokio::time::timeout(
+        WAIT,
+        Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+            .args([
+                "serve",
+                "--listen",
+                &address,
+                "--database-url",
+                &database.url(),
+                "--console-listen",
+                "off",
+                "--metrics-listen",
+                "off",
+            ])
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the gateway gives up at once")
+    .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("cannot listen on {address}"))
+            && stderr.contains("Choose another address with --listen"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn counters_start_at_zero_beside_build_and_process_figures() {
+    let database = TestDatabase::create().await;
+    let metrics_port = free_port();
+    let gateway = GatewayProcess::start(
+        &database,
+        &[
+            "--metrics-listen",
+            &format!("127.0.0.1:{metrics_port}"),
+            "--metrics-refresh-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    create_subscription_over(&gateway, "orders").await;
+    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let orders = [("subscription", "orders"), ("source", "default")];
+    eventually("the new subscription's series appear", WAIT, || async {
+        Metrics::scrape(&url)
+            .await
+            .value("outbox_subscription_backlog", &orders)
+            .is_some()
+    })
+    .await;
+    let metrics = Metrics::scrape(&url).await;
+    for counter in [
+        "outbox_deliveries_total",
+        "outbox_redeliveries_total",
+        "outbox_acks_total",
+        "outbox_nacks_total",
+        "outbox_dead_letters_total",
+        "outbox_requeued_total",
+    ] {
+        assert_eq!(
+            metrics.value(counter, &orders),
+            Some(0.0),
+            "{counter}; scraped: {:#?}",
+            metrics.0
+        );
+    }
+    assert_eq!(
+        metrics.value("outbox_events_expired_total", &[("subscription", "orders")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        metrics.value(
+            "outbox_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        Some(1.0)
+    );
+    let started = metrics
+        .value("process_start_time_seconds", &[])
+        .expect("the process start time");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!(
+        started > now - 600.0 && started <= now + 1.0,
+        "{started} vs {now}"
+    );
+    assert!(metrics.value("process_resident_memory_bytes", &[]).unwrap() > 1e6);
+    assert!(metrics.value("process_open_fds", &[]).unwrap() >= 3.0);
+    assert!(metrics.value("process_cpu_seconds_total", &[]).is_some());
+    let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    let help = text
+        .lines()
+        .find(|line| line.starts_with("# HELP outbox_oldest_open_transaction_age_seconds "))
+        .expect("a HELP line");
+    assert!(!help.contains("holds delivery back"), "{help}");
+    gateway.stop().await;
+}
+
+/// `message` with the bearer token of the audit test.
+fn authorized<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer audit-secret".parse().unwrap());
+    request
+}
+
+#[tokio::test]
+async fn every_admin_change_leaves_one_audit_line() {
+    let database = TestDatabase::create().await;
+    let directory = std::env::temp_dir().join(format!("outbox-audit-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let config = directory.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nroles = [\"admin\", \"publisher\", \"subscriber\"]\n",
+            outbox_gateway::auth::token_digest("audit-secret")
+        ),
+    )
+    .unwrap();
+    let console_port = free_port();
+    let gateway = GatewayProcess::start(
+        &database,
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--log-format",
+            "json",
+            "--metrics-listen",
+            "off",
+            "--console-listen",
+            &format!("127.0.0.1:{console_port}"),
+        ],
+        &[],
+    )
+    .await;
+    let channel = gateway.channel().await;
+    let mut admin = proto::admin_client::AdminClient::new(channel.clone());
+    admin
+        .create_subscription(authorized(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription("orders")),
+        }))
+        .await
+        .unwrap();
+    proto::publisher_client::PublisherClient::new(channel.clone())
+        .publish(authorized(proto::PublishRequest {
+            events: vec![event("o-1", "order.created"), event("o-2", "order.created")],
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    let mut subscriber = proto::subscriber_client::SubscriberClient::new(channel.clone());
+    let mut stream = subscriber
+        .subscribe(authorized(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        let delivery = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("a delivery in time")
+            .unwrap()
+            .unwrap();
+        subscriber
+            .nack(authorized(proto::NackRequest {
+                subscription: "orders".into(),
+                ack_id: delivery.ack_id,
+                dead_letter: true,
+                ..Default::default()
+            }))
+            .await
+            .unwrap();
+    }
+    drop(stream);
+    // A dry run and a reading call change nothing and leave no audit line.
+    let dry_run = admin
+        .requeue_dead_letters(authorized(proto::RequeueDeadLettersRequest {
+            subscription: "orders".into(),
+            all: true,
+            validate_only: true,
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    assert_eq!(dry_run.into_inner().requeued_count, 2);
+    admin
+        .get_stats(authorized(proto::GetStatsRequest::default()))
+        .await
+        .unwrap();
+    let requeued = admin
+        .requeue_dead_letters(authorized(proto::RequeueDeadLettersRequest {
+            subscription: "orders".into(),
+            all: true,
+            event_types: vec!["order.*".into()],
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    assert_eq!(requeued.into_inner().requeued_count, 2);
+    admin
+        .pause_subscription(authorized(proto::PauseSubscriptionRequest {
+            name: "orders".into(),
+            reason: "maintenance".into(),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+
+    // The console: sign in with the same token and resume.
+    let console = format!("http://127.0.0.1:{console_port}");
+    let browser = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let signed_in = browser
+        .post(format!("{console}/sign-in"))
+        .form(&[("token", "audit-secret"), ("next", "/")])
+        .send()
+        .await
+        .unwrap();
+    let cookie = signed_in
+        .headers()
+        .get(reqwest::header::SET_COOKIE)
+        .expect("a session cookie")
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    let page = browser
+        .get(format!("{console}/subscriptions/orders"))
+        .header(reqwest::header::COOKIE, &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let marker = "name=\"csrf\" value=\"";
+    let start = page.find(marker).expect("a CSRF field") + marker.len();
+    let csrf = &page[start..start + page[start..].find('"').unwrap()];
+    let resumed = browser
+        .post(format!("{console}/subscriptions/orders/resume"))
+        .header(reqwest::header::COOKIE, &cookie)
+        .form(&[("csrf", csrf)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resumed.status(), reqwest::StatusCode::SEE_OTHER);
+
+    admin
+        .delete_subscription(authorized(proto::DeleteSubscriptionRequest {
+            name: "orders".into(),
+        }))
+        .await
+        .unwrap();
+    let stderr = gateway.stderr.clone();
+    gateway.stop().await;
+    std::fs::remove_dir_all(&directory).unwrap();
+
+    let lines = stderr.lock().unwrap().clone();
+    let audit: Vec<serde_json::Value> = lines
+        .iter()
+        .map(|line| {
+            if let Err(error) = serde_json::from_str::<UniqueKeys>(line) {
+                panic!("{error}: {line}");
+            }
+            serde_json::from_str::<serde_json::Value>(line).unwrap()
+        })
+        .filter(|line| line["target"] == "audit")
+        .collect();
+    let seen: Vec<(&str, &str, &str, u64)> = audit
+        .iter()
+        .map(|line| {
+            assert_eq!(line["level"], "INFO", "{line}");
+            assert_eq!(line["principal"], "ops", "{line}");
+            (
+                line["via"].as_str().unwrap_or_default(),
+                line["action"].as_str().unwrap_or_default(),
+                line["subscription"].as_str().unwrap_or_default(),
+                line["changed"].as_u64().unwrap_or(u64::MAX),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("grpc", "CreateSubscription", "orders", 1),
+            ("grpc", "RequeueDeadLetters", "orders", 2),
+            ("grpc", "PauseSubscription", "orders", 1),
+            ("console", "resume", "orders", 1),
+            ("grpc", "DeleteSubscription", "orders", 1),
+        ],
+        "{audit:#?}"
+    );
+    let selector = audit[1]["selector"].as_str().unwrap_or_default();
+    assert!(
+        selector.contains("all") && selector.contains("order.*"),
+        "the selector says which dead letters: {selector:?}"
+    );
 }

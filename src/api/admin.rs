@@ -4,6 +4,7 @@ use tonic::{Request, Response, Status};
 
 use super::{auth, convert};
 use crate::{
+    audit::{self, Selector, Via},
     domain::DeadLetterSelection,
     operations::{Operations, PageToken},
     proto::{self, admin_server::Admin as AdminService},
@@ -31,7 +32,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::CreateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let convert::NewSubscription {
             name,
             settings,
@@ -39,14 +40,17 @@ impl AdminService for AdminApi {
             start,
             expire_after_idle,
         } = convert::new_subscription(request.into_inner().subscription)?;
+        let selector = Selector::none().start("start", &start);
         let created = self
             .subscriptions
             .create(name, settings, sources, start, expire_after_idle)
             .await?;
+        let name = &created.subscription.name;
+        record(&who, "CreateSubscription", name.into(), &selector, 1);
         Ok(Response::new(convert::changed_subscription(created)))
     }
 
-    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().name))]
     async fn get_subscription(
         &self,
         request: Request<proto::GetSubscriptionRequest>,
@@ -72,14 +76,21 @@ impl AdminService for AdminApi {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().name))]
     async fn delete_subscription(
         &self,
         request: Request<proto::DeleteSubscriptionRequest>,
     ) -> Result<Response<proto::DeleteSubscriptionResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         self.subscriptions.delete(&name).await?;
+        record(
+            &who,
+            "DeleteSubscription",
+            (&name).into(),
+            &Selector::none(),
+            1,
+        );
         Ok(Response::new(proto::DeleteSubscriptionResponse {}))
     }
 
@@ -88,19 +99,26 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::UpdateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
+        let fields = request
+            .update_mask
+            .as_ref()
+            .map(|mask| mask.paths.join(","))
+            .unwrap_or_default();
         let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
         let updated = self.subscriptions.update(&name, patch).await?;
+        let selector = Selector::none().with("fields", fields);
+        record(&who, "UpdateSubscription", (&name).into(), &selector, 1);
         Ok(Response::new(convert::changed_subscription(updated)))
     }
 
-    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().name))]
     async fn pause_subscription(
         &self,
         request: Request<proto::PauseSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("name", &request.name)?;
         let until = convert::optional_timestamp("until", request.until)?;
@@ -108,17 +126,28 @@ impl AdminService for AdminApi {
             .subscriptions
             .pause(&name, &request.reason, until)
             .await?;
+        let selector = Selector::none()
+            .with_text("reason", &request.reason)
+            .with_some("until", until.map(|until| until.to_rfc3339()));
+        record(&who, "PauseSubscription", (&name).into(), &selector, 1);
         Ok(Response::new(convert::subscription(subscription)))
     }
 
-    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().name))]
     async fn resume_subscription(
         &self,
         request: Request<proto::ResumeSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         let subscription = self.subscriptions.resume(&name).await?;
+        record(
+            &who,
+            "ResumeSubscription",
+            (&name).into(),
+            &Selector::none(),
+            1,
+        );
         Ok(Response::new(convert::subscription(subscription)))
     }
 
@@ -127,14 +156,16 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::SeekSubscriptionRequest>,
     ) -> Result<Response<proto::SeekSubscriptionResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let to = request
             .to
             .ok_or_else(|| crate::error::Error::invalid("to", "is required"))?;
         let to = convert::start_position("to", Some(to))?;
+        let selector = Selector::none().start("to", &to);
         self.subscriptions.seek(&name, to).await?;
+        record(&who, "SeekSubscription", (&name).into(), &selector, 1);
         Ok(Response::new(proto::SeekSubscriptionResponse {}))
     }
 
@@ -143,7 +174,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueEventRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let id = convert::event_id("id", &request.id)?;
         let subscription =
@@ -153,6 +184,9 @@ impl AdminService for AdminApi {
             .operations
             .requeue_event(id, subscription.as_ref(), source.as_ref())
             .await?;
+        let selector = Selector::none().event(id, source.as_ref());
+        let target = subscription.as_ref().into();
+        record(&who, "RequeueEvent", target, &selector, requeued_count);
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
 
@@ -161,10 +195,11 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueLatestRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let subscription =
             convert::optional_subscription_name("subscription", &request.subscription)?;
+        let source = convert::optional_source("source", &request.source)?;
         let requeued_count = self
             .operations
             .requeue_latest(
@@ -172,9 +207,18 @@ impl AdminService for AdminApi {
                 &request.aggregate_id,
                 &request.event_type,
                 subscription.as_ref(),
-                convert::optional_source("source", &request.source)?.as_ref(),
+                source.as_ref(),
             )
             .await?;
+        let mut selector = Selector::none()
+            .with_text("aggregate_type", &request.aggregate_type)
+            .with_text("aggregate_id", &request.aggregate_id);
+        if !request.event_type.is_empty() {
+            selector = selector.with("event_type", &request.event_type);
+        }
+        let selector = selector.with_some("source", source.as_ref());
+        let target = subscription.as_ref().into();
+        record(&who, "RequeueLatest", target, &selector, requeued_count);
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
 
@@ -228,7 +272,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::RequeueDeadLettersRequest>,
     ) -> Result<Response<proto::RequeueResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
@@ -246,9 +290,19 @@ impl AdminService for AdminApi {
                 .count_requeue_dead_letters(&name, &selection, request.all)
                 .await?
         } else {
-            self.operations
+            let selector = Selector::none().dead_letters(&selection, request.all);
+            let requeued = self
+                .operations
                 .requeue_dead_letters(&name, selection, request.all)
-                .await?
+                .await?;
+            record(
+                &who,
+                "RequeueDeadLetters",
+                (&name).into(),
+                &selector,
+                requeued,
+            );
+            requeued
         };
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
     }
@@ -258,10 +312,11 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ResolveDeadLetterRequest>,
     ) -> Result<Response<proto::DeadLetter>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let id = convert::event_id("id", &request.id)?;
+        let source = convert::optional_source("source", &request.source)?;
         let dead_letter = self
             .operations
             .resolve_dead_letter(
@@ -269,9 +324,11 @@ impl AdminService for AdminApi {
                 id,
                 &request.resolved_by,
                 &request.notes,
-                convert::optional_source("source", &request.source)?.as_ref(),
+                source.as_ref(),
             )
             .await?;
+        let selector = Selector::none().event(id, source.as_ref());
+        record(&who, "ResolveDeadLetter", (&name).into(), &selector, 1);
         Ok(Response::new(convert::dead_letter(dead_letter)))
     }
 
@@ -280,7 +337,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ResolveDeadLettersRequest>,
     ) -> Result<Response<proto::ResolveDeadLettersResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
@@ -299,9 +356,19 @@ impl AdminService for AdminApi {
                 .count_resolve_dead_letters(&name, &selection, request.all, by, notes)
                 .await?
         } else {
-            self.operations
+            let selector = Selector::none().dead_letters(&selection, request.all);
+            let resolved = self
+                .operations
                 .resolve_dead_letters(&name, selection, request.all, by, notes)
-                .await?
+                .await?;
+            record(
+                &who,
+                "ResolveDeadLetters",
+                (&name).into(),
+                &selector,
+                resolved,
+            );
+            resolved
         };
         Ok(Response::new(proto::ResolveDeadLettersResponse {
             resolved_count,
@@ -329,12 +396,12 @@ impl AdminService for AdminApi {
         }))
     }
 
-    #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
+    #[tracing::instrument(skip_all, fields(subscription = %request.get_ref().name))]
     async fn rotate_push_secret(
         &self,
         request: Request<proto::RotatePushSecretRequest>,
     ) -> Result<Response<proto::RotatePushSecretResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        let who = admin(&request)?;
         let request = request.into_inner();
         let name = convert::subscription_name("name", &request.name)?;
         let keep_previous_for =
@@ -343,6 +410,9 @@ impl AdminService for AdminApi {
             .subscriptions
             .rotate_push_secret(&name, keep_previous_for)
             .await?;
+        let selector =
+            Selector::none().with("previous_expires_at", previous_expires_at.to_rfc3339());
+        record(&who, "RotatePushSecret", (&name).into(), &selector, 1);
         Ok(Response::new(proto::RotatePushSecretResponse {
             signing_secret: secret.text(),
             previous_expires_at: Some(convert::datetime_to_timestamp(previous_expires_at)),
@@ -390,4 +460,22 @@ impl AdminService for AdminApi {
             sources: sources.into_iter().map(convert::source_status).collect(),
         }))
     }
+}
+
+/// The name of a caller with the admin role; refuses anyone else.
+fn admin<T>(request: &Request<T>) -> Result<String, Status> {
+    let principal = auth::principal(request)?;
+    principal.check_admin()?;
+    Ok(principal.name.clone())
+}
+
+/// The audit line of a change made over gRPC.
+fn record(
+    who: &str,
+    rpc: &str,
+    subscription: audit::Target<'_>,
+    selector: &Selector,
+    changed: u64,
+) {
+    audit::record(who, Via::Grpc, rpc, subscription, selector, changed);
 }

@@ -18,6 +18,7 @@ use super::{
     views::{self, Frame},
 };
 use crate::{
+    audit::{self, Selector, Via},
     domain::{DeadLetterSelection, SourceName, SubscriptionName},
     error::Error,
 };
@@ -260,11 +261,14 @@ pub async fn dead_letter_action(
         };
         return Ok(views::confirm_dead_letters(&frame, &confirmation).into_response());
     }
+    let action = form.get("action").unwrap_or_default();
+    let selector = Selector::none().dead_letters(&selection, matching);
     let text = match verb {
         Verb::Requeue => {
             let requeued = operations
                 .requeue_dead_letters(&name, selection, matching)
                 .await?;
+            record(&session, action, (&name).into(), &selector, requeued);
             format!(
                 "Requeued {requeued} dead letter{} of {name}.",
                 plural(requeued)
@@ -274,6 +278,7 @@ pub async fn dead_letter_action(
             let resolved = operations
                 .resolve_dead_letters(&name, selection, matching, resolver, notes)
                 .await?;
+            record(&session, action, (&name).into(), &selector, resolved);
             format!(
                 "Resolved {resolved} dead letter{} of {name}.",
                 plural(resolved)
@@ -364,7 +369,9 @@ pub async fn seek(
         let frame = console.frame(&session);
         return Ok(views::confirm_seek(&frame, &name, &to, &fields).into_response());
     }
+    let selector = Selector::none().start("to", &to);
     subscriptions.seek(&name, to).await?;
+    record(&session, "seek", (&name).into(), &selector, 1);
     console.notify(&session, format!("Moved the read position of {name}."));
     Ok(Redirect::to(&views::subscription_href(&name)).into_response())
 }
@@ -386,6 +393,8 @@ pub async fn pause(
         .subscriptions
         .pause(&name, reason, None)
         .await?;
+    let selector = Selector::none().with_text("reason", reason);
+    record(&session, "pause", (&name).into(), &selector, 1);
     console.notify(
         &session,
         format!("Paused {name}: nothing new goes out until it is resumed."),
@@ -404,6 +413,7 @@ pub async fn resume(
     authorize_action(&session, &headers, &form)?;
     let name = params::subscription_name(&name)?;
     console.inner.subscriptions.resume(&name).await?;
+    record(&session, "resume", (&name).into(), &Selector::none(), 1);
     console.notify(&session, format!("Resumed {name}."));
     Ok(Redirect::to(&views::subscription_href(&name)).into_response())
 }
@@ -478,6 +488,9 @@ pub async fn requeue_event(
         .operations
         .requeue_event(id, subscription.as_ref(), source.as_ref())
         .await?;
+    let selector = Selector::none().event(id, source.as_ref());
+    let target = subscription.as_ref().into();
+    record(&session, "requeue-event", target, &selector, requeued);
     let on = subscription.map_or("every matching subscription".to_owned(), |name| {
         name.to_string()
     });
@@ -536,10 +549,10 @@ pub async fn sign_in(State(console): State<Console>, headers: HeaderMap, body: B
         }
     };
     if let Err(error) = principal.check_view() {
-        tracing::info!(name = %principal.name, "refused a console sign-in without the viewer or admin role");
+        tracing::info!(principal = %principal.name, "refused a console sign-in without the viewer or admin role");
         return refused(StatusCode::FORBIDDEN, &error.to_string());
     }
-    tracing::info!(name = %principal.name, admin = principal.is_admin(), "console sign-in");
+    tracing::info!(principal = %principal.name, admin = principal.is_admin(), "console sign-in");
     let (_, cookie) = console.inner.sessions.create(principal);
     let mut response = Redirect::to(&next).into_response();
     if let Ok(cookie) = HeaderValue::from_str(&cookie) {
@@ -590,6 +603,18 @@ pub async fn asset(Path(file): Path<String>) -> Page {
 
 pub async fn not_found() -> ConsoleError {
     ConsoleError::NoPage
+}
+
+/// The audit line of a change made in the console.
+fn record(
+    session: &Session,
+    action: &str,
+    subscription: audit::Target<'_>,
+    selector: &Selector,
+    changed: u64,
+) {
+    let who = session.principal.name.as_str();
+    audit::record(who, Via::Console, action, subscription, selector, changed);
 }
 
 /// An action needs the session's CSRF token, a request from the console's own pages and

@@ -413,14 +413,20 @@ impl Dispatcher {
         }
         if telemetry::exporting() {
             for delivery in deliveries {
+                // The messaging conventions' names; what they have no name for is
+                // under `outbox.`.
                 let span = tracing::info_span!(
                     "deliver",
+                    otel.name = %format_args!("deliver {name}"),
                     otel.kind = "producer",
-                    subscription = %name,
-                    source = %delivery.event.source,
-                    event_id = %delivery.event.id,
-                    event_type = %delivery.event.event_type,
-                    attempt = delivery.attempt,
+                    "messaging.system" = "outbox",
+                    "messaging.operation.type" = "send",
+                    "messaging.operation.name" = "deliver",
+                    "messaging.destination.name" = %name,
+                    "messaging.message.id" = %delivery.event.id,
+                    "outbox.source" = %delivery.event.source,
+                    "outbox.event_type" = %delivery.event.event_type,
+                    "outbox.delivery.attempt" = delivery.attempt,
                 );
                 telemetry::link_to_producer(&span, &delivery.event.metadata);
             }
