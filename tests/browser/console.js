@@ -149,7 +149,14 @@ async function main() {
       page.waitForURL(new RegExp(`/subscriptions/${subscription}\\?`)),
       page.getByRole("button", { name: `Requeue ${expectedDead} dead letters` }).click(),
     ]);
-    await page.getByText(`Requeued ${expectedDead} dead letters of ${subscription}.`).waitFor();
+    const notice = page.getByText(`Requeued ${expectedDead} dead letters of ${subscription}.`);
+    await notice.waitFor();
+    // The page opens at the dead letters the operator acted on; the result shows there too.
+    const noticeShown = await notice.evaluate((element) => {
+      const box = element.getBoundingClientRect();
+      return box.top >= 0 && box.bottom <= window.innerHeight;
+    });
+    if (!noticeShown) throw new Error("the requeue's result is off screen where the page opened");
     step("requeued by filter", { requeued: confirmCount });
 
     // The consumer takes them this time: the figures fall to zero by themselves.
