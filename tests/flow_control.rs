@@ -25,6 +25,31 @@ fn large_events(count: usize, bytes: usize) -> Vec<proto::EventInput> {
         .collect()
 }
 
+/// A stream that never reads, allowed far more than the gateway-wide bound. Its client's
+/// HTTP/2 windows are tiny, so what it does not read stays in the gateway.
+async fn unread_stream(
+    gateway: &TestGateway,
+    subscription: &str,
+) -> tonic::Streaming<proto::Delivery> {
+    let channel = tonic::transport::Endpoint::from_shared(gateway.endpoint())
+        .unwrap()
+        .initial_stream_window_size(Some(1024))
+        .initial_connection_window_size(Some(1024))
+        .connect()
+        .await
+        .unwrap();
+    proto::subscriber_client::SubscriberClient::new(channel)
+        .subscribe(proto::SubscribeRequest {
+            subscription: subscription.into(),
+            max_in_flight: 1000,
+            max_in_flight_bytes: 64 * 1024 * 1024,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 async fn in_flight(pool: &PgPool, subscription: &str) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM outbox_deliveries d JOIN outbox_subscriptions s ON s.id = d.subscription_id \
@@ -137,28 +162,9 @@ async fn streams_that_never_read_cannot_hold_the_gateways_memory_or_starve_reade
     let events = 60;
     publish(&gateway, large_events(events, 16 * 1024)).await;
 
-    // Streams that never read, each allowed far more than the gateway-wide bound. Their
-    // clients' HTTP/2 windows are tiny, so what they do not read stays in the gateway.
     let mut stalled = Vec::new();
     for _ in 0..3 {
-        let channel = tonic::transport::Endpoint::from_shared(gateway.endpoint())
-            .unwrap()
-            .initial_stream_window_size(Some(1024))
-            .initial_connection_window_size(Some(1024))
-            .connect()
-            .await
-            .unwrap();
-        let stream = proto::subscriber_client::SubscriberClient::new(channel)
-            .subscribe(proto::SubscribeRequest {
-                subscription: "stalled".into(),
-                max_in_flight: 1000,
-                max_in_flight_bytes: 64 * 1024 * 1024,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        stalled.push(stream);
+        stalled.push(unread_stream(&gateway, "stalled").await);
     }
     let mut reader = Consumer::open(&gateway, "healthy", 1000).await;
     let mut received = 0;
@@ -261,25 +267,7 @@ async fn streams_that_never_read_hold_at_most_the_budget_and_two_deliveries_each
     const STREAMS: i64 = 10;
     let mut stalled = Vec::new();
     for _ in 0..STREAMS {
-        // Tiny HTTP/2 windows: what a stream does not read stays in the gateway.
-        let channel = tonic::transport::Endpoint::from_shared(gateway.endpoint())
-            .unwrap()
-            .initial_stream_window_size(Some(1024))
-            .initial_connection_window_size(Some(1024))
-            .connect()
-            .await
-            .unwrap();
-        let stream = proto::subscriber_client::SubscriberClient::new(channel)
-            .subscribe(proto::SubscribeRequest {
-                subscription: "stalled".into(),
-                max_in_flight: 1000,
-                max_in_flight_bytes: 64 * 1024 * 1024,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        stalled.push(stream);
+        stalled.push(unread_stream(&gateway, "stalled").await);
     }
     // Until what they hold stops growing.
     let deadline = Instant::now() + WAIT;

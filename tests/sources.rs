@@ -58,6 +58,35 @@ impl ThreeSources {
     }
 }
 
+/// A gateway over `default` and `remote`, a database on a second PostgreSQL server that
+/// a test can stop and start. Take it apart binding every field in this order: the
+/// gateway is then dropped first and the server last.
+struct RemoteSource {
+    server: PostgresServer,
+    _databases: [Arc<TestDatabase>; 2],
+    gateway: TestGateway,
+}
+
+impl RemoteSource {
+    /// Starts it; the gateway's connection attempts wait at most `acquire_timeout`.
+    async fn start(acquire_timeout: Duration) -> RemoteSource {
+        let server = tokio::task::spawn_blocking(PostgresServer::start)
+            .await
+            .unwrap()
+            .expect("a second PostgreSQL server");
+        let default = TestDatabase::create().await;
+        let remote = TestDatabase::create_on(&server.url()).await;
+        let mut config = config_with(&default, vec![source("remote", &remote)]);
+        config.db_acquire_timeout = acquire_timeout;
+        let gateway = TestGateway::start_with(&default, config).await;
+        RemoteSource {
+            server,
+            _databases: [default, remote],
+            gateway,
+        }
+    }
+}
+
 async fn publish_to(
     gateway: &TestGateway,
     source: &str,
@@ -501,15 +530,11 @@ async fn a_source_not_migrated_with_migrate_off_stops_the_start_naming_it() {
 
 #[tokio::test]
 async fn a_source_that_goes_down_pauses_only_its_own_share() {
-    let server = tokio::task::spawn_blocking(PostgresServer::start)
-        .await
-        .unwrap()
-        .expect("a second PostgreSQL server");
-    let default = TestDatabase::create().await;
-    let remote = TestDatabase::create_on(&server.url()).await;
-    let mut config = config_with(&default, vec![source("remote", &remote)]);
-    config.db_acquire_timeout = Duration::from_secs(1);
-    let gateway = TestGateway::start_with(&default, config).await;
+    let RemoteSource {
+        server,
+        _databases,
+        gateway,
+    } = RemoteSource::start(Duration::from_secs(1)).await;
     create_subscription(&gateway, subscription("all")).await;
     let mut consumer = Consumer::open(&gateway, "all", 100).await;
     publish_to(&gateway, "remote", "r-1", "order.created").await;
@@ -557,20 +582,9 @@ async fn a_source_that_goes_down_pauses_only_its_own_share() {
         Some(serving),
         "the gateway stays SERVING"
     );
-    let sources = gateway
-        .admin()
-        .await
-        .list_sources(proto::ListSourcesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .sources;
-    let remote_status = sources.iter().find(|s| s.name == "remote").unwrap();
-    assert_eq!(
-        remote_status.status,
-        proto::SourceStatus::Unavailable as i32
-    );
-    assert!(!remote_status.last_error.is_empty());
+    let (status, last_error) = source_state(&gateway, "remote").await;
+    assert_eq!(status, proto::SourceStatus::Unavailable as i32);
+    assert!(!last_error.is_empty());
     // Acks of its ids come back unavailable; the others are applied.
     let answer = gateway
         .subscriber()
@@ -875,16 +889,12 @@ async fn source_state(gateway: &TestGateway, name: &str) -> (i32, String) {
 
 #[tokio::test]
 async fn a_down_source_neither_holds_acks_back_nor_slows_the_others() {
-    let server = tokio::task::spawn_blocking(PostgresServer::start)
-        .await
-        .unwrap()
-        .expect("a second PostgreSQL server");
-    let default = TestDatabase::create().await;
-    let remote = TestDatabase::create_on(&server.url()).await;
-    let mut config = config_with(&default, vec![source("remote", &remote)]);
     // What a connection attempt to the stopped server may take: no ack may wait for it.
-    config.db_acquire_timeout = Duration::from_secs(5);
-    let gateway = TestGateway::start_with(&default, config).await;
+    let RemoteSource {
+        server,
+        _databases,
+        gateway,
+    } = RemoteSource::start(Duration::from_secs(5)).await;
     let ack_deadline = Duration::from_secs(3);
     let mut all = subscription("all");
     all.ack_deadline = seconds(ack_deadline.as_secs());
