@@ -31,6 +31,8 @@ const QUICK_DIVISOR: usize = 10;
 const RATE: u64 = 1_000;
 /// Events per Publish call.
 const BATCH: u64 = 10;
+/// Longest the idle subscriptions and their streams may take to set up.
+const SETUP_LIMIT: Duration = Duration::from_secs(300);
 
 struct Run {
     acked_per_second: f64,
@@ -65,7 +67,15 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         format!("creating {idle} idle subscriptions with a stream each"),
     );
     let mut idle_streams = Vec::with_capacity(idle);
+    let creating = Instant::now();
     for index in 0..idle {
+        // Each idle subscription with a stream may slow the next one down: report that,
+        // rather than run on for good.
+        anyhow::ensure!(
+            creating.elapsed() < SETUP_LIMIT,
+            "creating {idle} idle subscriptions with a stream each took longer than {}: {index} were created",
+            humantime::format_duration(SETUP_LIMIT)
+        );
         let name = format!("idle-{index}");
         create(gateway, &name, &format!("idle.{index}")).await?;
         let stream = gateway
