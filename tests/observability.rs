@@ -42,6 +42,24 @@ struct GatewayProcess {
 }
 
 impl GatewayProcess {
+    /// A gateway serving metrics on a port of its own, refreshed every 200 ms; returns
+    /// it and the metrics server's base URL.
+    async fn with_metrics(database: &TestDatabase) -> (GatewayProcess, String) {
+        let metrics = format!("127.0.0.1:{}", free_port());
+        let gateway = GatewayProcess::start(
+            database,
+            &[
+                "--metrics-listen",
+                &metrics,
+                "--metrics-refresh-interval",
+                "200ms",
+            ],
+            &[],
+        )
+        .await;
+        (gateway, format!("http://{metrics}"))
+    }
+
     async fn start(
         database: &TestDatabase,
         args: &[&str],
@@ -211,18 +229,7 @@ impl Metrics {
 #[tokio::test]
 async fn metrics_match_a_known_scenario_exactly() {
     let database = TestDatabase::create().await;
-    let metrics_port = free_port();
-    let gateway = GatewayProcess::start(
-        &database,
-        &[
-            "--metrics-listen",
-            &format!("127.0.0.1:{metrics_port}"),
-            "--metrics-refresh-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
+    let (gateway, metrics_base) = GatewayProcess::with_metrics(&database).await;
     let channel = gateway.channel().await;
     // A direct writer's event that expired before anyone could read it.
     sqlx::query(
@@ -261,7 +268,7 @@ async fn metrics_match_a_known_scenario_exactly() {
         .await
         .unwrap();
 
-    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let url = format!("{metrics_base}/metrics");
     let orders = [("subscription", "orders"), ("source", "default")];
     let orders_only = [("subscription", "orders")];
     // The per-subscription gauges refresh every 200 ms.
@@ -337,9 +344,7 @@ async fn metrics_match_a_known_scenario_exactly() {
             "{name} has no # HELP line"
         );
     }
-    let elsewhere = reqwest::get(format!("http://127.0.0.1:{metrics_port}/"))
-        .await
-        .unwrap();
+    let elsewhere = reqwest::get(format!("{metrics_base}/")).await.unwrap();
     assert_eq!(elsewhere.status(), reqwest::StatusCode::NOT_FOUND);
     gateway.stop().await;
 }
@@ -347,19 +352,8 @@ async fn metrics_match_a_known_scenario_exactly() {
 #[tokio::test]
 async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
     let database = TestDatabase::create().await;
-    let metrics_port = free_port();
-    let gateway = GatewayProcess::start(
-        &database,
-        &[
-            "--metrics-listen",
-            &format!("127.0.0.1:{metrics_port}"),
-            "--metrics-refresh-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
-    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let (gateway, metrics_base) = GatewayProcess::with_metrics(&database).await;
+    let url = format!("{metrics_base}/metrics");
     let orders = [("subscription", "orders"), ("source", "default")];
     let channel = gateway.channel().await;
     let mut admin = proto::admin_client::AdminClient::new(channel.clone());
@@ -1001,20 +995,9 @@ async fn a_taken_listen_address_says_how_to_choose_another() {
 #[tokio::test]
 async fn counters_start_at_zero_beside_build_and_process_figures() {
     let database = TestDatabase::create().await;
-    let metrics_port = free_port();
-    let gateway = GatewayProcess::start(
-        &database,
-        &[
-            "--metrics-listen",
-            &format!("127.0.0.1:{metrics_port}"),
-            "--metrics-refresh-interval",
-            "200ms",
-        ],
-        &[],
-    )
-    .await;
+    let (gateway, metrics_base) = GatewayProcess::with_metrics(&database).await;
     create_subscription_over(&gateway, "orders").await;
-    let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let url = format!("{metrics_base}/metrics");
     let orders = [("subscription", "orders"), ("source", "default")];
     eventually("the new subscription's series appear", WAIT, || async {
         Metrics::scrape(&url)
