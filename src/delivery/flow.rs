@@ -404,16 +404,11 @@ impl Streams {
     /// (an ack then still reaches its lease there), and they must not hold room that
     /// the other sources' deliveries could use.
     pub fn forget_source(&mut self, source: SourceId) -> usize {
-        let keys: Vec<LeaseKey> = self
-            .leases
-            .keys()
-            .filter(|(lease_source, _)| *lease_source == source)
-            .copied()
-            .collect();
-        for key in &keys {
-            self.remove_lease(*key);
+        let leases = self.leases_of(source);
+        for (position, _) in &leases {
+            self.remove_lease((source, *position));
         }
-        keys.len()
+        leases.len()
     }
 
     /// When the next lease expires or the next resting stream may take again.
