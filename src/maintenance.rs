@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{delivery::Relay, error::Error, sources::Source, subscriptions::Subscriptions};
+use crate::{
+    delivery::Relay, domain::Subscription, error::Error, sources::Source,
+    subscriptions::Subscriptions,
+};
 
 /// Most batches one pass deletes, so a pass stays short; the next pass goes on.
 const MAX_BATCHES_PER_PASS: usize = 100;
@@ -129,15 +132,25 @@ pub async fn pass(
     subscriptions.reconcile(source).await?;
     let store = &source.store;
     let mut reclaimed = 0;
-    for subscription in subscriptions.list().await? {
-        if !subscription.reads(&source.name) {
-            continue;
-        }
+    let reading: Vec<Subscription> = subscriptions
+        .list()
+        .await?
+        .into_iter()
+        .filter(|subscription| subscription.reads(&source.name))
+        .collect();
+    // One statement finds the few with expired leases, rather than a transaction for
+    // every subscription, most of which have none.
+    let ids: Vec<i64> = reading.iter().map(|subscription| subscription.id).collect();
+    let expired = store.subscriptions_with_expired_leases(&ids).await?;
+    for subscription in reading.iter().filter(|s| expired.contains(&s.id)) {
         let outcome = store
-            .reclaim_expired_leases(&subscription)
+            .reclaim_expired_leases(subscription)
             .await?
             .unwrap_or_default();
         reclaimed += outcome.leases;
+        if outcome.leases > 0 {
+            relay.due(subscription.id, source.id);
+        }
         if outcome.dead_lettered > 0 {
             crate::metrics::dead_lettered(
                 subscription.name.as_str(),
@@ -148,7 +161,6 @@ pub async fn pass(
     }
     if reclaimed > 0 {
         tracing::info!(source = %source.name, reclaimed, "reclaimed expired leases");
-        relay.events_committed(source.id);
     }
 
     let mut deleted = 0;

@@ -463,3 +463,143 @@ async fn concurrent_writers_committing_in_random_order_lose_and_double_nothing()
         );
     }
 }
+
+/// Transactions committed in the test's database so far, as the statistics show them
+/// (each backend reports within about a second of going idle).
+async fn committed_transactions(pool: &PgPool, database: &str) -> i64 {
+    sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
+        .bind(database)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn typed(name: &str, event_type: &str) -> proto::Subscription {
+    proto::Subscription {
+        event_types: vec![event_type.into()],
+        ..subscription(name)
+    }
+}
+
+#[tokio::test]
+async fn idle_subscriptions_with_streams_cost_the_database_next_to_nothing() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    // Frequent polls, so what each idle subscription costs per poll shows as well.
+    config.delivery.poll_interval = Duration::from_millis(500);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, typed("busy", "busy.happened")).await;
+    const IDLE: usize = 40;
+    let mut idle = Vec::new();
+    for index in 0..IDLE {
+        let name = format!("idle-{index}");
+        create_subscription(&gateway, typed(&name, "idle.wanted")).await;
+        idle.push(Consumer::open(&gateway, &name, 10).await);
+    }
+    let mut busy = Consumer::open(&gateway, "busy", 100).await;
+    let pool = database.pool().await;
+    // Let the streams settle in before counting.
+    publish(&gateway, vec![event("warm-up", "busy.happened")]).await;
+    let warm_up = busy.take(1, WAIT).await;
+    assert!(
+        ack(&gateway, "busy", vec![warm_up[0].ack_id.clone()])
+            .await
+            .is_empty()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let before = committed_transactions(&pool, database.name()).await;
+    const EVENTS: usize = 40;
+    for index in 0..EVENTS {
+        publish(
+            &gateway,
+            vec![event(&format!("o-{index}"), "busy.happened")],
+        )
+        .await;
+        let delivered = busy.take(1, WAIT).await;
+        assert!(
+            ack(&gateway, "busy", vec![delivered[0].ack_id.clone()])
+                .await
+                .is_empty()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The statistics of the last calls arrive within a second or two.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spent = committed_transactions(&pool, database.name()).await - before;
+    // A publish, a claim and an ack each, a few reads of what is new, the heartbeats:
+    // a handful per event. Claiming for every idle subscription at every publish and
+    // poll would spend more than 40 per event.
+    let per_event = spent as f64 / EVENTS as f64;
+    assert!(
+        per_event < 15.0,
+        "{spent} transactions for {EVENTS} events ({per_event:.1} per event) beside {IDLE} idle subscriptions"
+    );
+    // And the idle subscriptions still get what they select.
+    publish(&gateway, vec![event("wanted", "idle.wanted")]).await;
+    for consumer in &mut idle {
+        let delivered = consumer.take(1, WAIT).await;
+        assert_eq!(delivered[0].event.as_ref().unwrap().aggregate_id, "wanted");
+    }
+}
+
+#[tokio::test]
+async fn idle_read_positions_move_past_other_events_and_still_wait_for_open_transactions() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.delivery.poll_interval = Duration::from_millis(300);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, typed("quiet", "quiet.wanted")).await;
+    let mut quiet = Consumer::open(&gateway, "quiet", 10).await;
+    let pool = database.pool().await;
+    // A writer's event for it, in a transaction that stays open while others pass.
+    let mut held = pool.begin().await.unwrap();
+    insert_event(&mut *held, "late", "quiet.wanted").await;
+    for batch in 0..5 {
+        publish(
+            &gateway,
+            (0..20)
+                .map(|i| event(&format!("n-{batch}-{i}"), "noise.happened"))
+                .collect(),
+        )
+        .await;
+    }
+    let newest_noise: i64 = sqlx::query_scalar(
+        "SELECT max(xact_id) FROM outbox_events WHERE event_type = 'noise.happened'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    // Its read position moves past the events it does not select.
+    eventually(
+        "the idle subscription's read position passes the other events",
+        WAIT,
+        || {
+            let pool = pool.clone();
+            async move {
+                let cursor: i64 = sqlx::query_scalar(
+                    "SELECT c.cursor_xact_id FROM outbox_cursors c \
+                     JOIN outbox_subscriptions s ON s.id = c.subscription_id \
+                     WHERE s.name = 'quiet'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                cursor >= newest_noise
+            }
+        },
+    )
+    .await;
+    assert!(
+        quiet.next(QUIET).await.is_none(),
+        "nothing of the noise is delivered"
+    );
+    // The open transaction's event was passed while it ran, not skipped.
+    held.commit().await.unwrap();
+    let late = quiet.take(1, WAIT).await;
+    assert_eq!(late[0].event.as_ref().unwrap().aggregate_id, "late");
+    publish(&gateway, vec![event("fresh", "quiet.wanted")]).await;
+    let fresh = quiet.take(1, WAIT).await;
+    assert_eq!(fresh[0].event.as_ref().unwrap().aggregate_id, "fresh");
+    assert!(quiet.next(QUIET).await.is_none(), "each arrives once");
+}

@@ -4,13 +4,18 @@
 //! gateways; sleeps until there is room and work.
 //!
 //! Each source is claimed on its own (a claim is one transaction in one database), when
-//! it has news: events were committed there, a delivery there became due, or the poll
-//! interval passed. A source that is down or failing is skipped until it is back, so it
-//! never holds the others up. While the subscription is paused nothing is claimed.
+//! it has news: the source's scout ([`super::scout`]) saw events there the subscription
+//! may select, or a delivery there became due. Nothing is claimed merely because time
+//! passed or another subscription's events arrived: the scout polls for all of them. A
+//! source that is down or failing is skipped until it is back, so it never holds the
+//! others up. While the subscription is paused nothing is claimed.
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, atomic::AtomicU64},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -59,6 +64,8 @@ pub(super) struct Dispatcher {
     /// Held from reading the definition until the claims made with it end, so that a
     /// pause taken here can wait for claims that did not see it.
     claiming: tokio::sync::Mutex<()>,
+    /// Bumped when what the scouts look at changes (a filter, the sources read).
+    audience: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
@@ -79,10 +86,10 @@ struct State {
 }
 
 /// A dispatcher's view of one source.
-#[derive(Default)]
 struct SourceState {
-    /// The source's new-events generation at the last claim (`None`: never claimed).
-    seen_events: Option<u64>,
+    /// Events may wait there: the scout saw some the subscription may select, or the
+    /// dispatcher has not claimed there yet (or failed to, or the source came back).
+    news: bool,
     /// Something made a delivery due there (a nack, a release, an expired lease, an ack
     /// that may free an ordered aggregate, a requeue): the next claim looks for due
     /// records.
@@ -90,7 +97,6 @@ struct SourceState {
     /// Earliest retry this process scheduled there through a nack.
     retry_at: Option<DateTime<Utc>>,
     last_due_check: Option<Instant>,
-    last_claim: Option<Instant>,
     /// The last claim took all its limits allowed: more may be waiting there.
     more_waiting: bool,
     /// After a failed claim, not before this; the delay doubles while failures go on.
@@ -99,19 +105,30 @@ struct SourceState {
     down: bool,
 }
 
+impl Default for SourceState {
+    fn default() -> Self {
+        SourceState {
+            news: true,
+            due_pending: false,
+            retry_at: None,
+            last_due_check: None,
+            more_waiting: false,
+            failing: None,
+            down: false,
+        }
+    }
+}
+
 impl SourceState {
     /// Whether a claim on this source has something to look for now.
-    fn wants_claim(&self, events: u64, poll_interval: Duration, now: Instant) -> bool {
+    fn wants_claim(&self, now: Instant) -> bool {
         if self.failing.is_some_and(|(not_before, _)| now < not_before) {
             return false;
         }
-        self.seen_events != Some(events)
+        self.news
             || self.more_waiting
             || self.due_pending
             || self.retry_at.is_some_and(|at| at <= Utc::now())
-            || self
-                .last_claim
-                .is_none_or(|at| now.duration_since(at) >= poll_interval)
     }
 }
 
@@ -131,6 +148,7 @@ impl Dispatcher {
         tasks: TaskTracker,
         subscription: Subscription,
         budget: Arc<BufferBudget>,
+        audience: Arc<AtomicU64>,
     ) -> Arc<Dispatcher> {
         Arc::new(Dispatcher {
             sources,
@@ -143,6 +161,7 @@ impl Dispatcher {
             changed: Notify::new(),
             budget,
             claiming: tokio::sync::Mutex::new(()),
+            audience,
         })
     }
 
@@ -150,8 +169,17 @@ impl Dispatcher {
     /// with the previous one is still running: what is published afterwards goes out
     /// under the new definition.
     pub(super) async fn install_definition(&self, subscription: Subscription) {
-        *self.subscription.lock().expect("subscription lock") = Arc::new(subscription);
+        self.set_definition(subscription);
         drop(self.claiming.lock().await);
+    }
+
+    /// Takes the definition as read from the database.
+    pub(super) fn set_definition(&self, subscription: Subscription) {
+        let mut current = self.subscription.lock().expect("subscription lock");
+        if current.settings != subscription.settings || current.sources != subscription.sources {
+            self.audience.fetch_add(1, Ordering::Relaxed);
+        }
+        *current = Arc::new(subscription);
     }
 
     pub(super) fn subscription_id(&self) -> i64 {
@@ -202,6 +230,18 @@ impl Dispatcher {
     /// The definition changed: read it again before the next claim.
     pub(super) fn definition_changed(&self) {
         self.state.lock().expect("dispatcher lock").definition_stale = true;
+        self.changed.notify_one();
+    }
+
+    /// The scout saw events in `source` this subscription may select.
+    pub(super) fn news_in(&self, source: SourceId) {
+        self.state
+            .lock()
+            .expect("dispatcher lock")
+            .sources
+            .entry(source)
+            .or_default()
+            .news = true;
         self.changed.notify_one();
     }
 
@@ -439,10 +479,8 @@ impl Dispatcher {
 pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let config = relay.inner.config.clone();
     let budget = dispatcher.budget.clone();
-    let mut new_events = relay.inner.new_events.subscribe();
     let shutdown = relay.inner.shutdown.clone();
     let mut last_refresh = Instant::now();
-    let mut last_definition_read = Instant::now();
     // Rotates which source is claimed first, so a busy one cannot starve the others.
     let mut first_source = 0usize;
 
@@ -520,14 +558,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 .expect("dispatcher lock")
                 .definition_stale,
         );
-        if definition_stale || last_definition_read.elapsed() >= config.poll_interval {
-            last_definition_read = Instant::now();
-            if !read_definition(&dispatcher).await {
-                end_streams(&dispatcher, &relay, || {
-                    Error::NotFound("the subscription was deleted".into())
-                });
-                return;
-            }
+        // The relay re-reads every dispatcher's definition once per poll interval, in one
+        // statement; this reads it at once when it is known to have changed.
+        if definition_stale && !read_definition(&dispatcher).await {
+            end_streams(&dispatcher, &relay, || {
+                Error::NotFound("the subscription was deleted".into())
+            });
+            return;
         }
         let claiming = dispatcher.claiming.lock().await;
         let subscription = dispatcher.subscription();
@@ -546,7 +583,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 .skip(first_source)
                 .take(sources.len())
             {
-                if !source.is_connected() || !wants_claim(&dispatcher, &relay, source) {
+                if !source.is_connected() || !wants_claim(&dispatcher, source) {
                     continue;
                 }
                 match claim(&dispatcher, &relay, &subscription, source, remaining).await {
@@ -584,17 +621,10 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
         }
         drop(claiming);
-        // Without room, new events wait: the settlement, expiry or stream that makes room
-        // wakes the loop, and the change is still unseen then.
-        let has_room = limits.is_some() && !paused;
-
+        // Without room, news waits: the settlement, expiry or stream that makes room wakes
+        // the loop, and the news is still there then.
         let sleep_for = next_wake(&dispatcher, config.poll_interval);
         tokio::select! {
-            changed = new_events.changed(), if has_room => {
-                if changed.is_err() {
-                    return;
-                }
-            }
             _ = dispatcher.changed.notified() => {}
             _ = any_changed(&mut health) => {}
             // Streams elsewhere in this process read what waited for them.
@@ -625,7 +655,7 @@ fn follow_source_health(dispatcher: &Dispatcher) {
         known.down = !connected;
         if connected {
             known.failing = None;
-            known.seen_events = None;
+            known.news = true;
             known.due_pending = true;
         } else {
             state.streams.forget_source(source.id);
@@ -681,12 +711,12 @@ fn next_wake(dispatcher: &Dispatcher, poll_interval: Duration) -> Duration {
     sleep_for
 }
 
-fn wants_claim(dispatcher: &Dispatcher, relay: &Relay, source: &Source) -> bool {
-    let events = relay.events_generation(source.id);
+fn wants_claim(dispatcher: &Dispatcher, source: &Source) -> bool {
     let state = dispatcher.state.lock().expect("dispatcher lock");
-    state.sources.get(&source.id).is_none_or(|known| {
-        known.wants_claim(events, relay.inner.config.poll_interval, Instant::now())
-    })
+    state
+        .sources
+        .get(&source.id)
+        .is_none_or(|known| known.wants_claim(Instant::now()))
 }
 
 enum Claimed {
@@ -717,7 +747,6 @@ async fn claim(
             .claims
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     );
-    let events = relay.events_generation(source.id);
     // Looking for due records walks an index that every ack leaves dead entries in: do
     // it when something made a record due, else now and then (acks and nacks on other
     // gateways, expired leases of crashed ones).
@@ -737,8 +766,7 @@ async fn claim(
                 known.retry_at = None;
             }
         }
-        known.seen_events = Some(events);
-        known.last_claim = Some(now);
+        known.news = false;
         due
     };
     let outcome = source
@@ -757,7 +785,7 @@ async fn claim(
                     (delay * 2).min(relay.inner.config.poll_interval)
                 });
             known.failing = Some((Instant::now() + delay, delay));
-            known.seen_events = None;
+            known.news = true;
             known.due_pending = true;
             drop(state);
             // A lost connection is logged once, by the health monitor.
@@ -823,7 +851,7 @@ async fn start_reading(dispatcher: &Dispatcher, subscription: &Subscription, sou
         .sources
         .entry(source.id)
         .or_default()
-        .seen_events = None;
+        .news = true;
 }
 
 /// Reads the definition again from `default`; false when the subscription is gone. While
@@ -835,7 +863,7 @@ async fn read_definition(dispatcher: &Dispatcher) -> bool {
         .await
     {
         Ok(Some(subscription)) => {
-            *dispatcher.subscription.lock().expect("subscription lock") = Arc::new(subscription);
+            dispatcher.set_definition(subscription);
             true
         }
         Ok(None) => false,
@@ -920,6 +948,7 @@ fn retire(dispatcher: &Arc<Dispatcher>, relay: &Relay) -> bool {
     }
     state.closed = true;
     dispatchers.remove(&dispatcher.subscription_id);
+    dispatcher.audience.fetch_add(1, Ordering::Relaxed);
     true
 }
 
@@ -930,6 +959,7 @@ fn end_streams(dispatcher: &Arc<Dispatcher>, relay: &Relay, reason: fn() -> Erro
         let mut state = dispatcher.state.lock().expect("dispatcher lock");
         state.closed = true;
         dispatchers.remove(&dispatcher.subscription_id);
+        dispatcher.audience.fetch_add(1, Ordering::Relaxed);
         state.streams.take_all()
     };
     for sender in &senders {

@@ -3,12 +3,14 @@
 //! Each gateway process runs one [`dispatcher`] per subscription that has streams
 //! attached here. The dispatcher claims work for all of them at once (batched claims
 //! sized by their free room) and spreads it over them; several processes compete for
-//! the same subscription through the database, never through memory. Wake-ups come from
-//! this process's own Publish calls, from PostgreSQL NOTIFY (direct writers and other
-//! gateways, see [`wake`]) and from a periodic poll, the safety net.
+//! the same subscription through the database, never through memory. Each source's
+//! [`scout`] reads what was committed there once for all dispatchers and wakes those it
+//! concerns; it reads when this process publishes, on PostgreSQL NOTIFY (direct writers
+//! and other gateways, see [`wake`]) and on a periodic poll, the safety net.
 
 mod dispatcher;
 mod flow;
+mod scout;
 mod stream;
 mod wake;
 
@@ -93,13 +95,13 @@ pub struct Relay {
 struct RelayInner {
     sources: Sources,
     config: DeliveryConfig,
-    /// Bumped whenever new events may have committed in any source.
-    new_events: watch::Sender<u64>,
     /// Bumped whenever a subscription's definition changed here.
     definitions: watch::Sender<u64>,
-    /// Per source (by id): bumped whenever new events may have committed there, so a
-    /// dispatcher claims only the sources with news.
-    source_events: Vec<AtomicU64>,
+    /// Per source (by id): its scout, told when new events may have committed there.
+    scouts: Vec<Arc<scout::ScoutHandle>>,
+    /// Bumped when dispatchers come or go or a filter changes: the scouts look again at
+    /// whom they read for.
+    audience: Arc<AtomicU64>,
     /// Dispatchers of this process by subscription id.
     dispatchers: Mutex<HashMap<i64, Arc<Dispatcher>>>,
     shutdown: CancellationToken,
@@ -138,7 +140,6 @@ impl Relay {
     /// Starts the relay's background tasks: per source, the NOTIFY listener and the
     /// notifier that tells other gateways about this one's news.
     pub fn start(sources: Sources, config: DeliveryConfig) -> Relay {
-        let (new_events, _) = watch::channel(0);
         let shutdown = CancellationToken::new();
         let tasks = TaskTracker::new();
         let peer_notifiers = sources
@@ -147,9 +148,9 @@ impl Relay {
             .collect();
         let relay = Relay {
             inner: Arc::new(RelayInner {
-                source_events: sources.iter().map(|_| AtomicU64::new(0)).collect(),
+                scouts: sources.iter().map(|_| Arc::default()).collect(),
+                audience: Arc::new(AtomicU64::new(0)),
                 sources,
-                new_events,
                 definitions: watch::channel(0).0,
                 dispatchers: Mutex::new(HashMap::new()),
                 shutdown,
@@ -160,18 +161,23 @@ impl Relay {
                 config,
             }),
         };
-        for source in relay.inner.sources.iter() {
+        for (source, scout) in relay.inner.sources.iter().zip(&relay.inner.scouts) {
             wake::spawn_listener(
                 relay.clone(),
                 source.clone(),
                 &relay.inner.tasks,
                 relay.inner.shutdown.clone(),
             );
+            relay
+                .inner
+                .tasks
+                .spawn(scout::run(relay.clone(), source.clone(), scout.clone()));
         }
         relay
             .inner
             .tasks
             .spawn(record_attached_streams(relay.clone()));
+        relay.inner.tasks.spawn(refresh_definitions(relay.clone()));
         relay
     }
 
@@ -189,39 +195,16 @@ impl Relay {
         }
     }
 
-    /// Makes every local dispatcher look for new events in `source`.
+    /// Has the scout of `source` look for new events there.
     fn wake(&self, source: SourceId) {
-        if let Some(generation) = self.inner.source_events.get(usize::from(source.0)) {
-            generation.fetch_add(1, Ordering::Relaxed);
+        if let Some(scout) = self.inner.scouts.get(usize::from(source.0)) {
+            scout.request();
         }
-        self.inner
-            .new_events
-            .send_modify(|generation| *generation += 1);
     }
 
-    /// Makes every local dispatcher look for work everywhere: new events in every source,
-    /// due deliveries, changed definitions.
-    pub fn wake_all(&self) {
-        for generation in &self.inner.source_events {
-            generation.fetch_add(1, Ordering::Relaxed);
-        }
-        for dispatcher in self.all_dispatchers() {
-            dispatcher.definition_changed();
-            for source in self.inner.sources.iter() {
-                dispatcher.due_in(source.id);
-            }
-        }
-        self.inner
-            .new_events
-            .send_modify(|generation| *generation += 1);
-    }
-
-    /// How many times new events were announced in `source` so far.
-    fn events_generation(&self, source: SourceId) -> u64 {
-        self.inner
-            .source_events
-            .get(usize::from(source.0))
-            .map_or(0, |generation| generation.load(Ordering::Relaxed))
+    /// Changes whenever the dispatchers of this process, or what they select, changed.
+    fn audience_generation(&self) -> u64 {
+        self.inner.audience.load(Ordering::Relaxed)
     }
 
     /// Another gateway settled leases of the subscription in `source`: if they were this
@@ -239,6 +222,18 @@ impl Relay {
             dispatcher.settled_elsewhere(source, true, None);
         }
         self.wake(source);
+    }
+
+    /// Tells the other gateways on `source` that deliveries of the subscription may have
+    /// become due there: their dispatcher of it claims at once.
+    fn announce_due(&self, subscription_id: i64, source: SourceId) {
+        if let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.0)) {
+            notifier.settled(Settled {
+                subscription_id,
+                made_due: true,
+                leases: Some(Vec::new()),
+            });
+        }
     }
 
     fn all_dispatchers(&self) -> Vec<Arc<Dispatcher>> {
@@ -377,11 +372,13 @@ impl Relay {
             self.inner.tasks.clone(),
             subscription,
             self.inner.buffer_budget.clone(),
+            self.inner.audience.clone(),
         );
         let Ok(stream) = dispatcher.attach(limits, permit) else {
             unreachable!("a new dispatcher accepts streams");
         };
         dispatchers.insert(dispatcher.subscription_id(), dispatcher.clone());
+        self.inner.audience.fetch_add(1, Ordering::Relaxed);
         self.inner
             .tasks
             .spawn(dispatcher::run(dispatcher, self.clone()));
@@ -438,7 +435,7 @@ impl Relay {
             if subscription.settings.ordered && !done.is_empty() {
                 // The acks may have released waiting events of their aggregates; the
                 // stream that gets them may be on another gateway.
-                self.events_committed(source);
+                self.due(subscription.id, source);
             }
             settled.extend(done);
             outcome.stale.extend(stale);
@@ -494,7 +491,7 @@ impl Relay {
             if outcome.dead_lettered {
                 metrics::dead_lettered(name.as_str(), source.name.as_str(), 1);
                 if subscription.settings.ordered {
-                    self.events_committed(ack.source);
+                    self.due(subscription.id, ack.source);
                 }
             }
             self.settled(
@@ -541,25 +538,33 @@ impl Relay {
             .collect())
     }
 
-    /// Something in `source` may have become due for the subscription (a requeue):
-    /// its dispatcher here looks, and other gateways hear of it.
+    /// Something in `source` may have become due for the subscription (a requeue, an
+    /// ack that freed an aggregate, reclaimed leases): its dispatcher here looks, and
+    /// other gateways hear of it.
     pub fn due(&self, subscription_id: i64, source: SourceId) {
         if let Some(dispatcher) = self.dispatcher(subscription_id) {
             dispatcher.due_in(source);
         }
-        self.events_committed(source);
+        self.announce_due(subscription_id, source);
     }
 
-    /// The subscription's definition changed: dispatchers and pushers here read it
-    /// again now.
+    /// The subscription's definition or read position changed: its dispatcher and the
+    /// pushers here read it again and claim now; other gateways claim at once and take
+    /// the definition at their next reading of all of them (within a poll interval).
     pub fn subscription_changed(&self, subscription_id: i64) {
-        if let Some(dispatcher) = self.dispatcher(subscription_id) {
+        let dispatcher = self.dispatcher(subscription_id);
+        if let Some(dispatcher) = &dispatcher {
             dispatcher.definition_changed();
         }
         self.inner
             .definitions
             .send_modify(|generation| *generation += 1);
-        self.wake_all();
+        for source in self.inner.sources.iter() {
+            if let Some(dispatcher) = &dispatcher {
+                dispatcher.news_in(source.id);
+            }
+            self.due(subscription_id, source.id);
+        }
     }
 
     /// Pauses the subscription: nothing new goes out until it is resumed or `until`
@@ -671,6 +676,42 @@ impl Relay {
             .expect("dispatchers lock")
             .get(&subscription_id)
             .cloned()
+    }
+}
+
+/// Re-reads the definitions of every subscription with a dispatcher here once per poll
+/// interval, in one statement: changes made through other gateways (a pause, a new
+/// filter) reach this one's dispatchers within a poll interval, and a deleted
+/// subscription's streams end.
+async fn refresh_definitions(relay: Relay) {
+    let mut polls = tokio::time::interval(relay.inner.config.poll_interval);
+    polls.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = polls.tick() => {}
+            () = relay.inner.shutdown.cancelled() => return,
+        }
+        let dispatchers = relay.all_dispatchers();
+        if dispatchers.is_empty() {
+            continue;
+        }
+        let ids: Vec<i64> = dispatchers.iter().map(|d| d.subscription_id()).collect();
+        let definitions = &relay.sources().default_source().store;
+        let found = match definitions.subscriptions_by_ids(&ids).await {
+            Ok(found) => found,
+            Err(error) => {
+                tracing::debug!(%error, "cannot read the subscriptions; keeping their last settings");
+                continue;
+            }
+        };
+        let mut by_id: HashMap<i64, Subscription> = found.into_iter().map(|s| (s.id, s)).collect();
+        for dispatcher in dispatchers {
+            match by_id.remove(&dispatcher.subscription_id()) {
+                Some(subscription) => dispatcher.set_definition(subscription),
+                // Deleted: the dispatcher reads it, finds it gone and ends its streams.
+                None => dispatcher.definition_changed(),
+            }
+        }
     }
 }
 

@@ -117,6 +117,36 @@ impl Default for SubscriptionSettings {
 }
 
 impl SubscriptionSettings {
+    /// Whether the filter may select an event of this type, aggregate type and metadata,
+    /// as the database's filter would (`queries/claim_new.sql`). It errs only towards
+    /// yes: the relay moves a subscription past events this says no to without asking
+    /// the database, so a wrong no would skip an event, a wrong yes costs one claim.
+    pub fn may_select(
+        &self,
+        event_type: &str,
+        aggregate_type: &str,
+        metadata: &serde_json::Value,
+    ) -> bool {
+        let type_matches = self.event_types.is_empty() || self.event_types.matches(event_type);
+        let aggregate_matches = self.aggregate_types.is_empty()
+            || self.aggregate_types.iter().any(|t| t == aggregate_type);
+        // `metadata @> match`: every pair present with that string value. Anything but
+        // an object of strings (a direct writer's own shape) is left to the database.
+        let metadata_matches = match metadata {
+            serde_json::Value::Object(fields) => {
+                self.metadata_match
+                    .iter()
+                    .all(|(key, value)| match fields.get(key) {
+                        Some(serde_json::Value::String(found)) => found == value,
+                        Some(serde_json::Value::Array(_) | serde_json::Value::Object(_)) => true,
+                        _ => false,
+                    })
+            }
+            _ => true,
+        };
+        type_matches && aggregate_matches && metadata_matches
+    }
+
     /// Checks the rules that parsing alone cannot; `prefix` is the request field holding
     /// the settings (`subscription`).
     pub fn validate(&self, prefix: &str) -> Result<()> {
@@ -325,6 +355,35 @@ impl Subscription {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn may_select_agrees_with_the_filter_and_errs_towards_yes() {
+        let settings = SubscriptionSettings {
+            event_types: PatternSet::parse(&["order.*"]).unwrap(),
+            aggregate_types: vec!["order".into()],
+            metadata_match: BTreeMap::from([("tenant".to_owned(), "acme".to_owned())]),
+            ..SubscriptionSettings::default()
+        };
+        let acme = serde_json::json!({"tenant": "acme", "trace": "x"});
+        assert!(settings.may_select("order.created", "order", &acme));
+        assert!(!settings.may_select("invoice.created", "order", &acme));
+        assert!(!settings.may_select("order.created", "invoice", &acme));
+        assert!(!settings.may_select(
+            "order.created",
+            "order",
+            &serde_json::json!({"tenant": "other"})
+        ));
+        assert!(!settings.may_select("order.created", "order", &serde_json::json!({})));
+        // Shapes only the database can judge.
+        assert!(settings.may_select(
+            "order.created",
+            "order",
+            &serde_json::json!({"tenant": ["acme"]})
+        ));
+        assert!(settings.may_select("order.created", "order", &serde_json::json!(null)));
+        // No filter selects everything.
+        assert!(SubscriptionSettings::default().may_select("a", "b", &serde_json::json!({})));
+    }
 
     #[test]
     fn names_follow_the_documented_shape() {

@@ -62,6 +62,7 @@ mod events;
 mod inspection;
 mod maintenance;
 mod operations;
+mod reading;
 mod subscriptions;
 
 use std::{str::FromStr, time::Duration};
@@ -76,6 +77,7 @@ pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
 pub use maintenance::{ForceExpired, Reclaimed};
 pub use operations::RequeueRefusal;
+pub use reading::{PositionMove, ReadPosition, ScannedRow, ScannedRows, SubscriptionPosition};
 pub use subscriptions::NewDefinition;
 
 use crate::domain::{SourceId, SourceName};

@@ -107,6 +107,19 @@ impl Store {
         row.as_ref().map(subscription_from_row).transpose()
     }
 
+    /// The definitions of these subscriptions that still exist.
+    pub async fn subscriptions_by_ids(&self, ids: &[i64]) -> Result<Vec<Subscription>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            subscription_columns!(),
+            " FROM outbox_subscriptions WHERE id = ANY ($1)"
+        ))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(subscription_from_row).collect()
+    }
+
     pub async fn subscriptions(&self) -> Result<Vec<Subscription>> {
         let rows = sqlx::query(concat!(
             "SELECT ",
