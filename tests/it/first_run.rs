@@ -1,11 +1,9 @@
 //! What a new user meets when starting `outbox-gateway serve`: clear, bounded failures
 //! for a wrong database URL or a taken port, no secrets in help, host names accepted.
 
-mod common;
-
 use std::{process::Output, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_testkit::gateway;
 use tokio::{net::TcpListener, process::Command};
 

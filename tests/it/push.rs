@@ -2,8 +2,6 @@
 //! request's Standard Webhooks signature with its own HMAC code and reads the CloudEvents
 //! attributes in both modes.
 
-mod common;
-
 use std::{
     collections::HashMap,
     net::SocketAddr,
@@ -11,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::common::*;
 use axum::{
     Router,
     body::Bytes,
@@ -20,7 +19,6 @@ use axum::{
     routing::post,
 };
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
-use common::*;
 use outbox_gateway::{domain::AllowedHosts, proto};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;

@@ -2,11 +2,9 @@
 //! and bulk resolve, counts without change, summaries by error, and where an event
 //! stands on every subscription.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{
     self, DeliveryState, GetEventRequest, ListDeadLettersRequest, RequeueDeadLettersRequest,
     ResolveDeadLettersRequest, SummarizeDeadLettersRequest,

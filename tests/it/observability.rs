@@ -1,15 +1,13 @@
 //! Observability of a gateway running as its own process: Prometheus metrics after a
 //! known scenario, OTLP traces from producer to consumer, JSON logs.
 
-mod common;
-
 use std::{
     process::Stdio,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -435,7 +433,7 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
 #[tokio::test]
 async fn losing_the_database_is_one_line_and_its_return_another() {
     let database = TestDatabase::create().await;
-    let proxy = common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let proxy = crate::common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let gateway = GatewayProcess::start_on(
         &proxy.database_url(database.name()),
         &[

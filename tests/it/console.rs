@@ -1,11 +1,9 @@
 //! The web console over HTTP: signing in, sessions, CSRF, roles, every page and action,
 //! bad input, and figures that match GetStats and ListDeadLetters exactly.
 
-mod common;
-
 use std::{net::SocketAddr, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
     proto::{self, GetStatsRequest, ListDeadLettersRequest},

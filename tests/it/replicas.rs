@@ -2,14 +2,12 @@
 //! acks and nacks reach any of them. The stream's room must follow its leases wherever
 //! they were settled.
 
-mod common;
-
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;

@@ -1,14 +1,12 @@
 //! The delivery engine: subscriptions, streams, leases, retries, dead letters, ordering,
 //! flow control, and never skipping an event.
 
-mod common;
-
 use std::{
     collections::{HashMap, HashSet},
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{self, SubscribeRequest};
 use tonic::Code;
 

@@ -3,14 +3,12 @@
 //! transaction's own events go out once it commits (never if it rolls back); nothing is
 //! skipped or doubled by the reading, whatever the commit order.
 
-mod common;
-
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use sqlx::{PgPool, Postgres, Transaction};

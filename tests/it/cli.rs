@@ -1,10 +1,8 @@
 //! The admin CLI, run as the built binary against a live gateway.
 
-mod common;
-
 use std::process::Stdio;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use tokio::{io::AsyncWriteExt, process::Command};
 

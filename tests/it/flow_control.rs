@@ -3,11 +3,9 @@
 //! however large), and the gateway bounds the bytes waiting in its memory for streams
 //! that do not read — so memory stays bounded whatever consumers do.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use sqlx::PgPool;
 use tonic::Code;

@@ -2,11 +2,9 @@
 //! their source, subscriptions span sources, acks mix them, operations take a source, and
 //! a source that is down pauses only its own share.
 
-mod common;
-
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::{Config, config::SourceConfig, proto};
 use outbox_testkit::PostgresServer;
 use tonic::Code;

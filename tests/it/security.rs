@@ -1,11 +1,9 @@
 //! Security: token authentication and role scopes, TLS with client certificates,
 //! resource limits, and the least-privilege writer role.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_client::{ClientError, Connection, Publisher};
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
@@ -525,7 +523,8 @@ async fn the_writer_role_may_only_add_events() {
         format!("outbox_writer_{suffix}"),
         format!("outbox_service_{suffix}"),
     );
-    let script = include_str!("../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
+    let script =
+        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
     let mut owner = PgConnection::connect(&database.url()).await.unwrap();
     owner
         .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))

@@ -3,11 +3,9 @@
 //! oracle for the regular expressions it evaluates), and malformed protobuf bytes and
 //! gRPC frames sent to every RPC of a running gateway.
 
-mod common;
-
 use std::{collections::BTreeMap, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::{
     domain::{
         AckId, EventTypePattern, NewEvent, PatternSet, PublishLimits, SourceId, SourceName,

@@ -7,15 +7,13 @@
 //! /usr/bin/chromium (`apt-get install chromium`) or where `CHROMIUM` says. Screenshots
 //! go under the target directory, or to docs/ with `OUTBOX_UPDATE_SCREENSHOTS=1`.
 
-mod common;
-
 use std::{
     collections::HashSet,
     path::{Path, PathBuf},
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use outbox_client::Connection;
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},

@@ -4,11 +4,9 @@
 //! back. A gateway connection left idle in a transaction would hold the read horizon,
 //! and with it delivery, back for the whole cluster.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{
+use crate::common::{
     Consumer, TestDatabase, TestGateway, assert_status, create_subscription, event,
     proxy::TcpProxy, publish, subscription, test_config,
 };
@@ -171,7 +169,11 @@ async fn a_statement_the_database_refuses_ends_its_transaction() {
         .await;
     assert_status(refused, Code::InvalidArgument, "no_forbidden");
     assert_no_open_transaction(&pool, &database).await;
-    assert_eq!(common::count_events(&pool).await, 1, "nothing was written");
+    assert_eq!(
+        crate::common::count_events(&pool).await,
+        1,
+        "nothing was written"
+    );
     assert_delivery_flows(&gateway, &pool, "all").await;
 }
 

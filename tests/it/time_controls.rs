@@ -7,15 +7,13 @@
 //! scheduled event arrives not before its time, holds nothing else back, and keeps its
 //! aggregate's order.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     process::Stdio,
     time::{Duration, SystemTime},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use serde_json::Value;
 use tokio::process::Command;
