@@ -164,8 +164,10 @@ async fn host_names_are_accepted_where_addresses_are() {
         .stderr(std::process::Stdio::piped());
     let mut child = command.spawn().unwrap();
     let serving =
-        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || true)
-            .await;
+        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || {
+            matches!(child.try_wait(), Ok(None))
+        })
+        .await;
     if serving.is_err() {
         child.start_kill().unwrap();
         let output = child.wait_with_output().await.unwrap();

@@ -963,9 +963,11 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
         .kill_on_drop(true)
         .spawn()
         .expect("start the gateway binary");
-    outbox_testkit::gateway::wait_until_serving(address, WAIT, || true)
-        .await
-        .expect("the gateway serves");
+    outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
+        matches!(child.try_wait(), Ok(None))
+    })
+    .await
+    .expect("the gateway serves");
     let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
         .unwrap()
         .connect()

@@ -322,7 +322,7 @@ async fn get_event_tells_where_the_event_stands_on_each_subscription() {
             .await
             .expect("delivery");
         if name == "acking" {
-            ack(&gateway, name, vec![delivery.ack_id]).await;
+            ack_all(&gateway, name, vec![delivery.ack_id]).await;
         } else {
             nack(
                 &gateway,
