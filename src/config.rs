@@ -647,7 +647,10 @@ impl Config {
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the settings together, naming the first one that is wrong. Loading a
+    /// configuration runs it; a configuration built in code (an embedding program, the
+    /// tests) should too.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |setting, message: &str| {
             Err(ConfigError::Invalid {
                 setting,

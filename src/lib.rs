@@ -169,6 +169,9 @@ pub async fn run_with_console(
             .map_err(|source| RunError::MetricsListen { address, source })?;
         let endpoint = metrics::MetricsEndpoint::install(config.metrics_refresh_interval * 3)
             .map_err(RunError::Metrics)?;
+        // The address bound, not the one asked for: with port 0 the log is how whoever
+        // started the gateway learns the port.
+        let address = listener.local_addr().unwrap_or(address);
         tracing::info!(%address, "serving metrics at /metrics");
         let stop = stop_metrics.clone();
         tokio::spawn(endpoint.serve(listener, async move { stop.cancelled().await }));

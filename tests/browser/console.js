@@ -1,5 +1,5 @@
 // Drives Debian's chromium through the web console as an operator would, for
-// tests/console_browser.rs: sign in, watch a subscription's dead letters appear while
+// tests/it/console_browser.rs: sign in, watch a subscription's dead letters appear while
 // its consumer rejects events, requeue them by filter, watch them delivered and the
 // counts fall to zero, look an event up by id. Saves screenshots along the way and
 // prints one JSON line per step.

@@ -44,6 +44,23 @@ pub fn binary_beside(executable: &Path) -> Result<PathBuf, String> {
     }
 }
 
+/// Where a gateway says, in one line of its log (text or JSON), that it serves
+/// `announcement` — `"serving gRPC"`, `"serving metrics"`, `"serving the web console"` —
+/// with the address it bound. A gateway started on port 0 tells its port this way, so no
+/// other process can take the port between choosing and binding it.
+pub fn announced_address(line: &str, announcement: &str) -> Option<SocketAddr> {
+    if !line.contains(announcement) {
+        return None;
+    }
+    let (_, rest) = line
+        .split_once("address=")
+        .or_else(|| line.split_once("\"address\":\""))?;
+    let end = rest
+        .find(|c: char| c.is_whitespace() || c == '"')
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
 /// A loopback address nobody listens on right now.
 pub fn free_loopback_address() -> std::io::Result<SocketAddr> {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
@@ -116,4 +133,29 @@ pub async fn wait_for_exit(process: &mut Child, within: Duration) -> Option<Exit
         async move { status }
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_announced_address_from_text_and_json_logs() {
+        let text =
+            "2026-01-01T00:00:00.000000Z  INFO outbox_gateway: serving gRPC address=127.0.0.1:4321";
+        assert_eq!(
+            announced_address(text, "serving gRPC"),
+            Some("127.0.0.1:4321".parse().unwrap())
+        );
+        let json = r#"{"timestamp":"2026-01-01T00:00:00Z","level":"INFO","message":"serving metrics at /metrics","address":"127.0.0.1:9999","target":"outbox_gateway"}"#;
+        assert_eq!(
+            announced_address(json, "serving metrics"),
+            Some("127.0.0.1:9999".parse().unwrap())
+        );
+        assert_eq!(announced_address(text, "serving metrics"), None);
+        assert_eq!(
+            announced_address("serving gRPC address=nowhere", "serving gRPC"),
+            None
+        );
+    }
 }

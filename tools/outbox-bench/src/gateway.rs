@@ -411,9 +411,25 @@ mod tests {
 
     #[test]
     fn reads_this_process() {
-        let stats = ProcessStats::read(std::process::id()).unwrap();
-        assert!(stats.rss_bytes > 0);
-        assert!(stats.peak_rss_bytes >= stats.rss_bytes);
-        assert!(stats.cpu_seconds >= 0.0);
+        let before = ProcessStats::read(std::process::id()).unwrap();
+        assert!(before.rss_bytes > 0);
+        assert!(before.peak_rss_bytes >= before.rss_bytes);
+        // Work on one thread for a while: the CPU time read back must grow by about as
+        // much, and by no more than the wall time that passed (one thread, one core).
+        let started = std::time::Instant::now();
+        let mut spin = 0u64;
+        while started.elapsed() < std::time::Duration::from_millis(300) {
+            spin = std::hint::black_box(spin.wrapping_mul(31).wrapping_add(7));
+        }
+        let after = ProcessStats::read(std::process::id()).unwrap();
+        let used = after.cpu_seconds - before.cpu_seconds;
+        let wall = started.elapsed().as_secs_f64();
+        // This test runs beside others of the binary, so the process may use more
+        // than one core; a whole machine's worth is the ceiling.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        assert!(
+            used >= 0.05 && used <= wall * cores + 0.05,
+            "{used} CPU seconds counted for {wall} s of work on one thread"
+        );
     }
 }

@@ -84,17 +84,57 @@ fn quick_run_covers_every_scenario() {
         .map(|report| report["scenario"].as_str().expect("a scenario name"))
         .collect();
     assert_eq!(names, SCENARIOS, "one JSON line per scenario, in order");
+    let mut measured = 0;
     for report in &reports {
         let scenario = &report["scenario"];
         assert!(report.get("error").is_none(), "{scenario} failed: {report}");
-        assert!(report["targets"].is_array(), "{scenario} lists its targets");
+        // A debug build on a shared machine meets few targets: what is checked is
+        // that each one is measured and said the same way, not whether it is met.
+        let targets = report["targets"].as_array().expect("a list of targets");
+        for target in targets {
+            assert_target(scenario, target);
+            measured += usize::from(!target["value"].is_null());
+        }
         let charts = report["charts"].as_array().expect("a list of charts");
         assert!(!charts.is_empty(), "{scenario} draws at least one chart");
         for chart in charts {
             assert_svg(&out.join(chart.as_str().expect("a chart file name")));
         }
     }
+    assert!(measured > 0, "no scenario measured any of its targets");
     std::fs::remove_dir_all(&out).expect("remove the chart directory");
+}
+
+/// A target as BENCHMARKS.md describes it: a label, the value measured (null when it
+/// could not be), the bound with its comparison, and whether the value meets it.
+fn assert_target(scenario: &Value, target: &Value) {
+    let label = target["target"].as_str().unwrap_or_default();
+    assert!(
+        !label.is_empty(),
+        "{scenario}: a target without a label: {target}"
+    );
+    let bound = target["bound"].as_str().unwrap_or_default();
+    let (comparison, limit) = bound
+        .split_once(' ')
+        .unwrap_or_else(|| panic!("{scenario}: {label}: bound {bound:?} is not `>= N` or `<= N`"));
+    assert!(
+        matches!(comparison, ">=" | "<="),
+        "{scenario}: {label}: bound {bound:?} compares with {comparison:?}"
+    );
+    assert!(
+        limit.starts_with(|c: char| c.is_ascii_digit()),
+        "{scenario}: {label}: bound {bound:?} has no number"
+    );
+    match (&target["value"], &target["met"]) {
+        (Value::Null, Value::Null) => {}
+        (Value::Number(value), Value::Bool(_)) => assert!(
+            value.as_f64().is_some_and(f64::is_finite),
+            "{scenario}: {label}: value {value}"
+        ),
+        (value, met) => {
+            panic!("{scenario}: {label}: value {value} does not go with met {met}")
+        }
+    }
 }
 
 fn assert_svg(path: &Path) {

@@ -2,29 +2,46 @@
 //! killed, restarted and cut off from PostgreSQL while events are published and
 //! consumed, and no delivery guarantee may break.
 
-use std::{path::Path, process::Command};
+use std::{
+    io::Read,
+    path::Path,
+    process::{Child, Command, ExitStatus, Stdio},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
 
 use outbox_testkit::gateway;
+
+/// 35 s of chaos and at most a minute of draining, plus starting and stopping three
+/// gateways on a loaded machine; past this the run is stuck, not slow.
+const TIME_LIMIT: Duration = Duration::from_secs(600);
 
 #[test]
 fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
     let server = outbox_testkit::test_server_url();
     let gateway = gateway::binary_beside(Path::new(env!("CARGO_BIN_EXE_outbox-chaos")))
         .unwrap_or_else(|error| panic!("{error}"));
-    let output = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-chaos"))
         .args(["--postgres-url", &server])
         .arg("--gateway-bin")
         .arg(&gateway)
         .args(["--duration", "35s", "--drain-timeout", "60s"])
-        .output()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run outbox-chaos");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = read_in_background(child.stdout.take().expect("piped stdout"));
+    let stderr = read_in_background(child.stderr.take().expect("piped stderr"));
+    let status = wait_within(&mut child, TIME_LIMIT);
+    let stdout = stdout.join().expect("stdout reader");
+    let stderr = stderr.join().expect("stderr reader");
     let report = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
+    let status =
+        status.unwrap_or_else(|| panic!("outbox-chaos ran longer than {TIME_LIMIT:?}\n{report}"));
     assert!(
-        output.status.success(),
-        "outbox-chaos exited with {}\n{report}",
-        output.status
+        status.success(),
+        "outbox-chaos exited with {status}\n{report}"
     );
     let totals: serde_json::Value = stdout
         .lines()
@@ -54,4 +71,29 @@ fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
         assert!(totals[key].as_u64() > Some(0), "{key} is 0\n{report}");
     }
     assert_eq!(totals["graceful_restarts"], 1, "{report}");
+}
+
+fn read_in_background(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = pipe.read_to_string(&mut text);
+        text
+    })
+}
+
+/// The exit status, or `None` after killing a run that took longer than `limit` (its
+/// gateway processes are set to die with it).
+fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for outbox-chaos") {
+            return Some(status);
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

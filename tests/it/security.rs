@@ -1,11 +1,9 @@
 //! Security: token authentication and role scopes, TLS with client certificates,
 //! resource limits, and the least-privilege writer role.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_client::{ClientError, Connection, Publisher};
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
@@ -274,6 +272,34 @@ fn pki() -> Pki {
     }
 }
 
+/// An error with all its sources, for matching the cause of a failure.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// What a server answers a plaintext HTTP/2 client: the connection preface and an empty
+/// SETTINGS frame, then whatever comes back until the server closes the connection.
+async fn plaintext_reply(address: std::net::SocketAddr) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .expect("send the HTTP/2 preface");
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut reply)).await;
+    reply
+}
+
 #[tokio::test]
 async fn mutual_tls_admits_only_clients_with_a_trusted_certificate() {
     let pki = pki();
@@ -324,9 +350,28 @@ async fn mutual_tls_admits_only_clients_with_a_trusted_certificate() {
 
     // Without a client certificate, or in plaintext: refused.
     let anonymous = Connection::new(&endpoint).ca_certificate(&ca);
-    assert!(publish(anonymous).await.is_err());
+    let refused = chain(
+        &publish(anonymous)
+            .await
+            .expect_err("a client without a certificate"),
+    );
+    assert!(
+        refused.contains("CertificateRequired"),
+        "the TLS handshake refuses a client without a certificate: {refused}"
+    );
     let plaintext = Connection::new(format!("http://127.0.0.1:{}", gateway.address.port()));
-    assert!(publish(plaintext).await.is_err());
+    let refused = chain(&publish(plaintext).await.expect_err("a plaintext client"));
+    assert!(
+        refused.contains("transport error"),
+        "a plaintext client fails at the transport, not with an answer: {refused}"
+    );
+    // What the plaintext client met: a TLS alert record (content type 21), no HTTP/2.
+    let reply = plaintext_reply(gateway.address).await;
+    assert_eq!(
+        reply.first(),
+        Some(&21),
+        "the port answers plaintext HTTP/2 with a TLS alert: {reply:?}"
+    );
     // A CA file that cannot be read is reported as such, before any call.
     let missing = dir.join("missing.pem");
     assert!(matches!(
@@ -525,7 +570,8 @@ async fn the_writer_role_may_only_add_events() {
         format!("outbox_writer_{suffix}"),
         format!("outbox_service_{suffix}"),
     );
-    let script = include_str!("../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
+    let script =
+        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
     let mut owner = PgConnection::connect(&database.url()).await.unwrap();
     owner
         .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))

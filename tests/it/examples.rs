@@ -4,8 +4,6 @@
 //! `npm ci` in examples/node. A missing python3, pip, node or npm fails the test;
 //! `PYTHON` names another Python 3 to build the environment with.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     fs::File,
@@ -13,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{GetStatsRequest, ListDeadLettersRequest};
 use serde_json::Value;
 use tokio::process::Command;

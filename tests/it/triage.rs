@@ -2,11 +2,9 @@
 //! and bulk resolve, counts without change, summaries by error, and where an event
 //! stands on every subscription.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{
     self, DeliveryState, GetEventRequest, ListDeadLettersRequest, RequeueDeadLettersRequest,
     ResolveDeadLettersRequest, SummarizeDeadLettersRequest,
@@ -324,7 +322,7 @@ async fn get_event_tells_where_the_event_stands_on_each_subscription() {
             .await
             .expect("delivery");
         if name == "acking" {
-            ack(&gateway, name, vec![delivery.ack_id]).await;
+            ack_all(&gateway, name, vec![delivery.ack_id]).await;
         } else {
             nack(
                 &gateway,

@@ -4,11 +4,9 @@
 //! back. A gateway connection left idle in a transaction would hold the read horizon,
 //! and with it delivery, back for the whole cluster.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{
+use crate::common::{
     Consumer, TestDatabase, TestGateway, assert_status, create_subscription, event,
     proxy::TcpProxy, publish, subscription, test_config,
 };
@@ -17,32 +15,54 @@ use sqlx::PgPool;
 use tonic::Code;
 
 /// Gateway sessions of this database that sit inside a transaction without running a
-/// statement.
-async fn idle_in_transaction(pool: &PgPool, database: &str) -> Vec<String> {
+/// statement, and have done so for longer than `for_longer_than` (between two
+/// statements of a healthy transaction a session is idle only for a moment).
+async fn idle_in_transaction(
+    pool: &PgPool,
+    database: &str,
+    for_longer_than: Duration,
+) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT coalesce(query, '') FROM pg_stat_activity \
          WHERE datname = $1 AND application_name = 'outbox-gateway' \
-           AND state LIKE 'idle in transaction%'",
+           AND state LIKE 'idle in transaction%' \
+           AND clock_timestamp() - state_change >= make_interval(secs => $2)",
     )
     .bind(database)
+    .bind(for_longer_than.as_secs_f64())
     .fetch_all(pool)
     .await
     .expect("read pg_stat_activity")
 }
 
-/// Waits until no gateway session of the database is idle in a transaction; the bound
-/// is far below the guard timeout the tests configure, so only the gateway's own
+/// Checks that no gateway session of the database is left idle in a transaction; the
+/// bounds are far below the guard timeout the tests configure, so only the gateway's own
 /// rollback can make this pass.
+///
+/// A single clean look proves little: the gateway's statement may still be running and
+/// leave its transaction open a moment later. So after the first clean look, the check
+/// holds for a window, failing on any session that stays idle in a transaction.
 async fn assert_no_open_transaction(pool: &PgPool, database: &TestDatabase) {
+    const WINDOW: Duration = Duration::from_secs(2);
+    const LINGERING: Duration = Duration::from_millis(250);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let open = idle_in_transaction(pool, database.name()).await;
+        let open = idle_in_transaction(pool, database.name(), Duration::ZERO).await;
         if open.is_empty() {
-            return;
+            break;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
             "gateway sessions left idle in a transaction after: {open:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let window_ends = tokio::time::Instant::now() + WINDOW;
+    while tokio::time::Instant::now() < window_ends {
+        let open = idle_in_transaction(pool, database.name(), LINGERING).await;
+        assert!(
+            open.is_empty(),
+            "gateway sessions stayed idle in a transaction for {LINGERING:?} after: {open:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -130,9 +150,10 @@ async fn a_conflicting_republish_ends_its_transaction() {
     assert_status(refused, Code::AlreadyExists, &id);
     // The refusal is answered after the rollback: nothing may be open even for a moment.
     assert_eq!(
-        idle_in_transaction(&pool, database.name()).await,
+        idle_in_transaction(&pool, database.name(), Duration::ZERO).await,
         Vec::<String>::new()
     );
+    assert_no_open_transaction(&pool, &database).await;
     assert_delivery_flows(&gateway, &pool, "all").await;
 }
 
@@ -171,7 +192,11 @@ async fn a_statement_the_database_refuses_ends_its_transaction() {
         .await;
     assert_status(refused, Code::InvalidArgument, "no_forbidden");
     assert_no_open_transaction(&pool, &database).await;
-    assert_eq!(common::count_events(&pool).await, 1, "nothing was written");
+    assert_eq!(
+        crate::common::count_events(&pool).await,
+        1,
+        "nothing was written"
+    );
     assert_delivery_flows(&gateway, &pool, "all").await;
 }
 

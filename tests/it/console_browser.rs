@@ -7,21 +7,19 @@
 //! /usr/bin/chromium (`apt-get install chromium`) or where `CHROMIUM` says. Screenshots
 //! go under the target directory, or to docs/ with `OUTBOX_UPDATE_SCREENSHOTS=1`.
 
-mod common;
-
 use std::{
     collections::HashSet,
     path::{Path, PathBuf},
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use outbox_client::Connection;
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
     proto,
 };
-use tokio::process::Command;
+use tokio::{process::Command, sync::watch};
 use uuid::Uuid;
 
 const INSTALL_TIME: Duration = Duration::from_secs(300);
@@ -121,11 +119,13 @@ fn order_events(order: usize, paid_id: Uuid) -> Vec<proto::EventInput> {
 }
 
 /// Reads the subscription and settles each delivery: rejects the first delivery of each
-/// event `reject` names (with its reason) into the dead-letter queue, acks the rest.
+/// event `reject` names (with its reason) into the dead-letter queue, acks the rest,
+/// until `stop` turns true. Any failure on the way panics, and the test joins the task.
 async fn consume(
     connection: outbox_client::GatewayChannel,
     subscription: &'static str,
     reject: fn(&proto::Event) -> Option<&'static str>,
+    mut stop: watch::Receiver<bool>,
 ) {
     let mut stream = connection
         .subscriber()
@@ -138,7 +138,13 @@ async fn consume(
         .expect("subscribe")
         .into_inner();
     let mut rejected = HashSet::new();
-    while let Ok(Some(delivery)) = stream.message().await {
+    loop {
+        let delivery = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return,
+            message = stream.message() => message
+                .unwrap_or_else(|status| panic!("{subscription}: the stream failed: {status:?}"))
+                .unwrap_or_else(|| panic!("{subscription}: the stream ended")),
+        };
         let event = delivery.event.as_ref().expect("event");
         let mut subscriber = connection.subscriber();
         match reject(event) {
@@ -155,15 +161,28 @@ async fn consume(
                     .expect("nack");
             }
             _ => {
-                subscriber
+                let stale = subscriber
                     .ack(proto::AckRequest {
                         subscription: subscription.into(),
                         ack_ids: vec![delivery.ack_id],
                     })
                     .await
-                    .expect("ack");
+                    .expect("ack")
+                    .into_inner()
+                    .stale_ack_ids;
+                assert!(stale.is_empty(), "{subscription}: stale acks {stale:?}");
             }
         }
+    }
+}
+
+/// A consumer task that ended: its panic goes on in the test; ending by itself before
+/// it was told to stop is a failure too.
+fn consumer_ended(name: &str, ended: Result<(), tokio::task::JoinError>) -> ! {
+    match ended {
+        Err(failed) if failed.is_panic() => std::panic::resume_unwind(failed.into_panic()),
+        Err(failed) => panic!("the {name} consumer was cancelled: {failed}"),
+        Ok(()) => panic!("the {name} consumer stopped before the test ended"),
     }
 }
 
@@ -209,16 +228,27 @@ async fn an_operator_requeues_dead_letters_from_a_browser() {
             .expect("create subscription");
     }
 
-    let billing = tokio::spawn(consume(connection.clone(), "orders-billing", |event| {
-        (event.event_type == "order.paid").then(|| {
-            if event.aggregate_id.ends_with(['1', '5']) {
-                "payment provider timed out after 30 s"
-            } else {
-                "card declined: insufficient funds"
-            }
-        })
-    }));
-    let shipping = tokio::spawn(consume(connection.clone(), "orders-shipping", |_| None));
+    let (stop, stopped) = watch::channel(false);
+    let mut billing = tokio::spawn(consume(
+        connection.clone(),
+        "orders-billing",
+        |event| {
+            (event.event_type == "order.paid").then(|| {
+                if event.aggregate_id.ends_with(['1', '5']) {
+                    "payment provider timed out after 30 s"
+                } else {
+                    "card declined: insufficient funds"
+                }
+            })
+        },
+        stopped.clone(),
+    ));
+    let mut shipping = tokio::spawn(consume(
+        connection.clone(),
+        "orders-shipping",
+        |_| None,
+        stopped,
+    ));
     let paid: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::now_v7()).collect();
     let producer = {
         let connection = connection.clone();
@@ -244,25 +274,27 @@ async fn an_operator_requeues_dead_letters_from_a_browser() {
         Path::new(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots")
     };
     std::fs::create_dir_all(&screenshots).expect("screenshot directory");
-    let output = run(
-        "tests/browser/console.js",
-        Command::new("node")
-            .arg("console.js")
-            .current_dir(repo().join("tests/browser"))
-            .env(
-                "CONSOLE_URL",
-                format!("http://{}", gateway.console.unwrap()),
-            )
-            .env("CONSOLE_TOKEN", "alice-secret")
-            .env("SUBSCRIPTION", "orders-billing")
-            .env("EVENT_TYPE", "order.paid")
-            .env("EXPECTED_DEAD", ORDERS.to_string())
-            .env("EVENT_ID", paid[0].to_string())
-            .env("SCREENSHOTS", &screenshots)
-            .env("CHROMIUM", &chromium),
-        RUN_TIME,
-    )
-    .await;
+    let mut node = Command::new("node");
+    node.arg("console.js")
+        .current_dir(repo().join("tests/browser"))
+        .env(
+            "CONSOLE_URL",
+            format!("http://{}", gateway.console.unwrap()),
+        )
+        .env("CONSOLE_TOKEN", "alice-secret")
+        .env("SUBSCRIPTION", "orders-billing")
+        .env("EVENT_TYPE", "order.paid")
+        .env("EXPECTED_DEAD", ORDERS.to_string())
+        .env("EVENT_ID", paid[0].to_string())
+        .env("SCREENSHOTS", &screenshots)
+        .env("CHROMIUM", &chromium);
+    let browser = run("tests/browser/console.js", &mut node, RUN_TIME);
+    // A consumer that fails meanwhile fails the test at once, with its own message.
+    let output = tokio::select! {
+        output = browser => output,
+        ended = &mut billing => consumer_ended("orders-billing", ended),
+        ended = &mut shipping => consumer_ended("orders-shipping", ended),
+    };
     let steps: Vec<String> = output
         .lines()
         .map(|line| {
@@ -327,6 +359,10 @@ async fn an_operator_requeues_dead_letters_from_a_browser() {
             "{name} is no screenshot"
         );
     }
-    billing.abort();
-    shipping.abort();
+    let _ = stop.send(true);
+    for (name, consumer) in [("orders-billing", billing), ("orders-shipping", shipping)] {
+        if let Err(failed) = consumer.await {
+            consumer_ended(name, Err(failed));
+        }
+    }
 }

@@ -2,14 +2,12 @@
 //! acks and nacks reach any of them. The stream's room must follow its leases wherever
 //! they were settled.
 
-mod common;
-
 use std::{
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
@@ -32,7 +30,9 @@ async fn consume(stream_on: &TestGateway, settle_on: &[&TestGateway], subscripti
     }
     let mut consumer = Consumer::open(stream_on, subscription, MAX_IN_FLIGHT).await;
     let working = Arc::new(Semaphore::new(MAX_IN_FLIGHT as usize));
-    let (acked_tx, mut acked_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    // The settlements run as tasks of this set: joining them is how a failed ack or nack
+    // fails the test, with its own message, instead of stalling the stream.
+    let mut settling = tokio::task::JoinSet::new();
     let started = Instant::now();
     let mut settlement = 0usize;
     let mut acked = 0usize;
@@ -44,10 +44,9 @@ async fn consume(stream_on: &TestGateway, settle_on: &[&TestGateway], subscripti
                 let mut client = settlers[settlement % settlers.len()].clone();
                 let nack = delivery.attempt == 1 && settlement % 5 == 4;
                 settlement += 1;
-                let acked_tx = acked_tx.clone();
-                tokio::spawn(async move {
+                settling.spawn(async move {
                     tokio::time::sleep(WORK).await;
-                    if nack {
+                    let acked = if nack {
                         client
                             .nack(proto::NackRequest {
                                 subscription: subscription_of(&delivery),
@@ -58,6 +57,7 @@ async fn consume(stream_on: &TestGateway, settle_on: &[&TestGateway], subscripti
                             })
                             .await
                             .expect("nack");
+                        false
                     } else {
                         let answer = client
                             .ack(proto::AckRequest {
@@ -68,12 +68,19 @@ async fn consume(stream_on: &TestGateway, settle_on: &[&TestGateway], subscripti
                             .expect("ack")
                             .into_inner();
                         assert!(answer.stale_ack_ids.is_empty(), "ack went stale");
-                        let _ = acked_tx.send(());
-                    }
+                        true
+                    };
                     drop(permit);
+                    acked
                 });
             }
-            Some(()) = acked_rx.recv() => acked += 1,
+            Some(settled) = settling.join_next() => {
+                match settled {
+                    Ok(true) => acked += 1,
+                    Ok(false) => {}
+                    Err(failed) => std::panic::resume_unwind(failed.into_panic()),
+                }
+            }
         }
     }
     EVENTS as f64 / started.elapsed().as_secs_f64()

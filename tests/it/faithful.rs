@@ -2,11 +2,9 @@
 //! is either accepted and stored exactly as sent, or refused with INVALID_ARGUMENT and
 //! nothing written. Never INTERNAL: the database must not be the one to refuse it.
 
-mod common;
-
 use std::{collections::BTreeMap, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use proptest::{
     prelude::*,

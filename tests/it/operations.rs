@@ -1,11 +1,9 @@
 //! Operations: requeues, dead-letter triage, seeks, setting changes, stats, retention and
 //! lease reclaim.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::{self, admin_client::AdminClient};
 use sqlx::PgPool;
 use tonic::{Code, transport::Channel};

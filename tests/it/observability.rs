@@ -1,15 +1,13 @@
 //! Observability of a gateway running as its own process: Prometheus metrics after a
 //! known scenario, OTLP traces from producer to consumer, JSON logs.
 
-mod common;
-
 use std::{
     process::Stdio,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -34,7 +32,9 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `outbox-gateway serve` as a child process, killed when dropped.
+/// `outbox-gateway serve` as a child process, killed when dropped. It listens on port 0
+/// and the test reads the ports it bound from its log, so gateways started side by side
+/// never race for a port.
 struct GatewayProcess {
     child: Child,
     endpoint: String,
@@ -45,18 +45,18 @@ impl GatewayProcess {
     /// A gateway serving metrics on a port of its own, refreshed every 200 ms; returns
     /// it and the metrics server's base URL.
     async fn with_metrics(database: &TestDatabase) -> (GatewayProcess, String) {
-        let metrics = format!("127.0.0.1:{}", free_port());
-        let gateway = GatewayProcess::start(
+        let mut gateway = GatewayProcess::start(
             database,
             &[
                 "--metrics-listen",
-                &metrics,
+                "127.0.0.1:0",
                 "--metrics-refresh-interval",
                 "200ms",
             ],
             &[],
         )
         .await;
+        let metrics = gateway.announced("serving metrics").await;
         (gateway, format!("http://{metrics}"))
     }
 
@@ -70,12 +70,11 @@ impl GatewayProcess {
 
     /// A gateway on the database at `database_url`.
     async fn start_on(database_url: &str, args: &[&str], env: &[(&str, String)]) -> GatewayProcess {
-        let port = free_port();
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
         command.args([
             "serve",
             "--listen",
-            &format!("127.0.0.1:{port}"),
+            "127.0.0.1:0",
             "--database-url",
             database_url,
         ]);
@@ -101,13 +100,44 @@ impl GatewayProcess {
                 lines.lock().unwrap().push(line);
             }
         });
-        let gateway = GatewayProcess {
+        let mut gateway = GatewayProcess {
             child,
-            endpoint: format!("http://127.0.0.1:{port}"),
+            endpoint: String::new(),
             stderr,
         };
-        gateway.wait_until_serving().await;
+        let address = gateway.announced("serving gRPC").await;
+        gateway.endpoint = format!("http://{address}");
+        gateway.wait_until_serving(address).await;
         gateway
+    }
+
+    /// The address the gateway's log says it serves `announcement` on; fails the test
+    /// when the gateway exits or stays silent.
+    async fn announced(&mut self, announcement: &str) -> std::net::SocketAddr {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let found = self
+                .stderr
+                .lock()
+                .unwrap()
+                .iter()
+                .find_map(|line| gateway::announced_address(line, announcement));
+            if let Some(address) = found {
+                return address;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "the gateway exited ({status}) before {announcement:?}; stderr: {:?}",
+                    self.stderr.lock().unwrap()
+                );
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the gateway never logged {announcement:?}; stderr: {:?}",
+                self.stderr.lock().unwrap()
+            );
+            tokio::time::sleep(POLL).await;
+        }
     }
 
     async fn channel(&self) -> Channel {
@@ -118,13 +148,10 @@ impl GatewayProcess {
             .unwrap()
     }
 
-    async fn wait_until_serving(&self) {
-        let address = self
-            .endpoint
-            .trim_start_matches("http://")
-            .parse()
-            .expect("a socket address");
-        if let Err(error) = gateway::wait_until_serving(address, WAIT, || true).await {
+    async fn wait_until_serving(&mut self, address: std::net::SocketAddr) {
+        let child = &mut self.child;
+        let running = || matches!(child.try_wait(), Ok(None));
+        if let Err(error) = gateway::wait_until_serving(address, WAIT, running).await {
             panic!("{error}; stderr: {:?}", self.stderr.lock().unwrap());
         }
     }
@@ -435,7 +462,7 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
 #[tokio::test]
 async fn losing_the_database_is_one_line_and_its_return_another() {
     let database = TestDatabase::create().await;
-    let proxy = common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let proxy = crate::common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let gateway = GatewayProcess::start_on(
         &proxy.database_url(database.name()),
         &[
@@ -1079,8 +1106,7 @@ async fn every_admin_change_leaves_one_audit_line() {
         ),
     )
     .unwrap();
-    let console_port = free_port();
-    let gateway = GatewayProcess::start(
+    let mut gateway = GatewayProcess::start(
         &database,
         &[
             "--config",
@@ -1090,7 +1116,7 @@ async fn every_admin_change_leaves_one_audit_line() {
             "--metrics-listen",
             "off",
             "--console-listen",
-            &format!("127.0.0.1:{console_port}"),
+            "127.0.0.1:0",
         ],
         &[],
     )
@@ -1171,7 +1197,10 @@ async fn every_admin_change_leaves_one_audit_line() {
         .unwrap();
 
     // The console: sign in with the same token and resume.
-    let console = format!("http://127.0.0.1:{console_port}");
+    let console = format!(
+        "http://{}",
+        gateway.announced("serving the web console").await
+    );
     let browser = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()

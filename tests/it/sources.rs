@@ -2,11 +2,9 @@
 //! their source, subscriptions span sources, acks mix them, operations take a source, and
 //! a source that is down pauses only its own share.
 
-mod common;
-
 use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::{Config, config::SourceConfig, proto};
 use outbox_testkit::PostgresServer;
 use tonic::Code;
@@ -348,7 +346,7 @@ async fn dead_letters_requeues_and_seeks_work_per_source() {
     assert_eq!(requeued.requeued_count, 1);
     let again = consumer.take(1, WAIT).await.remove(0);
     assert_eq!(source_of(&again), "billing");
-    ack(gateway, "all", vec![again.ack_id]).await;
+    ack_all(gateway, "all", vec![again.ack_id]).await;
 
     // An event id is looked up in every source.
     let requeued = admin
@@ -362,7 +360,7 @@ async fn dead_letters_requeues_and_seeks_work_per_source() {
     assert_eq!(requeued.requeued_count, 1);
     let again = consumer.take(1, WAIT).await.remove(0);
     assert_eq!(again.event.as_ref().unwrap().id, billing_id);
-    ack(gateway, "all", vec![again.ack_id]).await;
+    ack_all(gateway, "all", vec![again.ack_id]).await;
 
     // Seek replays every source.
     admin
@@ -404,7 +402,7 @@ async fn ordering_holds_per_aggregate_within_each_source() {
             .all(|d| d.event.as_ref().unwrap().event_type == "order.first")
     );
     assert!(consumer.next(QUIET).await.is_none());
-    ack(
+    ack_all(
         gateway,
         "ordered",
         first.iter().map(|d| d.ack_id.clone()).collect(),
@@ -510,14 +508,14 @@ async fn a_source_not_migrated_with_migrate_off_stops_the_start_naming_it() {
     let service = TestDatabase::create().await;
     let mut not_migrated = source("orders", &service);
     not_migrated.migrate = Some(false);
+    let config = config_with(&default, vec![not_migrated]);
+    config
+        .validate()
+        .expect("a configuration serve would accept");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let outcome = tokio::time::timeout(
         WAIT,
-        outbox_gateway::run(
-            config_with(&default, vec![not_migrated]),
-            listener,
-            std::future::pending(),
-        ),
+        outbox_gateway::run(config, listener, std::future::pending()),
     )
     .await
     .expect("the start is refused at once");

@@ -175,6 +175,10 @@ impl TestGateway {
         listener: TcpListener,
         console: Option<TcpListener>,
     ) -> TestGateway {
+        // What `serve` would refuse, a test must not run either.
+        if let Err(error) = config.validate() {
+            panic!("the test gateway's configuration is invalid: {error}");
+        }
         let address = listener.local_addr().expect("local address");
         let console_address = console
             .as_ref()
@@ -402,6 +406,9 @@ impl Consumer {
     }
 }
 
+/// Acks `ack_ids`; returns the stale ones, which the caller must look at (or use
+/// `ack_all` when every ack must take).
+#[must_use = "an ack may be stale: check the returned ids, or use ack_all"]
 pub async fn ack(gateway: &TestGateway, subscription: &str, ack_ids: Vec<String>) -> Vec<String> {
     gateway
         .subscriber()
@@ -416,7 +423,25 @@ pub async fn ack(gateway: &TestGateway, subscription: &str, ack_ids: Vec<String>
         .stale_ack_ids
 }
 
+/// Acks `ack_ids` and checks that every one of them took (none was stale).
+#[track_caller]
+pub fn ack_all<'a>(
+    gateway: &'a TestGateway,
+    subscription: &'a str,
+    ack_ids: Vec<String>,
+) -> impl Future<Output = ()> + 'a {
+    let caller = std::panic::Location::caller();
+    async move {
+        let stale = ack(gateway, subscription, ack_ids).await;
+        assert!(
+            stale.is_empty(),
+            "acks on {subscription} were stale: {stale:?} (acked at {caller})"
+        );
+    }
+}
+
 /// Extends leases by `extension`; returns the stale ack ids.
+#[must_use = "an extension may be stale: check the returned ids"]
 pub async fn extend(
     gateway: &TestGateway,
     subscription: &str,

@@ -1,15 +1,13 @@
 //! The Rust client library against a real gateway: idempotent publishing, the handler
 //! loop (ack, nack, dead letter), reconnecting across a gateway restart, draining.
 
-mod common;
-
 use std::{
     collections::HashSet,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use outbox_client::{ClientError, Connection, HandlerError, Publisher, Subscriber, proto};
 use tokio_util::sync::CancellationToken;
 

@@ -1,10 +1,8 @@
 //! The admin CLI, run as the built binary against a live gateway.
 
-mod common;
-
 use std::process::Stdio;
 
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use tokio::{io::AsyncWriteExt, process::Command};
 
@@ -33,6 +31,10 @@ impl Run {
     }
 }
 
+/// A CLI command that has not ended by then hangs: the test fails instead of waiting
+/// for ever. Generous, for a loaded machine.
+const CLI_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 async fn cli(gateway: &TestGateway, args: &[&str]) -> Run {
     cli_with_input(&gateway.endpoint(), args, None).await
 }
@@ -50,6 +52,7 @@ async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> R
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .kill_on_drop(true)
         .spawn()
         .expect("run the CLI");
     let mut stdin = child.stdin.take().expect("stdin");
@@ -60,7 +63,15 @@ async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> R
             .expect("write stdin");
     }
     drop(stdin);
-    let output = child.wait_with_output().await.expect("CLI output");
+    let output = tokio::time::timeout(CLI_LIMIT, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "`outbox-gateway {}` ran longer than {CLI_LIMIT:?}",
+                args.join(" ")
+            )
+        })
+        .expect("CLI output");
     Run {
         success: output.status.success(),
         code: output.status.code(),
@@ -887,7 +898,16 @@ async fn cli_in(config_home: &std::path::Path, args: &[&str], env: &[(&str, &str
     for (name, value) in env {
         command.env(name, value);
     }
-    let output = command.output().await.expect("run the CLI");
+    command.kill_on_drop(true);
+    let output = tokio::time::timeout(CLI_LIMIT, command.output())
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "`outbox-gateway {}` ran longer than {CLI_LIMIT:?}",
+                args.join(" ")
+            )
+        })
+        .expect("run the CLI");
     Run {
         success: output.status.success(),
         code: output.status.code(),

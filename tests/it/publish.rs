@@ -1,10 +1,8 @@
 //! Foundation: Publish over gRPC, the direct-SQL write path, health and reflection.
 
-mod common;
-
 use std::{collections::HashMap, time::Duration};
 
-use common::{
+use crate::common::{
     TestDatabase, TestGateway, assert_status, count_events, event, eventually, proxy::TcpProxy,
     publish, test_config,
 };

@@ -2,8 +2,6 @@
 //! request's Standard Webhooks signature with its own HMAC code and reads the CloudEvents
 //! attributes in both modes.
 
-mod common;
-
 use std::{
     collections::HashMap,
     net::SocketAddr,
@@ -11,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::common::*;
 use axum::{
     Router,
     body::Bytes,
@@ -20,7 +19,6 @@ use axum::{
     routing::post,
 };
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
-use common::*;
 use outbox_gateway::{domain::AllowedHosts, proto};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
@@ -965,9 +963,11 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
         .kill_on_drop(true)
         .spawn()
         .expect("start the gateway binary");
-    outbox_testkit::gateway::wait_until_serving(address, WAIT, || true)
-        .await
-        .expect("the gateway serves");
+    outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
+        matches!(child.try_wait(), Ok(None))
+    })
+    .await
+    .expect("the gateway serves");
     let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
         .unwrap()
         .connect()

@@ -4,9 +4,7 @@
 //! of bounded size, and changes nothing. The property tests in `faithful.rs` roam the
 //! whole input space; these pin every case that was found, on every run.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use tonic::Code;
 

@@ -3,11 +3,9 @@
 //! however large), and the gateway bounds the bytes waiting in its memory for streams
 //! that do not read — so memory stays bounded whatever consumers do.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use sqlx::PgPool;
 use tonic::Code;
@@ -124,7 +122,7 @@ async fn a_delivery_larger_than_the_byte_limit_still_goes_out_one_at_a_time() {
             .is_err(),
         "the second waits until the first is settled"
     );
-    ack(&gateway, "orders", vec![first.ack_id]).await;
+    ack_all(&gateway, "orders", vec![first.ack_id]).await;
     let second = tokio::time::timeout(WAIT, stream.message())
         .await
         .unwrap()
@@ -173,7 +171,7 @@ async fn streams_that_never_read_cannot_hold_the_gateways_memory_or_starve_reade
             .next(WAIT)
             .await
             .expect("a stream that reads keeps receiving");
-        ack(&gateway, "healthy", vec![delivery.ack_id]).await;
+        ack_all(&gateway, "healthy", vec![delivery.ack_id]).await;
         received += 1;
     }
     // What the stalled streams hold is bounded by the gateway-wide budget (four of these

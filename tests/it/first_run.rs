@@ -1,11 +1,9 @@
 //! What a new user meets when starting `outbox-gateway serve`: clear, bounded failures
 //! for a wrong database URL or a taken port, no secrets in help, host names accepted.
 
-mod common;
-
 use std::{process::Output, time::Duration};
 
-use common::*;
+use crate::common::*;
 use outbox_testkit::gateway;
 use tokio::{net::TcpListener, process::Command};
 
@@ -166,8 +164,10 @@ async fn host_names_are_accepted_where_addresses_are() {
         .stderr(std::process::Stdio::piped());
     let mut child = command.spawn().unwrap();
     let serving =
-        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || true)
-            .await;
+        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || {
+            matches!(child.try_wait(), Ok(None))
+        })
+        .await;
     if serving.is_err() {
         child.start_kill().unwrap();
         let output = child.wait_with_output().await.unwrap();

