@@ -293,3 +293,39 @@ async fn streams_that_never_read_hold_at_most_the_budget_and_two_deliveries_each
          against a budget of {BUDGET_EVENTS}"
     );
 }
+
+#[tokio::test]
+async fn a_new_stream_is_leased_a_few_deliveries_at_first_and_the_rest_in_time_without_acking() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let pool = database.pool().await;
+    let events: Vec<_> = (0..150)
+        .map(|i| event(&format!("o-{i}"), "order.created"))
+        .collect();
+    publish(&gateway, events).await;
+
+    // A consumer that collects 100 deliveries before it acks any.
+    let mut consumer = Consumer::open(&gateway, "orders", 100).await;
+    let mut collected = consumer.take(1, WAIT).await;
+    // Its first claim leased only the initial window, not its whole `max_in_flight`: a
+    // thousand such streams attaching at once cannot lease a hundred thousand deliveries
+    // in a moment. (The window doubles each second it settles nothing; 20 allows one
+    // doubling on a slow machine.)
+    let held = in_flight(&pool, "orders").await;
+    assert!(
+        (1..=20).contains(&held),
+        "a new stream holds {held} deliveries in its first moments"
+    );
+
+    // Without a single ack it still gets all it waits for, a few seconds later.
+    collected.extend(consumer.take(99, WAIT).await);
+    assert_eq!(in_flight(&pool, "orders").await, 100);
+    assert!(
+        consumer.next(Duration::from_millis(200)).await.is_none(),
+        "never more than its max_in_flight"
+    );
+    let acks = collected.into_iter().map(|d| d.ack_id).collect();
+    assert!(ack(&gateway, "orders", acks).await.is_empty());
+    assert_eq!(consumer.take(50, WAIT).await.len(), 50);
+}

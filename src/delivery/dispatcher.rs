@@ -469,7 +469,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 unanswered.push(source);
             }
         }
-        let (limits, refresh, full) = {
+        let (mut limits, refresh, full, only_unproven) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             // Only what the sources were asked about: leases that fell due since are the
             // next turn's, which their deadline wakes.
@@ -494,7 +494,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
             };
             let limits = state.streams.claim_limits(config.claim_batch_size, &budget);
-            (limits, refresh, limits.is_none() && has_leases)
+            let only_unproven = state.streams.only_unproven_can_take(&budget);
+            (
+                limits,
+                refresh,
+                limits.is_none() && has_leases,
+                only_unproven,
+            )
         };
 
         // Room freed on another gateway counts before deciding how much to claim. When
@@ -529,6 +535,28 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 return;
             }
         }
+        // Claims for streams that have not settled anything yet take turns across the
+        // process, so they cannot fill the pool ahead of streams that do settle.
+        let _unproven_permit = match limits.is_some() && only_unproven {
+            true => {
+                let permit = tokio::select! {
+                    permit = relay.inner.unproven_claims.acquire() => permit,
+                    _ = shutdown.cancelled() => {
+                        end_streams(&dispatcher, &relay, || Error::ShuttingDown);
+                        return;
+                    }
+                };
+                // Streams may have settled, left or come meanwhile.
+                limits = dispatcher
+                    .state
+                    .lock()
+                    .expect("dispatcher lock")
+                    .streams
+                    .claim_limits(config.claim_batch_size, &budget);
+                Some(permit)
+            }
+            false => None,
+        };
         let claiming = dispatcher.claiming.lock().await;
         let subscription = dispatcher.subscription();
         // Paused: nothing new goes out; settlements, lease expiry and definition reads go

@@ -19,7 +19,18 @@
 //!   rest and widens what it may hold by one, back up to `max_in_flight` (as TCP's slow
 //!   start: the window doubles each round trip). A consumer that reads and never acks
 //!   would otherwise have all its deliveries re-leased to it wave after wave, and that
-//!   work starves the healthy subscriptions.
+//!   work starves the healthy subscriptions;
+//! - a new stream starts the same way, with a window of [`INITIAL_WINDOW`] (or its
+//!   `max_in_flight` when smaller) that each settlement widens by one, and that also
+//!   doubles each [`WINDOW_GROWTH`] it goes without settling, up to `max_in_flight`: a
+//!   consumer that collects N deliveries before it acks any still gets them (after a few
+//!   seconds at most), while a thousand streams that read and never ack cannot lease
+//!   their whole `max_in_flight` each in the moment they attach;
+//! - a stream is *proven* once it has settled something since it attached or since its
+//!   leases last expired. A dispatcher whose streams with room are all unproven claims
+//!   only while holding a gateway-wide permit ([`UnprovenClaims`]), so such claims never
+//!   take more than one of a pool's connections at a time, and the claims of streams that
+//!   do settle never queue behind them.
 
 use std::{
     collections::HashMap,
@@ -27,7 +38,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use chrono::{DateTime, Utc};
@@ -38,6 +49,38 @@ use crate::{
     error::Error,
     storage::ClaimLimits,
 };
+
+/// What a new stream may hold unsettled before its first settlement (TCP's initial
+/// window is ten segments too).
+pub const INITIAL_WINDOW: usize = 10;
+/// A new stream's window doubles each time this passes without a settlement.
+pub const WINDOW_GROWTH: Duration = Duration::from_secs(1);
+
+/// Claims made only for unproven streams (new, or whose leases expired unsettled), at
+/// most this many at once in the whole process.
+const UNPROVEN_CLAIMS_AT_ONCE: usize = 1;
+
+/// The gateway-wide permit a dispatcher holds while it claims for unproven streams only.
+/// Streams that read and never ack can be many (a thousand attaching at once), and each
+/// claim for them is a transaction holding a pool connection: serialized here, they
+/// leave the rest of the pool to the subscriptions whose consumers settle.
+#[derive(Debug)]
+pub struct UnprovenClaims(tokio::sync::Semaphore);
+
+impl Default for UnprovenClaims {
+    fn default() -> Self {
+        UnprovenClaims(tokio::sync::Semaphore::new(UNPROVEN_CLAIMS_AT_ONCE))
+    }
+}
+
+impl UnprovenClaims {
+    pub async fn acquire(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.0
+            .acquire()
+            .await
+            .expect("the semaphore is never closed")
+    }
+}
 
 /// A lease's place: its source and the event's position there.
 pub type LeaseKey = (SourceId, i64);
@@ -112,9 +155,17 @@ struct Slot {
     /// stream, which subtracts what it takes.
     buffered: Arc<AtomicU64>,
     sender: DeliverySender,
-    /// How many unsettled deliveries it may hold now: `limits.deliveries`, cut to one
-    /// when its leases expire and widened by each settlement.
+    /// How many unsettled deliveries it may hold now: [`INITIAL_WINDOW`] at first, cut
+    /// to one when its leases expire, widened by each settlement up to
+    /// `limits.deliveries` (and with time while `growing_since` is set; see
+    /// [`Slot::window`]).
     window: usize,
+    /// Set from attaching until its first settlement or stall: its window doubles each
+    /// [`WINDOW_GROWTH`] since then, so a consumer that acks only after collecting many
+    /// deliveries is never stuck below what it waits for.
+    growing_since: Option<Instant>,
+    /// It settled something since it attached or since its leases last expired.
+    proven: bool,
     /// Times in a row its leases expired with no settlement between.
     stalls: u32,
     /// Deliveries it may still take in all (`StreamLimits::total`); `None`: no end.
@@ -128,13 +179,38 @@ const FIRST_REST: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 const LONGEST_REST: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
 
 impl Slot {
+    /// How many unsettled deliveries it may hold at `now`.
+    fn window(&self, now: Instant) -> usize {
+        let Some(since) = self.growing_since else {
+            return self.window;
+        };
+        let doublings =
+            now.saturating_duration_since(since).as_millis() / WINDOW_GROWTH.as_millis().max(1);
+        let doublings = u32::try_from(doublings).unwrap_or(u32::MAX).min(32);
+        self.window
+            .saturating_mul(1usize << doublings)
+            .min(self.limits.deliveries)
+    }
+
+    /// When its window next grows by itself, if it is full now and will.
+    fn next_growth(&self, now: Instant) -> Option<Instant> {
+        let since = self.growing_since?;
+        let window = self.window(now);
+        if window >= self.limits.deliveries || self.in_flight < window {
+            return None;
+        }
+        let step = WINDOW_GROWTH.as_millis().max(1);
+        let next = (now.saturating_duration_since(since).as_millis() / step + 1) * step;
+        Some(since + Duration::from_millis(u64::try_from(next).unwrap_or(u64::MAX)))
+    }
+
     fn can_take(&self, budget: &BufferBudget) -> bool {
         self.resting_until.is_none_or(|until| until <= Utc::now())
             && self.remaining != Some(0)
             && !self.sender.is_closed()
             // Full with deliveries whose leases expired before it read them.
             && self.sender.capacity() > 0
-            && self.in_flight < self.window
+            && self.in_flight < self.window(Instant::now())
             && (self.in_flight == 0 || self.in_flight_bytes < self.limits.bytes)
             && (!budget.is_spent() || self.buffered.load(Ordering::Relaxed) == 0)
     }
@@ -179,7 +255,9 @@ impl Streams {
             in_flight_bytes: 0,
             buffered,
             sender,
-            window: limits.deliveries,
+            window: INITIAL_WINDOW.min(limits.deliveries),
+            growing_since: Some(Instant::now()),
+            proven: false,
             stalls: 0,
             remaining: limits.total,
             resting_until: None,
@@ -225,8 +303,9 @@ impl Streams {
                 .then_some(ClaimLimits { count: 1, bytes: 1 });
         }
         let (mut count, mut bytes) = (0usize, 0u64);
+        let now = Instant::now();
         for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
-            let room = slot.window - slot.in_flight;
+            let room = slot.window(now).saturating_sub(slot.in_flight);
             count += slot.remaining.map_or(room, |remaining| {
                 room.min(usize::try_from(remaining).unwrap_or(room))
             });
@@ -243,6 +322,19 @@ impl Streams {
             // could not be handed out.
             bytes: bytes.min(budget.remaining()).max(1),
         })
+    }
+
+    /// Whether every stream that can take a delivery now is unproven (and one can): a
+    /// claim for them waits for the gateway-wide [`UnprovenClaims`] permit.
+    pub fn only_unproven_can_take(&self, budget: &BufferBudget) -> bool {
+        let (any, proven) = self
+            .slots
+            .iter()
+            .filter(|slot| slot.can_take(budget))
+            .fold((false, false), |(_, proven), slot| {
+                (true, proven || slot.proven)
+            });
+        any && !proven
     }
 
     /// Sends a delivery to the next stream that can take it and records its lease; when
@@ -311,13 +403,17 @@ impl Streams {
     }
 
     /// Forgets the settled lease at `key`, freeing its stream's room; a stream that
-    /// settles rests no more and may hold one more than before, up to its limit.
+    /// settles is proven, rests no more and may hold one more than before, up to its
+    /// limit.
     pub fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
         let lease = self.remove_lease(key)?;
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
             slot.stalls = 0;
             slot.resting_until = None;
-            slot.window = (slot.window + 1).min(slot.limits.deliveries);
+            slot.proven = true;
+            slot.window = (slot.window(Instant::now()) + 1).min(slot.limits.deliveries);
+            // From here on settlements widen it, as TCP's acks do.
+            slot.growing_since = None;
         }
         Some(lease)
     }
@@ -392,6 +488,8 @@ impl Streams {
             slot.resting_until = Some(now + rest.min(LONGEST_REST));
             slot.stalls = slot.stalls.saturating_add(1);
             slot.window = 1;
+            slot.growing_since = None;
+            slot.proven = false;
         }
         let mut sources: Vec<SourceId> = expired.into_iter().map(|(source, _)| source).collect();
         sources.sort();
@@ -411,9 +509,15 @@ impl Streams {
         leases.len()
     }
 
-    /// When the next lease expires or the next resting stream may take again.
+    /// When the next lease expires, the next resting stream may take again or the next
+    /// full new stream's window grows.
     pub fn next_deadline(&self) -> Option<DateTime<Utc>> {
         let now = Utc::now();
+        let instant = Instant::now();
+        let growths = self.slots.iter().filter_map(|slot| {
+            let at = slot.next_growth(instant)?;
+            Some(now + chrono::TimeDelta::from_std(at - instant).ok()?)
+        });
         self.leases
             .values()
             .map(|lease| lease.deadline)
@@ -423,6 +527,7 @@ impl Streams {
                     .filter_map(|slot| slot.resting_until)
                     .filter(|until| *until > now),
             )
+            .chain(growths)
             .min()
     }
 
@@ -717,5 +822,103 @@ mod tests {
             [1, 2, 4, 4, 4],
             "doubling each round trip up to its limit"
         );
+    }
+
+    #[test]
+    fn a_new_stream_starts_with_a_small_window_that_doubles_each_round_trip() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 100, u64::MAX);
+        let mut offered = Vec::new();
+        let mut position = 0;
+        for _ in 0..6 {
+            // Everything it may hold now goes out, is read and is settled.
+            let limits = streams.claim_limits(500, &budget).unwrap();
+            offered.push(limits.count);
+            for _ in 0..limits.count {
+                position += 1;
+                streams.place(delivery(position, 10), &budget).unwrap();
+            }
+            assert!(streams.claim_limits(500, &budget).is_none(), "window full");
+            for settled in position - limits.count as i64 + 1..=position {
+                assert!(receiver.try_recv().is_ok());
+                streams.forget((SourceId(0), settled));
+            }
+        }
+        assert_eq!(offered, [INITIAL_WINDOW, 20, 40, 80, 100, 100]);
+    }
+
+    #[test]
+    fn a_new_stream_that_never_settles_still_gets_its_whole_window_in_time() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 100, u64::MAX);
+        for position in 0..INITIAL_WINDOW as i64 {
+            streams.place(delivery(position, 10), &budget).unwrap();
+        }
+        while receiver.try_recv().is_ok() {}
+        // It holds all it may and settled nothing: the dispatcher wakes when it grows.
+        assert!(streams.claim_limits(500, &budget).is_none());
+        let growth = streams.next_deadline().unwrap() - Utc::now();
+        assert!(
+            growth <= chrono::TimeDelta::from_std(WINDOW_GROWTH).unwrap(),
+            "{growth}"
+        );
+        let mut held = Vec::new();
+        for elapsed in 1..=5 {
+            // A consumer that acks only once it has collected, say, 100 deliveries.
+            streams.slots[0].growing_since = Instant::now().checked_sub(WINDOW_GROWTH * elapsed);
+            let limits = streams
+                .claim_limits(500, &budget)
+                .unwrap_or(ClaimLimits { count: 0, bytes: 0 });
+            for _ in 0..limits.count {
+                let position = streams.leases.len() as i64;
+                streams.place(delivery(position, 10), &budget).unwrap();
+                assert!(receiver.try_recv().is_ok());
+            }
+            held.push(streams.slots[0].in_flight);
+        }
+        assert_eq!(
+            held,
+            [20, 40, 80, 100, 100],
+            "doubling with time up to its limit"
+        );
+        assert!(
+            streams.next_deadline().unwrap() > Utc::now() + chrono::TimeDelta::seconds(20),
+            "only its leases' deadlines are left to wake for"
+        );
+    }
+
+    #[test]
+    fn only_streams_that_settled_claim_without_the_unproven_permit() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        assert!(
+            !streams.only_unproven_can_take(&budget),
+            "nothing to claim for"
+        );
+        let (_, mut receiver, _) = stream(&mut streams, 10, u64::MAX);
+        assert!(streams.only_unproven_can_take(&budget), "new");
+        streams.place(delivery(1, 10), &budget).unwrap();
+        assert!(receiver.try_recv().is_ok());
+        streams.forget((SourceId(0), 1));
+        assert!(!streams.only_unproven_can_take(&budget), "it settled");
+
+        // Its leases expire unsettled: unproven again until it settles once more.
+        let mut late = delivery(2, 10);
+        late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
+        streams.place(late, &budget).unwrap();
+        assert!(receiver.try_recv().is_ok());
+        streams.expire(Utc::now(), &[]);
+        streams.slots[0].resting_until = None;
+        assert!(streams.only_unproven_can_take(&budget), "stalled");
+
+        // A proven stream beside it claims for both without waiting.
+        let (_, mut other, _) = stream(&mut streams, 10, u64::MAX);
+        streams.round_robin = 1;
+        streams.place(delivery(3, 10), &budget).unwrap();
+        assert!(other.try_recv().is_ok());
+        streams.forget((SourceId(0), 3));
+        assert!(!streams.only_unproven_can_take(&budget));
     }
 }

@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use dispatcher::{Dispatcher, Settlement};
-use flow::{BufferBudget, StreamLimits};
+use flow::{BufferBudget, StreamLimits, UnprovenClaims};
 use futures_util::future::join_all;
 pub use stream::DeliveryStream;
 
@@ -110,6 +110,8 @@ struct RelayInner {
     stream_permits: Arc<tokio::sync::Semaphore>,
     /// Deliveries waiting in memory for their streams, across all subscriptions.
     buffer_budget: Arc<BufferBudget>,
+    /// Taken by a dispatcher claiming only for streams that have not settled anything.
+    unproven_claims: UnprovenClaims,
 }
 
 /// What became of the ack ids of one Ack call.
@@ -157,6 +159,7 @@ impl Relay {
                 peer_notifiers,
                 stream_permits: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
                 buffer_budget: Arc::new(BufferBudget::new(config.max_buffered_bytes)),
+                unproven_claims: UnprovenClaims::default(),
                 config,
             }),
         };
