@@ -573,8 +573,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             return;
         }
         // Claims for streams that have not settled anything yet take turns across the
-        // process, so they cannot fill the pool ahead of streams that do settle.
-        let _unproven_permit = match limits.is_some() && only_unproven {
+        // process, so they cannot fill the pool ahead of streams that do settle. The turn
+        // is taken only when there is something to claim, and given back before sleeping.
+        let has_news = dispatcher
+            .sources
+            .iter()
+            .any(|source| source.is_connected() && wants_claim(&dispatcher, source));
+        let unproven_permit = match limits.is_some() && only_unproven && has_news {
             true => {
                 let permit = tokio::select! {
                     permit = relay.inner.unproven_claims.acquire() => permit,
@@ -644,11 +649,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
             if full_batch {
                 drop(claiming);
+                drop(unproven_permit);
                 tokio::task::yield_now().await;
                 continue;
             }
         }
         drop(claiming);
+        drop(unproven_permit);
         // Without room, news waits: the settlement, expiry or stream that makes room wakes
         // the loop, and the news is still there then.
         let sleep_for = next_wake(&dispatcher, config.poll_interval);
