@@ -47,7 +47,7 @@ use crate::{
 const SCAN_LIMIT: usize = 5_000;
 /// How much of what it read the scout keeps to move positions with: every read of the
 /// last few poll intervals, up to this many rows (the oldest go first).
-const HISTORY_ROWS: usize = 200_000;
+const HISTORY_ROWS: usize = 50_000;
 const HISTORY_POLLS: u32 = 4;
 /// Most subscriptions the scout cannot vouch for that it asks to claim once per round,
 /// so that a new scout does not set thousands of claims off at once.

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use outbox_client::proto;
+use outbox_client::proto::{self, subscriber_client::SubscriberClient};
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::time::Instant;
@@ -18,7 +18,7 @@ use super::{Bench, progress};
 use crate::{
     consume::{ConsumerConfig, ConsumerGroup, SubscriptionLoad},
     database::Notify,
-    gateway::Gateway,
+    gateway::{self, Gateway},
     measure::Series,
     report::{Report, Table, Target, format_number},
     workload,
@@ -31,6 +31,8 @@ const QUICK_DIVISOR: usize = 10;
 const RATE: u64 = 1_000;
 /// Events per Publish call.
 const BATCH: u64 = 10;
+/// Idle streams per HTTP/2 connection (the gateway allows 256 by default).
+const STREAMS_PER_CONNECTION: usize = 100;
 /// Longest the idle subscriptions and their streams may take to set up.
 const SETUP_LIMIT: Duration = Duration::from_secs(300);
 
@@ -67,14 +69,18 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         format!("creating {idle} idle subscriptions with a stream each"),
     );
     let mut idle_streams = Vec::with_capacity(idle);
+    // The idle streams get connections of their own, well below the gateway's limit of
+    // concurrent streams per connection, and leave the pool to the active ones.
+    let idle_channels =
+        gateway::connect_channels(gateway.address(), idle.div_ceil(STREAMS_PER_CONNECTION)).await?;
     // Each idle subscription with a stream may slow the next one down: past the limit,
     // report how far it got rather than run on for good.
     let setup = async {
         for index in 0..idle {
             let name = format!("idle-{index}");
             create(gateway, &name, &format!("idle.{index}")).await?;
-            let stream = gateway
-                .subscriber()
+            let channel = idle_channels[index / STREAMS_PER_CONNECTION].clone();
+            let stream = SubscriberClient::new(channel)
                 .subscribe(proto::SubscribeRequest {
                     subscription: name,
                     max_in_flight: 10,
