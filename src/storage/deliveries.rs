@@ -13,13 +13,11 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
     Result, Store, StoreError,
+    columns::{cursor, metadata_filter, millis},
     events::event_from_row,
-    subscriptions::{cursor, metadata_filter, millis},
+    locks::{LockMode, lock_subscription},
 };
 use crate::domain::{AckId, Delivery, Subscription};
-
-/// First key of the gateway's advisory locks; the second is the subscription id.
-pub(super) const SUBSCRIPTION_LOCK_CLASS: i32 = 0x6f62_7801;
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -323,29 +321,6 @@ impl Store {
             .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
             .collect()
     }
-}
-
-#[derive(Clone, Copy)]
-pub(super) enum LockMode {
-    Exclusive,
-    Shared,
-}
-
-pub(super) async fn lock_subscription(
-    connection: &mut PgConnection,
-    subscription_id: i64,
-    mode: LockMode,
-) -> Result<()> {
-    let statement = match mode {
-        LockMode::Exclusive => "SELECT pg_advisory_xact_lock($1, $2::int)",
-        LockMode::Shared => "SELECT pg_advisory_xact_lock_shared($1, $2::int)",
-    };
-    sqlx::query(statement)
-        .bind(SUBSCRIPTION_LOCK_CLASS)
-        .bind(subscription_id)
-        .execute(connection)
-        .await?;
-    Ok(())
 }
 
 pub(super) async fn promote_waiting(

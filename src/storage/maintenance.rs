@@ -8,9 +8,7 @@ use std::time::Duration;
 use sqlx::Row;
 
 use super::{
-    Result, Store,
-    deliveries::{SUBSCRIPTION_LOCK_CLASS, promote_waiting},
-    subscriptions::millis,
+    Result, Store, columns::millis, deliveries::promote_waiting, locks::SUBSCRIPTION_LOCK_CLASS,
 };
 use crate::domain::Subscription;
 

@@ -57,9 +57,11 @@ macro_rules! qualified_event_columns {
     };
 }
 
+mod columns;
 mod deliveries;
 mod events;
 mod inspection;
+mod locks;
 mod maintenance;
 mod operations;
 mod reading;

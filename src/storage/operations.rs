@@ -8,11 +8,10 @@ use uuid::Uuid;
 
 use super::{
     Result, Store, StoreError,
-    deliveries::{LockMode, lock_subscription},
+    columns::{Cursor, cursor, metadata_filter, millis, start_columns},
     events::event_from_row,
-    subscriptions::{
-        Cursor, cursor, metadata_filter, millis, start_columns, subscription_from_row,
-    },
+    locks::{LockMode, lock_subscription},
+    subscriptions::subscription_from_row,
 };
 use crate::domain::{
     DeadLetter, DeadLetterSelection, Event, OutboxStats, StartPosition, Subscription,
