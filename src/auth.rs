@@ -6,10 +6,9 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::{
-    domain::{NewEvent, PatternSet, SourceName, SubscriptionName},
-    error::{Error, Result},
-};
+use crate::domain::{NewEvent, PatternSet, Refusal, SourceName, SubscriptionName};
+
+type Result<T, E = Refusal> = std::result::Result<T, E>;
 
 /// One token of the configuration file.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -86,14 +85,14 @@ impl Principal {
             return Err(self.denied("publish events (the publisher role)"));
         };
         if !scope.sources.is_empty() && !scope.sources.iter().any(|s| s == source.as_str()) {
-            return Err(Error::PermissionDenied(format!(
+            return Err(Refusal::PermissionDenied(format!(
                 "source: {:?} may not publish to source {source:?}",
                 self.name
             )));
         }
         for (index, event) in events.iter().enumerate() {
             if !scope.event_types.is_empty() && !scope.event_types.matches(&event.event_type) {
-                return Err(Error::PermissionDenied(format!(
+                return Err(Refusal::PermissionDenied(format!(
                     "events[{index}].event_type: {:?} may not publish {:?}",
                     self.name, event.event_type
                 )));
@@ -101,7 +100,7 @@ impl Principal {
             if !scope.aggregate_types.is_empty()
                 && !scope.aggregate_types.contains(&event.aggregate_type)
             {
-                return Err(Error::PermissionDenied(format!(
+                return Err(Refusal::PermissionDenied(format!(
                     "events[{index}].aggregate_type: {:?} may not publish {:?} events",
                     self.name, event.aggregate_type
                 )));
@@ -117,7 +116,7 @@ impl Principal {
         if patterns.is_empty() || patterns.is_match(subscription.as_str()) {
             return Ok(());
         }
-        Err(Error::PermissionDenied(format!(
+        Err(Refusal::PermissionDenied(format!(
             "subscription: {:?} may not read {subscription:?}",
             self.name
         )))
@@ -145,8 +144,8 @@ impl Principal {
         self.admin
     }
 
-    fn denied(&self, what: &str) -> Error {
-        Error::PermissionDenied(format!("{:?} may not {what}", self.name))
+    fn denied(&self, what: &str) -> Refusal {
+        Refusal::PermissionDenied(format!("{:?} may not {what}", self.name))
     }
 }
 
@@ -224,7 +223,7 @@ impl Authenticator {
             .map(|(_, token)| token.trim())
             .filter(|token| !token.is_empty())
             .ok_or_else(|| {
-                Error::Unauthenticated("send a bearer token in the authorization metadata".into())
+                Refusal::Unauthenticated("send a bearer token in the authorization metadata".into())
             })?;
         self.authenticate_token(token)
     }
@@ -241,7 +240,7 @@ impl Authenticator {
         }
         found
             .cloned()
-            .ok_or_else(|| Error::Unauthenticated("unknown token".into()))
+            .ok_or_else(|| Refusal::Unauthenticated("unknown token".into()))
     }
 }
 
@@ -281,15 +280,15 @@ mod tests {
         );
         assert!(matches!(
             auth.authenticate(Some("Bearer nope")),
-            Err(Error::Unauthenticated(_))
+            Err(Refusal::Unauthenticated(_))
         ));
         assert!(matches!(
             auth.authenticate(None),
-            Err(Error::Unauthenticated(_))
+            Err(Refusal::Unauthenticated(_))
         ));
         assert!(matches!(
             auth.authenticate(Some("s3cret")),
-            Err(Error::Unauthenticated(_))
+            Err(Refusal::Unauthenticated(_))
         ));
         for scheme in ["bearer", "BEARER", "bEaReR"] {
             assert_eq!(
@@ -301,7 +300,7 @@ mod tests {
         }
         assert!(matches!(
             auth.authenticate(Some("Basic s3cret")),
-            Err(Error::Unauthenticated(_))
+            Err(Refusal::Unauthenticated(_))
         ));
     }
 

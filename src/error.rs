@@ -1,9 +1,10 @@
-//! The domain error: what can go wrong in publishing, subscriptions and delivery, in
-//! terms a client can act on. `api` maps each variant to one gRPC status code.
+//! The core error: what can go wrong in publishing, subscriptions and delivery, in
+//! terms a client can act on. It wraps the domain's refusals and the store's errors;
+//! `api` maps each variant to one gRPC status code.
 
-use crate::storage::StoreError;
+use crate::{domain::Refusal, storage::StoreError};
 
-/// Result alias of the domain layer.
+/// Result alias of the core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +47,17 @@ impl Error {
         Error::InvalidArgument {
             field: field.into(),
             message: message.into(),
+        }
+    }
+}
+
+/// The domain's refusals keep their meaning (and their field) in the core error.
+impl From<Refusal> for Error {
+    fn from(refusal: Refusal) -> Self {
+        match refusal {
+            Refusal::Invalid { field, message } => Error::InvalidArgument { field, message },
+            Refusal::Unauthenticated(message) => Error::Unauthenticated(message),
+            Refusal::PermissionDenied(message) => Error::PermissionDenied(message),
         }
     }
 }

@@ -740,7 +740,7 @@ fn check_resolution(resolved_by: &str, notes: &str) -> Result<()> {
         ));
     }
     check_text("resolved_by", resolved_by)?;
-    check_text("notes", notes)
+    Ok(check_text("notes", notes)?)
 }
 
 /// Where an event stands on a subscription: its delivery record when it has one (in

@@ -108,7 +108,7 @@ impl Subscriptions {
 
     fn check_push(&self, settings: &SubscriptionSettings) -> Result<()> {
         match &settings.push {
-            Some(push) => self.push_hosts.check("subscription.push.endpoint", push),
+            Some(push) => Ok(self.push_hosts.check("subscription.push.endpoint", push)?),
             None => Ok(()),
         }
     }

@@ -6,6 +6,7 @@ use super::{auth, convert};
 use crate::{
     audit::{self, Selector, Via},
     domain::DeadLetterSelection,
+    error::Error,
     operations::{Operations, PageToken},
     proto::{self, admin_server::Admin as AdminService},
     subscriptions::Subscriptions,
@@ -55,7 +56,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let name = convert::subscription_name("name", &request.into_inner().name)?;
         let subscription = self.subscriptions.get(&name).await?;
         Ok(Response::new(convert::subscription(subscription)))
@@ -66,7 +69,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListSubscriptionsRequest>,
     ) -> Result<Response<proto::ListSubscriptionsResponse>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let subscriptions = self.subscriptions.list().await?;
         Ok(Response::new(proto::ListSubscriptionsResponse {
             subscriptions: subscriptions
@@ -227,7 +232,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListDeadLettersRequest>,
     ) -> Result<Response<proto::ListDeadLettersResponse>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
@@ -380,7 +387,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::SummarizeDeadLettersRequest>,
     ) -> Result<Response<proto::DeadLetterSummary>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
         let selection = DeadLetterSelection {
@@ -424,7 +433,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetEventRequest>,
     ) -> Result<Response<proto::EventDeliveries>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let request = request.into_inner();
         let id = convert::event_id("id", &request.id)?;
         let source = convert::optional_source("source", &request.source)?;
@@ -440,7 +451,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetStatsRequest>,
     ) -> Result<Response<proto::Stats>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(Error::from)?;
         let name = convert::optional_subscription_name(
             "subscription",
             &request.into_inner().subscription,
@@ -454,7 +467,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListSourcesRequest>,
     ) -> Result<Response<proto::ListSourcesResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?
+            .check_admin()
+            .map_err(Error::from)?;
         let sources = self.operations.sources_status().await;
         Ok(Response::new(proto::ListSourcesResponse {
             sources: sources.into_iter().map(convert::source_status).collect(),
@@ -465,7 +480,7 @@ impl AdminService for AdminApi {
 /// The name of a caller with the admin role; refuses anyone else.
 fn admin<T>(request: &Request<T>) -> Result<String, Status> {
     let principal = auth::principal(request)?;
-    principal.check_admin()?;
+    principal.check_admin().map_err(Error::from)?;
     Ok(principal.name.clone())
 }
 

@@ -5,6 +5,7 @@ use tonic::{Request, Response, Status};
 use super::{auth, convert};
 use crate::{
     domain::SourceName,
+    error::Error,
     proto::{self, publisher_server::Publisher as PublisherService},
     publish::Publisher,
     telemetry::TraceHeaders,
@@ -38,7 +39,9 @@ impl PublisherService for PublisherApi {
             .enumerate()
             .map(|(index, input)| convert::new_event(index, input))
             .collect::<Result<Vec<_>, _>>()?;
-        principal.check_publish(&events, &source)?;
+        principal
+            .check_publish(&events, &source)
+            .map_err(Error::from)?;
         let results = self.publisher.publish(&source, events, &trace).await?;
         Ok(Response::new(proto::PublishResponse {
             results: results

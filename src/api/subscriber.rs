@@ -40,7 +40,7 @@ impl SubscriberService for SubscriberApi {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
+        principal.check_subscription(&name).map_err(Error::from)?;
         let stream = self
             .relay
             .subscribe(
@@ -62,7 +62,7 @@ impl SubscriberService for SubscriberApi {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
+        principal.check_subscription(&name).map_err(Error::from)?;
         check_count(&request.ack_ids)?;
         let sources = self.relay.sources();
         let acks = convert::ack_ids("ack_ids", &request.ack_ids, sources)?;
@@ -81,7 +81,7 @@ impl SubscriberService for SubscriberApi {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
+        principal.check_subscription(&name).map_err(Error::from)?;
         let ack = convert::ack_id("ack_id", &request.ack_id, self.relay.sources())?;
         let retry_after = convert::optional_duration("retry_after", request.retry_after)?;
         let outcome = self
@@ -114,7 +114,7 @@ impl SubscriberService for SubscriberApi {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
         let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
+        principal.check_subscription(&name).map_err(Error::from)?;
         check_count(&request.ack_ids)?;
         let acks = convert::ack_ids("ack_ids", &request.ack_ids, self.relay.sources())?;
         let extension = convert::optional_duration("extension", request.extension)?

@@ -5,11 +5,11 @@ use std::{collections::BTreeMap, time::Duration};
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use super::refusal::{Refusal, Result};
 use super::{
     input::{Echo, check_json, check_text, check_timestamp},
     source::SourceName,
 };
-use crate::error::{Error, Result};
 
 /// Longest aggregate type, aggregate id, event type or content type, in bytes.
 const MAX_IDENTIFIER_BYTES: usize = 255;
@@ -79,17 +79,17 @@ impl NewEvent {
         }
         self.validate_times(limits, Utc::now(), field)?;
         check_event_type(&self.event_type)
-            .map_err(|message| Error::invalid(field("event_type"), message))?;
+            .map_err(|message| Refusal::invalid(field("event_type"), message))?;
         if let Some(version) = self.aggregate_version
             && version < 1
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("aggregate_version"),
                 format!("must be at least 1, got {version}"),
             ));
         }
         if self.content_type.is_empty() || self.content_type.len() > MAX_IDENTIFIER_BYTES {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("content_type"),
                 format!("must be 1 to {MAX_IDENTIFIER_BYTES} bytes"),
             ));
@@ -101,13 +101,13 @@ impl NewEvent {
             .bytes()
             .all(|byte| (0x20..0x7f).contains(&byte))
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("content_type"),
                 "must be printable ASCII, like \"application/json\"",
             ));
         }
         if self.payload.len() > limits.max_payload_bytes {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("payload"),
                 format!(
                     "is {} bytes, more than the limit of {} bytes",
@@ -119,7 +119,7 @@ impl NewEvent {
         if is_json_content_type(&self.content_type)
             && let Err(error) = check_json(&self.payload)
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("payload"),
                 format!(
                     "{error} (content type {:?} requires JSON)",
@@ -146,7 +146,7 @@ impl NewEvent {
                 .and_then(|ahead| now.checked_add_signed(ahead))
                 .unwrap_or(DateTime::<Utc>::MAX_UTC);
             if deliver_at > horizon {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field("deliver_at"),
                     format!(
                         "must be at most {} ahead (--max-schedule-ahead)",
@@ -158,7 +158,7 @@ impl NewEvent {
         if let Some(expires_at) = self.expires_at {
             check_timestamp(field("expires_at"), expires_at)?;
             if expires_at < self.occurred_at.unwrap_or(now) {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field("expires_at"),
                     "must not be before occurred_at (the publish time when unset)",
                 ));
@@ -167,7 +167,7 @@ impl NewEvent {
                 .deliver_at
                 .is_some_and(|deliver_at| expires_at <= deliver_at)
             {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field("expires_at"),
                     "must be after deliver_at",
                 ));
@@ -178,7 +178,7 @@ impl NewEvent {
 
     fn validate_metadata(&self, limits: &PublishLimits, field: &str) -> Result<()> {
         if self.metadata.len() > limits.max_metadata_entries {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "has {} entries, more than the limit of {}",
@@ -190,7 +190,7 @@ impl NewEvent {
         let mut total_bytes = 0;
         for (key, value) in &self.metadata {
             if key.is_empty() || key.len() > MAX_METADATA_KEY_BYTES {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field,
                     format!(
                         "key {} must be 1 to {MAX_METADATA_KEY_BYTES} bytes",
@@ -200,7 +200,7 @@ impl NewEvent {
             }
             check_text(format!("{field}[{}]", Echo(key)), value)?;
             if value.len() > MAX_METADATA_VALUE_BYTES {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     format!("{field}[{}]", Echo(key)),
                     format!(
                         "is {} bytes, more than the limit of {MAX_METADATA_VALUE_BYTES}",
@@ -212,7 +212,7 @@ impl NewEvent {
             total_bytes += key.len() + value.len();
         }
         if total_bytes > limits.max_metadata_bytes {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "keys and values total {total_bytes} bytes, more than the limit of {}",
@@ -304,11 +304,11 @@ pub fn is_json_content_type(content_type: &str) -> bool {
 pub fn parse_event_id(field: impl Into<String>, text: &str) -> Result<Uuid> {
     match Uuid::try_parse(text) {
         Ok(id) if id.hyphenated().to_string() == text => Ok(id),
-        Ok(id) => Err(Error::invalid(
+        Ok(id) => Err(Refusal::invalid(
             field,
             format!("{} is not in canonical form; send it as {id}", Echo(text)),
         )),
-        Err(_) => Err(Error::invalid(
+        Err(_) => Err(Refusal::invalid(
             field,
             format!(
                 "{} is not an event id (a UUID in canonical form, like {})",
@@ -325,16 +325,16 @@ pub fn parse_event_id(field: impl Into<String>, text: &str) -> Result<Uuid> {
 pub fn check_event_key(aggregate_type: &str, aggregate_id: &str, event_type: &str) -> Result<()> {
     check_identifier(aggregate_type, || "aggregate_type".into())?;
     check_identifier(aggregate_id, || "aggregate_id".into())?;
-    check_event_type(event_type).map_err(|message| Error::invalid("event_type", message))
+    check_event_type(event_type).map_err(|message| Refusal::invalid("event_type", message))
 }
 
 fn check_identifier(value: &str, field: impl Fn() -> String) -> Result<()> {
     if value.is_empty() {
-        return Err(Error::invalid(field(), "must not be empty"));
+        return Err(Refusal::invalid(field(), "must not be empty"));
     }
     check_text(field(), value)?;
     if value.len() > MAX_IDENTIFIER_BYTES {
-        return Err(Error::invalid(
+        return Err(Refusal::invalid(
             field(),
             format!("is {} bytes, more than {MAX_IDENTIFIER_BYTES}", value.len()),
         ));
@@ -390,7 +390,7 @@ mod tests {
 
     fn field_of(result: Result<()>) -> String {
         match result {
-            Err(Error::InvalidArgument { field, .. }) => field,
+            Err(Refusal::Invalid { field, .. }) => field,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
     }
@@ -495,7 +495,7 @@ mod tests {
             id.to_string().to_uppercase(),
         ] {
             match parse_event_id("id", &text) {
-                Err(Error::InvalidArgument { field, message }) => {
+                Err(Refusal::Invalid { field, message }) => {
                     assert_eq!(field, "id");
                     assert!(message.contains(&id.to_string()), "{message}");
                 }

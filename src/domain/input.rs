@@ -6,7 +6,7 @@ use std::fmt;
 
 use chrono::{DateTime, Utc};
 
-use crate::error::{Error, Result};
+use super::refusal::{Refusal, Result};
 
 /// Deepest nesting of arrays and objects a JSON payload may have. PostgreSQL's JSON
 /// parser recurses per level and fails with "stack depth limit exceeded" somewhere past
@@ -26,7 +26,7 @@ pub fn latest_timestamp() -> DateTime<Utc> {
 /// An instant within [`earliest_timestamp`] and [`latest_timestamp`].
 pub fn check_timestamp(field: impl Into<String>, time: DateTime<Utc>) -> Result<()> {
     if time < earliest_timestamp() || time > latest_timestamp() {
-        return Err(Error::invalid(
+        return Err(Refusal::invalid(
             field,
             "must be between 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z",
         ));
@@ -37,7 +37,10 @@ pub fn check_timestamp(field: impl Into<String>, time: DateTime<Utc>) -> Result<
 /// PostgreSQL text cannot hold the NUL character.
 pub fn check_text(field: impl Into<String>, value: &str) -> Result<()> {
     if value.contains('\0') {
-        return Err(Error::invalid(field, "must not contain the NUL character"));
+        return Err(Refusal::invalid(
+            field,
+            "must not contain the NUL character",
+        ));
     }
     Ok(())
 }
@@ -62,7 +65,7 @@ pub const MAX_FILTER_BYTES: usize = 8 * 1024;
 /// Holds a filter list of `entries` entries totalling `bytes` bytes to the bounds above.
 pub fn check_filter_size(field: impl Into<String>, entries: usize, bytes: usize) -> Result<()> {
     if entries > MAX_FILTER_ENTRIES || bytes > MAX_FILTER_BYTES {
-        return Err(Error::invalid(
+        return Err(Refusal::invalid(
             field,
             format!(
                 "has {entries} entries of {bytes} bytes in all; at most {MAX_FILTER_ENTRIES} entries \

@@ -8,6 +8,7 @@ mod input;
 mod operations;
 mod pattern;
 mod push;
+mod refusal;
 mod source;
 mod subscription;
 
@@ -31,6 +32,7 @@ pub use push::{
     Allowance, AllowedHosts, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, PushConfig,
     PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
 };
+pub use refusal::Refusal;
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,

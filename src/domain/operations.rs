@@ -6,11 +6,11 @@ use std::{collections::BTreeMap, time::Duration};
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
+use super::refusal::{Refusal, Result};
 use super::{
     Event, PatternSet, PushConfig, SourceName, SubscriptionName, SubscriptionSettings, check_text,
     check_timestamp,
 };
-use crate::error::{Error, Result};
 
 /// An event in a subscription's dead-letter queue.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,7 +68,7 @@ impl DeadLetterSelection {
         ] {
             if let Some(value) = value {
                 if value.is_empty() || value.len() > 255 {
-                    return Err(Error::invalid(field, "must be 1 to 255 bytes"));
+                    return Err(Refusal::invalid(field, "must be 1 to 255 bytes"));
                 }
                 check_text(field, value)?;
             }
@@ -87,7 +87,7 @@ impl DeadLetterSelection {
         if let (Some(after), Some(before)) = (self.dead_lettered_after, self.dead_lettered_before)
             && after >= before
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 "dead_lettered_after",
                 "must be earlier than dead_lettered_before",
             ));

@@ -115,7 +115,7 @@ impl PatternSet {
 
     /// Holds the set to the bounds of a filter list, naming `field`. Not part of
     /// [`PatternSet::parse`]: sets stored before the bounds still load.
-    pub fn check_size(&self, field: &str) -> crate::error::Result<()> {
+    pub fn check_size(&self, field: &str) -> super::refusal::Result<()> {
         let bytes = self.0.iter().map(|pattern| pattern.0.len()).sum();
         super::input::check_filter_size(field, self.0.len(), bytes)
     }

@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 use url::{Host, Url};
 
 use super::input::Echo;
-use crate::error::{Error, Result};
+use super::refusal::{Refusal, Result};
 
 pub const DEFAULT_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MIN_PUSH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -107,7 +107,7 @@ impl PushConfig {
     pub fn parse(prefix: &str, input: PushInput) -> Result<PushConfig> {
         let field = |name: &str| format!("{prefix}.{name}");
         if input.endpoint.len() > MAX_ENDPOINT_BYTES {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("endpoint"),
                 format!("must be at most {MAX_ENDPOINT_BYTES} bytes"),
             ));
@@ -115,40 +115,40 @@ impl PushConfig {
         // The URL parser strips tabs, newlines and surrounding control characters: what
         // it would store is not what was given.
         if input.endpoint.chars().any(char::is_control) {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("endpoint"),
                 "must not contain control characters (such as NUL, tab or newline)",
             ));
         }
         let endpoint = Url::parse(&input.endpoint).map_err(|error| {
-            Error::invalid(
+            Refusal::invalid(
                 field("endpoint"),
                 format!("{} is not a URL: {error}", Echo(&input.endpoint)),
             )
         })?;
         if !matches!(endpoint.scheme(), "http" | "https") {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("endpoint"),
                 "must be an http:// or https:// URL",
             ));
         }
         if endpoint.host().is_none() {
-            return Err(Error::invalid(field("endpoint"), "must name a host"));
+            return Err(Refusal::invalid(field("endpoint"), "must name a host"));
         }
         if !endpoint.username().is_empty() || endpoint.password().is_some() {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("endpoint"),
                 "must not carry credentials; send them in `headers` (kept secret)",
             ));
         }
         if endpoint.fragment().is_some() {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("endpoint"),
                 "must not have a fragment",
             ));
         }
         if input.headers.len() > MAX_HEADERS {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("headers"),
                 format!("at most {MAX_HEADERS} headers"),
             ));
@@ -158,21 +158,21 @@ impl PushConfig {
             let lower = name.to_ascii_lowercase();
             let header_field = format!("{}[{}]", field("headers"), Echo(&name));
             if http::HeaderName::from_bytes(lower.as_bytes()).is_err() {
-                return Err(Error::invalid(header_field, "is not a valid header name"));
+                return Err(Refusal::invalid(header_field, "is not a valid header name"));
             }
             if RESERVED_HEADERS.contains(&lower.as_str())
                 || RESERVED_HEADER_PREFIXES
                     .iter()
                     .any(|prefix| lower.starts_with(prefix))
             {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     header_field,
                     "is set by the gateway (signature, CloudEvents, trace context or transport) and cannot be overridden",
                 ));
             }
             if value.len() > MAX_HEADER_VALUE_BYTES || http::HeaderValue::from_str(&value).is_err()
             {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     header_field,
                     format!(
                         "value must be visible ASCII (and spaces), at most {MAX_HEADER_VALUE_BYTES} bytes"
@@ -180,12 +180,12 @@ impl PushConfig {
                 ));
             }
             if headers.insert(lower, value).is_some() {
-                return Err(Error::invalid(header_field, "is given twice"));
+                return Err(Refusal::invalid(header_field, "is given twice"));
             }
         }
         let timeout = input.timeout.unwrap_or(DEFAULT_PUSH_TIMEOUT);
         if !(MIN_PUSH_TIMEOUT..=MAX_PUSH_TIMEOUT).contains(&timeout) {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("timeout"),
                 format!(
                     "must be between {} and {}",
@@ -197,7 +197,7 @@ impl PushConfig {
         let max_concurrency = match input.max_concurrency {
             0 => DEFAULT_PUSH_CONCURRENCY,
             n if n > MAX_PUSH_CONCURRENCY => {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field("max_concurrency"),
                     format!("must be at most {MAX_PUSH_CONCURRENCY}"),
                 ));
@@ -207,7 +207,7 @@ impl PushConfig {
         if let Some(rate) = input.rate_limit
             && !(MIN_PUSH_RATE..=MAX_PUSH_RATE).contains(&rate)
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("rate_limit"),
                 format!(
                     "must be a number of requests per second from {MIN_PUSH_RATE} to {MAX_PUSH_RATE}, got {rate}"
@@ -427,13 +427,13 @@ impl AllowedHosts {
     pub fn check(&self, field: &str, config: &PushConfig) -> Result<()> {
         let host = config.host();
         if self.is_empty() {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 "pushing is off on this gateway: its configuration allows no destinations ([push] allowed_hosts)",
             ));
         }
         let Some(allowance) = self.allowance(&host) else {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "host {} is not allowed by the gateway's [push] allowed_hosts",
@@ -444,7 +444,7 @@ impl AllowedHosts {
         if let Ok(address) = host.parse::<IpAddr>()
             && !Self::address_allowed(allowance, address)
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "{} is a loopback, link-local or otherwise special address: [push] allowed_hosts must list it exactly",
@@ -510,7 +510,7 @@ mod tests {
         }
         for rate in [1e-300, 0.0009, 0.0, -1.0, 2e6, f64::NAN, f64::INFINITY] {
             match with_rate(rate) {
-                Err(Error::InvalidArgument { field, .. }) => assert_eq!(field, "push.rate_limit"),
+                Err(Refusal::Invalid { field, .. }) => assert_eq!(field, "push.rate_limit"),
                 other => panic!("{rate}: {other:?}"),
             }
         }

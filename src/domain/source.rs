@@ -5,7 +5,7 @@
 use std::{fmt, sync::Arc};
 
 use super::input::Echo;
-use crate::error::{Error, Result};
+use super::refusal::{Refusal, Result};
 
 /// The name of the gateway's own database as a source.
 pub const DEFAULT_SOURCE: &str = "default";
@@ -24,7 +24,7 @@ impl SourceName {
         let rest_ok =
             bytes.all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
         if !first_ok || !rest_ok || name.len() > 63 {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "{} is not a valid source name: [a-z0-9][a-z0-9_-]{{0,62}}",

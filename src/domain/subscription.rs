@@ -4,13 +4,13 @@ use std::{collections::BTreeMap, fmt, time::Duration};
 
 use chrono::{DateTime, Utc};
 
+use super::refusal::{Refusal, Result};
 use super::{
     input::{Echo, check_filter_size, check_text, check_texts},
     pattern::PatternSet,
     push::{PushConfig, PushSecret, PushStopped},
     source::SourceName,
 };
-use crate::error::{Error, Result};
 
 pub const MIN_ACK_DEADLINE: Duration = Duration::from_secs(1);
 pub const MAX_ACK_DEADLINE: Duration = Duration::from_secs(12 * 60 * 60);
@@ -44,7 +44,7 @@ impl SubscriptionName {
             b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'_' || b == b'-'
         });
         if !first_ok || !rest_ok || name.len() > 128 {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field,
                 format!(
                     "{} is not a valid subscription name: [a-z0-9][a-z0-9._-]{{0,127}}",
@@ -152,7 +152,7 @@ impl SubscriptionSettings {
     pub fn validate(&self, prefix: &str) -> Result<()> {
         let field = |name: &str| format!("{prefix}.{name}");
         if !(MIN_ACK_DEADLINE..=MAX_ACK_DEADLINE).contains(&self.ack_deadline) {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("ack_deadline"),
                 format!(
                     "must be between {} and {}",
@@ -162,7 +162,7 @@ impl SubscriptionSettings {
             ));
         }
         if self.retry_backoff_max > MAX_BACKOFF {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("retry_backoff_max"),
                 format!(
                     "must be at most {}",
@@ -171,7 +171,7 @@ impl SubscriptionSettings {
             ));
         }
         if self.retry_backoff_min > self.retry_backoff_max {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("retry_backoff_min"),
                 "must not exceed retry_backoff_max",
             ));
@@ -179,7 +179,7 @@ impl SubscriptionSettings {
         if let Some(age) = self.max_event_age
             && (age.is_zero() || age > MAX_EVENT_AGE)
         {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("max_event_age"),
                 format!(
                     "must be positive and at most {} (leave it unset for no limit)",
@@ -188,7 +188,7 @@ impl SubscriptionSettings {
             ));
         }
         if self.max_attempts > MAX_ATTEMPTS {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 field("max_attempts"),
                 format!("must be at most {MAX_ATTEMPTS} (0 retries forever)"),
             ));
@@ -211,7 +211,7 @@ impl SubscriptionSettings {
         )?;
         for (index, aggregate_type) in self.aggregate_types.iter().enumerate() {
             if aggregate_type.is_empty() || aggregate_type.len() > 255 {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     format!("{prefix}.aggregate_types[{index}]"),
                     "must be 1 to 255 bytes",
                 ));
@@ -220,7 +220,7 @@ impl SubscriptionSettings {
         check_texts(&field("aggregate_types"), &self.aggregate_types)?;
         for (key, value) in &self.metadata_match {
             if key.is_empty() || key.len() > 128 {
-                return Err(Error::invalid(
+                return Err(Refusal::invalid(
                     field("metadata_match"),
                     format!("key {} must be 1 to 128 bytes", Echo(key)),
                 ));
@@ -285,14 +285,14 @@ impl Pause {
     /// Checks a requested pause: a reason of plain, bounded text and an end in the future.
     pub fn validate(reason: &str, until: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Result<()> {
         if reason.len() > MAX_PAUSE_REASON_BYTES {
-            return Err(Error::invalid(
+            return Err(Refusal::invalid(
                 "reason",
                 format!("must be at most {MAX_PAUSE_REASON_BYTES} bytes"),
             ));
         }
         check_text("reason", reason)?;
         if until.is_some_and(|until| until <= now) {
-            return Err(Error::invalid("until", "must be in the future"));
+            return Err(Refusal::invalid("until", "must be in the future"));
         }
         Ok(())
     }
@@ -317,7 +317,7 @@ pub const MAX_EXPIRE_AFTER_IDLE: Duration = MAX_EVENT_AGE;
 pub fn check_expire_after_idle(field: &str, expire_after_idle: Option<Duration>) -> Result<()> {
     match expire_after_idle {
         Some(idle) if !(MIN_EXPIRE_AFTER_IDLE..=MAX_EXPIRE_AFTER_IDLE).contains(&idle) => {
-            Err(Error::invalid(
+            Err(Refusal::invalid(
                 field,
                 format!(
                     "must be between {} and {}",

@@ -367,7 +367,7 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         .try_get("metadata_match")
         .map_err(|error| StoreError::Corrupt(format!("metadata_match: {error}")))?;
     let max_attempts: i32 = row.try_get("max_attempts")?;
-    let corrupt = |error: crate::error::Error| StoreError::Corrupt(error.to_string());
+    let corrupt = |error: crate::domain::Refusal| StoreError::Corrupt(error.to_string());
     let sources = row
         .try_get::<Vec<String>, _>("sources")?
         .iter()
