@@ -2,7 +2,10 @@
 //! terms a client can act on. It wraps the domain's refusals and the store's errors;
 //! `api` maps each variant to one gRPC status code.
 
-use crate::{domain::Refusal, storage::StoreError};
+use crate::{
+    domain::{Refusal, SubscriptionName},
+    storage::StoreError,
+};
 
 /// Result alias of the core.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -48,6 +51,10 @@ impl Error {
             field: field.into(),
             message: message.into(),
         }
+    }
+
+    pub fn subscription_not_found(name: &SubscriptionName) -> Self {
+        Error::NotFound(format!("subscription {name:?} does not exist"))
     }
 }
 

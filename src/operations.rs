@@ -711,7 +711,10 @@ impl Operations {
     }
 
     async fn subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
-        crate::subscriptions::find(&self.relay.sources().default_source().store, name).await
+        (self.relay.sources().default_source().store)
+            .subscription(name)
+            .await?
+            .ok_or_else(|| Error::subscription_not_found(name))
     }
 
     async fn subscriptions(&self) -> Result<Vec<Subscription>> {

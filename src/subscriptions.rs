@@ -99,7 +99,7 @@ impl Subscriptions {
             .definitions()
             .set_push_secrets(name, &secrets)
             .await?
-            .ok_or_else(|| not_found(name))?;
+            .ok_or_else(|| Error::subscription_not_found(name))?;
         self.push_board
             .set_keys(rotated.id, rotated.push_secrets.clone());
         self.relay.subscription_changed(rotated.id);
@@ -184,7 +184,10 @@ impl Subscriptions {
     }
 
     pub async fn get(&self, name: &SubscriptionName) -> Result<Subscription> {
-        find(self.definitions(), name).await
+        self.definitions()
+            .subscription(name)
+            .await?
+            .ok_or_else(|| Error::subscription_not_found(name))
     }
 
     pub async fn list(&self) -> Result<Vec<Subscription>> {
@@ -222,7 +225,7 @@ impl Subscriptions {
             .definitions()
             .update_subscription(&subscription)
             .await?
-            .ok_or_else(|| not_found(name))?;
+            .ok_or_else(|| Error::subscription_not_found(name))?;
         self.relay.subscription_changed(updated.id);
         Ok(SubscriptionChange {
             subscription: updated,
@@ -248,7 +251,7 @@ impl Subscriptions {
             .definitions()
             .resume_subscription(name)
             .await?
-            .ok_or_else(|| not_found(name))?;
+            .ok_or_else(|| Error::subscription_not_found(name))?;
         self.relay.subscription_changed(resumed.id);
         Ok(resumed)
     }
@@ -277,7 +280,7 @@ impl Subscriptions {
     /// now, or once a source that is down is back.
     pub async fn delete(&self, name: &SubscriptionName) -> Result<()> {
         let Some(id) = self.definitions().delete_subscription(name).await? else {
-            return Err(not_found(name));
+            return Err(Error::subscription_not_found(name));
         };
         for source in self.relay.sources().iter().skip(1) {
             if let Err(error) = source.store.delete_cursor(id).await {
@@ -319,16 +322,4 @@ impl Subscriptions {
         }
         Ok(())
     }
-}
-
-/// The named subscription, or NOT_FOUND.
-pub(crate) async fn find(definitions: &Store, name: &SubscriptionName) -> Result<Subscription> {
-    definitions
-        .subscription(name)
-        .await?
-        .ok_or_else(|| not_found(name))
-}
-
-pub(crate) fn not_found(name: &SubscriptionName) -> Error {
-    Error::NotFound(format!("subscription {name:?} does not exist"))
 }

@@ -352,9 +352,10 @@ impl Relay {
         let mut subscription = self.find_subscription(name).await?;
         if subscription.settings.push.is_some() && !for_push {
             // The dispatcher's copy may predate a switch to pull.
-            subscription =
-                crate::subscriptions::find(&self.inner.sources.default_source().store, name)
-                    .await?;
+            subscription = (self.inner.sources.default_source().store)
+                .subscription(name)
+                .await?
+                .ok_or_else(|| Error::subscription_not_found(name))?;
         }
         if subscription.settings.push.is_some() && !for_push {
             return Err(Error::FailedPrecondition(format!(
@@ -588,7 +589,7 @@ impl Relay {
             .store
             .pause_subscription(name, reason, until)
             .await?
-            .ok_or_else(|| crate::subscriptions::not_found(name))?;
+            .ok_or_else(|| Error::subscription_not_found(name))?;
         if let Some(dispatcher) = self.dispatcher(paused.id) {
             dispatcher.install_definition(paused.clone()).await;
         }
@@ -643,7 +644,10 @@ impl Relay {
         if let Some(subscription) = cached {
             return Ok(Subscription::clone(&subscription));
         }
-        crate::subscriptions::find(&self.inner.sources.default_source().store, name).await
+        (self.inner.sources.default_source().store)
+            .subscription(name)
+            .await?
+            .ok_or_else(|| Error::subscription_not_found(name))
     }
 
     /// Subscribe streams open in this process, by subscription id.
