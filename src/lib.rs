@@ -67,8 +67,8 @@ use crate::{
     delivery::Relay,
     operations::Operations,
     publish::Publisher,
-    sources::{Sources, SourcesError},
-    storage::{Store, StoreConfig, StoreError},
+    sources::{ConnectError, Sources, SourcesError, connect_within},
+    storage::{Store, StoreError},
     subscriptions::Subscriptions,
     tasks::{RestartDelays, TaskName, keep_running},
 };
@@ -85,15 +85,8 @@ const SERVICE_NAMES: [&str; 3] = [
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error(
-        "cannot connect to PostgreSQL at {target}: {source}. Point the gateway at your database with --database-url or DATABASE_URL"
-    )]
-    Connect { target: String, source: StoreError },
-    #[error(
-        "no answer from PostgreSQL at {target} within {}: is a PostgreSQL server listening there? Point the gateway at your database with --database-url or DATABASE_URL, or wait longer with --db-connect-timeout",
-        humantime::format_duration(*timeout)
-    )]
-    ConnectTimeout { target: String, timeout: Duration },
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
     #[error("cannot migrate the database schema: {0}")]
     Migrate(#[source] StoreError),
     #[error("gRPC server failed: {0}")]
@@ -160,7 +153,7 @@ pub async fn run_with_console(
     if config.migrate {
         store.migrate().await.map_err(RunError::Migrate)?;
     }
-    let sources = Sources::new(store.clone(), &config)?;
+    let sources = Sources::new(store.clone(), &config.sources_settings())?;
     sources.prepare().await?;
     let stop_metrics = tokio_util::sync::CancellationToken::new();
     if let Some(address) = config.metrics_listen {
@@ -411,25 +404,9 @@ async fn tls_config(
 }
 
 async fn connect(config: &Config) -> Result<Store, RunError> {
-    let store_config = sources::default_store_config(config, config.db_max_connections);
-    connect_within(&store_config, config.db_connect_timeout).await
-}
-
-/// Connects to a database at start-up (creating it when missing), saying what it waits
-/// for and giving up after `timeout`: a port that accepts connections but does not speak
-/// PostgreSQL would otherwise keep the gateway waiting silently.
-pub async fn connect_within(
-    store_config: &StoreConfig,
-    timeout: Duration,
-) -> Result<Store, RunError> {
-    let target = storage::describe_target(&store_config.database_url);
-    // Not `target`: JSON logs already have a key of that name (the module).
-    tracing::info!(database = %target, "connecting to PostgreSQL");
-    match tokio::time::timeout(timeout, Store::connect(store_config)).await {
-        Ok(Ok(store)) => Ok(store),
-        Ok(Err(source)) => Err(RunError::Connect { target, source }),
-        Err(_) => Err(RunError::ConnectTimeout { target, timeout }),
-    }
+    let settings = config.sources_settings();
+    let store_config = sources::default_store_config(&settings, config.db_max_connections);
+    Ok(connect_within(&store_config, settings.connect_timeout).await?)
 }
 
 /// SERVING while the `default` database answers and its schema is current, NOT_SERVING

@@ -18,7 +18,6 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::{Config, DEFAULT_SOURCE_CONNECTIONS, SourceConfig},
     domain::{DEFAULT_SOURCE, SourceId, SourceName, Subscription},
     error::Error,
     storage::{Store, StoreConfig, StoreError},
@@ -117,6 +116,60 @@ pub struct Sources {
     list: Arc<Vec<Arc<Source>>>,
 }
 
+/// How to reach the databases, as the configuration resolved it.
+#[derive(Debug, Clone)]
+pub struct SourcesSettings {
+    /// The `default` database (`--database-url`).
+    pub database_url: String,
+    /// Longest wait for `default` at start-up.
+    pub connect_timeout: Duration,
+    pub acquire_timeout: Duration,
+    pub idle_in_transaction_timeout: Duration,
+    /// Every other source, in configuration order (ids 1, 2, …).
+    pub sources: Vec<SourceSettings>,
+}
+
+/// One source besides `default`.
+#[derive(Debug, Clone)]
+pub struct SourceSettings {
+    pub name: String,
+    pub database_url: String,
+    pub max_connections: u32,
+    /// Install or upgrade the schema at start (true), or only check it.
+    pub migrate: bool,
+}
+
+/// Why a database could not be reached at start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error(
+        "cannot connect to PostgreSQL at {target}: {source}. Point the gateway at your database with --database-url or DATABASE_URL"
+    )]
+    Connect { target: String, source: StoreError },
+    #[error(
+        "no answer from PostgreSQL at {target} within {}: is a PostgreSQL server listening there? Point the gateway at your database with --database-url or DATABASE_URL, or wait longer with --db-connect-timeout",
+        humantime::format_duration(*timeout)
+    )]
+    Timeout { target: String, timeout: Duration },
+}
+
+/// Connects to a database at start-up (creating it when missing), saying what it waits
+/// for and giving up after `timeout`: a port that accepts connections but does not speak
+/// PostgreSQL would otherwise keep the gateway waiting silently.
+pub async fn connect_within(
+    store_config: &StoreConfig,
+    timeout: Duration,
+) -> Result<Store, ConnectError> {
+    let target = crate::storage::describe_target(&store_config.database_url);
+    // Not `target`: JSON logs already have a key of that name (the module).
+    tracing::info!(database = %target, "connecting to PostgreSQL");
+    match tokio::time::timeout(timeout, Store::connect(store_config)).await {
+        Ok(Ok(store)) => Ok(store),
+        Ok(Err(source)) => Err(ConnectError::Connect { target, source }),
+        Err(_) => Err(ConnectError::Timeout { target, timeout }),
+    }
+}
+
 /// Why the sources could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum SourcesError {
@@ -131,7 +184,7 @@ pub enum SourcesError {
 impl Sources {
     /// `default` (connected already) and a handle to every configured source; those are
     /// reached on first use.
-    pub fn new(default: Store, config: &Config) -> Result<Sources, SourcesError> {
+    pub fn new(default: Store, config: &SourcesSettings) -> Result<Sources, SourcesError> {
         let mut list = vec![Arc::new(Source::new(default, true))];
         for (index, source) in config.sources.iter().enumerate() {
             let id = SourceId(u16::try_from(index + 1).map_err(|_| SourcesError::Invalid {
@@ -145,7 +198,7 @@ impl Sources {
                         message: error.to_string(),
                     }
                 })?;
-            list.push(Arc::new(Source::new(store, source.migrate.unwrap_or(true))));
+            list.push(Arc::new(Source::new(store, source.migrate)));
         }
         Ok(Sources {
             list: Arc::new(list),
@@ -257,7 +310,7 @@ impl Sources {
 }
 
 /// Whether `name` is a configured source, or why not (naming the `--source` flag).
-pub fn check_source_name(config: &Config, name: &str) -> Result<(), String> {
+pub fn check_source_name(config: &SourcesSettings, name: &str) -> Result<(), String> {
     if name == DEFAULT_SOURCE || config.sources.iter().any(|source| source.name == name) {
         return Ok(());
     }
@@ -272,17 +325,16 @@ pub fn check_source_name(config: &Config, name: &str) -> Result<(), String> {
 /// Installs or upgrades the outbox schema in the source named `only`, or in every source
 /// (`default` first) when `None` — the `outbox-gateway migrate` deploy step. Returns one
 /// line per source migrated; stops at the first source that fails, naming it.
-pub async fn migrate(config: &Config, only: Option<&str>) -> Result<Vec<String>, String> {
+pub async fn migrate(config: &SourcesSettings, only: Option<&str>) -> Result<Vec<String>, String> {
     if let Some(name) = only {
         check_source_name(config, name)?;
     }
     let mut done = Vec::new();
     let wanted = |name: &str| only.is_none_or(|only| only == name);
     if wanted(DEFAULT_SOURCE) {
-        let store =
-            crate::connect_within(&default_store_config(config, 1), config.db_connect_timeout)
-                .await
-                .map_err(|error| format!("source \"default\": {error}"))?;
+        let store = connect_within(&default_store_config(config, 1), config.connect_timeout)
+            .await
+            .map_err(|error| format!("source \"default\": {error}"))?;
         done.push(migrate_store(&store, &config.database_url).await?);
     }
     for (index, source) in config.sources.iter().enumerate() {
@@ -366,20 +418,20 @@ impl Source {
 }
 
 /// How to reach `default`, the database of `--database-url`, with `max_connections`.
-pub fn default_store_config(config: &Config, max_connections: u32) -> StoreConfig {
+pub fn default_store_config(config: &SourcesSettings, max_connections: u32) -> StoreConfig {
     StoreConfig {
         source: SourceName::default_source(),
         source_id: SourceId(0),
         database_url: config.database_url.clone(),
         max_connections,
-        acquire_timeout: config.db_acquire_timeout,
-        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
+        acquire_timeout: config.acquire_timeout,
+        idle_in_transaction_timeout: config.idle_in_transaction_timeout,
     }
 }
 
 fn store_config(
-    config: &Config,
-    source: &SourceConfig,
+    config: &SourcesSettings,
+    source: &SourceSettings,
     id: SourceId,
 ) -> Result<StoreConfig, SourcesError> {
     Ok(StoreConfig {
@@ -389,9 +441,9 @@ fn store_config(
         })?,
         source_id: id,
         database_url: source.database_url.clone(),
-        max_connections: source.max_connections.unwrap_or(DEFAULT_SOURCE_CONNECTIONS),
-        acquire_timeout: config.db_acquire_timeout,
-        idle_in_transaction_timeout: config.db_idle_in_transaction_timeout,
+        max_connections: source.max_connections,
+        acquire_timeout: config.acquire_timeout,
+        idle_in_transaction_timeout: config.idle_in_transaction_timeout,
     })
 }
 
