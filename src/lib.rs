@@ -33,13 +33,11 @@
 
 pub mod api;
 pub mod audit;
-pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod connections;
 pub mod console;
 pub mod delivery;
-pub mod domain;
 pub mod error;
 pub mod maintenance;
 pub mod metrics;
@@ -61,6 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 pub use config::Config;
+pub use outbox_domain::{self as domain, auth};
 
 use crate::{
     api::{AdminApi, PublisherApi, SubscriberApi},

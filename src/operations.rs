@@ -811,23 +811,6 @@ fn total(subscription: &Subscription, per_source: &[SubscriptionStats]) -> Subsc
     }
 }
 
-impl OutboxStats {
-    /// The figures of several outboxes together.
-    pub fn sum(outboxes: &[OutboxStats]) -> OutboxStats {
-        OutboxStats {
-            events_stored: outboxes.iter().map(|o| o.events_stored).sum(),
-            oldest_event_at: outboxes.iter().filter_map(|o| o.oldest_event_at).min(),
-            newest_event_at: outboxes.iter().filter_map(|o| o.newest_event_at).max(),
-            oldest_open_transaction_age: outboxes
-                .iter()
-                .map(|o| o.oldest_open_transaction_age)
-                .max()
-                .unwrap_or_default(),
-            events_force_expired: outboxes.iter().map(|o| o.events_force_expired).sum(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -458,6 +458,23 @@ pub struct OutboxStats {
     pub events_force_expired: u64,
 }
 
+impl OutboxStats {
+    /// The figures of several outboxes together.
+    pub fn sum(outboxes: &[OutboxStats]) -> OutboxStats {
+        OutboxStats {
+            events_stored: outboxes.iter().map(|o| o.events_stored).sum(),
+            oldest_event_at: outboxes.iter().filter_map(|o| o.oldest_event_at).min(),
+            newest_event_at: outboxes.iter().filter_map(|o| o.newest_event_at).max(),
+            oldest_open_transaction_age: outboxes
+                .iter()
+                .map(|o| o.oldest_open_transaction_age)
+                .max()
+                .unwrap_or_default(),
+            events_force_expired: outboxes.iter().map(|o| o.events_force_expired).sum(),
+        }
+    }
+}
+
 /// Settings an update changes; `None` keeps the current value.
 #[derive(Debug, Clone, Default)]
 pub struct SubscriptionPatch {
@@ -515,7 +532,7 @@ impl SubscriptionSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{Pause, PushStopped, StartPosition, Subscription};
+    use crate::{Pause, PushStopped, StartPosition, Subscription};
 
     fn subscription(now: DateTime<Utc>) -> Subscription {
         Subscription {
@@ -611,10 +628,10 @@ mod tests {
             reason: "the endpoint answered 410 Gone".into(),
         });
         assert_eq!(kind(&subscription, &stats, gone), StatusKind::Paused);
-        subscription.settings.push = Some(crate::domain::PushConfig {
+        subscription.settings.push = Some(crate::PushConfig {
             endpoint: "https://example.com/hook".parse().unwrap(),
             headers: BTreeMap::new(),
-            format: crate::domain::PushFormat::Binary,
+            format: crate::PushFormat::Binary,
             timeout: Duration::from_secs(10),
             max_concurrency: 1,
             rate_limit: None,

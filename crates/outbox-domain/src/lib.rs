@@ -1,7 +1,17 @@
-//! Domain types shared by publishing, subscriptions and delivery, with the validation
-//! that guards them. Nothing here knows about gRPC or SQL.
+//! outbox-domain: the gateway's domain types shared by publishing, subscriptions and
+//! delivery, with the validation that guards them and the rules of who may call what.
+//!
+//! # Layout
+//! - Owns: events, subscriptions and their settings, event-type patterns, push
+//!   configurations and signatures, sources, ack ids, dead-letter selections and
+//!   figures, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
+//!   domain refuses an input.
+//! - May depend on: plain data and parsing crates (serde, chrono, uuid, http types, url,
+//!   hashing). Never on sqlx, tokio or tonic: nothing here knows about SQL, tasks or
+//!   gRPC, and every layer above can use it.
 
 mod ack;
+pub mod auth;
 mod delivery;
 mod event;
 mod input;

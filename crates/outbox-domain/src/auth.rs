@@ -6,7 +6,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::domain::{NewEvent, PatternSet, Refusal, SourceName, SubscriptionName};
+use crate::{NewEvent, PatternSet, Refusal, SourceName, SubscriptionName};
 
 type Result<T, E = Refusal> = std::result::Result<T, E>;
 
