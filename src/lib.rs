@@ -46,7 +46,6 @@ pub mod publish;
 pub mod push;
 pub mod rates;
 pub mod sources;
-pub mod storage;
 pub mod subscriptions;
 pub mod tasks;
 pub mod telemetry;
@@ -60,6 +59,7 @@ use tonic_health::{ServingStatus, server::HealthReporter};
 
 pub use config::Config;
 pub use outbox_domain::{self as domain, auth};
+pub use outbox_store as storage;
 
 use crate::{
     api::{AdminApi, PublisherApi, SubscriberApi},

@@ -10,7 +10,7 @@ use sqlx::Row;
 use super::{
     Result, Store, columns::millis, deliveries::promote_waiting, locks::SUBSCRIPTION_LOCK_CLASS,
 };
-use crate::domain::Subscription;
+use outbox_domain::Subscription;
 
 /// Advisory lock keys of the maintenance steps (first key; the second is below).
 const MAINTENANCE_LOCK_CLASS: i32 = 0x6f62_7802;

@@ -7,7 +7,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError, events::event_from_row, operations::bind_selection};
-use crate::domain::{DeadLetterGroup, DeadLetterSelection, Event, Subscription};
+use outbox_domain::{DeadLetterGroup, DeadLetterSelection, Event, Subscription};
 
 /// The facts about one event on one subscription that its delivery state is made of.
 #[derive(Debug, Clone, Default)]

@@ -1,6 +1,15 @@
-//! The storage layer: every SQL statement of the gateway, the connection pool and the
-//! schema migrations. Nothing outside this module sees `sqlx`; callers get domain types
-//! and a [`StoreError`].
+//! outbox-store: every SQL statement of the gateway, the connection pool and the schema
+//! migrations (from the top-level `migrations/`). Nothing outside this crate sees
+//! `sqlx`; callers get domain types and a [`StoreError`].
+//!
+//! # Layout
+//! - Owns: the [`Store`] (one pool on one source database) and its statements, grouped
+//!   by what they touch — events and publishing, subscription definitions and read
+//!   positions, deliveries and leases, operations (requeue, seek, figures), inspection,
+//!   maintenance (reclaim, retention), reading new rows; the subscription lock and the
+//!   columns several groups share; the SQL files under `queries/`.
+//! - May depend on: `outbox-domain` and sqlx (with tokio underneath). Never on the core
+//!   or a transport (tonic, axum, hyper, maud): the store does not call back into rules.
 
 /// The columns `subscriptions::subscription_from_row` reads; macros keep queries
 /// `&'static str`.
@@ -82,7 +91,7 @@ pub use operations::RequeueRefusal;
 pub use reading::{PositionMove, ReadPosition, ScannedRow, ScannedRows, SubscriptionPosition};
 pub use subscriptions::NewDefinition;
 
-use crate::domain::{SourceId, SourceName};
+use outbox_domain::{SourceId, SourceName};
 
 /// Result alias of the storage layer.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -315,7 +324,7 @@ impl Store {
     /// Applies pending migrations. Safe to run from several gateways at once: sqlx holds
     /// an advisory lock meanwhile.
     pub async fn migrate(&self) -> Result<()> {
-        sqlx::migrate!("./migrations").run(&self.pool).await?;
+        sqlx::migrate!("../../migrations").run(&self.pool).await?;
         Ok(())
     }
 
@@ -395,7 +404,7 @@ impl Store {
 
 /// The newest migration this build knows.
 pub fn latest_schema_version() -> i64 {
-    sqlx::migrate!("./migrations")
+    sqlx::migrate!("../../migrations")
         .iter()
         .map(|migration| migration.version)
         .max()

@@ -17,7 +17,7 @@ use super::{
     events::event_from_row,
     locks::{LockMode, lock_subscription},
 };
-use crate::domain::{AckId, Delivery, Subscription};
+use outbox_domain::{AckId, Delivery, Subscription};
 
 /// What one claim produced.
 #[derive(Debug)]

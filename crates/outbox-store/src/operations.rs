@@ -13,7 +13,7 @@ use super::{
     locks::{LockMode, lock_subscription},
     subscriptions::subscription_from_row,
 };
-use crate::domain::{
+use outbox_domain::{
     DeadLetter, DeadLetterSelection, Event, OutboxStats, StartPosition, Subscription,
     SubscriptionName, SubscriptionStats,
 };
@@ -398,7 +398,7 @@ pub(super) fn bind_selection<'q>(
 
 pub(super) fn dead_letter_from_row(
     subscription: &SubscriptionName,
-    source: &crate::domain::SourceName,
+    source: &outbox_domain::SourceName,
     row: &sqlx::postgres::PgRow,
 ) -> Result<DeadLetter> {
     let attempts: i32 = row.try_get("attempt")?;

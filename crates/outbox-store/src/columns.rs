@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, types::Json};
 
 use super::Result;
-use crate::domain::{StartPosition, SubscriptionSettings};
+use outbox_domain::{StartPosition, SubscriptionSettings};
 
 /// How far a subscription has read in one database.
 #[derive(Debug, Clone)]

@@ -11,7 +11,7 @@ use super::{
     columns::{millis, start_columns},
     locks::{LockMode, lock_subscription},
 };
-use crate::domain::{
+use outbox_domain::{
     PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SourceName, StartPosition,
     Subscription, SubscriptionName, SubscriptionSettings,
 };
@@ -367,7 +367,7 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         .try_get("metadata_match")
         .map_err(|error| StoreError::Corrupt(format!("metadata_match: {error}")))?;
     let max_attempts: i32 = row.try_get("max_attempts")?;
-    let corrupt = |error: crate::domain::Refusal| StoreError::Corrupt(error.to_string());
+    let corrupt = |error: outbox_domain::Refusal| StoreError::Corrupt(error.to_string());
     let sources = row
         .try_get::<Vec<String>, _>("sources")?
         .iter()

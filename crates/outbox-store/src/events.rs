@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::{Result, Store, StoreError};
-use crate::domain::{Event, NewEvent, SourceName};
+use outbox_domain::{Event, NewEvent, SourceName};
 
 /// The connection one publish committer keeps from statement to statement. Taking a
 /// connection from sqlx's pool and giving it back costs more than a small INSERT: sqlx
