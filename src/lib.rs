@@ -16,6 +16,7 @@
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.
 //! - [`push`]: push subscriptions — pushers that drain the relay into signed HTTP
 //!   requests (CloudEvents, Standard Webhooks).
+//! - [`push_client`]: the HTTP client push requests go out through.
 //! - [`storage`]: every SQL statement, the pool and the migrations.
 //! - [`auth`]: bearer tokens, roles and their scopes.
 //! - [`audit`]: the audit trail of administrators' changes.
@@ -24,8 +25,10 @@
 //! - [`connections`]: closing client connections that send nothing.
 //! - [`rates`]: delivery and ack rates over the last 15 minutes, for the console.
 //! - [`tasks`]: long-lived background tasks restarted after a panic, loudly.
-//! - [`telemetry`]: logs, traces, trace-context propagation, the per-RPC layer.
-//! - [`metrics`]: Prometheus metric names and the exporter.
+//! - [`telemetry`]: logs, the trace exporter, the per-RPC layer.
+//! - [`trace_context`]: W3C trace context carried by calls and events.
+//! - [`metrics`]: metric names and the calls that record them.
+//! - [`metrics_endpoint`]: the Prometheus exporter and the RPC metrics.
 //! - [`cli`]: the binary's client subcommands (health checks, administration), built on
 //!   the `outbox-client` crate.
 //! - [`proto`]: the generated API types, from the `outbox-client` crate.
@@ -41,14 +44,17 @@ pub mod delivery;
 pub mod error;
 pub mod maintenance;
 pub mod metrics;
+pub mod metrics_endpoint;
 pub mod operations;
 pub mod publish;
 pub mod push;
+pub mod push_client;
 pub mod rates;
 pub mod sources;
 pub mod subscriptions;
 pub mod tasks;
 pub mod telemetry;
+pub mod trace_context;
 
 use std::{future::Future, time::Duration};
 
@@ -159,8 +165,9 @@ pub async fn run_with_console(
         let listener = TcpListener::bind(address)
             .await
             .map_err(|source| RunError::MetricsListen { address, source })?;
-        let endpoint = metrics::MetricsEndpoint::install(config.metrics_refresh_interval * 3)
-            .map_err(RunError::Metrics)?;
+        let endpoint =
+            metrics_endpoint::MetricsEndpoint::install(config.metrics_refresh_interval * 3)
+                .map_err(RunError::Metrics)?;
         // The address bound, not the one asked for: with port 0 the log is how whoever
         // started the gateway learns the port.
         let address = listener.local_addr().unwrap_or(address);
@@ -177,8 +184,14 @@ pub async fn run_with_console(
         config.push.allowed_hosts.clone(),
         push_board.clone(),
     );
-    push::Pushers::start(relay.clone(), config.push.clone(), push_board.clone())
+    let push_client = push_client::PushClient::new(&config.push)
         .map_err(|error| RunError::Push(error.to_string()))?;
+    push::Pushers::start(
+        relay.clone(),
+        config.push.clone(),
+        push_board.clone(),
+        std::sync::Arc::new(push_client),
+    );
     let operations = Operations::new(relay.clone(), push_board.clone());
     let stop_maintenance = tokio_util::sync::CancellationToken::new();
     let maintenance = tokio::spawn(keep_running(
@@ -476,7 +489,7 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
         match operations.stats(None).await {
             Ok((subscriptions, outbox)) => {
                 let now = chrono::Utc::now();
-                metrics::existing_subscriptions(
+                metrics_endpoint::existing_subscriptions(
                     subscriptions
                         .iter()
                         .map(|figures| figures.total.name.as_str().to_owned())

@@ -23,7 +23,7 @@ use crate::{
     metrics,
     sources::Sources,
     storage::{PUBLISH_CONNECTIONS, PublishConnection, PublishTransaction, Store, StoreError},
-    telemetry::TraceHeaders,
+    trace_context::TraceHeaders,
 };
 
 /// Committer tasks, one per publishing connection: several transactions in flight keep

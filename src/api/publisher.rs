@@ -8,7 +8,7 @@ use crate::{
     error::Error,
     proto::{self, publisher_server::Publisher as PublisherService},
     publish::Publisher,
-    telemetry::TraceHeaders,
+    telemetry,
 };
 
 pub struct PublisherApi {
@@ -29,7 +29,7 @@ impl PublisherService for PublisherApi {
         request: Request<proto::PublishRequest>,
     ) -> Result<Response<proto::PublishResponse>, Status> {
         let principal = auth::principal(&request)?.clone();
-        let trace = TraceHeaders::from_metadata(request.metadata());
+        let trace = telemetry::trace_headers(request.metadata());
         let request = request.into_inner();
         let source = convert::optional_source("source", &request.source)?
             .unwrap_or_else(SourceName::default_source);

@@ -34,7 +34,7 @@ use crate::{
     metrics,
     sources::{Source, Sources},
     storage::ClaimLimits,
-    telemetry,
+    trace_context,
 };
 
 /// How often a claim looks for due records when nothing here made one due.
@@ -451,7 +451,7 @@ impl Dispatcher {
             let waited = (now - deliverable).to_std().unwrap_or_default();
             metrics::commit_to_delivery(name.as_str(), waited);
         }
-        if telemetry::exporting() {
+        if trace_context::exporting() {
             for delivery in deliveries {
                 // The messaging conventions' names; what they have no name for is
                 // under `outbox.`.
@@ -468,7 +468,7 @@ impl Dispatcher {
                     "outbox.event_type" = %delivery.event.event_type,
                     "outbox.delivery.attempt" = delivery.attempt,
                 );
-                telemetry::link_to_producer(&span, &delivery.event.metadata);
+                trace_context::link_to_producer(&span, &delivery.event.metadata);
             }
         }
     }

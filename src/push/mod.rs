@@ -7,8 +7,8 @@
 //! endpoint's answer. The [`Pushers`] supervisor runs one pusher per push subscription
 //! in this process and restarts it when the definition changes.
 
-mod client;
 pub mod request;
+mod sender;
 
 use std::{
     collections::HashMap,
@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 
-pub use client::{PushClient, PushClientError};
+pub use sender::{Answer, Failure, PushSender};
 
 use crate::{
     delivery::Relay,
@@ -187,8 +187,8 @@ impl Pushers {
         relay: Relay,
         settings: PushSettings,
         statuses: PushBoard,
-    ) -> Result<(), PushClientError> {
-        let client = Arc::new(PushClient::new(&settings)?);
+        client: Arc<dyn PushSender>,
+    ) {
         let stop = relay.stopping();
         let start = {
             let relay = relay.clone();
@@ -208,7 +208,6 @@ impl Pushers {
             start,
             |_| {},
         ));
-        Ok(())
     }
 }
 
@@ -223,7 +222,7 @@ struct Running {
 /// Keeps one pusher per push subscription that has not stopped.
 async fn supervise(
     relay: Relay,
-    client: Arc<PushClient>,
+    client: Arc<dyn PushSender>,
     settings: PushSettings,
     statuses: PushBoard,
 ) {
@@ -340,7 +339,7 @@ async fn supervise(
 /// Pushes one subscription's deliveries until stopped.
 struct Pusher {
     relay: Relay,
-    client: Arc<PushClient>,
+    client: Arc<dyn PushSender>,
     allowed_hosts: AllowedHosts,
     /// As it was when the pusher started: a change of settings restarts the pusher, and
     /// signing keys come from the board.

@@ -1,4 +1,5 @@
-//! The HTTP client of push delivery, on hyper: TLS verified against the public web roots
+//! The HTTP client of push delivery, on hyper (the core's pushers send through it as a
+//! [`PushSender`]): TLS verified against the public web roots
 //! (plus an optional CA file), no redirects, no proxies, and a resolver that re-checks
 //! every resolved address against `[push] allowed_hosts`, so an allowed name cannot lead
 //! to a loopback or link-local address the operator did not list.
@@ -6,6 +7,7 @@
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use http_body_util::{BodyExt, Full};
 use hyper_rustls::HttpsConnector;
 use hyper_util::{
@@ -17,8 +19,10 @@ use hyper_util::{
 };
 use url::Url;
 
-use super::{PushSettings, request::PushRequest};
-use crate::domain::AllowedHosts;
+use crate::{
+    domain::AllowedHosts,
+    push::{Answer, Failure, PushSender, PushSettings, request::PushRequest},
+};
 
 /// Most bytes of a response body read (the first KiB goes into a dead letter's error).
 const MAX_BODY_READ: usize = 4096;
@@ -32,38 +36,6 @@ pub enum PushClientError {
     },
     #[error("cannot build the push HTTP client: {0}")]
     Build(String),
-}
-
-/// An endpoint's answer.
-#[derive(Debug)]
-pub struct Answer {
-    pub status: u16,
-    /// `Retry-After` in seconds or as an HTTP date, when given.
-    pub retry_after: Option<Duration>,
-    /// The start of the body.
-    pub body: Vec<u8>,
-}
-
-/// A request that got no answer.
-#[derive(Debug, thiserror::Error)]
-pub enum Failure {
-    #[error("no answer within {0:?}")]
-    Timeout(Duration),
-    #[error("cannot connect: {0}")]
-    Connect(String),
-    #[error("request failed: {0}")]
-    Other(String),
-}
-
-impl Failure {
-    /// The `code` label of the request counter.
-    pub fn code(&self) -> &'static str {
-        match self {
-            Failure::Timeout(_) => "timeout",
-            Failure::Connect(_) => "connect_error",
-            Failure::Other(_) => "error",
-        }
-    }
 }
 
 type Resolver = tower::util::BoxCloneSyncService<
@@ -180,6 +152,17 @@ impl PushClient {
         tokio::time::timeout(timeout, exchange)
             .await
             .unwrap_or(Err(Failure::Timeout(timeout)))
+    }
+}
+
+impl PushSender for PushClient {
+    fn send<'a>(
+        &'a self,
+        endpoint: &'a Url,
+        request: PushRequest,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+        Box::pin(PushClient::send(self, endpoint, request, timeout))
     }
 }
 
