@@ -35,26 +35,13 @@
 //! - [`run`]: wires it all together and serves until shutdown.
 
 pub mod api;
-pub mod audit;
 pub mod cli;
 pub mod config;
 pub mod connections;
 pub mod console;
-pub mod delivery;
-pub mod error;
-pub mod maintenance;
-pub mod metrics;
 pub mod metrics_endpoint;
-pub mod operations;
-pub mod publish;
-pub mod push;
 pub mod push_client;
-pub mod rates;
-pub mod sources;
-pub mod subscriptions;
-pub mod tasks;
 pub mod telemetry;
-pub mod trace_context;
 
 use std::{future::Future, time::Duration};
 
@@ -64,8 +51,11 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 pub use config::Config;
-pub use outbox_domain::{self as domain, auth};
-pub use outbox_store as storage;
+pub use outbox_core::{
+    audit, delivery, domain, error, maintenance, metrics, operations, publish, push, rates,
+    sources, storage, subscriptions, tasks, trace_context,
+};
+pub use outbox_domain::auth;
 
 use crate::{
     api::{AdminApi, PublisherApi, SubscriberApi},

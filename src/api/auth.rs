@@ -91,7 +91,7 @@ where
             }
             Err(error) => {
                 tracing::info!(path = request.uri().path(), %error, "refused unauthenticated call");
-                let response = super::status_from(error.into()).into_http();
+                let response = super::status_from(error).into_http();
                 Box::pin(async move { Ok(response) })
             }
         }
