@@ -37,7 +37,6 @@
 //! - from `outbox-client`: [`proto`], the generated API types.
 
 pub mod api;
-pub mod cli;
 pub mod config;
 pub mod connections;
 pub mod console;
@@ -47,6 +46,7 @@ pub mod server;
 pub mod telemetry;
 
 pub use config::Config;
+pub use outbox_cli as cli;
 pub use outbox_core::{
     audit, delivery, domain, error, maintenance, metrics, operations, publish, push, rates,
     sources, storage, subscriptions, tasks, trace_context,

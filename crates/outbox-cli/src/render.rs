@@ -2,12 +2,9 @@
 
 use std::time::Duration;
 
+use outbox_client::proto;
+use outbox_domain::{StatusKind, is_json_content_type};
 use serde_json::{Value, json};
-
-use crate::{
-    domain::{StatusKind, is_json_content_type},
-    proto,
-};
 
 pub fn timestamp(timestamp: &Option<prost_types::Timestamp>) -> Value {
     timestamp

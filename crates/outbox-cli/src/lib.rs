@@ -1,6 +1,13 @@
-//! Client-side subcommands of the `outbox-gateway` binary: they talk to a running
-//! gateway over gRPC. Every command prints readable text, or JSON with `--json`, and
-//! exits non-zero with one clear line on failure.
+//! outbox-cli: the client-side subcommands of the `outbox-gateway` binary. They talk to
+//! a running gateway over gRPC. Every command prints readable text, or JSON with
+//! `--json`, and exits non-zero with one clear line on failure.
+//!
+//! # Layout
+//! - Owns: the client commands' flags (clap) and what each does, the connection
+//!   [`context`] profiles, and how answers are rendered.
+//! - May depend on: `outbox-client` (the gRPC client and the generated API) and
+//!   `outbox-domain` (token digests, status kinds). Never on the gateway's core, store or
+//!   server: a client command works against any gateway, local or remote.
 
 pub mod context;
 mod render;
@@ -19,7 +26,7 @@ use outbox_client::{
 use serde_json::{Value, json};
 use tonic::{Code, Status};
 
-use crate::proto;
+use outbox_client::proto;
 
 /// Where a client subcommand finds the gateway, and how it prints.
 #[derive(Debug, Clone, clap::Args)]
@@ -2380,7 +2387,7 @@ pub fn token(command: TokenCommand) -> Result<(), String> {
             let token: String = (0..32)
                 .map(|_| format!("{:02x}", rand::random::<u8>()))
                 .collect();
-            let sha256 = crate::auth::token_digest(&token);
+            let sha256 = outbox_domain::auth::token_digest(&token);
             if json {
                 println!(
                     "{}",
@@ -2401,7 +2408,7 @@ pub fn token(command: TokenCommand) -> Result<(), String> {
             std::io::stdin()
                 .read_line(&mut token)
                 .map_err(|error| format!("cannot read standard input: {error}"))?;
-            let sha256 = crate::auth::token_digest(token.trim_end_matches(['\r', '\n']));
+            let sha256 = outbox_domain::auth::token_digest(token.trim_end_matches(['\r', '\n']));
             if json {
                 println!("{}", json!({ "sha256": sha256 }));
             } else {
