@@ -1,17 +1,18 @@
-# Multi-stage build: dependencies are compiled in their own layer, so a source change
-# only rebuilds the gateway itself.
+# Multi-stage build: dependencies and the workspace's crates are compiled in their own
+# layer, so a change under src/ only rebuilds the gateway package itself.
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 # The workspace manifest names every member, so cargo needs them all; the gateway builds
 # only its own dependencies from them, outbox-client (with the API's .proto) among them.
+# The store embeds the migrations, so they come before its build.
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY crates crates
 COPY tools tools
+COPY migrations migrations
 RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && cargo build --release --locked --bin outbox-gateway -p outbox-gateway \
     && rm -rf src
 COPY src src
-COPY migrations migrations
 RUN touch src/main.rs src/lib.rs \
     && cargo build --release --locked --bin outbox-gateway -p outbox-gateway
 

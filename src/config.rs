@@ -13,7 +13,10 @@ use crate::{
     domain::{AllowedHosts, PublishLimits},
     maintenance::MaintenanceConfig,
     push::PushSettings,
+    sources::{SourceSettings, SourcesSettings},
 };
+// Defined by the parts they configure; named here too, where the settings are read.
+pub use crate::{console::tls::TlsFiles, telemetry::LogFormat};
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
@@ -282,14 +285,6 @@ impl From<MigrateSettings> for Settings {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Text,
-    Json,
-}
-
 /// A duration written like `500ms`, `1s` or `2m`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DurationSetting(pub Duration);
@@ -342,14 +337,6 @@ pub struct PushFileSettings {
 
 /// Connections to a source when its table does not say.
 pub const DEFAULT_SOURCE_CONNECTIONS: u32 = 5;
-
-/// Certificate, key and optional client CA, as PEM files.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-    pub client_ca: Option<PathBuf>,
-}
 
 /// The validated configuration `run` needs.
 #[derive(Debug, Clone)]
@@ -783,6 +770,24 @@ impl Config {
 }
 
 impl Config {
+    /// What the sources module needs to reach the databases, defaults filled in.
+    pub fn sources_settings(&self) -> SourcesSettings {
+        SourcesSettings {
+            database_url: self.database_url.clone(),
+            connect_timeout: self.db_connect_timeout,
+            acquire_timeout: self.db_acquire_timeout,
+            idle_in_transaction_timeout: self.db_idle_in_transaction_timeout,
+            sources: (self.sources.iter())
+                .map(|source| SourceSettings {
+                    name: source.name.clone(),
+                    database_url: source.database_url.clone(),
+                    max_connections: source.max_connections.unwrap_or(DEFAULT_SOURCE_CONNECTIONS),
+                    migrate: source.migrate.unwrap_or(true),
+                })
+                .collect(),
+        }
+    }
+
     /// Names are well formed and distinct, `default` is not redefined, and no two sources
     /// (`default` included) point at the same database.
     fn validate_sources(&self) -> Result<(), ConfigError> {

@@ -67,11 +67,9 @@ async fn main() -> ExitCode {
         },
         Command::Migrate(args) => match load_config(args.settings.into()) {
             Ok(config) => {
-                if let Some(Err(message)) = args
-                    .source
-                    .as_deref()
-                    .map(|name| outbox_gateway::sources::check_source_name(&config, name))
-                {
+                if let Some(Err(message)) = args.source.as_deref().map(|name| {
+                    outbox_gateway::sources::check_source_name(&config.sources_settings(), name)
+                }) {
                     eprintln!("outbox-gateway: {message}");
                     return ExitCode::from(2);
                 }
@@ -129,7 +127,9 @@ async fn serve(config: Config) -> Result<(), String> {
 
 async fn migrate(config: Config, only: Option<String>) -> Result<(), String> {
     Telemetry::init(config.log_format, &config.log_level)?;
-    for line in outbox_gateway::sources::migrate(&config, only.as_deref()).await? {
+    for line in
+        outbox_gateway::sources::migrate(&config.sources_settings(), only.as_deref()).await?
+    {
         println!("{line}");
     }
     Ok(())

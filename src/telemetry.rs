@@ -7,18 +7,12 @@
 use std::{
     io::IsTerminal,
     pin::Pin,
-    sync::{
-        Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Mutex,
     task::{Context, Poll},
     time::{Duration, Instant},
 };
 
-use opentelemetry::{
-    propagation::{Extractor, TextMapPropagator},
-    trace::{TraceContextExt, TracerProvider as _},
-};
+use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::{
     Resource, error::OTelSdkResult, propagation::TraceContextPropagator, trace::SdkTracerProvider,
 };
@@ -26,14 +20,17 @@ use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
 
-use crate::config::LogFormat;
+pub use crate::trace_context::exporting;
+use crate::trace_context::{self, TraceHeaders, remote_context};
 
-/// Set once spans are exported; per-delivery spans are only made then.
-static EXPORTING: AtomicBool = AtomicBool::new(false);
+use serde::Deserialize;
 
-/// True when spans leave the process (an OTLP endpoint is configured).
-pub fn exporting() -> bool {
-    EXPORTING.load(Ordering::Relaxed)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 /// The installed telemetry; flushes pending spans when shut down.
@@ -91,7 +88,7 @@ impl Telemetry {
                 "exporting traces"
             );
             opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-            EXPORTING.store(true, Ordering::Relaxed);
+            trace_context::set_exporting();
         }
         Ok(Telemetry { provider })
     }
@@ -378,85 +375,9 @@ mod otlp_http {
     }
 }
 
-/// W3C `traceparent` / `tracestate` values as they travel with a call or an event.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TraceHeaders {
-    pub traceparent: Option<String>,
-    pub tracestate: Option<String>,
-}
-
-impl TraceHeaders {
-    /// The trace headers of a request, when the traceparent is well-formed.
-    pub fn from_headers(headers: &http::HeaderMap) -> TraceHeaders {
-        Self::from_lookup(|name| headers.get(name).and_then(|value| value.to_str().ok()))
-    }
-
-    /// The same from gRPC request metadata.
-    pub fn from_metadata(metadata: &tonic::metadata::MetadataMap) -> TraceHeaders {
-        Self::from_lookup(|name| metadata.get(name).and_then(|value| value.to_str().ok()))
-    }
-
-    fn from_lookup<'a>(lookup: impl Fn(&str) -> Option<&'a str>) -> TraceHeaders {
-        let value = |name: &str| lookup(name).map(str::to_owned);
-        match value("traceparent").filter(|traceparent| is_traceparent(traceparent)) {
-            Some(traceparent) => TraceHeaders {
-                traceparent: Some(traceparent),
-                tracestate: value("tracestate"),
-            },
-            None => TraceHeaders::default(),
-        }
-    }
-}
-
-/// `version-traceid-spanid-flags`, lowercase hex, the all-zero ids refused.
-pub fn is_traceparent(value: &str) -> bool {
-    let parts: Vec<&str> = value.split('-').collect();
-    let hex = |part: &str, len: usize| {
-        part.len() == len
-            && part
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    parts.len() == 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && parts[1].bytes().any(|b| b != b'0')
-        && hex(parts[2], 16)
-        && parts[2].bytes().any(|b| b != b'0')
-        && hex(parts[3], 2)
-}
-
-struct MapExtractor<'a>(&'a dyn Fn(&str) -> Option<&'a str>);
-
-impl Extractor for MapExtractor<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        (self.0)(key)
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        vec!["traceparent", "tracestate"]
-    }
-}
-
-fn remote_context(traceparent: &str, tracestate: Option<&str>) -> opentelemetry::Context {
-    let lookup = move |key: &str| match key {
-        "traceparent" => Some(traceparent),
-        "tracestate" => tracestate,
-        _ => None,
-    };
-    TraceContextPropagator::new().extract(&MapExtractor(&lookup))
-}
-
-/// Links `span` to the producer context an event carries in its metadata.
-pub fn link_to_producer(span: &Span, metadata: &std::collections::BTreeMap<String, String>) {
-    if let Some(traceparent) = metadata.get("traceparent").filter(|t| is_traceparent(t)) {
-        let context = remote_context(traceparent, metadata.get("tracestate").map(String::as_str));
-        let span_context = context.span().span_context().clone();
-        if span_context.is_valid() {
-            span.add_link(span_context);
-        }
-    }
+/// The trace headers of gRPC request metadata.
+pub fn trace_headers(metadata: &tonic::metadata::MetadataMap) -> TraceHeaders {
+    TraceHeaders::from_lookup(|name| metadata.get(name).and_then(|value| value.to_str().ok()))
 }
 
 /// Tower layer that wraps every RPC in a span (`rpc.system`, `rpc.service`, `rpc.method`
@@ -581,7 +502,7 @@ impl RpcOutcome {
     fn finish(self, code: tonic::Code) {
         let elapsed = self.started.elapsed();
         self.span.record("rpc.grpc.status_code", code as i32);
-        crate::metrics::rpc_finished(&self.method, code, elapsed);
+        crate::metrics_endpoint::rpc_finished(&self.method, code, elapsed);
         self.span
             .in_scope(|| tracing::debug!(code = ?code, "rpc finished"));
     }
@@ -637,28 +558,6 @@ impl<B: http_body::Body> http_body::Body for RecordedBody<B> {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.inner.size_hint()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn accepts_only_well_formed_traceparents() {
-        assert!(is_traceparent(
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-        ));
-        for bad in [
-            "",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
-            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
-            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-        ] {
-            assert!(!is_traceparent(bad), "{bad:?}");
-        }
     }
 }
 

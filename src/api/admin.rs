@@ -2,7 +2,7 @@
 
 use tonic::{Request, Response, Status};
 
-use super::{auth, convert};
+use super::{auth, convert, status_from};
 use crate::{
     audit::{self, Selector, Via},
     domain::DeadLetterSelection,
@@ -39,12 +39,13 @@ impl AdminService for AdminApi {
             sources,
             start,
             expire_after_idle,
-        } = convert::new_subscription(request.into_inner().subscription)?;
+        } = convert::new_subscription(request.into_inner().subscription).map_err(status_from)?;
         let selector = Selector::none().start("start", &start);
         let created = self
             .subscriptions
             .create(name, settings, sources, start, expire_after_idle)
-            .await?;
+            .await
+            .map_err(status_from)?;
         let name = &created.subscription.name;
         record(&who, "CreateSubscription", name.into(), &selector, 1);
         Ok(Response::new(convert::changed_subscription(created)))
@@ -55,9 +56,12 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
-        auth::principal(&request)?.check_view()?;
-        let name = convert::subscription_name("name", &request.into_inner().name)?;
-        let subscription = self.subscriptions.get(&name).await?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
+        let name =
+            convert::subscription_name("name", &request.into_inner().name).map_err(status_from)?;
+        let subscription = self.subscriptions.get(&name).await.map_err(status_from)?;
         Ok(Response::new(convert::subscription(subscription)))
     }
 
@@ -66,8 +70,10 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListSubscriptionsRequest>,
     ) -> Result<Response<proto::ListSubscriptionsResponse>, Status> {
-        auth::principal(&request)?.check_view()?;
-        let subscriptions = self.subscriptions.list().await?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
+        let subscriptions = self.subscriptions.list().await.map_err(status_from)?;
         Ok(Response::new(proto::ListSubscriptionsResponse {
             subscriptions: subscriptions
                 .into_iter()
@@ -82,8 +88,12 @@ impl AdminService for AdminApi {
         request: Request<proto::DeleteSubscriptionRequest>,
     ) -> Result<Response<proto::DeleteSubscriptionResponse>, Status> {
         let who = admin(&request)?;
-        let name = convert::subscription_name("name", &request.into_inner().name)?;
-        self.subscriptions.delete(&name).await?;
+        let name =
+            convert::subscription_name("name", &request.into_inner().name).map_err(status_from)?;
+        self.subscriptions
+            .delete(&name)
+            .await
+            .map_err(status_from)?;
         record(
             &who,
             "DeleteSubscription",
@@ -106,8 +116,13 @@ impl AdminService for AdminApi {
             .as_ref()
             .map(|mask| mask.paths.join(","))
             .unwrap_or_default();
-        let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)?;
-        let updated = self.subscriptions.update(&name, patch).await?;
+        let (name, patch) = convert::subscription_patch(request.subscription, request.update_mask)
+            .map_err(status_from)?;
+        let updated = self
+            .subscriptions
+            .update(&name, patch)
+            .await
+            .map_err(status_from)?;
         let selector = Selector::none().with("fields", fields);
         record(&who, "UpdateSubscription", (&name).into(), &selector, 1);
         Ok(Response::new(convert::changed_subscription(updated)))
@@ -120,12 +135,13 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::Subscription>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("name", &request.name)?;
-        let until = convert::optional_timestamp("until", request.until)?;
+        let name = convert::subscription_name("name", &request.name).map_err(status_from)?;
+        let until = convert::optional_timestamp("until", request.until).map_err(status_from)?;
         let subscription = self
             .subscriptions
             .pause(&name, &request.reason, until)
-            .await?;
+            .await
+            .map_err(status_from)?;
         let selector = Selector::none()
             .with_text("reason", &request.reason)
             .with_some("until", until.map(|until| until.to_rfc3339()));
@@ -139,8 +155,13 @@ impl AdminService for AdminApi {
         request: Request<proto::ResumeSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
         let who = admin(&request)?;
-        let name = convert::subscription_name("name", &request.into_inner().name)?;
-        let subscription = self.subscriptions.resume(&name).await?;
+        let name =
+            convert::subscription_name("name", &request.into_inner().name).map_err(status_from)?;
+        let subscription = self
+            .subscriptions
+            .resume(&name)
+            .await
+            .map_err(status_from)?;
         record(
             &who,
             "ResumeSubscription",
@@ -158,13 +179,18 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::SeekSubscriptionResponse>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
         let to = request
             .to
-            .ok_or_else(|| crate::error::Error::invalid("to", "is required"))?;
-        let to = convert::start_position("to", Some(to))?;
+            .ok_or_else(|| crate::error::Error::invalid("to", "is required"))
+            .map_err(status_from)?;
+        let to = convert::start_position("to", Some(to)).map_err(status_from)?;
         let selector = Selector::none().start("to", &to);
-        self.subscriptions.seek(&name, to).await?;
+        self.subscriptions
+            .seek(&name, to)
+            .await
+            .map_err(status_from)?;
         record(&who, "SeekSubscription", (&name).into(), &selector, 1);
         Ok(Response::new(proto::SeekSubscriptionResponse {}))
     }
@@ -176,14 +202,16 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::RequeueResponse>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let id = convert::event_id("id", &request.id)?;
+        let id = convert::event_id("id", &request.id).map_err(status_from)?;
         let subscription =
-            convert::optional_subscription_name("subscription", &request.subscription)?;
-        let source = convert::optional_source("source", &request.source)?;
+            convert::optional_subscription_name("subscription", &request.subscription)
+                .map_err(status_from)?;
+        let source = convert::optional_source("source", &request.source).map_err(status_from)?;
         let requeued_count = self
             .operations
             .requeue_event(id, subscription.as_ref(), source.as_ref())
-            .await?;
+            .await
+            .map_err(status_from)?;
         let selector = Selector::none().event(id, source.as_ref());
         let target = subscription.as_ref().into();
         record(&who, "RequeueEvent", target, &selector, requeued_count);
@@ -198,8 +226,9 @@ impl AdminService for AdminApi {
         let who = admin(&request)?;
         let request = request.into_inner();
         let subscription =
-            convert::optional_subscription_name("subscription", &request.subscription)?;
-        let source = convert::optional_source("source", &request.source)?;
+            convert::optional_subscription_name("subscription", &request.subscription)
+                .map_err(status_from)?;
+        let source = convert::optional_source("source", &request.source).map_err(status_from)?;
         let requeued_count = self
             .operations
             .requeue_latest(
@@ -209,7 +238,8 @@ impl AdminService for AdminApi {
                 subscription.as_ref(),
                 source.as_ref(),
             )
-            .await?;
+            .await
+            .map_err(status_from)?;
         let mut selector = Selector::none()
             .with_text("aggregate_type", &request.aggregate_type)
             .with_text("aggregate_id", &request.aggregate_id);
@@ -227,9 +257,12 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListDeadLettersRequest>,
     ) -> Result<Response<proto::ListDeadLettersResponse>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
             ids: &[],
             event_types: &request.event_types,
@@ -239,10 +272,11 @@ impl AdminService for AdminApi {
             dead_lettered_after: request.dead_lettered_after,
             dead_lettered_before: request.dead_lettered_before,
             source: &request.source,
-        })?;
+        })
+        .map_err(status_from)?;
         let page = match request.page_token.as_str() {
             "" => None,
-            token => Some(PageToken::decode("page_token", token)?),
+            token => Some(PageToken::decode("page_token", token).map_err(status_from)?),
         };
         let page = self
             .operations
@@ -253,7 +287,8 @@ impl AdminService for AdminApi {
                 request.page_size as usize,
                 page,
             )
-            .await?;
+            .await
+            .map_err(status_from)?;
         Ok(Response::new(proto::ListDeadLettersResponse {
             dead_letters: page
                 .dead_letters
@@ -274,7 +309,8 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::RequeueResponse>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
             ids: &request.ids,
             event_types: &request.event_types,
@@ -284,17 +320,20 @@ impl AdminService for AdminApi {
             dead_lettered_after: request.dead_lettered_after,
             dead_lettered_before: request.dead_lettered_before,
             source: &request.source,
-        })?;
+        })
+        .map_err(status_from)?;
         let requeued_count = if request.validate_only {
             self.operations
                 .count_requeue_dead_letters(&name, &selection, request.all)
-                .await?
+                .await
+                .map_err(status_from)?
         } else {
             let selector = Selector::none().dead_letters(&selection, request.all);
             let requeued = self
                 .operations
                 .requeue_dead_letters(&name, selection, request.all)
-                .await?;
+                .await
+                .map_err(status_from)?;
             record(
                 &who,
                 "RequeueDeadLetters",
@@ -314,9 +353,10 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::DeadLetter>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
-        let id = convert::event_id("id", &request.id)?;
-        let source = convert::optional_source("source", &request.source)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
+        let id = convert::event_id("id", &request.id).map_err(status_from)?;
+        let source = convert::optional_source("source", &request.source).map_err(status_from)?;
         let dead_letter = self
             .operations
             .resolve_dead_letter(
@@ -326,7 +366,8 @@ impl AdminService for AdminApi {
                 &request.notes,
                 source.as_ref(),
             )
-            .await?;
+            .await
+            .map_err(status_from)?;
         let selector = Selector::none().event(id, source.as_ref());
         record(&who, "ResolveDeadLetter", (&name).into(), &selector, 1);
         Ok(Response::new(convert::dead_letter(dead_letter)))
@@ -339,7 +380,8 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::ResolveDeadLettersResponse>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
         let selection = convert::dead_letter_selection(convert::Selectors {
             ids: &request.ids,
             event_types: &request.event_types,
@@ -349,18 +391,21 @@ impl AdminService for AdminApi {
             dead_lettered_after: request.dead_lettered_after,
             dead_lettered_before: request.dead_lettered_before,
             source: &request.source,
-        })?;
+        })
+        .map_err(status_from)?;
         let (by, notes) = (&request.resolved_by, &request.notes);
         let resolved_count = if request.validate_only {
             self.operations
                 .count_resolve_dead_letters(&name, &selection, request.all, by, notes)
-                .await?
+                .await
+                .map_err(status_from)?
         } else {
             let selector = Selector::none().dead_letters(&selection, request.all);
             let resolved = self
                 .operations
                 .resolve_dead_letters(&name, selection, request.all, by, notes)
-                .await?;
+                .await
+                .map_err(status_from)?;
             record(
                 &who,
                 "ResolveDeadLetters",
@@ -380,17 +425,21 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::SummarizeDeadLettersRequest>,
     ) -> Result<Response<proto::DeadLetterSummary>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
         let selection = DeadLetterSelection {
-            source: convert::optional_source("source", &request.source)?,
+            source: convert::optional_source("source", &request.source).map_err(status_from)?,
             ..DeadLetterSelection::default()
         };
         let groups = self
             .operations
             .dead_letter_groups(&name, &selection)
-            .await?;
+            .await
+            .map_err(status_from)?;
         Ok(Response::new(proto::DeadLetterSummary {
             groups: groups.into_iter().map(convert::dead_letter_group).collect(),
         }))
@@ -403,13 +452,15 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::RotatePushSecretResponse>, Status> {
         let who = admin(&request)?;
         let request = request.into_inner();
-        let name = convert::subscription_name("name", &request.name)?;
+        let name = convert::subscription_name("name", &request.name).map_err(status_from)?;
         let keep_previous_for =
-            convert::optional_duration("keep_previous_for", request.keep_previous_for)?;
+            convert::optional_duration("keep_previous_for", request.keep_previous_for)
+                .map_err(status_from)?;
         let (secret, previous_expires_at) = self
             .subscriptions
             .rotate_push_secret(&name, keep_previous_for)
-            .await?;
+            .await
+            .map_err(status_from)?;
         let selector =
             Selector::none().with("previous_expires_at", previous_expires_at.to_rfc3339());
         record(&who, "RotatePushSecret", (&name).into(), &selector, 1);
@@ -424,14 +475,17 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetEventRequest>,
     ) -> Result<Response<proto::EventDeliveries>, Status> {
-        auth::principal(&request)?.check_view()?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
         let request = request.into_inner();
-        let id = convert::event_id("id", &request.id)?;
-        let source = convert::optional_source("source", &request.source)?;
+        let id = convert::event_id("id", &request.id).map_err(status_from)?;
+        let source = convert::optional_source("source", &request.source).map_err(status_from)?;
         let found = self
             .operations
             .event_deliveries(id, source.as_ref())
-            .await?;
+            .await
+            .map_err(status_from)?;
         Ok(Response::new(convert::event_deliveries(found)))
     }
 
@@ -440,12 +494,17 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::GetStatsRequest>,
     ) -> Result<Response<proto::Stats>, Status> {
-        auth::principal(&request)?.check_view()?;
-        let name = convert::optional_subscription_name(
-            "subscription",
-            &request.into_inner().subscription,
-        )?;
-        let (subscriptions, outbox) = self.operations.stats(name.as_ref()).await?;
+        auth::principal(&request)?
+            .check_view()
+            .map_err(status_from)?;
+        let name =
+            convert::optional_subscription_name("subscription", &request.into_inner().subscription)
+                .map_err(status_from)?;
+        let (subscriptions, outbox) = self
+            .operations
+            .stats(name.as_ref())
+            .await
+            .map_err(status_from)?;
         Ok(Response::new(convert::stats(subscriptions, outbox)))
     }
 
@@ -454,7 +513,9 @@ impl AdminService for AdminApi {
         &self,
         request: Request<proto::ListSourcesRequest>,
     ) -> Result<Response<proto::ListSourcesResponse>, Status> {
-        auth::principal(&request)?.check_admin()?;
+        auth::principal(&request)?
+            .check_admin()
+            .map_err(status_from)?;
         let sources = self.operations.sources_status().await;
         Ok(Response::new(proto::ListSourcesResponse {
             sources: sources.into_iter().map(convert::source_status).collect(),
@@ -465,7 +526,7 @@ impl AdminService for AdminApi {
 /// The name of a caller with the admin role; refuses anyone else.
 fn admin<T>(request: &Request<T>) -> Result<String, Status> {
     let principal = auth::principal(request)?;
-    principal.check_admin()?;
+    principal.check_admin().map_err(status_from)?;
     Ok(principal.name.clone())
 }
 

@@ -79,7 +79,7 @@ pub(super) fn delivery(delivery: Delivery) -> proto::Delivery {
 }
 
 pub(super) fn subscription_name(field: &str, name: &str) -> Result<SubscriptionName> {
-    SubscriptionName::parse(field, name)
+    Ok(SubscriptionName::parse(field, name)?)
 }
 
 pub(super) fn ack_ids(field: &str, ack_ids: &[String], sources: &Sources) -> Result<Vec<AckId>> {
@@ -118,7 +118,7 @@ pub(super) fn optional_source(field: &str, name: &str) -> Result<Option<SourceNa
     if name.is_empty() {
         return Ok(None);
     }
-    SourceName::parse(field, name).map(Some)
+    Ok(SourceName::parse(field, name).map(Some)?)
 }
 
 /// A new subscription from its message: name, settings (defaults for unset fields),
@@ -173,7 +173,10 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
         .sources
         .iter()
         .enumerate()
-        .map(|(index, source)| SourceName::parse(&format!("subscription.sources[{index}]"), source))
+        .map(|(index, source)| {
+            SourceName::parse(&format!("subscription.sources[{index}]"), source)
+                .map_err(Error::from)
+        })
         .collect::<Result<Vec<_>>>()?;
     let expire_after_idle =
         optional_duration("subscription.expire_after_idle", message.expire_after_idle)?;
@@ -279,6 +282,7 @@ fn push_config(field: &str, message: proto::PushConfig) -> Result<PushConfig> {
             rate_limit: message.rate_limit,
         },
     )
+    .map_err(Error::from)
 }
 
 fn patterns(field: &str, patterns: &[String]) -> Result<PatternSet> {
@@ -374,7 +378,7 @@ pub(super) fn optional_subscription_name(
 }
 
 pub(super) fn event_id(field: &str, id: &str) -> Result<Uuid> {
-    parse_event_id(field, id)
+    Ok(parse_event_id(field, id)?)
 }
 
 pub(super) fn event_type_patterns(field: &str, values: &[String]) -> Result<PatternSet> {

@@ -21,10 +21,10 @@ use tonic::Status;
 
 use crate::error::Error;
 
-/// The one mapping from domain errors to gRPC statuses. No wildcard arm: a new error
-/// variant must be given its status here.
-pub(crate) fn status_from(error: Error) -> Status {
-    match error {
+/// The one mapping from core errors (and the domain's refusals they wrap) to gRPC
+/// statuses. No wildcard arm: a new error variant must be given its status here.
+pub(crate) fn status_from(error: impl Into<Error>) -> Status {
+    match error.into() {
         Error::InvalidArgument { field, message } => {
             Status::invalid_argument(bounded(format!("{field}: {message}")))
         }
@@ -53,12 +53,6 @@ pub(crate) fn status_from(error: Error) -> Status {
             tracing::error!(error = %source, "internal error");
             Status::internal("internal error")
         }
-    }
-}
-
-impl From<Error> for Status {
-    fn from(error: Error) -> Status {
-        status_from(error)
     }
 }
 

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use super::{auth, convert};
+use super::{auth, convert, status_from};
 use crate::{
     delivery::{MAX_EXTENSION, Relay},
     domain::MIN_ACK_DEADLINE,
@@ -39,8 +39,9 @@ impl SubscriberService for SubscriberApi {
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
+        principal.check_subscription(&name).map_err(status_from)?;
         let stream = self
             .relay
             .subscribe(
@@ -49,8 +50,9 @@ impl SubscriberService for SubscriberApi {
                 request.max_in_flight_bytes,
                 request.max_deliveries,
             )
-            .await?;
-        let stream = stream.map(|item| item.map(convert::delivery).map_err(Status::from));
+            .await
+            .map_err(status_from)?;
+        let stream = stream.map(|item| item.map(convert::delivery).map_err(status_from));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -61,12 +63,13 @@ impl SubscriberService for SubscriberApi {
     ) -> Result<Response<proto::AckResponse>, Status> {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
-        check_count(&request.ack_ids)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
+        principal.check_subscription(&name).map_err(status_from)?;
+        check_count(&request.ack_ids).map_err(status_from)?;
         let sources = self.relay.sources();
-        let acks = convert::ack_ids("ack_ids", &request.ack_ids, sources)?;
-        let outcome = self.relay.ack(&name, &acks).await?;
+        let acks = convert::ack_ids("ack_ids", &request.ack_ids, sources).map_err(status_from)?;
+        let outcome = self.relay.ack(&name, &acks).await.map_err(status_from)?;
         Ok(Response::new(proto::AckResponse {
             stale_ack_ids: convert::ack_id_texts(&outcome.stale, sources),
             unavailable_ack_ids: convert::ack_id_texts(&outcome.unavailable, sources),
@@ -80,10 +83,13 @@ impl SubscriberService for SubscriberApi {
     ) -> Result<Response<proto::NackResponse>, Status> {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
-        let ack = convert::ack_id("ack_id", &request.ack_id, self.relay.sources())?;
-        let retry_after = convert::optional_duration("retry_after", request.retry_after)?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
+        principal.check_subscription(&name).map_err(status_from)?;
+        let ack = convert::ack_id("ack_id", &request.ack_id, self.relay.sources())
+            .map_err(status_from)?;
+        let retry_after =
+            convert::optional_duration("retry_after", request.retry_after).map_err(status_from)?;
         let outcome = self
             .relay
             .nack(
@@ -93,13 +99,15 @@ impl SubscriberService for SubscriberApi {
                 retry_after,
                 request.dead_letter,
             )
-            .await?
+            .await
+            .map_err(status_from)?
             .ok_or_else(|| {
                 Error::FailedPrecondition(format!(
                     "ack_id: {} is stale: its lease expired or the delivery was settled",
                     request.ack_id
                 ))
-            })?;
+            })
+            .map_err(status_from)?;
         Ok(Response::new(proto::NackResponse {
             dead_lettered: outcome.dead_lettered,
             retry_at: outcome.retry_at.map(convert::datetime_to_timestamp),
@@ -113,24 +121,31 @@ impl SubscriberService for SubscriberApi {
     ) -> Result<Response<proto::ExtendAckDeadlineResponse>, Status> {
         let principal = auth::principal(&request)?.clone();
         let request = request.into_inner();
-        let name = convert::subscription_name("subscription", &request.subscription)?;
-        principal.check_subscription(&name)?;
-        check_count(&request.ack_ids)?;
-        let acks = convert::ack_ids("ack_ids", &request.ack_ids, self.relay.sources())?;
-        let extension = convert::optional_duration("extension", request.extension)?
-            .ok_or_else(|| Error::invalid("extension", "is required"))?;
+        let name = convert::subscription_name("subscription", &request.subscription)
+            .map_err(status_from)?;
+        principal.check_subscription(&name).map_err(status_from)?;
+        check_count(&request.ack_ids).map_err(status_from)?;
+        let acks = convert::ack_ids("ack_ids", &request.ack_ids, self.relay.sources())
+            .map_err(status_from)?;
+        let extension = convert::optional_duration("extension", request.extension)
+            .map_err(status_from)?
+            .ok_or_else(|| Error::invalid("extension", "is required"))
+            .map_err(status_from)?;
         if !(MIN_ACK_DEADLINE..=MAX_EXTENSION).contains(&extension) {
-            return Err(Error::invalid(
+            return Err(status_from(Error::invalid(
                 "extension",
                 format!(
                     "must be between {} and {}",
                     humantime::format_duration(MIN_ACK_DEADLINE),
                     humantime::format_duration(MAX_EXTENSION)
                 ),
-            )
-            .into());
+            )));
         }
-        let stale = self.relay.extend(&name, &acks, extension).await?;
+        let stale = self
+            .relay
+            .extend(&name, &acks, extension)
+            .await
+            .map_err(status_from)?;
         Ok(Response::new(proto::ExtendAckDeadlineResponse {
             stale_ack_ids: convert::ack_id_texts(&stale, self.relay.sources()),
         }))

@@ -279,6 +279,12 @@ pub enum ConsoleError {
     UnknownHost(String),
 }
 
+impl From<crate::domain::Refusal> for ConsoleError {
+    fn from(refusal: crate::domain::Refusal) -> Self {
+        ConsoleError::Domain(refusal.into())
+    }
+}
+
 impl From<Error> for ConsoleError {
     fn from(error: Error) -> Self {
         ConsoleError::Domain(error)

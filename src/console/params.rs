@@ -6,8 +6,8 @@ use uuid::Uuid;
 
 use crate::{
     domain::{
-        DeadLetterSelection, Echo, PatternSet, SourceName, StartPosition, SubscriptionName,
-        parse_event_id,
+        DeadLetterSelection, Echo, PatternSet, Refusal, SourceName, StartPosition,
+        SubscriptionName, parse_event_id,
     },
     error::{Error, Result},
     operations::{MAX_PAGE_SIZE, PageToken},
@@ -93,7 +93,7 @@ pub fn dead_letter_filter(params: &Params) -> Result<DeadLetterSelection> {
     };
     selection.validate().map_err(|error| match error {
         // The domain names its own fields; the console names its parameters.
-        Error::InvalidArgument { field, message } => Error::InvalidArgument {
+        Refusal::Invalid { field, message } => Error::InvalidArgument {
             field: match field.as_str() {
                 "dead_lettered_after" => "after".to_owned(),
                 "dead_lettered_before" => "before".to_owned(),
@@ -102,7 +102,7 @@ pub fn dead_letter_filter(params: &Params) -> Result<DeadLetterSelection> {
             },
             message: message.replace("dead_lettered_before", "before"),
         },
-        other => other,
+        other => other.into(),
     })?;
     Ok(selection)
 }
@@ -113,6 +113,7 @@ pub fn source(params: &Params) -> Result<Option<SourceName>> {
         .get("source")
         .map(|name| SourceName::parse("source", name))
         .transpose()
+        .map_err(Error::from)
 }
 
 /// The chosen dead letters' event ids (`id`, repeated).
@@ -129,11 +130,11 @@ pub fn event_ids(params: &Params) -> Result<Vec<Uuid>> {
 
 /// An event id in canonical form; surrounding whitespace (a pasted id) is dropped.
 pub fn event_id(field: &str, text: &str) -> Result<Uuid> {
-    parse_event_id(field, text.trim())
+    Ok(parse_event_id(field, text.trim())?)
 }
 
 pub fn subscription_name(text: &str) -> Result<SubscriptionName> {
-    SubscriptionName::parse("subscription", text)
+    Ok(SubscriptionName::parse("subscription", text)?)
 }
 
 /// `page_size`: 1 to the listing's maximum.

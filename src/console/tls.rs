@@ -2,7 +2,7 @@
 //! client CA, mutual TLS. Handshakes run beside the accept loop, so a slow client holds
 //! up nobody else.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use tokio::{
@@ -15,7 +15,13 @@ use tokio_rustls::{
     server::TlsStream,
 };
 
-use crate::config::TlsFiles;
+/// Certificate, key and optional client CA, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
 
 /// Longest a client may take to finish its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,0 +1,229 @@
+//! `tail`: follow new events through an ephemeral subscription until interrupted.
+
+use std::time::Duration;
+
+use outbox_client::GatewayChannel;
+use tonic::{Code, Status};
+
+use outbox_client::proto;
+
+use crate::{Target, describe, parse_position, pause_notice, render};
+
+#[derive(Debug, clap::Args)]
+pub struct TailArgs {
+    /// Subscription to read. Without it, an ephemeral subscription is created from the
+    /// filter flags and deleted on exit (should tail be killed outright, the gateway
+    /// deletes it after 5 minutes without a reader).
+    subscription: Option<String>,
+    /// Do not ack: deliveries go back at their ack deadline.
+    #[arg(long)]
+    no_ack: bool,
+    /// Unsettled deliveries the stream may hold.
+    #[arg(long, default_value_t = 100)]
+    max_in_flight: u32,
+    /// Stop after this many deliveries.
+    #[arg(long)]
+    limit: Option<u64>,
+    /// Where an ephemeral subscription starts: latest, earliest or an RFC 3339 time.
+    #[arg(long, default_value = "latest", value_parser = parse_position, conflicts_with = "subscription")]
+    from: proto::StartPosition,
+    /// Event-type pattern of an ephemeral subscription; repeatable.
+    #[arg(long = "event-type", conflicts_with = "subscription")]
+    event_types: Vec<String>,
+    /// Aggregate type of an ephemeral subscription; repeatable.
+    #[arg(long = "aggregate-type", conflicts_with = "subscription")]
+    aggregate_types: Vec<String>,
+}
+
+pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
+    let gateway = target.connect(false).await?;
+    let mut admin = gateway.admin();
+    let (name, ephemeral) = match args.subscription {
+        Some(name) => {
+            // It streams on: deliveries come once the pause ends.
+            if let Some(paused) = pause_notice(&gateway, &name).await {
+                eprintln!("outbox-gateway: {paused}");
+            }
+            (name, false)
+        }
+        None => {
+            let name = format!("tail-{}", uuid::Uuid::new_v4().simple());
+            admin
+                .create_subscription(proto::CreateSubscriptionRequest {
+                    subscription: Some(proto::Subscription {
+                        name: name.clone(),
+                        event_types: args.event_types,
+                        aggregate_types: args.aggregate_types,
+                        start: Some(args.from),
+                        expire_after_idle: prost_types::Duration::try_from(TAIL_EXPIRE_AFTER_IDLE)
+                            .ok(),
+                        ..Default::default()
+                    }),
+                })
+                .await
+                .map_err(describe)?;
+            (name, true)
+        }
+    };
+    // Lease no more than will be printed: the rest would wait for their deadline.
+    let max_in_flight = match args.limit {
+        Some(limit) => args
+            .max_in_flight
+            .min(u32::try_from(limit).unwrap_or(u32::MAX))
+            .max(1),
+        None => args.max_in_flight,
+    };
+    // Every way out (a signal, a closed pipe, the limit, an error) passes here, so an
+    // ephemeral subscription is always deleted.
+    let result = tokio::select! {
+        result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit) => result,
+        () = terminated() => Ok(()),
+    };
+    if ephemeral
+        && let Err(status) = admin
+            .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
+            .await
+    {
+        eprintln!(
+            "outbox-gateway: could not delete the ephemeral subscription {name} ({}); the gateway removes it once unused",
+            describe(status)
+        );
+    }
+    result
+}
+
+/// How long the ephemeral subscription of a `tail` that vanished without deleting it
+/// (killed with SIGKILL, its machine lost) outlives it: long enough to ride out a gateway
+/// restart while tail reconnects.
+const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
+
+/// Completes on SIGINT (Ctrl-C) or SIGTERM.
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Whether a call failed because the gateway stopped or the connection broke (a
+/// restart), rather than because the gateway refused it.
+fn gateway_went_away(status: &Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::Cancelled => true,
+        // Transport failures surface as UNKNOWN with the transport's words, and a stream
+        // reset by a closing server as INTERNAL "h2 protocol error" (the gateway's own
+        // internal errors never say that).
+        Code::Internal => status.message().contains("h2 protocol error"),
+        Code::Unknown => {
+            let message = status.message();
+            [
+                "h2 protocol error",
+                "transport error",
+                "connection",
+                "broken pipe",
+            ]
+            .iter()
+            .any(|words| message.contains(words))
+        }
+        _ => false,
+    }
+}
+
+/// Longest wait between attempts to reach a gateway that went away.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
+
+/// Prints deliveries as JSON lines (acking each unless `ack` is false) until `limit`,
+/// the end of the stream, or a closed standard output. A stream broken because the
+/// gateway went away (a restart) is opened again once it is back.
+async fn stream_deliveries(
+    gateway: &GatewayChannel,
+    subscription: &str,
+    max_in_flight: u32,
+    ack: bool,
+    limit: Option<u64>,
+) -> Result<(), String> {
+    use std::io::Write;
+    let mut subscriber = gateway.subscriber();
+    let mut seen = 0;
+    let mut reconnect_delay = Duration::from_millis(100);
+    let mut announced_loss = false;
+    while limit.is_none_or(|limit| seen < limit) {
+        // With a limit, the stream takes no more than is left to print: one it leased
+        // beyond would go back when tail ends, at the cost of an attempt.
+        let max_deliveries = limit.map_or(0, |limit| u32::try_from(limit - seen).unwrap_or(0));
+        let opened = subscriber
+            .subscribe(proto::SubscribeRequest {
+                subscription: subscription.to_owned(),
+                max_in_flight,
+                max_deliveries,
+                ..Default::default()
+            })
+            .await;
+        let mut stream = match opened {
+            Ok(stream) => stream.into_inner(),
+            Err(status) if gateway_went_away(&status) => {
+                if !announced_loss {
+                    eprintln!("outbox-gateway: lost the gateway; reconnecting");
+                    announced_loss = true;
+                }
+                tokio::time::sleep(reconnect_delay).await;
+                reconnect_delay = (reconnect_delay * 2).min(MAX_RECONNECT_DELAY);
+                continue;
+            }
+            Err(status) => return Err(describe(status)),
+        };
+        if announced_loss {
+            eprintln!("outbox-gateway: reconnected");
+            announced_loss = false;
+        }
+        reconnect_delay = Duration::from_millis(100);
+        while limit.is_none_or(|limit| seen < limit) {
+            let delivery = match stream.message().await {
+                Ok(Some(delivery)) => delivery,
+                Ok(None) => return Ok(()),
+                // The gateway stopped or the connection broke: open the stream again.
+                Err(status) if gateway_went_away(&status) => break,
+                Err(status) => return Err(describe(status)),
+            };
+            let mut stdout = std::io::stdout().lock();
+            let written =
+                writeln!(stdout, "{}", render::delivery(&delivery)).and_then(|()| stdout.flush());
+            match written {
+                Ok(()) => {}
+                // The reader went away (`tail | head -1`): a normal end, not an error.
+                Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                Err(error) => return Err(format!("cannot write to standard output: {error}")),
+            }
+            drop(stdout);
+            seen += 1;
+            if ack {
+                let acked = subscriber
+                    .ack(proto::AckRequest {
+                        subscription: subscription.to_owned(),
+                        ack_ids: vec![delivery.ack_id],
+                    })
+                    .await;
+                match acked {
+                    Ok(_) => {}
+                    // Not applied: the delivery comes again once the gateway is back.
+                    Err(status) if gateway_went_away(&status) => break,
+                    Err(status) => return Err(describe(status)),
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,468 @@
+//! Metrics: names, labels, descriptions and the calls that record them, through the
+//! `metrics` facade. Label values stay bounded — subscription names, RPC methods, status
+//! codes and at most `MAX_EVENT_TYPE_LABELS` event types; never an event or aggregate
+//! id. The exporter is the gateway's; without one installed every call here is a no-op.
+
+use std::{
+    collections::HashSet,
+    sync::{LazyLock, Mutex},
+    time::Duration,
+};
+
+use metrics::{counter, gauge, histogram};
+
+use crate::{domain::OutboxStats, domain::SubscriptionStats};
+
+/// Distinct event types given their own label; later ones count as "other".
+const MAX_EVENT_TYPE_LABELS: usize = 256;
+/// `# HELP` text of every metric, for the exporter to serve.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "outbox_rpc_requests_total",
+        "gRPC calls finished, by method and final status code (a stream counts when it ends)"
+    );
+    describe_histogram!(
+        "outbox_rpc_duration_seconds",
+        Unit::Seconds,
+        "duration of gRPC calls, by method (a stream's whole life)"
+    );
+    describe_counter!(
+        "outbox_events_published_total",
+        "events stored by Publish, by event type (at most 256 types, the rest as \"other\")"
+    );
+    describe_counter!(
+        "outbox_deliveries_total",
+        "deliveries leased to Subscribe streams or push senders, first attempts and redeliveries"
+    );
+    describe_counter!(
+        "outbox_redeliveries_total",
+        "deliveries after the first attempt (expired lease, nack or retry)"
+    );
+    describe_histogram!(
+        "outbox_commit_to_delivery_seconds",
+        Unit::Seconds,
+        "time from an event's creation to its first delivery"
+    );
+    describe_counter!(
+        "outbox_acks_total",
+        "deliveries acknowledged (by Ack, or a push endpoint's 2xx answer)"
+    );
+    describe_counter!(
+        "outbox_task_panics_total",
+        "background tasks that panicked and were restarted, by task (pusher, push_supervisor, maintenance, ...)"
+    );
+    describe_histogram!(
+        "outbox_deliver_to_ack_seconds",
+        Unit::Seconds,
+        "time from delivery to acknowledgement"
+    );
+    describe_counter!(
+        "outbox_nacks_total",
+        "deliveries refused by their consumer with Nack"
+    );
+    describe_counter!(
+        "outbox_dead_letters_total",
+        "deliveries dead-lettered (attempts exhausted or refused for good)"
+    );
+    describe_counter!(
+        "outbox_requeued_total",
+        "delivery records sent back for delivery by a requeue (dead letters or delivered events)"
+    );
+    describe_counter!(
+        "outbox_relay_wakeups_total",
+        "times the relay looked for work, by cause: publish, notify or poll"
+    );
+    describe_gauge!(
+        "outbox_subscription_backlog",
+        "events matching the subscription that are due and not yet delivered (scheduled ones are in outbox_subscription_scheduled)"
+    );
+    describe_gauge!(
+        "outbox_subscription_in_flight",
+        "deliveries leased to a stream and not yet settled"
+    );
+    describe_gauge!(
+        "outbox_subscription_awaiting_retry",
+        "deliveries waiting for their retry backoff"
+    );
+    describe_gauge!(
+        "outbox_subscription_dead_letters",
+        "unresolved dead letters"
+    );
+    describe_gauge!(
+        "outbox_subscription_oldest_unacked_age_seconds",
+        Unit::Seconds,
+        "how long the oldest due event not yet acked or dead-lettered has been due (since its creation, or its deliver_at when later), 0 when none"
+    );
+    describe_gauge!(
+        "outbox_subscription_late_transactions",
+        "transactions that finished after the subscription's cursor passed them; their events go out at the next claim"
+    );
+    describe_gauge!(
+        "outbox_source_up",
+        "1 while the source database can be reached, 0 while it cannot"
+    );
+    describe_gauge!("outbox_events_stored", "events in the outbox table");
+    describe_gauge!(
+        "outbox_oldest_open_transaction_age_seconds",
+        Unit::Seconds,
+        "age of the oldest transaction still open in the cluster that has written anything, 0 when none; it holds back vacuum (a long one is usually a mistake) and its own events until it commits, not the delivery of others"
+    );
+    describe_gauge!(
+        "outbox_build_info",
+        "always 1, labelled with the version of the running gateway"
+    );
+    describe_counter!(
+        "process_cpu_seconds_total",
+        Unit::Seconds,
+        "user and system CPU time of the gateway process, in whole seconds"
+    );
+    describe_gauge!(
+        "process_resident_memory_bytes",
+        Unit::Bytes,
+        "resident memory of the gateway process"
+    );
+    describe_gauge!(
+        "process_open_fds",
+        "file descriptors the gateway process holds open (connections included)"
+    );
+    describe_gauge!(
+        "process_max_fds",
+        "most file descriptors the gateway process may open"
+    );
+    describe_gauge!(
+        "process_start_time_seconds",
+        Unit::Seconds,
+        "when the gateway process started, in seconds since the Unix epoch"
+    );
+    describe_gauge!(
+        "outbox_db_pool_connections",
+        "connections of the main pool, by state: idle or in_use"
+    );
+    describe_gauge!(
+        "outbox_subscription_scheduled",
+        "events of the subscription waiting for their deliver_at"
+    );
+    describe_counter!(
+        "outbox_events_expired_total",
+        "events a subscription let expire (by their expires_at or its max_event_age) instead of delivering them"
+    );
+    describe_counter!(
+        "outbox_push_requests_total",
+        "requests of push subscriptions to their endpoints, by HTTP status or failure"
+    );
+    describe_histogram!(
+        "outbox_push_duration_seconds",
+        Unit::Seconds,
+        "time from sending a push request to its answer"
+    );
+}
+
+static EVENT_TYPES: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
+
+fn event_type_label(event_type: &str) -> String {
+    let mut known = EVENT_TYPES.lock().expect("event type labels");
+    if known.contains(event_type) {
+        return event_type.to_owned();
+    }
+    if known.len() < MAX_EVENT_TYPE_LABELS {
+        known.insert(event_type.to_owned());
+        return event_type.to_owned();
+    }
+    "other".to_owned()
+}
+
+/// Newly stored events (duplicates not counted).
+pub fn published<'a>(event_types: impl Iterator<Item = &'a str>) {
+    for event_type in event_types {
+        counter!("outbox_events_published_total", "event_type" => event_type_label(event_type))
+            .increment(1);
+    }
+}
+
+/// Deliveries handed to streams; `redelivered` of them were not first attempts.
+pub fn delivered(subscription: &str, source: &str, delivered: u64, redelivered: u64) {
+    let labels = per_source(subscription, source);
+    counter!("outbox_deliveries_total", &labels).increment(delivered);
+    if redelivered > 0 {
+        counter!("outbox_redeliveries_total", &labels).increment(redelivered);
+    }
+}
+
+/// Time from an event's creation to its first delivery.
+pub fn commit_to_delivery(subscription: &str, elapsed: Duration) {
+    histogram!("outbox_commit_to_delivery_seconds", "subscription" => subscription.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
+pub fn acked(subscription: &str, source: &str, acks: u64) {
+    counter!("outbox_acks_total", &per_source(subscription, source)).increment(acks);
+}
+
+/// Time from handing a delivery to a stream to its ack (acks reaching this process).
+pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
+    histogram!("outbox_deliver_to_ack_seconds", "subscription" => subscription.to_owned())
+        .record(elapsed.as_secs_f64());
+}
+
+/// The request metrics of one push subscription, registered once rather than looked up
+/// for every request.
+pub struct PushRequestMetrics {
+    subscription: String,
+    duration: metrics::Histogram,
+    /// By `code`: the HTTP status, or `timeout`, `connect_error` or `error` when there was
+    /// no answer.
+    requests: Mutex<std::collections::HashMap<String, metrics::Counter>>,
+}
+
+impl PushRequestMetrics {
+    pub fn new(subscription: &str) -> PushRequestMetrics {
+        PushRequestMetrics {
+            subscription: subscription.to_owned(),
+            duration: histogram!(
+                "outbox_push_duration_seconds",
+                "subscription" => subscription.to_owned()
+            ),
+            requests: Mutex::new(std::collections::HashMap::new()),
+        }
+    }
+
+    pub fn request(&self, code: &str, elapsed: Duration) {
+        self.duration.record(elapsed.as_secs_f64());
+        let mut requests = self.requests.lock().expect("push metrics lock");
+        match requests.get(code) {
+            Some(counter) => counter.increment(1),
+            None => {
+                let counter = counter!(
+                    "outbox_push_requests_total",
+                    "subscription" => self.subscription.clone(),
+                    "code" => code.to_owned()
+                );
+                counter.increment(1);
+                requests.insert(code.to_owned(), counter);
+            }
+        }
+    }
+}
+
+pub fn nacked(subscription: &str, source: &str) {
+    counter!("outbox_nacks_total", &per_source(subscription, source)).increment(1);
+}
+
+pub fn dead_lettered(subscription: &str, source: &str, count: u64) {
+    counter!(
+        "outbox_dead_letters_total",
+        &per_source(subscription, source)
+    )
+    .increment(count);
+}
+
+/// Events a subscription let expire (dead-lettered or dropped) instead of delivering.
+pub fn expired(subscription: &str, count: u64) {
+    counter!("outbox_events_expired_total", "subscription" => subscription.to_owned())
+        .increment(count);
+}
+
+pub fn requeued(subscription: &str, source: &str, count: u64) {
+    counter!("outbox_requeued_total", &per_source(subscription, source)).increment(count);
+}
+
+/// A background task panicked (and is being restarted).
+pub fn task_panicked(task: &'static str) {
+    counter!("outbox_task_panics_total", "task" => task).increment(1);
+}
+
+/// The labels of a subscription's figures in one source.
+fn per_source(subscription: &str, source: &str) -> [(&'static str, String); 2] {
+    [
+        ("subscription", subscription.to_owned()),
+        ("source", source.to_owned()),
+    ]
+}
+
+/// Why the relay looked for work: `publish` (this process), `notify` (LISTEN) or `poll`.
+pub fn wakeup(cause: &'static str) {
+    counter!("outbox_relay_wakeups_total", "cause" => cause).increment(1);
+}
+
+/// Puts every counter of a subscription in one source on the endpoint, at 0 until
+/// something happens: a series that only appears with its first increment defeats
+/// `rate()` over it and `absent()` alerts.
+pub fn subscription_counters(subscription: &str, source: &str) {
+    let labels = per_source(subscription, source);
+    for name in [
+        "outbox_deliveries_total",
+        "outbox_redeliveries_total",
+        "outbox_acks_total",
+        "outbox_nacks_total",
+        "outbox_dead_letters_total",
+        "outbox_requeued_total",
+    ] {
+        counter!(name, &labels).increment(0);
+    }
+    counter!("outbox_events_expired_total", "subscription" => subscription.to_owned()).increment(0);
+}
+
+/// The build and the process's own figures. Gauges are set again on every refresh, since
+/// those left alone for a while leave the endpoint.
+pub fn process_figures() {
+    gauge!("outbox_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    if let Some(figures) = process::read() {
+        counter!("process_cpu_seconds_total").absolute(figures.cpu_seconds as u64);
+        gauge!("process_resident_memory_bytes").set(figures.resident_bytes as f64);
+        gauge!("process_open_fds").set(figures.open_fds as f64);
+        if let Some(max_fds) = figures.max_fds {
+            gauge!("process_max_fds").set(max_fds as f64);
+        }
+        gauge!("process_start_time_seconds").set(figures.start_time_seconds);
+    }
+}
+
+/// The lag gauges of one subscription in one source.
+pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
+    let labels = per_source(
+        stats.name.as_str(),
+        stats.source.as_ref().map_or("", |source| source.as_str()),
+    );
+    gauge!("outbox_subscription_backlog", &labels).set(stats.pending as f64);
+    gauge!("outbox_subscription_in_flight", &labels).set(stats.in_flight as f64);
+    gauge!("outbox_subscription_awaiting_retry", &labels).set(stats.awaiting_retry as f64);
+    gauge!("outbox_subscription_dead_letters", &labels).set(stats.dead_lettered as f64);
+    let age = stats
+        .oldest_unacked_at
+        .map_or(0.0, |at| (now - at).num_milliseconds().max(0) as f64 / 1e3);
+    gauge!("outbox_subscription_oldest_unacked_age_seconds", &labels).set(age);
+    gauge!("outbox_subscription_late_transactions", &labels).set(stats.late_transactions as f64);
+    gauge!("outbox_subscription_scheduled", &labels).set(stats.scheduled as f64);
+}
+
+/// 1 while the source can be reached, 0 while it cannot.
+pub fn source_up(source: &str, up: bool) {
+    gauge!("outbox_source_up", "source" => source.to_owned()).set(if up { 1.0 } else { 0.0 });
+}
+
+pub fn outbox_figures(stats: &OutboxStats) {
+    gauge!("outbox_events_stored").set(stats.events_stored as f64);
+    gauge!("outbox_oldest_open_transaction_age_seconds")
+        .set(stats.oldest_open_transaction_age.as_secs_f64());
+}
+
+pub fn pool(size: u32, idle: usize) {
+    gauge!("outbox_db_pool_connections", "state" => "idle").set(idle as f64);
+    gauge!("outbox_db_pool_connections", "state" => "in_use")
+        .set(size.saturating_sub(idle as u32) as f64);
+}
+
+/// The process figures as the Prometheus client libraries name them, read from `/proc`
+/// (Linux only; elsewhere there are none).
+mod process {
+    /// The figures of this process.
+    pub struct Figures {
+        pub cpu_seconds: f64,
+        pub resident_bytes: u64,
+        pub open_fds: usize,
+        pub max_fds: Option<u64>,
+        pub start_time_seconds: f64,
+    }
+
+    #[cfg(target_os = "linux")]
+    pub fn read() -> Option<Figures> {
+        // SAFETY: sysconf only reads a configuration value.
+        let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        if ticks_per_second <= 0 || page_size <= 0 {
+            return None;
+        }
+        let ticks_per_second = ticks_per_second as f64;
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let stat = parse_stat(&stat)?;
+        let boot_time = std::fs::read_to_string("/proc/stat")
+            .ok()?
+            .lines()
+            .find_map(|line| line.strip_prefix("btime "))?
+            .trim()
+            .parse::<u64>()
+            .ok()?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count();
+        let max_fds = std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .and_then(|limits| parse_max_open_files(&limits));
+        Some(Figures {
+            cpu_seconds: (stat.user_ticks + stat.system_ticks) as f64 / ticks_per_second,
+            resident_bytes: stat.resident_pages * page_size as u64,
+            open_fds,
+            max_fds,
+            start_time_seconds: boot_time as f64 + stat.start_ticks as f64 / ticks_per_second,
+        })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    pub fn read() -> Option<Figures> {
+        None
+    }
+
+    /// The fields of `/proc/self/stat` used here, in clock ticks and pages.
+    #[derive(Debug, PartialEq)]
+    pub(super) struct Stat {
+        pub user_ticks: u64,
+        pub system_ticks: u64,
+        pub start_ticks: u64,
+        pub resident_pages: u64,
+    }
+
+    /// Fields after the command name, which is in parentheses and may itself hold spaces
+    /// and parentheses: the last `)` ends it. Then `state` is field 3, `utime` 14,
+    /// `stime` 15, `starttime` 22 and `rss` 24 (proc(5)).
+    pub(super) fn parse_stat(stat: &str) -> Option<Stat> {
+        let (_, rest) = stat.rsplit_once(')')?;
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |number: usize| fields.get(number - 3)?.parse::<u64>().ok();
+        Some(Stat {
+            user_ticks: field(14)?,
+            system_ticks: field(15)?,
+            start_ticks: field(22)?,
+            resident_pages: field(24)?,
+        })
+    }
+
+    /// The soft limit of `Max open files` in `/proc/self/limits`.
+    pub(super) fn parse_max_open_files(limits: &str) -> Option<u64> {
+        let line = limits
+            .lines()
+            .find(|line| line.starts_with("Max open files"))?;
+        line["Max open files".len()..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::process::{Stat, parse_max_open_files, parse_stat};
+
+    #[test]
+    fn reads_proc_stat_past_a_command_name_with_spaces_and_parentheses() {
+        let stat = "4242 (outbox (gw) x) S 1 4242 4242 0 -1 4194560 1234 0 0 0 \
+                    150 75 0 0 20 0 9 0 8800 123456789 2048 18446744073709551615";
+        assert_eq!(
+            parse_stat(stat),
+            Some(Stat {
+                user_ticks: 150,
+                system_ticks: 75,
+                start_ticks: 8800,
+                resident_pages: 2048,
+            })
+        );
+        assert_eq!(parse_stat("4242 (cut short) S 1"), None);
+    }
+
+    #[test]
+    fn reads_the_soft_open_files_limit() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             127431               127431               processes \n\
+                      Max open files            1024                 524288               files     \n";
+        assert_eq!(parse_max_open_files(limits), Some(1024));
+    }
+}

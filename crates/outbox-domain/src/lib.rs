@@ -1,0 +1,51 @@
+//! outbox-domain: the gateway's domain types shared by publishing, subscriptions and
+//! delivery, with the validation that guards them and the rules of who may call what.
+//!
+//! # Layout
+//! - Owns: events, subscriptions and their settings, event-type patterns, push
+//!   configurations and signatures, sources, ack ids, dead-letter selections and
+//!   figures, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
+//!   domain refuses an input.
+//! - May depend on: plain data and parsing crates (serde, chrono, uuid, http types, url,
+//!   hashing). Never on sqlx, tokio or tonic: nothing here knows about SQL, tasks or
+//!   gRPC, and every layer above can use it.
+
+mod ack;
+pub mod auth;
+mod delivery;
+mod event;
+mod input;
+mod operations;
+mod pattern;
+mod push;
+mod refusal;
+mod source;
+mod subscription;
+
+pub use ack::AckId;
+pub use delivery::{DELIVERY_OVERHEAD_BYTES, Delivery};
+pub use event::{
+    DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, check_event_key,
+    is_json_content_type, parse_event_id,
+};
+pub use input::{
+    Echo, MAX_FILTER_BYTES, MAX_FILTER_ENTRIES, MAX_JSON_DEPTH, check_filter_size, check_json,
+    check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
+};
+pub use operations::{
+    BEHIND_AFTER, Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState,
+    EventDeliveries, NO_CONSUMER_AFTER, OutboxStats, StatusKind, SubscriptionPatch,
+    SubscriptionStats, SubscriptionStatus,
+};
+pub use pattern::{EventTypePattern, PatternSet};
+pub use push::{
+    Allowance, AllowedHosts, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, PushConfig,
+    PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
+};
+pub use refusal::Refusal;
+pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
+pub use subscription::{
+    ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,
+    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, StartPosition, Subscription, SubscriptionName,
+    SubscriptionSettings, check_expire_after_idle,
+};

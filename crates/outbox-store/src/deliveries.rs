@@ -1,0 +1,394 @@
+//! Delivery records: claiming events for a subscription, settling leases, releasing them.
+//!
+//! Everything that decides which event goes out next for a subscription (claims, and on
+//! ordered subscriptions the acks and dead letters that free an aggregate) runs under a
+//! transaction-scoped advisory lock on the subscription. An advisory lock, unlike a row
+//! lock, does not give the claiming transaction an id before its snapshot is taken, so
+//! claimers do not hold back each other's read horizon.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgConnection, Row, postgres::PgRow};
+
+use super::{
+    Result, Store, StoreError,
+    columns::{cursor, metadata_filter, millis},
+    events::event_from_row,
+    locks::{LockMode, lock_subscription},
+};
+use outbox_domain::{AckId, Delivery, Subscription};
+
+/// What one claim produced.
+#[derive(Debug)]
+pub struct Claim {
+    /// Newly leased deliveries: due ones first, then new events in reading order.
+    pub deliveries: Vec<Delivery>,
+    /// Records that went to the dead-letter queue: expired leases that used their last
+    /// attempt, and expired events of subscriptions that dead-letter them.
+    pub dead_lettered: u64,
+    /// Events that expired instead of going out (dead-lettered or dropped).
+    pub expired: u64,
+    /// The earliest deliver_at of the scheduled events this claim recorded.
+    pub next_scheduled: Option<DateTime<Utc>>,
+    /// The claim read as many new events as it could (some of them scheduled or expired,
+    /// so not delivered): more may be waiting even when few went out.
+    pub read_full_batch: bool,
+    /// Records it dead-lettered or dropped freed their aggregates on an ordered
+    /// subscription: the next events of those are due now.
+    pub made_due: bool,
+}
+
+/// How much one claim may lease.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimLimits {
+    /// Most deliveries.
+    pub count: usize,
+    /// Most bytes of events (approximately: payloads plus a fixed allowance per event);
+    /// the first delivery is leased whatever its size.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NackOutcome {
+    pub dead_lettered: bool,
+    pub retry_at: Option<DateTime<Utc>>,
+}
+
+impl Store {
+    /// Leases deliveries of the subscription in this database to `lease_token`, within
+    /// `limits`: first expired leases and due retries (when `include_due`), then new
+    /// events. `None` when the subscription has no read position here (it was deleted,
+    /// or has not started reading this database yet).
+    pub async fn claim(
+        &self,
+        subscription: &Subscription,
+        lease_token: i64,
+        limits: ClaimLimits,
+        include_due: bool,
+    ) -> Result<Option<Claim>> {
+        let subscription_id = subscription.id;
+        let mut transaction = self.pool.begin().await?;
+        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
+        let Some(cursor) = cursor(&mut transaction, subscription_id).await? else {
+            transaction.rollback().await?;
+            return Ok(None);
+        };
+        let settings = &subscription.settings;
+        let max_event_age = settings.max_event_age.map(millis);
+        let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
+        let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
+
+        let due_rows = if include_due {
+            sqlx::query(include_str!("queries/claim_due.sql"))
+                .bind(subscription_id)
+                .bind(limit)
+                .bind(lease_token)
+                .bind(millis(settings.ack_deadline))
+                .bind(settings.max_attempts as i32)
+                .bind(settings.persistent_event_types.to_regex())
+                .bind(byte_budget)
+                .bind(max_event_age)
+                .bind(settings.dead_letter_expired)
+                .fetch_all(&mut *transaction)
+                .await?
+        } else {
+            Vec::new()
+        };
+        let mut deliveries = Vec::with_capacity(due_rows.len());
+        let mut freed_keys = Vec::new();
+        let mut dead_lettered = 0;
+        let mut expired = 0;
+        for row in &due_rows {
+            let state: &str = row.try_get("state")?;
+            if state == "in_flight" {
+                deliveries.push(self.delivery_from_row(row, lease_token)?);
+                continue;
+            }
+            // Dead-lettered or dropped: either way its aggregate is free.
+            dead_lettered += u64::from(state == "dead");
+            expired += u64::from(row.try_get::<bool, _>("expired")?);
+            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                freed_keys.push(key);
+            }
+        }
+        promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
+        let made_due = !freed_keys.is_empty();
+
+        let due_count = deliveries.len() as i64;
+        let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
+        let remaining = limit - due_count;
+        let remaining_bytes =
+            byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
+        let mut next_scheduled = None;
+        let mut read_full_batch = false;
+        if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
+            let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
+                .bind(subscription_id)
+                .bind(cursor.xact_id)
+                .bind(cursor.position)
+                .bind(remaining)
+                .bind(settings.event_types.to_regex())
+                .bind(&settings.aggregate_types)
+                .bind(metadata_filter(settings))
+                .bind(cursor.not_before)
+                .bind(lease_token)
+                .bind(millis(settings.ack_deadline))
+                .bind(settings.ordered)
+                .bind(&cursor.pending_xact_ids)
+                .bind(&cursor.pending_positions)
+                .bind(remaining_bytes)
+                .bind(due_count)
+                .bind(max_event_age)
+                .bind(settings.dead_letter_expired)
+                .fetch_all(&mut *transaction)
+                .await?;
+            // Every row carries the batch's summary; a lone summary row has no position.
+            if let Some(summary) = new_rows.first() {
+                let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
+                dead_lettered += expired_dead_lettered;
+                expired += expired_dead_lettered + count(summary, "expired_dropped")?;
+                next_scheduled = summary.try_get("next_scheduled")?;
+                read_full_batch = summary.try_get("batch_full")?;
+            }
+            for row in &new_rows {
+                if row.try_get::<Option<i64>, _>("position")?.is_some() {
+                    deliveries.push(self.delivery_from_row(row, lease_token)?);
+                }
+            }
+        } else if due_count > 0 {
+            sqlx::query(include_str!("queries/count_deliveries.sql"))
+                .bind(subscription_id)
+                .bind(due_count)
+                .execute(&mut *transaction)
+                .await?;
+        }
+        if expired > 0 {
+            sqlx::query(include_str!("queries/count_expired.sql"))
+                .bind(subscription_id)
+                .bind(i64::try_from(expired).unwrap_or(i64::MAX))
+                .execute(&mut *transaction)
+                .await?;
+        }
+        transaction.commit().await?;
+        Ok(Some(Claim {
+            deliveries,
+            dead_lettered,
+            expired,
+            next_scheduled,
+            read_full_batch,
+            made_due,
+        }))
+    }
+
+    /// Acks deliveries; returns the ack ids that settled a lease (the rest were stale).
+    pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
+        let (positions, attempts, tokens) = split_ack_ids(acks);
+        let statement = sqlx::query(concat!(
+            include_str!("queries/leased.sql"),
+            include_str!("queries/ack.sql")
+        ))
+        .bind(subscription.id)
+        .bind(positions)
+        .bind(attempts)
+        .bind(tokens);
+        if !subscription.settings.ordered {
+            let rows = statement.fetch_all(&self.pool).await?;
+            return Ok(named_leases(acks, &rows)?
+                .into_iter()
+                .map(|(ack, _)| ack)
+                .collect());
+        }
+        // An ack on an ordered subscription frees its aggregate for the next event.
+        let mut transaction = self.pool.begin().await?;
+        lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
+        let rows = statement.fetch_all(&mut *transaction).await?;
+        let acked = named_leases(acks, &rows)?
+            .into_iter()
+            .map(|(ack, _)| ack)
+            .collect();
+        let mut freed_keys = Vec::new();
+        for row in &rows {
+            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                freed_keys.push(key);
+            }
+        }
+        promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
+        transaction.commit().await?;
+        Ok(acked)
+    }
+
+    /// Nacks one delivery; `None` when its lease is stale.
+    pub async fn nack(
+        &self,
+        subscription: &Subscription,
+        ack: AckId,
+        reason: &str,
+        retry_delay: std::time::Duration,
+        dead_letter: bool,
+    ) -> Result<Option<NackOutcome>> {
+        let settings = &subscription.settings;
+        let mut transaction = self.pool.begin().await?;
+        if settings.ordered {
+            lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
+        }
+        let row = sqlx::query(include_str!("queries/nack.sql"))
+            .bind(subscription.id)
+            .bind(ack.position)
+            .bind(ack.attempt)
+            .bind(ack.lease_token)
+            .bind(reason)
+            .bind(millis(retry_delay))
+            .bind(dead_letter)
+            .bind(settings.max_attempts as i32)
+            .bind(settings.persistent_event_types.to_regex())
+            .fetch_optional(&mut *transaction)
+            .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let dead_lettered: bool = row.try_get("to_dead")?;
+        if dead_lettered && let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+            promote_waiting(&mut transaction, subscription.id, &[key]).await?;
+        }
+        let retry_at = row.try_get("due_at")?;
+        transaction.commit().await?;
+        Ok(Some(NackOutcome {
+            dead_lettered,
+            retry_at,
+        }))
+    }
+
+    /// Moves the deadline of leased deliveries to `extension` from now; returns the
+    /// positions extended with their new deadline (the rest were stale).
+    pub async fn extend_leases(
+        &self,
+        subscription_id: i64,
+        acks: &[AckId],
+        extension: std::time::Duration,
+    ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
+        let (positions, attempts, tokens) = split_ack_ids(acks);
+        let rows = sqlx::query(concat!(
+            include_str!("queries/leased.sql"),
+            include_str!("queries/extend.sql")
+        ))
+        .bind(subscription_id)
+        .bind(&positions)
+        .bind(&attempts)
+        .bind(&tokens)
+        .bind(millis(extension))
+        .fetch_all(&self.pool)
+        .await?;
+        named_leases(acks, &rows)?
+            .into_iter()
+            .map(|(ack, row)| Ok((ack, row.try_get("due_at")?)))
+            .collect()
+    }
+
+    /// Makes the given leases (position, lease token) deliverable again at once: their
+    /// stream ended.
+    pub async fn release_leases(&self, subscription_id: i64, leases: &[(i64, i64)]) -> Result<u64> {
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+        let result = sqlx::query(include_str!("queries/release.sql"))
+            .bind(subscription_id)
+            .bind(positions)
+            .bind(tokens)
+            .execute(&self.pool)
+            .await?;
+        Ok(result.rows_affected())
+    }
+
+    /// Which of the given leases (position, lease token) are still held, with their
+    /// deadlines; acks and extensions may have reached another gateway process.
+    pub async fn live_leases(
+        &self,
+        subscription_id: i64,
+        leases: &[(i64, i64)],
+    ) -> Result<Vec<(i64, DateTime<Utc>)>> {
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+        let rows = sqlx::query(
+            "SELECT d.position, d.due_at FROM outbox_deliveries d \
+             JOIN UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token) \
+               ON d.position = l.position AND d.lease_token = l.lease_token \
+             WHERE d.subscription_id = $1 AND d.state = 'in_flight' AND d.due_at > now()",
+        )
+        .bind(subscription_id)
+        .bind(positions)
+        .bind(tokens)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok((row.try_get("position")?, row.try_get("due_at")?)))
+            .collect()
+    }
+}
+
+pub(super) async fn promote_waiting(
+    connection: &mut PgConnection,
+    subscription_id: i64,
+    ordering_keys: &[i64],
+) -> Result<()> {
+    if ordering_keys.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(include_str!("queries/promote_waiting.sql"))
+        .bind(subscription_id)
+        .bind(ordering_keys)
+        .execute(connection)
+        .await?;
+    Ok(())
+}
+
+fn count(row: &PgRow, column: &str) -> Result<u64> {
+    Ok(row.try_get::<i64, _>(column)?.max(0) as u64)
+}
+
+/// The ack ids whose lease is one of the rows a statement changed, each with its row. A
+/// position alone would not do: one call may name an old lease of an event beside its
+/// current one, and only the current one is settled.
+fn named_leases<'r>(acks: &[AckId], rows: &'r [PgRow]) -> Result<Vec<(AckId, &'r PgRow)>> {
+    let mut changed = HashMap::with_capacity(rows.len());
+    for row in rows {
+        let lease: (i64, i32, i64) = (
+            row.try_get("position")?,
+            row.try_get("attempt")?,
+            row.try_get("lease_token")?,
+        );
+        changed.insert(lease, row);
+    }
+    Ok(acks
+        .iter()
+        .filter_map(|ack| {
+            let row = changed.get(&(ack.position, ack.attempt, ack.lease_token))?;
+            Some((*ack, *row))
+        })
+        .collect())
+}
+
+fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
+    let positions = acks.iter().map(|ack| ack.position).collect();
+    let attempts = acks.iter().map(|ack| ack.attempt).collect();
+    let tokens = acks.iter().map(|ack| ack.lease_token).collect();
+    (positions, attempts, tokens)
+}
+
+impl Store {
+    fn delivery_from_row(&self, row: &PgRow, lease_token: i64) -> Result<Delivery> {
+        let position: i64 = row.try_get("position")?;
+        let attempt: i32 = row.try_get("attempt")?;
+        let ack_deadline: Option<DateTime<Utc>> = row.try_get("due_at")?;
+        Ok(Delivery {
+            ack_id: AckId {
+                source: self.source_id,
+                position,
+                attempt,
+                lease_token,
+            },
+            attempt: attempt.max(0) as u32,
+            ack_deadline: ack_deadline.ok_or_else(|| {
+                StoreError::Corrupt(format!("lease of {position} has no deadline"))
+            })?,
+            event: event_from_row(row, &self.source)?,
+        })
+    }
+}
