@@ -54,14 +54,15 @@ impl MetricsEndpoint {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) {
         let upkeep = self.handle.clone();
-        let upkeep = tokio::spawn(async move {
-            // Histograms keep their samples in buffers until drained.
+        // Histograms keep their samples in buffers until drained; this runs beside the
+        // server and ends with it.
+        let upkeep = async move {
             let mut interval = tokio::time::interval(Duration::from_secs(5));
             loop {
                 interval.tick().await;
                 upkeep.run_upkeep();
             }
-        });
+        };
         let handle = self.handle;
         let router = axum::Router::new().route(
             "/metrics",
@@ -78,13 +79,15 @@ impl MetricsEndpoint {
                 }
             }),
         );
-        if let Err(error) = axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .await
-        {
-            tracing::warn!(%error, "metrics endpoint stopped");
+        let serve = axum::serve(listener, router).with_graceful_shutdown(shutdown);
+        tokio::select! {
+            result = serve => {
+                if let Err(error) = result {
+                    tracing::warn!(%error, "metrics endpoint stopped");
+                }
+            }
+            () = upkeep => {}
         }
-        upkeep.abort();
     }
 }
 

@@ -6,7 +6,7 @@ use std::{future::Future, time::Duration};
 
 use futures_util::StreamExt;
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic_health::{ServingStatus, server::HealthReporter};
 
 use crate::{
@@ -105,7 +105,13 @@ pub async fn run_with_console(
     }
     let sources = Sources::new(store.clone(), &config.sources_settings())?;
     sources.prepare().await?;
-    let stop_metrics = tokio_util::sync::CancellationToken::new();
+    // One root token: each subsystem stops on a child of it, in the order the shutdown
+    // below follows; cancelled on any return, errors included. Every background task of
+    // the server runs on `tasks` (the relay keeps its own, which its shutdown awaits).
+    let stop = CancellationToken::new();
+    let _stop_everything_on_return = stop.clone().drop_guard();
+    let tasks = TaskTracker::new();
+    let stop_metrics = stop.child_token();
     if let Some(address) = config.metrics_listen {
         let listener = TcpListener::bind(address)
             .await
@@ -117,10 +123,8 @@ pub async fn run_with_console(
         // started the gateway learns the port.
         let address = listener.local_addr().unwrap_or(address);
         tracing::info!(%address, "serving metrics at /metrics");
-        let stop = stop_metrics.clone();
-        tokio::spawn(endpoint.serve(listener, async move { stop.cancelled().await }));
+        tasks.spawn(endpoint.serve(listener, stop_metrics.clone().cancelled_owned()));
     }
-    let _stop_metrics = stop_metrics.drop_guard();
     let relay = Relay::start(sources.clone(), config.delivery.clone());
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
     let push_board = push::PushBoard::default();
@@ -138,8 +142,8 @@ pub async fn run_with_console(
         std::sync::Arc::new(push_client),
     );
     let operations = Operations::new(relay.clone(), push_board.clone());
-    let stop_maintenance = tokio_util::sync::CancellationToken::new();
-    let maintenance = tokio::spawn(keep_running(
+    let stop_maintenance = stop.child_token();
+    tasks.spawn(keep_running(
         TaskName::single("maintenance"),
         RestartDelays::default(),
         stop_maintenance.clone(),
@@ -157,7 +161,7 @@ pub async fn run_with_console(
         },
         |_| {},
     ));
-    let source_watch = tokio::spawn(keep_running(
+    tasks.spawn(keep_running(
         TaskName::single("source_watch"),
         RestartDelays::default(),
         stop_maintenance.clone(),
@@ -171,26 +175,39 @@ pub async fn run_with_console(
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
-    // These two are aborted at shutdown, which ends a wait to restart as well.
-    let figures = config.metrics_listen.map(|_| {
+    // Both loop until told to stop; their token also ends a wait to restart.
+    if config.metrics_listen.is_some() {
         let (sources, operations) = (sources.clone(), operations.clone());
-        let interval = config.metrics_refresh_interval;
-        tokio::spawn(keep_running(
+        let (interval, stop_figures) = (config.metrics_refresh_interval, stop.child_token());
+        tasks.spawn(keep_running(
             TaskName::single("figures"),
             RestartDelays::default(),
-            CancellationToken::new(),
-            move || refresh_figures(sources.clone(), operations.clone(), interval),
+            stop_figures.clone(),
+            move || {
+                let figures = refresh_figures(sources.clone(), operations.clone(), interval);
+                let stop = stop_figures.clone();
+                async move {
+                    stop.run_until_cancelled(figures).await;
+                }
+            },
             |_| {},
-        ))
-    });
-    let health_monitor = tokio::spawn(keep_running(
+        ));
+    }
+    let stop_health = stop.child_token();
+    let health_monitor = tasks.spawn(keep_running(
         TaskName::single("health_monitor"),
         RestartDelays::default(),
-        CancellationToken::new(),
+        stop_health.clone(),
         {
             let (sources, reporter) = (sources.clone(), health_reporter.clone());
-            let interval = config.health_check_interval;
-            move || monitor_health(sources.clone(), reporter.clone(), interval)
+            let (interval, stop) = (config.health_check_interval, stop_health.clone());
+            move || {
+                let monitor = monitor_health(sources.clone(), reporter.clone(), interval);
+                let stop = stop.clone();
+                async move {
+                    stop.run_until_cancelled(monitor).await;
+                }
+            }
         },
         |_| {},
     ));
@@ -205,7 +222,7 @@ pub async fn run_with_console(
         .build_v1alpha()
         .expect("descriptor sets are valid");
 
-    let stop_serving = tokio_util::sync::CancellationToken::new();
+    let stop_serving = stop.child_token();
     let address = listener
         .local_addr()
         .map_or_else(|_| config.listen.to_string(), |address| address.to_string());
@@ -229,7 +246,7 @@ pub async fn run_with_console(
             authenticator.clone(),
             config.console_allowed_hosts.clone(),
         );
-        tokio::spawn(console::serve(
+        tasks.spawn(console::serve(
             console,
             listener,
             console_tls,
@@ -301,7 +318,9 @@ pub async fn run_with_console(
         }
         _ = shutdown => {
             tracing::info!("shutting down");
-            health_monitor.abort();
+            // Ended before NOT_SERVING is set, so that it cannot report SERVING again.
+            stop_health.cancel();
+            let _ = health_monitor.await;
             set_health(&health_reporter, ServingStatus::NotServing).await;
             stop_maintenance.cancel();
             relay.shutdown().await;
@@ -327,13 +346,11 @@ pub async fn run_with_console(
             }
         }
     }
-    health_monitor.abort();
-    if let Some(figures) = figures {
-        figures.abort();
-    }
-    stop_maintenance.cancel();
-    let _ = maintenance.await;
-    let _ = source_watch.await;
+    // What is left — maintenance, the source watch, the figures, the metrics endpoint —
+    // stops now and is waited for, before the pools close.
+    stop.cancel();
+    tasks.close();
+    tasks.wait().await;
     sources.close().await;
     tracing::info!("stopped");
     Ok(())
