@@ -36,6 +36,9 @@ pub struct TailArgs {
 }
 
 pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> {
+    // Listening before the ephemeral subscription exists: a signal that arrived between
+    // its creation and the first wait would otherwise end the process and leave it.
+    let mut stop = StopSignals::install();
     let gateway = target.connect(false).await?;
     let mut admin = gateway.admin();
     let (name, ephemeral) = match args.subscription {
@@ -77,7 +80,7 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
     // ephemeral subscription is always deleted.
     let result = tokio::select! {
         result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit) => result,
-        () = terminated() => Ok(()),
+        () = stop.received() => Ok(()),
     };
     if ephemeral
         && let Err(status) = admin
@@ -97,25 +100,39 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
 /// restart while tail reconnects.
 const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
 
-/// Completes on SIGINT (Ctrl-C) or SIGTERM.
-async fn terminated() {
+/// SIGINT (Ctrl-C) and SIGTERM, listened for from the moment they are installed.
+struct StopSignals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl StopSignals {
+    fn install() -> StopSignals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            StopSignals {
+                signals: signal(SignalKind::interrupt())
+                    .and_then(|interrupt| Ok((interrupt, signal(SignalKind::terminate())?)))
+                    .ok(),
             }
         }
+        #[cfg(not(unix))]
+        StopSignals {}
     }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
+
+    /// Completes when one of them arrived (since `install`).
+    async fn received(&mut self) {
+        #[cfg(unix)]
+        if let Some((interrupt, terminate)) = &mut self.signals {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+            return;
+        }
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// Whether a call failed because the gateway stopped or the connection broke (a
