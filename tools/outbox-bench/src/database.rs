@@ -118,10 +118,22 @@ impl BenchDatabase {
     /// Empties every outbox table: each scenario starts from an empty database.
     pub async fn reset(&self) -> anyhow::Result<()> {
         let mut connection = self.connect().await?;
-        connection
-            .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_cursors, outbox_subscriptions CASCADE")
-            .await
-            .context("cannot empty the outbox tables")?;
+        // A gateway may still be reading these tables: its statements can take their
+        // locks in another order than TRUNCATE, and PostgreSQL then ends one side of the
+        // deadlock. Ours is simply tried again.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match connection
+                .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_cursors, outbox_subscriptions CASCADE")
+                .await
+            {
+                Ok(_) => break,
+                Err(sqlx::Error::Database(error))
+                    if error.code().as_deref() == Some("40P01") && attempts < 5 => {}
+                Err(error) => return Err(error).context("cannot empty the outbox tables"),
+            }
+        }
         self.checkpoint(&mut connection).await;
         Ok(())
     }
