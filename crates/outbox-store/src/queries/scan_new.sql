@@ -1,5 +1,5 @@
 -- Reads what was committed in this source past a read position, for every subscription
--- at once: the relay's scout (see src/delivery/scout.rs) looks at each new row's type,
+-- at once: the relay's scout (see outbox-core's delivery/scout.rs) looks at each new row's type,
 -- aggregate type and metadata to wake only the subscriptions it concerns, and to move
 -- the read positions of subscriptions it does not concern without a claim of theirs.
 --
