@@ -282,7 +282,7 @@ impl Scout {
             let audience = self.audience.as_mut().expect("refreshed before use");
             for (read_index, read) in history.iter().enumerate() {
                 for row in &read.rows {
-                    for index in audience.selecting(row).collect::<Vec<_>>() {
+                    for index in audience.selecting(row) {
                         last_selected.insert(index, read_index);
                     }
                 }
