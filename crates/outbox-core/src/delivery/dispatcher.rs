@@ -572,17 +572,18 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             });
             return;
         }
-        // Claims for streams that have not settled anything yet take turns across the
-        // process, so they cannot fill the pool ahead of streams that do settle. The turn
-        // is taken only when there is something to claim, and given back before sleeping.
+        // Claims for streams that have not settled anything yet take paced turns across
+        // the process, so they cannot fill the pool ahead of streams that do settle. The
+        // turn is taken only when there is something to claim, and given back before
+        // sleeping.
         let has_news = dispatcher
             .sources
             .iter()
             .any(|source| source.is_connected() && wants_claim(&dispatcher, source));
-        let unproven_permit = match limits.is_some() && only_unproven && has_news {
+        let mut unproven_turn = match limits.is_some() && only_unproven && has_news {
             true => {
-                let permit = tokio::select! {
-                    permit = relay.inner.unproven_claims.acquire() => permit,
+                let turn = tokio::select! {
+                    turn = relay.inner.unproven_claims.turn() => turn,
                     _ = shutdown.cancelled() => {
                         end_streams(&dispatcher, &relay, || Error::ShuttingDown);
                         return;
@@ -595,7 +596,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     .expect("dispatcher lock")
                     .streams
                     .claim_limits(config.claim_batch_size, &budget);
-                Some(permit)
+                Some(turn)
             }
             false => None,
         };
@@ -627,6 +628,9 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     } => {
                         remaining.count = remaining.count.saturating_sub(count);
                         remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
+                        if let Some(turn) = unproven_turn.as_mut().filter(|_| count > 0) {
+                            turn.leased();
+                        }
                         if remaining.count == 0 || bytes >= limits.bytes {
                             full_batch = true;
                             break;
@@ -649,13 +653,13 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             }
             if full_batch {
                 drop(claiming);
-                drop(unproven_permit);
+                drop(unproven_turn);
                 tokio::task::yield_now().await;
                 continue;
             }
         }
         drop(claiming);
-        drop(unproven_permit);
+        drop(unproven_turn);
         // Without room, news waits: the settlement, expiry or stream that makes room wakes
         // the loop, and the news is still there then.
         let sleep_for = next_wake(&dispatcher, config.poll_interval);

@@ -28,9 +28,10 @@
 //!   their whole `max_in_flight` each in the moment they attach;
 //! - a stream is *proven* once it has settled something since it attached or since its
 //!   leases last expired. A dispatcher whose streams with room are all unproven claims
-//!   only while holding a gateway-wide permit ([`UnprovenClaims`]), so such claims never
-//!   take more than one of a pool's connections at a time, and the claims of streams that
-//!   do settle never queue behind them.
+//!   only in its turn ([`UnprovenClaims`]): one such claim at a time in the process, each
+//!   that leased something followed by a rest as long as it took, so they never take more
+//!   than half of one pool connection, and the claims of streams that do settle never
+//!   queue behind them.
 
 use std::{
     collections::HashMap,
@@ -60,25 +61,73 @@ pub const WINDOW_GROWTH: Duration = Duration::from_secs(1);
 /// most this many at once in the whole process.
 const UNPROVEN_CLAIMS_AT_ONCE: usize = 1;
 
-/// The gateway-wide permit a dispatcher holds while it claims for unproven streams only.
+/// The gateway-wide turn a dispatcher takes while it claims for unproven streams only.
 /// Streams that read and never ack can be many (a thousand attaching at once), and each
-/// claim for them is a transaction holding a pool connection: serialized here, they
-/// leave the rest of the pool to the subscriptions whose consumers settle.
+/// claim for them is a transaction holding a pool connection and deliveries to send:
+/// one turn at a time, each turn that leased something followed by a rest as long as it
+/// took, they use at most half of one connection and leave the rest of the process to
+/// the subscriptions whose consumers settle. A turn that found nothing to lease (streams
+/// of subscriptions with no new events) costs no rest, so it never delays the others.
 #[derive(Debug)]
-pub struct UnprovenClaims(tokio::sync::Semaphore);
+pub struct UnprovenClaims {
+    turns: tokio::sync::Semaphore,
+    /// The next turn starts no earlier than this.
+    rested_at: std::sync::Mutex<tokio::time::Instant>,
+}
 
 impl Default for UnprovenClaims {
     fn default() -> Self {
-        UnprovenClaims(tokio::sync::Semaphore::new(UNPROVEN_CLAIMS_AT_ONCE))
+        UnprovenClaims {
+            turns: tokio::sync::Semaphore::new(UNPROVEN_CLAIMS_AT_ONCE),
+            rested_at: std::sync::Mutex::new(tokio::time::Instant::now()),
+        }
     }
 }
 
 impl UnprovenClaims {
-    pub async fn acquire(&self) -> tokio::sync::SemaphorePermit<'_> {
-        self.0
+    /// Waits for the turn and for the rest after the previous one; the turn ends when
+    /// the returned value is dropped.
+    pub async fn turn(&self) -> UnprovenTurn<'_> {
+        let permit = self
+            .turns
             .acquire()
             .await
-            .expect("the semaphore is never closed")
+            .expect("the semaphore is never closed");
+        let rested_at = *self.rested_at.lock().expect("unproven claims lock");
+        tokio::time::sleep_until(rested_at).await;
+        UnprovenTurn {
+            claims: self,
+            started: tokio::time::Instant::now(),
+            leased: false,
+            _permit: permit,
+        }
+    }
+}
+
+/// One dispatcher's turn at claiming for unproven streams.
+#[derive(Debug)]
+pub struct UnprovenTurn<'a> {
+    claims: &'a UnprovenClaims,
+    started: tokio::time::Instant,
+    leased: bool,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl UnprovenTurn<'_> {
+    /// Notes that the turn leased deliveries: the next turn rests first.
+    pub fn leased(&mut self) {
+        self.leased = true;
+    }
+}
+
+impl Drop for UnprovenTurn<'_> {
+    fn drop(&mut self) {
+        if !self.leased {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        *self.claims.rested_at.lock().expect("unproven claims lock") =
+            now + now.saturating_duration_since(self.started);
     }
 }
 
@@ -887,6 +936,27 @@ mod tests {
             streams.next_deadline().unwrap() > Utc::now() + chrono::TimeDelta::seconds(20),
             "only its leases' deadlines are left to wake for"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_that_leased_is_followed_by_a_rest_as_long_as_it_took() {
+        let claims = UnprovenClaims::default();
+        let start = tokio::time::Instant::now();
+        drop(claims.turn().await);
+        drop(claims.turn().await);
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "turns that leased nothing never rest"
+        );
+
+        let mut turn = claims.turn().await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        turn.leased();
+        drop(turn);
+        let rested_from = tokio::time::Instant::now();
+        drop(claims.turn().await);
+        assert_eq!(rested_from.elapsed(), Duration::from_millis(300));
     }
 
     #[test]
