@@ -251,6 +251,7 @@ pub async fn run_with_console(
             listener,
             console_tls,
             stop_serving.clone(),
+            config.shutdown_grace,
         ))
     });
     let mut builder = tonic::transport::Server::builder()
@@ -335,15 +336,13 @@ pub async fn run_with_console(
     // publish queue; once it is dropped the committers finish and give back the
     // connections they keep, which `store.close()` waits for.
     drop(server);
-    if let Some(mut console_server) = console_server {
+    if let Some(console_server) = console_server {
+        // It stops serving at once and cuts what still runs after the grace period.
         stop_serving.cancel();
-        match tokio::time::timeout(config.shutdown_grace, &mut console_server).await {
-            Ok(Ok(Err(error))) => tracing::warn!(%error, "the console failed"),
-            Ok(_) => {}
-            Err(_) => {
-                console_server.abort();
-                tracing::warn!("console requests still running after the grace period were cut");
-            }
+        match console_server.await {
+            Ok(Err(error)) => tracing::warn!(%error, "the console failed"),
+            Ok(Ok(())) => {}
+            Err(error) => tracing::error!(%error, "the console's task failed"),
         }
     }
     // What is left — maintenance, the source watch, the figures, the metrics endpoint —

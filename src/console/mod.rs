@@ -24,7 +24,7 @@ mod session;
 pub mod tls;
 mod views;
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Router,
@@ -127,29 +127,55 @@ impl Console {
     }
 }
 
-/// Serves the console on `listener` (with TLS when `tls` is given) until `shutdown`.
+/// Serves the console on `listener` (with TLS when `tls` is given) until `shutdown`, then
+/// lets running requests finish for at most `grace`.
 pub async fn serve(
     console: Console,
     listener: TcpListener,
     tls: Option<Arc<ServerConfig>>,
     shutdown: CancellationToken,
+    grace: Duration,
 ) -> std::io::Result<()> {
     let address = listener.local_addr()?;
     let router = console.router(tls.is_some());
     tracing::info!(%address, tls = tls.is_some(), "serving the web console");
     match tls {
         None => {
-            axum::serve(listener, router.into_make_service())
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
+            let serving = axum::serve(listener, router.into_make_service())
+                .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+            within_grace(serving.into_future(), shutdown, grace).await
         }
         Some(config) => {
-            axum::serve(
+            let serving = axum::serve(
                 tls::TlsListener::new(listener, config)?,
                 router.into_make_service(),
             )
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
+            .with_graceful_shutdown(shutdown.clone().cancelled_owned());
+            within_grace(serving.into_future(), shutdown, grace).await
+        }
+    }
+}
+
+/// Runs `serving` until it ends, or until `grace` after `shutdown`: requests still
+/// running then are cut.
+async fn within_grace(
+    serving: impl Future<Output = std::io::Result<()>>,
+    shutdown: CancellationToken,
+    grace: Duration,
+) -> std::io::Result<()> {
+    let mut serving = std::pin::pin!(serving);
+    tokio::select! {
+        result = &mut serving => return result,
+        _ = shutdown.cancelled() => {}
+    }
+    match tokio::time::timeout(grace, serving).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(
+                ?grace,
+                "console requests still running after the grace period were cut"
+            );
+            Ok(())
         }
     }
 }
