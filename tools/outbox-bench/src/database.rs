@@ -169,6 +169,48 @@ impl BenchDatabase {
         Ok(count.max(0) as u64)
     }
 
+    /// Rows written (inserted, updated, deleted) so far in the gateway's tables other than
+    /// `outbox_events`, and the server's WAL position in bytes. The row counts come from
+    /// `pg_stat_user_tables`, which other sessions update only when they flush their
+    /// statistics (within a second while busy, ten seconds once idle): read this once
+    /// the counts have stopped moving ([`BenchDatabase::settled_bookkeeping`]).
+    pub async fn bookkeeping(&self) -> anyhow::Result<Bookkeeping> {
+        let mut connection = self.connect().await?;
+        let (row_writes, wal_bytes): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
+                       FROM pg_stat_user_tables \
+                      WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'), \
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint",
+        )
+        .fetch_one(&mut connection)
+        .await
+        .context("cannot read the table statistics")?;
+        Ok(Bookkeeping {
+            row_writes: row_writes.max(0) as u64,
+            wal_bytes: wal_bytes.max(0) as u64,
+        })
+    }
+
+    /// [`BenchDatabase::bookkeeping`] once the row counts have not moved for `quiet`
+    /// (at most four times that), with the WAL position read at once: what the run wrote,
+    /// not the idle gateway after it.
+    pub async fn settled_bookkeeping(&self, quiet: Duration) -> anyhow::Result<Bookkeeping> {
+        let now = self.bookkeeping().await?;
+        let started = tokio::time::Instant::now();
+        let (mut last, mut unchanged_since) = (now.row_writes, started);
+        while unchanged_since.elapsed() < quiet && started.elapsed() < quiet * 4 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let row_writes = self.bookkeeping().await?.row_writes;
+            if row_writes != last {
+                (last, unchanged_since) = (row_writes, tokio::time::Instant::now());
+            }
+        }
+        Ok(Bookkeeping {
+            row_writes: last,
+            wal_bytes: now.wal_bytes,
+        })
+    }
+
     /// Empties the outbox table only (between runs that publish into it).
     pub async fn truncate_events(&self) -> anyhow::Result<()> {
         let mut connection = self.connect().await?;
@@ -368,4 +410,11 @@ mod tests {
             assert!(!is_local_host(host), "{host}");
         }
     }
+}
+
+/// Counters of what the gateway's bookkeeping wrote; see [`BenchDatabase::bookkeeping`].
+#[derive(Debug, Clone, Copy)]
+pub struct Bookkeeping {
+    pub row_writes: u64,
+    pub wal_bytes: u64,
 }

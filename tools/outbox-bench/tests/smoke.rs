@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 16] = [
+const SCENARIOS: [&str; 17] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -29,6 +29,7 @@ const SCENARIOS: [&str; 16] = [
     "backlog-scaling",
     "memory",
     "cost",
+    "delivery-cost",
     "push",
 ];
 

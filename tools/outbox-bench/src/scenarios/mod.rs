@@ -5,6 +5,7 @@
 mod backlog;
 mod cost;
 mod deliver;
+mod delivery_cost;
 mod fan_in;
 mod held;
 mod latency;
@@ -48,11 +49,12 @@ pub enum Scenario {
     BacklogScaling,
     Memory,
     Cost,
+    DeliveryCost,
     Push,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 16] = [
+    pub const ALL: [Scenario; 17] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -68,6 +70,7 @@ impl Scenario {
         Scenario::BacklogScaling,
         Scenario::Memory,
         Scenario::Cost,
+        Scenario::DeliveryCost,
         Scenario::Push,
     ];
 
@@ -88,6 +91,7 @@ impl Scenario {
             Scenario::BacklogScaling => "backlog-scaling",
             Scenario::Memory => "memory",
             Scenario::Cost => "cost",
+            Scenario::DeliveryCost => "delivery-cost",
             Scenario::Push => "push",
         }
     }
@@ -110,7 +114,8 @@ impl Scenario {
             | Scenario::Replicas
             | Scenario::BacklogScaling
             | Scenario::Memory
-            | Scenario::Cost => None,
+            | Scenario::Cost
+            | Scenario::DeliveryCost => None,
         }
     }
 
@@ -132,6 +137,7 @@ impl Scenario {
             Scenario::BacklogScaling => backlog::run(bench, gateway).await,
             Scenario::Memory => memory::run(bench, gateway).await,
             Scenario::Cost => cost::run(bench, gateway).await,
+            Scenario::DeliveryCost => delivery_cost::run(bench, gateway).await,
             Scenario::Push => push::run(bench, gateway).await,
         }
     }
@@ -172,9 +178,9 @@ pub struct Bench {
 }
 
 impl Bench {
-    /// Fills a backlog, creates `subscriptions` subscriptions starting at the earliest
-    /// event, consumes them with `streams` streams each until each has acked `target`
-    /// events (or the deliver limit passes), and deletes them again.
+    /// Creates `subscriptions` subscriptions starting at the earliest event, consumes
+    /// them with `streams` streams each until each has acked `target` events (or `limit`
+    /// passes), and deletes them again.
     pub async fn deliver(
         &self,
         gateway: &Gateway,
@@ -184,16 +190,51 @@ impl Bench {
         target: u64,
         limit: Duration,
     ) -> anyhow::Result<GroupOutcome> {
-        let names: Vec<String> = (1..=subscriptions)
-            .map(|index| format!("{name}-{index}"))
-            .collect();
-        for name in &names {
+        let names = subscription_names(name, subscriptions);
+        self.deliver_to(
+            gateway,
+            &names,
+            streams,
+            target,
+            limit,
+            ConsumerConfig::default(),
+        )
+        .await
+    }
+
+    /// [`Bench::deliver`] within the deliver limit, with consumers that read and ack as
+    /// `config` says.
+    pub async fn deliver_with(
+        &self,
+        gateway: &Gateway,
+        name: &str,
+        subscriptions: usize,
+        streams: usize,
+        target: u64,
+        config: ConsumerConfig,
+    ) -> anyhow::Result<GroupOutcome> {
+        let names = subscription_names(name, subscriptions);
+        let limit = self.settings.deliver_limit;
+        self.deliver_to(gateway, &names, streams, target, limit, config)
+            .await
+    }
+
+    async fn deliver_to(
+        &self,
+        gateway: &Gateway,
+        names: &[String],
+        streams: usize,
+        target: u64,
+        limit: Duration,
+        config: ConsumerConfig,
+    ) -> anyhow::Result<GroupOutcome> {
+        for name in names {
             gateway.create_subscription(name, true).await?;
         }
         let outcome = self
-            .consume(gateway, &names, streams, target, limit)
+            .consume_with(gateway, names, streams, target, limit, config)
             .await?;
-        for name in &names {
+        for name in names {
             gateway.delete_subscription(name).await?;
         }
         Ok(outcome)
@@ -209,6 +250,26 @@ impl Bench {
         target: u64,
         limit: Duration,
     ) -> anyhow::Result<GroupOutcome> {
+        self.consume_with(
+            gateway,
+            names,
+            streams,
+            target,
+            limit,
+            ConsumerConfig::default(),
+        )
+        .await
+    }
+
+    async fn consume_with(
+        &self,
+        gateway: &Gateway,
+        names: &[String],
+        streams: usize,
+        target: u64,
+        limit: Duration,
+        config: ConsumerConfig,
+    ) -> anyhow::Result<GroupOutcome> {
         let loads: Vec<SubscriptionLoad> = names
             .iter()
             .map(|name| SubscriptionLoad {
@@ -220,7 +281,7 @@ impl Bench {
         let group = ConsumerGroup::start(
             gateway,
             &loads,
-            ConsumerConfig::default(),
+            config,
             self.settings.timing.sample_interval,
             |_| {},
         )
@@ -277,4 +338,9 @@ pub async fn insert_backlog(bench: &Bench, scenario: &str, events: u64) -> anyho
         ),
     );
     bench.database.fill_backlog(events).await
+}
+
+/// `name-1`, `name-2`, … `name-<count>`.
+fn subscription_names(name: &str, count: usize) -> Vec<String> {
+    (1..=count).map(|index| format!("{name}-{index}")).collect()
 }
