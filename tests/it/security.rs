@@ -7,6 +7,7 @@ use crate::common::*;
 use outbox_client::{ClientError, Connection, Publisher};
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
+    config::SourceConfig,
     proto::{
         self, admin_client::AdminClient, publisher_client::PublisherClient,
         subscriber_client::SubscriberClient,
@@ -215,6 +216,126 @@ async fn tokens_authenticate_and_roles_with_scopes_authorize() {
             .stale_ack_ids
             .is_empty()
     );
+}
+
+/// The publisher scope's `sources` and `aggregate_types` bound Publish, the one call they
+/// govern: outside them PERMISSION_DENIED naming the field and nothing written, inside
+/// them the events land in the source they were sent to.
+#[tokio::test]
+async fn publisher_scopes_of_sources_and_aggregate_types_bound_publish() {
+    let (default, orders) = (TestDatabase::create().await, TestDatabase::create().await);
+    let mut config = test_config(default.url());
+    config.sources = vec![SourceConfig {
+        name: "orders".into(),
+        database_url: orders.url(),
+        max_connections: None,
+        migrate: None,
+    }];
+    config.tokens = vec![
+        TokenConfig {
+            sources: vec!["orders".into()],
+            ..token("orders-service", vec![Role::Publisher])
+        },
+        TokenConfig {
+            aggregate_types: vec!["invoice".into(), "refund".into()],
+            ..token("billing-service", vec![Role::Publisher])
+        },
+    ];
+    let gateway = TestGateway::start_with(&default, config).await;
+    let mut publisher = PublisherClient::new(gateway.channel().await);
+    let (default_pool, orders_pool) = (default.pool().await, orders.pool().await);
+    let publish_to = |source: &str, events: Vec<proto::EventInput>, token: &str| {
+        with_token(
+            proto::PublishRequest {
+                events,
+                source: source.into(),
+            },
+            token,
+        )
+    };
+    let of_aggregate = |aggregate_type: &str, aggregate_id: &str| proto::EventInput {
+        aggregate_type: aggregate_type.into(),
+        ..event(aggregate_id, "billing.changed")
+    };
+
+    // `sources`: the default source, named or left empty, is outside the scope.
+    for source in ["", "default"] {
+        assert_status(
+            publisher
+                .publish(publish_to(
+                    source,
+                    vec![event("o-1", "order.created")],
+                    "orders-service",
+                ))
+                .await,
+            Code::PermissionDenied,
+            "source",
+        );
+    }
+    publisher
+        .publish(publish_to(
+            "orders",
+            vec![event("o-1", "order.created")],
+            "orders-service",
+        ))
+        .await
+        .expect("a token scoped to orders publishes to orders");
+    assert_eq!(count_events(&orders_pool).await, 1);
+    assert_eq!(
+        count_events(&default_pool).await,
+        0,
+        "the refused calls wrote nothing"
+    );
+
+    // `aggregate_types`: every event of the batch must be within it, whatever the source.
+    assert_status(
+        publisher
+            .publish(publish_to(
+                "",
+                vec![of_aggregate("order", "o-2")],
+                "billing-service",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "events[0].aggregate_type",
+    );
+    assert_status(
+        publisher
+            .publish(publish_to(
+                "orders",
+                vec![of_aggregate("invoice", "i-1"), of_aggregate("order", "o-2")],
+                "billing-service",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "events[1].aggregate_type",
+    );
+    assert_eq!(
+        count_events(&orders_pool).await,
+        1,
+        "a batch with one event outside the scope writes none of it"
+    );
+    publisher
+        .publish(publish_to(
+            "",
+            vec![
+                of_aggregate("invoice", "i-1"),
+                of_aggregate("refund", "r-1"),
+            ],
+            "billing-service",
+        ))
+        .await
+        .expect("aggregate types within the scope are published");
+    publisher
+        .publish(publish_to(
+            "orders",
+            vec![of_aggregate("refund", "r-2")],
+            "billing-service",
+        ))
+        .await
+        .expect("a token without a sources scope publishes to any source");
+    assert_eq!(count_events(&default_pool).await, 2);
+    assert_eq!(count_events(&orders_pool).await, 2);
 }
 
 #[test]
