@@ -1,5 +1,6 @@
 //! The Rust client library against a real gateway: idempotent publishing, the handler
-//! loop (ack, nack, dead letter), reconnecting across a gateway restart, draining.
+//! loop (ack, nack, dead letter), extending the leases of slow handlers, reconnecting
+//! across a gateway restart, draining.
 
 use std::{
     collections::HashSet,
@@ -157,6 +158,61 @@ async fn subscriber_reports_an_unknown_subscription() {
     assert!(
         matches!(result, Err(ClientError::Refused(status)) if status.code() == tonic::Code::NotFound)
     );
+}
+
+/// A handler that holds a delivery for several ack deadlines keeps it: the client
+/// extends the lease while the handler runs, so the gateway does not hand the event to
+/// anyone else, and the ack at the end takes.
+#[tokio::test]
+async fn a_slow_handler_keeps_its_delivery_past_the_ack_deadline() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(1),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(&gateway, vec![event("slow", "order.created")]).await;
+
+    let handled = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let shutdown = CancellationToken::new();
+    let subscriber = {
+        let handled = handled.clone();
+        let shutdown = shutdown.clone();
+        let connection = Connection::new(gateway.endpoint());
+        tokio::spawn(async move {
+            Subscriber::new(connection, "orders")
+                .concurrency(4)
+                .run(
+                    move |delivery| {
+                        let handled = handled.clone();
+                        async move {
+                            handled.lock().unwrap().push(delivery.attempt);
+                            // Three and a half ack deadlines.
+                            tokio::time::sleep(Duration::from_millis(3500)).await;
+                            Ok(())
+                        }
+                    },
+                    shutdown,
+                )
+                .await
+        })
+    };
+    let pool = database.pool().await;
+    eventually("the slow handler finishes and acks", WAIT, || async {
+        !handled.lock().unwrap().is_empty() && delivery_records(&pool, "orders").await.is_empty()
+    })
+    .await;
+    assert_eq!(
+        *handled.lock().unwrap(),
+        vec![1],
+        "the event was delivered again while its handler held it"
+    );
+    shutdown.cancel();
+    subscriber.await.unwrap().unwrap();
 }
 
 async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
