@@ -992,3 +992,55 @@ async fn the_cli_names_tls_mismatches() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--rpc-timeout` bounds a unary call: one held up longer (here by a lock on the outbox
+/// table) is answered DEADLINE_EXCEEDED. Subscribe streams are not unary and outlive it.
+#[tokio::test]
+async fn a_unary_call_slower_than_the_rpc_timeout_is_cut() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.rpc_timeout = Duration::from_millis(500);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut stream = Consumer::open(&gateway, "orders", 10).await;
+
+    let mut locker = PgConnection::connect(&database.url()).await.unwrap();
+    locker.execute("BEGIN").await.unwrap();
+    locker
+        .execute("LOCK TABLE outbox_events IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let held_up = tokio::time::timeout(
+        Duration::from_secs(20),
+        gateway
+            .publisher()
+            .await
+            .publish(publish_request("order.created")),
+    )
+    .await
+    .expect("the call is cut well before the test gives up");
+    assert!(
+        started.elapsed() >= Duration::from_millis(450),
+        "cut after {:?}, before the timeout",
+        started.elapsed()
+    );
+    assert_status(held_up, Code::DeadlineExceeded, "");
+    locker.execute("ROLLBACK").await.unwrap();
+
+    // Well past the timeout, the stream opened before it still delivers. (Like any
+    // DEADLINE_EXCEEDED, the cut call's outcome is unknown: its insert may have been
+    // under way, and it may be delivered too.)
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    loop {
+        let delivered = stream
+            .next(Duration::from_secs(20))
+            .await
+            .expect("the stream outlives the rpc timeout");
+        match aggregate_of(&delivered).as_str() {
+            "o-2" => break,
+            other => assert_eq!(other, "b-1"),
+        }
+    }
+    assert!(started.elapsed() > Duration::from_millis(500));
+}
