@@ -1044,3 +1044,45 @@ async fn a_unary_call_slower_than_the_rpc_timeout_is_cut() {
     }
     assert!(started.elapsed() > Duration::from_millis(500));
 }
+
+/// `--max-concurrent-streams` bounds the calls open at once on one connection: the
+/// client's next call waits until one of them ends, then goes through.
+#[tokio::test]
+async fn calls_beyond_max_concurrent_streams_wait_for_a_free_one() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.max_concurrent_streams = 2;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    // Both streams and the third call share one connection.
+    let channel = gateway.channel().await;
+    let open = || {
+        let mut subscriber = SubscriberClient::new(channel.clone());
+        async move {
+            subscriber
+                .subscribe(proto::SubscribeRequest {
+                    subscription: "orders".into(),
+                    ..Default::default()
+                })
+                .await
+                .expect("subscribe")
+                .into_inner()
+        }
+    };
+    let first = open().await;
+    let _second = open().await;
+    let mut admin = AdminClient::new(channel.clone());
+    let mut third = Box::pin(admin.list_subscriptions(proto::ListSubscriptionsRequest {}));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut third)
+            .await
+            .is_err(),
+        "a third call went through while two streams were open"
+    );
+    drop(first);
+    let listed = tokio::time::timeout(Duration::from_secs(20), third)
+        .await
+        .expect("the third call goes through once a stream ended")
+        .expect("list subscriptions");
+    assert_eq!(listed.into_inner().subscriptions.len(), 1);
+}
