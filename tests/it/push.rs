@@ -949,21 +949,21 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     });
     let config_file = std::env::temp_dir().join(format!("{}-push.toml", database.name()));
     std::fs::write(&config_file, "[push]\nallowed_hosts = [\"127.0.0.1\"]\n").unwrap();
-    let address = outbox_testkit::gateway::free_loopback_address().unwrap();
-    let metrics = outbox_testkit::gateway::free_loopback_address().unwrap();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(["serve", "--listen", &address.to_string(), "--database-url"])
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
         .arg(database.url())
-        .args(["--console-listen", "off", "--metrics-listen"])
-        .arg(metrics.to_string())
+        .args(["--console-listen", "off", "--metrics-listen", "127.0.0.1:0"])
         .arg("--config")
         .arg(&config_file)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("start the gateway binary");
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    let metrics = log.announced("serving metrics", &mut child).await;
     outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
         matches!(child.try_wait(), Ok(None))
     })
