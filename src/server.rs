@@ -258,8 +258,7 @@ pub async fn run_with_console(
         .max_concurrent_streams(config.max_concurrent_streams)
         .http2_max_header_list_size(api::MAX_HEADER_LIST_BYTES)
         .http2_keepalive_interval(Some(config.http2_keepalive_interval))
-        .http2_keepalive_timeout(Some(config.http2_keepalive_timeout))
-        .timeout(config.rpc_timeout);
+        .http2_keepalive_timeout(Some(config.http2_keepalive_timeout));
     if let Some(tls) = &config.tls {
         builder = builder
             .tls_config(
@@ -277,6 +276,10 @@ pub async fn run_with_console(
                 .layer(telemetry::RpcLayer)
                 .layer(api::MessageLimitLayer {
                     max_message_bytes: max_message,
+                })
+                // Inside the telemetry, which then records the DEADLINE_EXCEEDED.
+                .layer(api::RpcTimeoutLayer {
+                    rpc_timeout: config.rpc_timeout,
                 })
                 // Before authentication: an oversized token is refused for its size.
                 .layer(api::HeaderLimitLayer)

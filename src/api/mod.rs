@@ -5,12 +5,14 @@
 mod admin;
 mod auth;
 mod convert;
+mod deadline;
 mod limits;
 mod publisher;
 mod subscriber;
 
 pub use admin::AdminApi;
 pub use auth::AuthLayer;
+pub use deadline::RpcTimeoutLayer;
 pub use limits::{
     HeaderLimitLayer, MAX_HEADER_LIST_BYTES, MAX_REQUEST_METADATA_BYTES, MessageLimitLayer,
 };

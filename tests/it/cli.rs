@@ -1643,3 +1643,95 @@ async fn token_generate_takes_roles() {
     .await;
     assert_eq!(unknown.code, Some(2), "{}", unknown.stderr);
 }
+
+/// `stats --watch --json`, one JSON line per refresh, its output piped to the test.
+fn spawn_stats_watch(endpoint: &str, interval: &str) -> tokio::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["stats", "--watch", "--json", "--interval", interval])
+        .env("OUTBOX_ENDPOINT", endpoint)
+        .env(
+            "XDG_CONFIG_HOME",
+            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+        )
+        .env_remove("OUTBOX_CONTEXT")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run stats --watch")
+}
+
+/// Reads refreshes of `stats --watch --json` until one shows `events_stored` at `stored`.
+async fn watch_until_stored(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+    stored: i64,
+) -> usize {
+    let mut refreshes = 0;
+    loop {
+        let line = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no refresh within {WAIT:?}"))
+            .unwrap()
+            .expect("stats --watch ended early");
+        refreshes += 1;
+        let figures: Value = serde_json::from_str(&line).expect("a JSON line per refresh");
+        if figures["outbox"]["events_stored"] == stored {
+            return refreshes;
+        }
+    }
+}
+
+fn send_signal(child: &tokio::process::Child, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// `--watch` refreshes until interrupted: each refresh shows what changed since, and
+/// Ctrl-C (SIGINT) or SIGTERM ends it with success, whenever the signal comes — also
+/// while a refresh is being fetched, which a short interval makes the usual case.
+#[tokio::test]
+async fn stats_watch_refreshes_until_interrupted() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    for (signal, interval) in [("INT", "100ms"), ("TERM", "100ms"), ("INT", "1ms")] {
+        let mut watch = spawn_stats_watch(&gateway.endpoint(), interval);
+        let mut lines = tokio::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+        let stored = count_events(&database.pool().await).await;
+        watch_until_stored(&mut lines, stored).await;
+        publish(&gateway, vec![event("o-1", "order.created")]).await;
+        watch_until_stored(&mut lines, stored + 1).await;
+        send_signal(&watch, signal);
+        drop(lines);
+        let (status, stderr) = stderr_of(watch).await;
+        assert!(
+            status.success(),
+            "SIG{signal} with --interval {interval}: {status}: {stderr}"
+        );
+        assert!(stderr.is_empty(), "{stderr}");
+    }
+}
+
+/// A watched gateway that goes away ends `--watch` like any failed command: non-zero,
+/// with one line saying the gateway cannot be reached.
+#[tokio::test]
+async fn stats_watch_ends_with_a_clear_failure_when_the_gateway_goes_away() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut watch = spawn_stats_watch(&gateway.endpoint(), "100ms");
+    let mut lines = tokio::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+    assert!(watch_until_stored(&mut lines, 0).await >= 1);
+    gateway.stop().await.unwrap();
+    // Refreshes printed before the gateway was gone are still in the pipe.
+    while let Ok(Ok(Some(_))) = tokio::time::timeout(WAIT, lines.next_line()).await {}
+    let (status, stderr) = stderr_of(watch).await;
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("gateway"), "{stderr}");
+}

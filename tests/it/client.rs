@@ -1,5 +1,6 @@
 //! The Rust client library against a real gateway: idempotent publishing, the handler
-//! loop (ack, nack, dead letter), reconnecting across a gateway restart, draining.
+//! loop (ack, nack, dead letter), extending the leases of slow handlers, reconnecting
+//! across a gateway restart, draining.
 
 use std::{
     collections::HashSet,
@@ -156,6 +157,176 @@ async fn subscriber_reports_an_unknown_subscription() {
         .await;
     assert!(
         matches!(result, Err(ClientError::Refused(status)) if status.code() == tonic::Code::NotFound)
+    );
+}
+
+/// A handler that holds a delivery for several ack deadlines keeps it: the client
+/// extends the lease while the handler runs, so the gateway does not hand the event to
+/// anyone else, and the ack at the end takes.
+#[tokio::test]
+async fn a_slow_handler_keeps_its_delivery_past_the_ack_deadline() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(1),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(&gateway, vec![event("slow", "order.created")]).await;
+
+    let handled = Arc::new(Mutex::new(Vec::<u32>::new()));
+    let shutdown = CancellationToken::new();
+    let subscriber = {
+        let handled = handled.clone();
+        let shutdown = shutdown.clone();
+        let connection = Connection::new(gateway.endpoint());
+        tokio::spawn(async move {
+            Subscriber::new(connection, "orders")
+                .concurrency(4)
+                .run(
+                    move |delivery| {
+                        let handled = handled.clone();
+                        async move {
+                            handled.lock().unwrap().push(delivery.attempt);
+                            // Three and a half ack deadlines.
+                            tokio::time::sleep(Duration::from_millis(3500)).await;
+                            Ok(())
+                        }
+                    },
+                    shutdown,
+                )
+                .await
+        })
+    };
+    let pool = database.pool().await;
+    eventually("the slow handler finishes and acks", WAIT, || async {
+        !handled.lock().unwrap().is_empty() && delivery_records(&pool, "orders").await.is_empty()
+    })
+    .await;
+    assert_eq!(
+        *handled.lock().unwrap(),
+        vec![1],
+        "the event was delivered again while its handler held it"
+    );
+    shutdown.cancel();
+    subscriber.await.unwrap().unwrap();
+}
+
+/// Shutting down drains: the running handler finishes and its ack is sent before `run`
+/// returns, and deliveries the stream held but no handler took are given back at once
+/// rather than at their (long) ack deadline.
+#[tokio::test]
+async fn shutdown_lets_running_handlers_finish_and_gives_the_rest_back() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(600),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(
+        &gateway,
+        vec![
+            event("a-1", "order.created"),
+            event("a-2", "order.created"),
+            event("a-3", "order.created"),
+        ],
+    )
+    .await;
+
+    let started = Arc::new(Mutex::new(Vec::<String>::new()));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let shutdown = CancellationToken::new();
+    let mut subscriber = {
+        let (started, release) = (started.clone(), release.clone());
+        let shutdown = shutdown.clone();
+        let connection = Connection::new(gateway.endpoint());
+        tokio::spawn(async move {
+            Subscriber::new(connection, "orders")
+                .concurrency(1)
+                .max_in_flight(3)
+                .run(
+                    move |delivery| {
+                        let (started, release) = (started.clone(), release.clone());
+                        async move {
+                            started.lock().unwrap().push(aggregate_of(&delivery));
+                            release.notified().await;
+                            Ok(())
+                        }
+                    },
+                    shutdown,
+                )
+                .await
+        })
+    };
+    let pool = database.pool().await;
+    let leased = || async {
+        delivery_records(&pool, "orders")
+            .await
+            .into_iter()
+            .filter(|(_, state, _)| state == "in_flight")
+            .count()
+    };
+    eventually(
+        "one handler runs and the stream holds all three",
+        WAIT,
+        || async { started.lock().unwrap().len() == 1 && leased().await == 3 },
+    )
+    .await;
+
+    shutdown.cancel();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut subscriber)
+            .await
+            .is_err(),
+        "run returned while a handler was still running"
+    );
+    release.notify_one();
+    tokio::time::timeout(WAIT, subscriber)
+        .await
+        .expect("run returns once the handler finished")
+        .unwrap()
+        .unwrap();
+
+    let handled = started.lock().unwrap().clone();
+    assert_eq!(handled.len(), 1, "no handler starts after shutdown");
+    // The gateway sees the stream close a moment after `run` returns.
+    eventually(
+        "the handled event is acked and the others are given back",
+        WAIT,
+        || async {
+            delivery_records(&pool, "orders")
+                .await
+                .iter()
+                .all(|(aggregate, state, _)| *aggregate != handled[0] && state != "in_flight")
+        },
+    )
+    .await;
+    // Given back, not held until the 600-second deadline: another reader gets them now.
+    let mut next_reader = Consumer::open(&gateway, "orders", 10).await;
+    let mut redelivered: Vec<String> = next_reader
+        .take(2, WAIT)
+        .await
+        .iter()
+        .map(aggregate_of)
+        .collect();
+    redelivered.sort();
+    let mut expected: Vec<String> = ["a-1", "a-2", "a-3"]
+        .into_iter()
+        .filter(|aggregate| *aggregate != handled[0])
+        .map(String::from)
+        .collect();
+    expected.sort();
+    assert_eq!(redelivered, expected);
+    assert!(
+        next_reader.next(Duration::from_millis(500)).await.is_none(),
+        "the handled event came again"
     );
 }
 

@@ -41,6 +41,67 @@ pub async fn run(what: &str, command: &mut Command, limit: Duration) -> String {
     stdout
 }
 
+/// What a gateway binary run as a child process writes to its piped standard output
+/// and error, collected line by line.
+#[derive(Clone, Default)]
+pub struct ProcessLog {
+    lines: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl ProcessLog {
+    /// Collects what `child` writes from now on to whichever of its standard output and
+    /// error are piped.
+    pub fn collect(child: &mut tokio::process::Child) -> ProcessLog {
+        use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+        let log = ProcessLog::default();
+        let outputs: [Option<Box<dyn AsyncRead + Send + Unpin>>; 2] = [
+            child.stdout.take().map(|out| Box::new(out) as _),
+            child.stderr.take().map(|err| Box::new(err) as _),
+        ];
+        for output in outputs.into_iter().flatten() {
+            let lines = log.lines.clone();
+            tokio::spawn(async move {
+                let mut reader = BufReader::new(output).lines();
+                while let Ok(Some(line)) = reader.next_line().await {
+                    lines.lock().unwrap().push(line);
+                }
+            });
+        }
+        log
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    pub fn text(&self) -> String {
+        self.lines().join("\n")
+    }
+
+    /// The address the gateway says it serves `announcement` on (`"serving gRPC"`,
+    /// `"serving metrics"`): started on port 0, it tells the port it bound. Fails the
+    /// test, with the log, when the process ends or stays silent.
+    pub async fn announced(
+        &self,
+        announcement: &str,
+        child: &mut tokio::process::Child,
+    ) -> SocketAddr {
+        let announced = outbox_testkit::gateway::wait_for_announcement(
+            announcement,
+            Duration::from_secs(30),
+            || self.text(),
+            || matches!(child.try_wait(), Ok(None)),
+        )
+        .await;
+        announced.unwrap_or_else(|error| {
+            panic!(
+                "no {announcement:?} from the gateway: {error}; its log:\n{}",
+                self.text()
+            )
+        })
+    }
+}
+
 /// How often the tests poll for a condition (with `poll_until` and a deadline).
 pub const POLL: Duration = Duration::from_millis(50);
 

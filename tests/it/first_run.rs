@@ -32,12 +32,6 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-fn free_address() -> String {
-    gateway::free_loopback_address()
-        .expect("a free loopback port")
-        .to_string()
-}
-
 #[tokio::test]
 async fn a_url_that_is_not_postgresql_is_refused_before_connecting() {
     let output = exit_of(gateway_command(&[
@@ -74,7 +68,7 @@ async fn a_port_that_is_not_postgresql_fails_within_the_connect_timeout() {
     let output = exit_of(gateway_command(&[
         "serve",
         "--listen",
-        &free_address(),
+        "127.0.0.1:0",
         "--database-url",
         &format!("postgres://postgres:hunter2@127.0.0.1:{port}/outbox"),
         "--db-connect-timeout",
@@ -111,7 +105,7 @@ async fn a_taken_metrics_port_is_fatal() {
     let output = exit_of(gateway_command(&[
         "serve",
         "--listen",
-        &free_address(),
+        "127.0.0.1:0",
         "--database-url",
         &database.url(),
         "--console-listen",
@@ -146,33 +140,28 @@ async fn help_never_shows_the_database_password() {
 #[tokio::test]
 async fn host_names_are_accepted_where_addresses_are() {
     let database = TestDatabase::create().await;
-    let port = gateway::free_loopback_address().unwrap().port();
-    let metrics_port = gateway::free_loopback_address().unwrap().port();
+    // Port 0: the gateway binds a free port and says which in its log.
     let mut command = gateway_command(&[
         "serve",
         "--listen",
-        &format!("localhost:{port}"),
+        "localhost:0",
         "--database-url",
         &database.url(),
         "--console-listen",
         "off",
         "--metrics-listen",
-        &format!("localhost:{metrics_port}"),
+        "localhost:0",
     ]);
     command
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped());
     let mut child = command.spawn().unwrap();
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    let metrics_port = log.announced("serving metrics", &mut child).await.port();
     let serving =
-        gateway::wait_until_serving(format!("127.0.0.1:{port}").parse().unwrap(), LIMIT, || {
-            matches!(child.try_wait(), Ok(None))
-        })
-        .await;
-    if serving.is_err() {
-        child.start_kill().unwrap();
-        let output = child.wait_with_output().await.unwrap();
-        panic!("not serving on localhost: {}", text(&output.stderr));
-    }
+        gateway::wait_until_serving(address, LIMIT, || matches!(child.try_wait(), Ok(None))).await;
+    assert_eq!(serving, Ok(()), "not serving on localhost: {}", log.text());
     let scrape = reqwest::get(format!("http://localhost:{metrics_port}/metrics"))
         .await
         .expect("metrics on localhost");
@@ -186,7 +175,7 @@ async fn database_errors_are_in_the_gateways_words() {
     let output = exit_of(gateway_command(&[
         "serve",
         "--listen",
-        &free_address(),
+        "127.0.0.1:0",
         "--database-url",
         "postgres://no_such_role_for_outbox@127.0.0.1:5432/outbox",
         "--console-listen",

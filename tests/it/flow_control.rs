@@ -1,7 +1,8 @@
 //! Flow control in deliveries and in bytes: a stream holds at most `max_in_flight`
 //! unsettled deliveries and `max_in_flight_bytes` of them (always at least one delivery,
 //! however large), and the gateway bounds the bytes waiting in its memory for streams
-//! that do not read — so memory stays bounded whatever consumers do.
+//! that do not read — so memory stays bounded whatever consumers do; and one claim leases
+//! no more than the claim batch size.
 
 use std::time::{Duration, Instant};
 
@@ -326,4 +327,38 @@ async fn a_new_stream_is_leased_a_few_deliveries_at_first_and_the_rest_in_time_w
     let acks = collected.into_iter().map(|d| d.ack_id).collect();
     assert!(ack(&gateway, "orders", acks).await.is_empty());
     assert_eq!(consumer.take(50, WAIT).await.len(), 50);
+}
+
+/// `--claim-batch-size` bounds what one claim leases, however much room the stream has:
+/// the deliveries of one claim share its lease deadline (set in one statement), so no
+/// more than that many share one.
+#[tokio::test]
+async fn one_claim_leases_at_most_the_claim_batch_size() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.delivery.claim_batch_size = 3;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    publish(
+        &gateway,
+        (0..30)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 1000).await;
+    let deliveries = consumer.take(30, WAIT).await;
+    let mut per_claim = std::collections::HashMap::<(i64, i32), usize>::new();
+    for delivery in &deliveries {
+        let deadline = delivery.ack_deadline.expect("an ack deadline");
+        *per_claim
+            .entry((deadline.seconds, deadline.nanos))
+            .or_default() += 1;
+    }
+    let largest = per_claim.values().copied().max().unwrap();
+    assert!(
+        largest <= 3,
+        "{largest} deliveries leased by one claim: {per_claim:?}"
+    );
+    assert!(per_claim.len() >= 10, "{per_claim:?}");
 }

@@ -31,3 +31,4 @@ mod sources;
 mod time_controls;
 mod transactions;
 mod triage;
+mod upgrade;

@@ -114,30 +114,21 @@ impl GatewayProcess {
     /// The address the gateway's log says it serves `announcement` on; fails the test
     /// when the gateway exits or stays silent.
     async fn announced(&mut self, announcement: &str) -> std::net::SocketAddr {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let found = self
-                .stderr
-                .lock()
-                .unwrap()
-                .iter()
-                .find_map(|line| gateway::announced_address(line, announcement));
-            if let Some(address) = found {
-                return address;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "the gateway exited ({status}) before {announcement:?}; stderr: {:?}",
-                    self.stderr.lock().unwrap()
-                );
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the gateway never logged {announcement:?}; stderr: {:?}",
+        let stderr = &self.stderr;
+        let child = &mut self.child;
+        let announced = gateway::wait_for_announcement(
+            announcement,
+            WAIT,
+            || stderr.lock().unwrap().join("\n"),
+            || matches!(child.try_wait(), Ok(None)),
+        )
+        .await;
+        announced.unwrap_or_else(|error| {
+            panic!(
+                "no {announcement:?} from the gateway: {error}; stderr: {:?}",
                 self.stderr.lock().unwrap()
-            );
-            tokio::time::sleep(POLL).await;
-        }
+            )
+        })
     }
 
     async fn channel(&self) -> Channel {

@@ -1224,3 +1224,84 @@ async fn stats_give_each_subscription_its_most_pressing_status() {
     })
     .await;
 }
+
+/// With `--no-maintenance` a gateway deletes nothing past retention (nor reclaims or
+/// expires anything): another gateway on the same database, with maintenance, does.
+#[tokio::test]
+async fn without_maintenance_a_gateway_leaves_retention_to_another() {
+    let database = TestDatabase::create().await;
+    let upkeep = |enabled: bool| {
+        let mut config = test_config(database.url());
+        config.maintenance.enabled = enabled;
+        config.maintenance.interval = Duration::from_millis(100);
+        config.maintenance.retention = Duration::from_millis(1);
+        config
+    };
+    let idle = TestGateway::start_with(&database, upkeep(false)).await;
+    publish(
+        &idle,
+        (0..5)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    let pool = database.pool().await;
+    // Ten maintenance intervals, each of which would have deleted them all.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        count_events(&pool).await,
+        5,
+        "retention ran without maintenance"
+    );
+
+    let _keeper = TestGateway::start_with(&database, upkeep(true)).await;
+    eventually(
+        "the other gateway's maintenance deletes them",
+        WAIT,
+        || async { count_events(&pool).await == 0 },
+    )
+    .await;
+}
+
+/// `--retention-batch-size` bounds each retention batch, and a maintenance pass runs at
+/// most 100 batches: with batches of one, a pass deletes 100 of 150 events and the next
+/// pass the rest.
+#[tokio::test]
+async fn retention_deletes_in_batches_of_the_configured_size() {
+    let database = TestDatabase::create().await;
+    let mut without_maintenance = test_config(database.url());
+    without_maintenance.maintenance.enabled = false;
+    let publisher = TestGateway::start_with(&database, without_maintenance).await;
+    publish(
+        &publisher,
+        (0..150)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    publisher.stop().await.unwrap();
+
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_secs(2);
+    config.maintenance.retention = Duration::from_millis(1);
+    config.maintenance.batch_size = 1;
+    let _gateway = TestGateway::start_with(&database, config).await;
+    let pool = database.pool().await;
+    let seen = std::sync::Mutex::new(Vec::new());
+    eventually("retention deletes everything", WAIT, || async {
+        let count = count_events(&pool).await;
+        let mut seen = seen.lock().unwrap();
+        if seen.last() != Some(&count) {
+            seen.push(count);
+        }
+        count == 0
+    })
+    .await;
+    let seen = seen.into_inner().unwrap();
+    // A pass deletes while the test looks, so it sees counts on the way; but the first
+    // pass stops at 50 and the rest wait two seconds for the next one.
+    assert!(
+        seen.contains(&50),
+        "no pause at 50 events left: one pass deleted more than 100 batches of one ({seen:?})"
+    );
+}

@@ -1,6 +1,7 @@
 //! Push subscriptions against a real HTTP receiver on 127.0.0.1 that checks every
 //! request's Standard Webhooks signature with its own HMAC code and reads the CloudEvents
-//! attributes in both modes.
+//! attributes in both modes; scheduled, expiring and other sources' events are pushed as
+//! they are delivered.
 
 use std::{
     collections::HashMap,
@@ -948,21 +949,21 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     });
     let config_file = std::env::temp_dir().join(format!("{}-push.toml", database.name()));
     std::fs::write(&config_file, "[push]\nallowed_hosts = [\"127.0.0.1\"]\n").unwrap();
-    let address = outbox_testkit::gateway::free_loopback_address().unwrap();
-    let metrics = outbox_testkit::gateway::free_loopback_address().unwrap();
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(["serve", "--listen", &address.to_string(), "--database-url"])
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
         .arg(database.url())
-        .args(["--console-listen", "off", "--metrics-listen"])
-        .arg(metrics.to_string())
+        .args(["--console-listen", "off", "--metrics-listen", "127.0.0.1:0"])
         .arg("--config")
         .arg(&config_file)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .expect("start the gateway binary");
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    let metrics = log.announced("serving metrics", &mut child).await;
     outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
         matches!(child.try_wait(), Ok(None))
     })
@@ -1669,4 +1670,194 @@ async fn resume_subscription_ends_a_gone_stop_and_a_pause_holds_pushes_back() {
         .await
         .unwrap();
     receiver.wait_for(3).await;
+}
+
+/// The aggregate id a pushed event carries in its (binary mode) body, as `event` builds it.
+fn pushed_aggregate(request: &Received) -> String {
+    let body: serde_json::Value = serde_json::from_slice(&request.body).expect("a JSON payload");
+    body["aggregate"].as_str().expect("an aggregate").to_owned()
+}
+
+/// Time-controlled events are pushed as they are read: a scheduled event not before its
+/// `deliver_at`, an expired one never — dropped and counted, or dead-lettered with
+/// "expired" on a subscription with `dead_letter_expired`.
+#[tokio::test]
+async fn scheduled_events_wait_and_expired_ones_are_not_pushed() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let (dropping, dead_lettering) = (Receiver::start().await, Receiver::start().await);
+    create_push(&gateway, push_subscription("drops", &dropping.endpoint())).await;
+    create_push(
+        &gateway,
+        proto::Subscription {
+            dead_letter_expired: true,
+            ..push_subscription("keeps", &dead_lettering.endpoint())
+        },
+    )
+    .await;
+
+    // Written by a service in its own transaction, already past its expiry.
+    sqlx::query(
+        "SELECT outbox_publish('order', 'stale', 'order.quote', '{\"aggregate\":\"stale\"}'::jsonb, \
+             p_occurred_at => now() - interval '1 hour', p_expires_at => now() - interval '1 minute')",
+    )
+    .execute(&database.pool().await)
+    .await
+    .unwrap();
+    let due = std::time::SystemTime::now() + Duration::from_secs(2);
+    publish(
+        &gateway,
+        vec![
+            proto::EventInput {
+                deliver_at: Some(due.into()),
+                ..event("later", "order.remind")
+            },
+            event("now", "order.created"),
+        ],
+    )
+    .await;
+
+    for receiver in [&dropping, &dead_lettering] {
+        let received = receiver.wait_for(2).await;
+        let by_aggregate: HashMap<String, &Received> = received
+            .iter()
+            .map(|request| (pushed_aggregate(request), request))
+            .collect();
+        assert!(
+            by_aggregate.contains_key("now"),
+            "{:?}",
+            by_aggregate.keys()
+        );
+        let later = by_aggregate.get("later").expect("the scheduled event");
+        let now = by_aggregate["now"];
+        assert!(
+            later.at >= now.at,
+            "the scheduled event was pushed before an event due at once"
+        );
+    }
+    for subscription in ["drops", "keeps"] {
+        eventually(
+            &format!("{subscription} settles the expired event"),
+            WAIT,
+            || async {
+                let stats = gateway
+                    .admin()
+                    .await
+                    .get_stats(proto::GetStatsRequest {
+                        subscription: subscription.into(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                stats.subscriptions[0].expired_total == 1
+            },
+        )
+        .await;
+    }
+    // Neither the scheduled event's due time nor the expiry were honoured by chance: the
+    // scheduled one arrived after it was due, and nothing else arrives.
+    for receiver in [&dropping, &dead_lettering] {
+        let later = receiver
+            .received()
+            .into_iter()
+            .find(|request| pushed_aggregate(request) == "later")
+            .unwrap();
+        let pushed_at = std::time::SystemTime::now() - later.at.elapsed();
+        assert!(
+            pushed_at + Duration::from_millis(100) >= due,
+            "pushed {:?} before it was due",
+            due.duration_since(pushed_at).unwrap_or_default()
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for receiver in [&dropping, &dead_lettering] {
+        let aggregates: Vec<String> = receiver.received().iter().map(pushed_aggregate).collect();
+        assert_eq!(aggregates.len(), 2, "{aggregates:?}");
+        assert!(!aggregates.contains(&"stale".to_owned()), "{aggregates:?}");
+    }
+    assert!(dead_letters(&gateway, "drops").await.is_empty());
+    let kept = dead_letters(&gateway, "keeps").await;
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].event.as_ref().unwrap().aggregate_id, "stale");
+    assert_eq!(kept[0].last_error, "expired");
+}
+
+/// A push subscription spans every source like a pulled one: events of a service's own
+/// database, published through the gateway or written there directly, are pushed with
+/// their source named in the CloudEvents `source`.
+#[tokio::test]
+async fn events_of_every_source_are_pushed_naming_their_source() {
+    let (default, orders) = (TestDatabase::create().await, TestDatabase::create().await);
+    let mut config = push_gateway_config(&default);
+    config.sources = vec![outbox_gateway::config::SourceConfig {
+        name: "orders".into(),
+        database_url: orders.url(),
+        max_connections: None,
+        migrate: None,
+    }];
+    let gateway = TestGateway::start_with(&default, config).await;
+    let receiver = Receiver::start().await;
+    let secret = create_push(&gateway, push_subscription("hooks", &receiver.endpoint())).await;
+    receiver.expect_keys(&[&secret]);
+
+    publish(&gateway, vec![event("d-1", "order.created")]).await;
+    gateway
+        .publisher()
+        .await
+        .publish(proto::PublishRequest {
+            events: vec![event("o-1", "order.created")],
+            source: "orders".into(),
+        })
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT outbox_publish('order', 'o-2', 'order.paid', '{\"aggregate\":\"o-2\"}'::jsonb)",
+    )
+    .execute(&orders.pool().await)
+    .await
+    .unwrap();
+
+    let received = receiver.wait_for(3).await;
+    let sources: HashMap<String, String> = received
+        .iter()
+        .map(|request| {
+            assert!(request.signed, "unsigned push");
+            (
+                pushed_aggregate(request),
+                request.header("ce-source").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        sources,
+        HashMap::from([
+            (
+                "d-1".to_owned(),
+                "/sources/default/aggregates/order".to_owned()
+            ),
+            (
+                "o-1".to_owned(),
+                "/sources/orders/aggregates/order".to_owned()
+            ),
+            (
+                "o-2".to_owned(),
+                "/sources/orders/aggregates/order".to_owned()
+            ),
+        ])
+    );
+    eventually("every push is acked", WAIT, || async {
+        let stats = gateway
+            .admin()
+            .await
+            .get_stats(proto::GetStatsRequest {
+                subscription: "hooks".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let hooks = &stats.subscriptions[0];
+        hooks.acked_total == 3 && hooks.in_flight == 0 && hooks.pending == 0
+    })
+    .await;
+    assert_eq!(receiver.received().len(), 3, "each event once");
 }

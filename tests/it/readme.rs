@@ -15,7 +15,7 @@ use crate::common::*;
 use outbox_gateway::proto::GetStatsRequest;
 use outbox_testkit::{
     PostgresServer,
-    gateway::{free_loopback_address, wait_until_serving},
+    gateway::{wait_for_announcement, wait_until_serving},
 };
 use serde_json::Value;
 use tokio::process::Command;
@@ -182,21 +182,26 @@ async fn the_several_databases_walk_through_works_as_written() {
         .unwrap()
         .expect("a PostgreSQL server of its own");
     let gateway_binary = PathBuf::from(env!("CARGO_BIN_EXE_outbox-gateway"));
-    let address = free_loopback_address().expect("a free port");
     let workdir = WorkDir::create();
     let path = path_with(&[&bin, gateway_binary.parent().unwrap()]);
-    let command = |program: &Path| {
+    // The gateway listens on port 0 and says which port it bound; the commands after it
+    // reach it there.
+    let mut gateway_address = None;
+    let command = |program: &Path, gateway_address: Option<std::net::SocketAddr>| {
         let mut command = std::process::Command::new(program);
         command
             .current_dir(&workdir.0)
             .env("PATH", &path)
             .env("PGPORT", server.port().to_string())
-            .env("OUTBOX_ENDPOINT", format!("http://{address}"))
-            .env("OUTBOX_LISTEN", address.to_string())
+            .env("OUTBOX_LISTEN", "127.0.0.1:0")
             .env("OUTBOX_METRICS_LISTEN", "off")
             .env("OUTBOX_CONSOLE_LISTEN", "off")
+            .env_remove("OUTBOX_ENDPOINT")
             .env_remove("DATABASE_URL")
             .env_remove("RUST_LOG");
+        if let Some(address) = gateway_address {
+            command.env("OUTBOX_ENDPOINT", format!("http://{address}"));
+        }
         command
     };
 
@@ -227,7 +232,7 @@ async fn the_several_databases_walk_through_works_as_written() {
             "sh" if block.starts_with("outbox-gateway serve") => {
                 let log = File::create(workdir.0.join("gateway.log")).unwrap();
                 // `exec`, so that killing the shell stops the gateway.
-                let child = command(Path::new("bash"))
+                let child = command(Path::new("bash"), None)
                     .args(["-c", &format!("exec {block}")])
                     .stdin(Stdio::null())
                     .stdout(log.try_clone().unwrap())
@@ -235,18 +240,27 @@ async fn the_several_databases_walk_through_works_as_written() {
                     .spawn()
                     .expect("start bash");
                 let mut serving = ServingProcess(child);
+                let read_log =
+                    || std::fs::read_to_string(workdir.0.join("gateway.log")).unwrap_or_default();
+                let announced = wait_for_announcement("serving gRPC", RUN_TIME, read_log, || {
+                    matches!(serving.0.try_wait(), Ok(None))
+                })
+                .await;
+                let address =
+                    announced.unwrap_or_else(|error| panic!("{what}: {error}:\n{}", read_log()));
                 let started = wait_until_serving(address, RUN_TIME, || {
                     matches!(serving.0.try_wait(), Ok(None))
                 })
                 .await;
-                let log = std::fs::read_to_string(workdir.0.join("gateway.log")).unwrap();
-                assert_eq!(started, Ok(()), "{what}:\n{log}");
+                assert_eq!(started, Ok(()), "{what}:\n{}", read_log());
+                gateway_address = Some(address);
                 gateway = Some(serving);
             }
             "sh" => {
                 last_output = run(
                     &what,
-                    Command::from(command(Path::new("bash"))).args(["-e", "-c", &block]),
+                    Command::from(command(Path::new("bash"), gateway_address))
+                        .args(["-e", "-c", &block]),
                     RUN_TIME,
                 )
                 .await;
@@ -254,7 +268,8 @@ async fn the_several_databases_walk_through_works_as_written() {
             "python" => {
                 run(
                     &what,
-                    Command::from(command(&bin.join("python"))).args(["-c", &block]),
+                    Command::from(command(&bin.join("python"), gateway_address))
+                        .args(["-c", &block]),
                     RUN_TIME,
                 )
                 .await;

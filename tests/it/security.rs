@@ -7,6 +7,7 @@ use crate::common::*;
 use outbox_client::{ClientError, Connection, Publisher};
 use outbox_gateway::{
     auth::{Role, TokenConfig, token_digest},
+    config::SourceConfig,
     proto::{
         self, admin_client::AdminClient, publisher_client::PublisherClient,
         subscriber_client::SubscriberClient,
@@ -215,6 +216,126 @@ async fn tokens_authenticate_and_roles_with_scopes_authorize() {
             .stale_ack_ids
             .is_empty()
     );
+}
+
+/// The publisher scope's `sources` and `aggregate_types` bound Publish, the one call they
+/// govern: outside them PERMISSION_DENIED naming the field and nothing written, inside
+/// them the events land in the source they were sent to.
+#[tokio::test]
+async fn publisher_scopes_of_sources_and_aggregate_types_bound_publish() {
+    let (default, orders) = (TestDatabase::create().await, TestDatabase::create().await);
+    let mut config = test_config(default.url());
+    config.sources = vec![SourceConfig {
+        name: "orders".into(),
+        database_url: orders.url(),
+        max_connections: None,
+        migrate: None,
+    }];
+    config.tokens = vec![
+        TokenConfig {
+            sources: vec!["orders".into()],
+            ..token("orders-service", vec![Role::Publisher])
+        },
+        TokenConfig {
+            aggregate_types: vec!["invoice".into(), "refund".into()],
+            ..token("billing-service", vec![Role::Publisher])
+        },
+    ];
+    let gateway = TestGateway::start_with(&default, config).await;
+    let mut publisher = PublisherClient::new(gateway.channel().await);
+    let (default_pool, orders_pool) = (default.pool().await, orders.pool().await);
+    let publish_to = |source: &str, events: Vec<proto::EventInput>, token: &str| {
+        with_token(
+            proto::PublishRequest {
+                events,
+                source: source.into(),
+            },
+            token,
+        )
+    };
+    let of_aggregate = |aggregate_type: &str, aggregate_id: &str| proto::EventInput {
+        aggregate_type: aggregate_type.into(),
+        ..event(aggregate_id, "billing.changed")
+    };
+
+    // `sources`: the default source, named or left empty, is outside the scope.
+    for source in ["", "default"] {
+        assert_status(
+            publisher
+                .publish(publish_to(
+                    source,
+                    vec![event("o-1", "order.created")],
+                    "orders-service",
+                ))
+                .await,
+            Code::PermissionDenied,
+            "source",
+        );
+    }
+    publisher
+        .publish(publish_to(
+            "orders",
+            vec![event("o-1", "order.created")],
+            "orders-service",
+        ))
+        .await
+        .expect("a token scoped to orders publishes to orders");
+    assert_eq!(count_events(&orders_pool).await, 1);
+    assert_eq!(
+        count_events(&default_pool).await,
+        0,
+        "the refused calls wrote nothing"
+    );
+
+    // `aggregate_types`: every event of the batch must be within it, whatever the source.
+    assert_status(
+        publisher
+            .publish(publish_to(
+                "",
+                vec![of_aggregate("order", "o-2")],
+                "billing-service",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "events[0].aggregate_type",
+    );
+    assert_status(
+        publisher
+            .publish(publish_to(
+                "orders",
+                vec![of_aggregate("invoice", "i-1"), of_aggregate("order", "o-2")],
+                "billing-service",
+            ))
+            .await,
+        Code::PermissionDenied,
+        "events[1].aggregate_type",
+    );
+    assert_eq!(
+        count_events(&orders_pool).await,
+        1,
+        "a batch with one event outside the scope writes none of it"
+    );
+    publisher
+        .publish(publish_to(
+            "",
+            vec![
+                of_aggregate("invoice", "i-1"),
+                of_aggregate("refund", "r-1"),
+            ],
+            "billing-service",
+        ))
+        .await
+        .expect("aggregate types within the scope are published");
+    publisher
+        .publish(publish_to(
+            "orders",
+            vec![of_aggregate("refund", "r-2")],
+            "billing-service",
+        ))
+        .await
+        .expect("a token without a sources scope publishes to any source");
+    assert_eq!(count_events(&default_pool).await, 2);
+    assert_eq!(count_events(&orders_pool).await, 2);
 }
 
 #[test]
@@ -870,4 +991,98 @@ async fn the_cli_names_tls_mismatches() {
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--rpc-timeout` bounds a unary call: one held up longer (here by a lock on the outbox
+/// table) is answered DEADLINE_EXCEEDED. Subscribe streams are not unary and outlive it.
+#[tokio::test]
+async fn a_unary_call_slower_than_the_rpc_timeout_is_cut() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.rpc_timeout = Duration::from_millis(500);
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let mut stream = Consumer::open(&gateway, "orders", 10).await;
+
+    let mut locker = PgConnection::connect(&database.url()).await.unwrap();
+    locker.execute("BEGIN").await.unwrap();
+    locker
+        .execute("LOCK TABLE outbox_events IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let held_up = tokio::time::timeout(
+        Duration::from_secs(20),
+        gateway
+            .publisher()
+            .await
+            .publish(publish_request("order.created")),
+    )
+    .await
+    .expect("the call is cut well before the test gives up");
+    assert!(
+        started.elapsed() >= Duration::from_millis(450),
+        "cut after {:?}, before the timeout",
+        started.elapsed()
+    );
+    assert_status(held_up, Code::DeadlineExceeded, "");
+    locker.execute("ROLLBACK").await.unwrap();
+
+    // Well past the timeout, the stream opened before it still delivers. (Like any
+    // DEADLINE_EXCEEDED, the cut call's outcome is unknown: its insert may have been
+    // under way, and it may be delivered too.)
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    loop {
+        let delivered = stream
+            .next(Duration::from_secs(20))
+            .await
+            .expect("the stream outlives the rpc timeout");
+        match aggregate_of(&delivered).as_str() {
+            "o-2" => break,
+            other => assert_eq!(other, "b-1"),
+        }
+    }
+    assert!(started.elapsed() > Duration::from_millis(500));
+}
+
+/// `--max-concurrent-streams` bounds the calls open at once on one connection: the
+/// client's next call waits until one of them ends, then goes through.
+#[tokio::test]
+async fn calls_beyond_max_concurrent_streams_wait_for_a_free_one() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.max_concurrent_streams = 2;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    // Both streams and the third call share one connection.
+    let channel = gateway.channel().await;
+    let open = || {
+        let mut subscriber = SubscriberClient::new(channel.clone());
+        async move {
+            subscriber
+                .subscribe(proto::SubscribeRequest {
+                    subscription: "orders".into(),
+                    ..Default::default()
+                })
+                .await
+                .expect("subscribe")
+                .into_inner()
+        }
+    };
+    let first = open().await;
+    let _second = open().await;
+    let mut admin = AdminClient::new(channel.clone());
+    let mut third = Box::pin(admin.list_subscriptions(proto::ListSubscriptionsRequest {}));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut third)
+            .await
+            .is_err(),
+        "a third call went through while two streams were open"
+    );
+    drop(first);
+    let listed = tokio::time::timeout(Duration::from_secs(20), third)
+        .await
+        .expect("the third call goes through once a stream ended")
+        .expect("list subscriptions");
+    assert_eq!(listed.into_inner().subscriptions.len(), 1);
 }

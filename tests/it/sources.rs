@@ -1022,8 +1022,8 @@ async fn an_ack_for_a_source_whose_database_is_gone_is_unavailable_and_says_why(
 async fn a_source_down_at_start_is_logged_once_and_healthy_ones_are_not_called_back() {
     let default = TestDatabase::create().await;
     let up = TestDatabase::create().await;
-    let nothing_there = outbox_testkit::gateway::free_loopback_address().expect("a free port");
-    let listen = outbox_testkit::gateway::free_loopback_address().expect("a free port");
+    // Port 1 (tcpmux) is privileged and unused: connecting there is refused.
+    let nothing_there = "127.0.0.1:1";
     let config_file =
         std::env::temp_dir().join(format!("outbox-sources-{}.toml", uuid::Uuid::new_v4()));
     std::fs::write(
@@ -1038,7 +1038,7 @@ async fn a_source_down_at_start_is_logged_once_and_healthy_ones_are_not_called_b
     let mut gateway = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
         .args(["serve", "--config"])
         .arg(&config_file)
-        .args(["--listen", &listen.to_string(), "--console-listen", "off"])
+        .args(["--listen", "127.0.0.1:0", "--console-listen", "off"])
         .args(["--metrics-listen", "off", "--db-acquire-timeout", "1s"])
         .env_remove("RUST_LOG")
         .env_remove("DATABASE_URL")

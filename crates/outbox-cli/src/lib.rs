@@ -8,7 +8,8 @@
 //!   `publish`, `tail`, `pull`, `sources`, `health`, `token`); the connection
 //!   [`context`] profiles; how answers are rendered. This file keeps what they share:
 //!   the target gateway and how a failure to reach it is explained, the errors, the
-//!   flag parsers and the dispatch.
+//!   flag parsers and the dispatch; `stop`, the signals that end a command running
+//!   until interrupted.
 //! - May depend on: `outbox-client` (the gRPC client and the generated API) and
 //!   `outbox-domain` (token digests, status kinds). Never on the gateway's core, store or
 //!   server: a client command works against any gateway, local or remote.
@@ -23,6 +24,7 @@ mod render;
 mod requeue;
 mod sources;
 mod stats;
+mod stop;
 mod subscriptions;
 mod tail;
 mod token;
@@ -51,6 +53,7 @@ pub use requeue::RequeueArgs;
 use requeue::requeue;
 use sources::sources;
 use stats::stats;
+use stop::StopSignals;
 use subscriptions::subscriptions;
 pub use subscriptions::{
     ClearArgs, PushArgs, PushFormatArg, SubscriptionCommand, SubscriptionSettingsArgs,
@@ -487,7 +490,7 @@ pub enum ClientCommand {
         /// Only this subscription.
         #[arg(long)]
         subscription: Option<String>,
-        /// Refresh the table until interrupted.
+        /// Refresh the table until interrupted (Ctrl-C or SIGTERM).
         #[arg(long)]
         watch: bool,
         /// Refresh interval of --watch.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use outbox_client::proto;
 
-use crate::{Target, describe, render};
+use crate::{StopSignals, Target, describe, render};
 
 pub(crate) async fn stats(
     target: &Target,
@@ -12,6 +12,9 @@ pub(crate) async fn stats(
     watch: bool,
     interval: Duration,
 ) -> Result<(), String> {
+    // Listening from the start and across refreshes: a signal that came while figures
+    // were being fetched would otherwise be missed, and SIGTERM would kill the process.
+    let mut stop = watch.then(StopSignals::install);
     let mut admin = target.connect(true).await?.admin();
     loop {
         let stats = admin
@@ -28,12 +31,12 @@ pub(crate) async fn stats(
             }
             render::stats_table(&stats);
         });
-        if !watch {
+        let Some(stop) = stop.as_mut() else {
             return Ok(());
-        }
+        };
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            () = stop.received() => return Ok(()),
         }
     }
 }

@@ -7,7 +7,7 @@ use tonic::{Code, Status};
 
 use outbox_client::proto;
 
-use crate::{Target, describe, parse_position, pause_notice, render};
+use crate::{StopSignals, Target, describe, parse_position, pause_notice, render};
 
 #[derive(Debug, clap::Args)]
 pub struct TailArgs {
@@ -99,41 +99,6 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
 /// (killed with SIGKILL, its machine lost) outlives it: long enough to ride out a gateway
 /// restart while tail reconnects.
 const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
-
-/// SIGINT (Ctrl-C) and SIGTERM, listened for from the moment they are installed.
-struct StopSignals {
-    #[cfg(unix)]
-    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
-}
-
-impl StopSignals {
-    fn install() -> StopSignals {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            StopSignals {
-                signals: signal(SignalKind::interrupt())
-                    .and_then(|interrupt| Ok((interrupt, signal(SignalKind::terminate())?)))
-                    .ok(),
-            }
-        }
-        #[cfg(not(unix))]
-        StopSignals {}
-    }
-
-    /// Completes when one of them arrived (since `install`).
-    async fn received(&mut self) {
-        #[cfg(unix)]
-        if let Some((interrupt, terminate)) = &mut self.signals {
-            tokio::select! {
-                _ = interrupt.recv() => {}
-                _ = terminate.recv() => {}
-            }
-            return;
-        }
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
 
 /// Whether a call failed because the gateway stopped or the connection broke (a
 /// restart), rather than because the gateway refused it.

@@ -159,7 +159,12 @@ impl Subscriber {
                             }
                         };
                         reconnect.reset();
-                        let permit = permits.clone().acquire_owned().await.expect("never closed");
+                        // Waiting for a free handler ends at shutdown too: a handler must
+                        // not start after it, and the stream gives this delivery back.
+                        let permit = tokio::select! {
+                            permit = permits.clone().acquire_owned() => permit.expect("never closed"),
+                            _ = shutdown.cancelled() => break,
+                        };
                         handlers.spawn(handle(
                             handler.clone(),
                             delivery,

@@ -1,6 +1,6 @@
 //! Running the `outbox-gateway` binary as a child process, as the benchmark, the chaos
-//! tool and the process-level tests do: finding the binary, a port to listen on,
-//! migrating, waiting until it serves, stopping it.
+//! tool and the process-level tests do: finding the binary, learning the port it bound
+//! on port 0 from its log, migrating, waiting until it serves, stopping it.
 
 use std::{
     net::{Ipv4Addr, SocketAddr, TcpListener},
@@ -61,7 +61,44 @@ pub fn announced_address(line: &str, announcement: &str) -> Option<SocketAddr> {
     rest[..end].parse().ok()
 }
 
-/// A loopback address nobody listens on right now.
+/// Waits until the gateway's log, as `log` returns it so far, announces `announcement`
+/// (see [`announced_address`]) and returns the address, for at most `within`; gives up
+/// early once `running` says the process has ended. Start the gateway on port 0 and ask
+/// this for the port it bound.
+pub async fn wait_for_announcement(
+    announcement: &str,
+    within: Duration,
+    mut log: impl FnMut() -> String,
+    mut running: impl FnMut() -> bool,
+) -> Result<SocketAddr, StartError> {
+    let outcome = poll_until(within, POLL, || {
+        let announced = log()
+            .lines()
+            .find_map(|line| announced_address(line, announcement));
+        let running = running();
+        async move {
+            match announced {
+                Some(address) => Some(Ok(address)),
+                None if !running => Some(Err(StartError::Exited)),
+                None => None,
+            }
+        }
+    })
+    .await;
+    outcome.unwrap_or(Err(StartError::TimedOut))
+}
+
+/// The log filter `level` (RUST_LOG syntax), keeping the INFO lines in which the gateway
+/// announces its gRPC and metrics addresses, whatever `level` leaves out.
+pub fn log_level_with_announcements(level: &str) -> String {
+    format!("{level},{ANNOUNCING_TARGET}=info")
+}
+
+/// The log target of the lines announcing the gRPC and metrics addresses.
+pub const ANNOUNCING_TARGET: &str = "outbox_gateway::server";
+
+/// A loopback address nobody listens on right now. Another process may take it before
+/// it is used: give a gateway port 0 instead and read the port it bound from its log.
 pub fn free_loopback_address() -> std::io::Result<SocketAddr> {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()
 }

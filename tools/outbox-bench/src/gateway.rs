@@ -1,16 +1,17 @@
-//! The gateway under test, run as a child process: started on a free loopback port against
-//! the benchmark database, health-checked over gRPC, reached through a pool of gRPC
+//! The gateway under test, run as a child process: started on loopback port 0 against
+//! the benchmark database (its log tells the port it bound), health-checked over gRPC, reached through a pool of gRPC
 //! channels, sampled through /proc (resident memory, CPU seconds) and stopped with
 //! SIGTERM. Also reads the CPU time of PostgreSQL and of this process, for the cost
 //! figures.
 
 use std::{
+    io::{BufRead, BufReader},
     net::SocketAddr,
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, ChildStderr, Command, Stdio},
     sync::{
-        Arc, OnceLock,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -93,16 +94,17 @@ impl GatewayLauncher {
         channels: usize,
         config_file: Option<&Path>,
     ) -> anyhow::Result<Gateway> {
-        let address =
-            gateway::free_loopback_address().context("cannot find a free port on 127.0.0.1")?;
         let mut command = Command::new(&self.binary);
         command
             .arg("serve")
-            .arg("--listen")
-            .arg(address.to_string())
+            // Port 0: no other process can take the port between choosing and binding it.
+            .args(["--listen", "127.0.0.1:0"])
             .arg("--database-url")
             .arg(&self.database_url)
-            .args(["--log-level", "warn"])
+            .args([
+                "--log-level",
+                &gateway::log_level_with_announcements("warn"),
+            ])
             // Several gateways may run at once (fan-in, or beside a gateway of your own);
             // none needs the web console or a metrics port.
             .args(["--console-listen", "off"])
@@ -116,7 +118,11 @@ impl GatewayLauncher {
             .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+            .stderr(Stdio::piped());
+        // RUST_LOG wins over --log-level: keep the announcement in it too.
+        if let Ok(filter) = std::env::var("RUST_LOG") {
+            command.env("RUST_LOG", gateway::log_level_with_announcements(&filter));
+        }
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to send SIGTERM to
         // the gateway when the thread that started it (a runtime worker, alive as long as
         // the benchmark) exits, so a killed benchmark leaves no gateway behind.
@@ -126,9 +132,30 @@ impl GatewayLauncher {
                 Ok(())
             });
         }
-        let child = command
+        let mut child = command
             .spawn()
             .with_context(|| format!("cannot start the gateway {}", self.binary.display()))?;
+        let log = forward_log(child.stderr.take().expect("stderr is piped"));
+        let announced = gateway::wait_for_announcement(
+            "serving gRPC",
+            HEALTHY_WITHIN,
+            || log.lock().expect("log lock").clone(),
+            || matches!(child.try_wait(), Ok(None)),
+        )
+        .await;
+        let address = match announced {
+            Ok(address) => address,
+            Err(StartError::Exited) => bail!(
+                "the gateway exited ({}) before it listened; its log is above",
+                child
+                    .try_wait()?
+                    .map_or_else(|| "unknown status".into(), |status| status.to_string())
+            ),
+            Err(StartError::TimedOut) => bail!(
+                "the gateway did not say where it listens within {} s",
+                HEALTHY_WITHIN.as_secs()
+            ),
+        };
         let mut gateway = Gateway {
             child,
             address,
@@ -139,6 +166,31 @@ impl GatewayLauncher {
         gateway.channels = connect_channels(address, channels.max(1)).await?;
         Ok(gateway)
     }
+}
+
+/// Passes the gateway's log on to the benchmark's standard error, as if inherited, and
+/// keeps it until the gateway has said where it listens (the text returned). The INFO
+/// lines saying so, enabled for that alone, are not passed on.
+fn forward_log(stderr: ChildStderr) -> Arc<Mutex<String>> {
+    let kept = Arc::new(Mutex::new(String::new()));
+    let log = kept.clone();
+    std::thread::spawn(move || {
+        let mut announced = false;
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let announcing = line.contains(gateway::ANNOUNCING_TARGET) && line.contains("INFO");
+            if !announced {
+                let mut kept = log.lock().expect("log lock");
+                kept.push_str(&line);
+                kept.push('\n');
+                announced = gateway::announced_address(&line, "serving gRPC").is_some();
+            }
+            if !announcing {
+                eprintln!("{line}");
+            }
+        }
+    });
+    kept
 }
 
 /// A running gateway process. Dropping it kills the process.

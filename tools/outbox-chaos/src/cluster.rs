@@ -1,6 +1,8 @@
 //! The gateways under test: `outbox-gateway serve` child processes, each on a loopback
 //! port of its own that it keeps across restarts, so one lazily connected gRPC channel
-//! per gateway serves for the whole run. Each process logs to `gateway-<n>.log`.
+//! per gateway serves for the whole run. The first start binds port 0 and the port is
+//! read from the log, so no other process can take it between choosing and binding it.
+//! Each process logs to `gateway-<n>.log`.
 
 use std::{
     fs::{File, OpenOptions},
@@ -24,6 +26,9 @@ use crate::{chaos::ChaosCounters, check::Violation};
 const HEALTHY_WITHIN: Duration = Duration::from_secs(30);
 /// How long a gateway may take to exit after SIGTERM (its shutdown grace is 3 s).
 const EXIT_WITHIN: Duration = Duration::from_secs(15);
+
+/// Begins the line that marks where a start of a gateway begins in its log.
+const START_MARKER: &str = "===== outbox-chaos: starting gateway";
 
 /// Flags of every gateway: quick polls, health checks and maintenance, so that the
 /// faults are noticed and repaired within the run; no metrics endpoint and no console.
@@ -61,7 +66,8 @@ pub struct Cluster {
 }
 
 struct Slot {
-    address: SocketAddr,
+    /// Where it listens; `None` until its first start has bound it.
+    address: Option<SocketAddr>,
     process: Option<Child>,
 }
 
@@ -86,32 +92,31 @@ impl Cluster {
         count: usize,
     ) -> anyhow::Result<Cluster> {
         gateway::migrate(&binary, &database_url).map_err(anyhow::Error::msg)?;
-        let mut slots = Vec::with_capacity(count);
-        let mut channels = Vec::with_capacity(count);
-        for _ in 0..count {
-            let address = gateway::free_loopback_address()?;
-            let endpoint = Endpoint::from_shared(format!("http://{address}"))?
-                .connect_timeout(Duration::from_secs(1))
-                .http2_keep_alive_interval(Duration::from_secs(1))
-                .keep_alive_timeout(Duration::from_secs(2))
-                .keep_alive_while_idle(true);
-            channels.push(endpoint.connect_lazy());
-            slots.push(Mutex::new(Slot {
-                address,
-                process: None,
-            }));
-        }
-        let cluster = Cluster {
+        let slots = (0..count)
+            .map(|_| {
+                Mutex::new(Slot {
+                    address: None,
+                    process: None,
+                })
+            })
+            .collect();
+        let mut cluster = Cluster {
             binary,
             database_url,
             config_file,
             log_dir,
             log_level,
             slots,
-            channels,
+            channels: Vec::with_capacity(count),
         };
         for index in 0..count {
-            cluster.restart(index).await?;
+            let address = cluster.restart(index).await?;
+            let endpoint = Endpoint::from_shared(format!("http://{address}"))?
+                .connect_timeout(Duration::from_secs(1))
+                .http2_keep_alive_interval(Duration::from_secs(1))
+                .keep_alive_timeout(Duration::from_secs(2))
+                .keep_alive_while_idle(true);
+            cluster.channels.push(endpoint.connect_lazy());
         }
         Ok(cluster)
     }
@@ -122,9 +127,10 @@ impl Cluster {
 
     /// `http://address` of every gateway.
     pub fn endpoints(&self) -> impl Iterator<Item = String> + '_ {
-        self.slots
-            .iter()
-            .map(|slot| format!("http://{}", slot.lock().expect("slot lock").address))
+        self.slots.iter().map(|slot| {
+            let address = slot.lock().expect("slot lock").address;
+            format!("http://{}", address.expect("every gateway started once"))
+        })
     }
 
     /// The channel to gateway `index`; it reconnects by itself after a restart.
@@ -144,9 +150,10 @@ impl Cluster {
         }
     }
 
-    /// Starts gateway `index` (again) on its port and waits until it is SERVING.
-    pub async fn restart(&self, index: usize) -> anyhow::Result<()> {
-        let address = {
+    /// Starts gateway `index` (again) on its port, or on port 0 the first time, and
+    /// waits until it is SERVING; returns its address.
+    pub async fn restart(&self, index: usize) -> anyhow::Result<SocketAddr> {
+        let known_address = {
             let mut slot = self.slot(index);
             if slot.process.is_some() {
                 bail!("gateway {index} is still running");
@@ -156,10 +163,16 @@ impl Cluster {
             command
                 .arg("serve")
                 .arg("--listen")
-                .arg(slot.address.to_string())
+                .arg(
+                    slot.address
+                        .map_or_else(|| "127.0.0.1:0".to_owned(), |address| address.to_string()),
+                )
                 .arg("--database-url")
                 .arg(&self.database_url)
-                .args(["--log-level", &self.log_level])
+                .args([
+                    "--log-level",
+                    &gateway::log_level_with_announcements(&self.log_level),
+                ])
                 .args(GATEWAY_FLAGS)
                 .args(
                     self.config_file
@@ -187,7 +200,44 @@ impl Cluster {
             );
             slot.address
         };
-        self.wait_until_serving(index, address).await
+        let address = match known_address {
+            Some(address) => address,
+            None => {
+                let address = self.announced_address(index).await?;
+                self.slot(index).address = Some(address);
+                address
+            }
+        };
+        self.wait_until_serving(index, address).await?;
+        Ok(address)
+    }
+
+    /// The address gateway `index` says, in its log since its latest start, it bound.
+    async fn announced_address(&self, index: usize) -> anyhow::Result<SocketAddr> {
+        let path = self.log_path(index);
+        let since_latest_start = || {
+            let log = std::fs::read_to_string(&path).unwrap_or_default();
+            log.rsplit_once(START_MARKER)
+                .map_or(String::new(), |(_, latest)| latest.to_owned())
+        };
+        let announced = gateway::wait_for_announcement(
+            "serving gRPC",
+            HEALTHY_WITHIN,
+            since_latest_start,
+            || self.is_running(index),
+        )
+        .await;
+        match announced {
+            Ok(address) => Ok(address),
+            Err(StartError::Exited) => bail!(
+                "gateway {index} exited while starting; see {}",
+                path.display()
+            ),
+            Err(StartError::TimedOut) => bail!(
+                "gateway {index} did not say where it listens within {HEALTHY_WITHIN:?}; see {}",
+                path.display()
+            ),
+        }
     }
 
     /// Appends to the gateway's log file, marking where this start begins.
@@ -200,7 +250,7 @@ impl Cluster {
             .with_context(|| format!("cannot open {}", path.display()))?;
         writeln!(
             file,
-            "===== outbox-chaos: starting gateway {index} at {} =====",
+            "{START_MARKER} {index} at {} =====",
             chrono::Utc::now().to_rfc3339()
         )?;
         Ok(file)
