@@ -39,16 +39,23 @@ async fn cli(gateway: &TestGateway, args: &[&str]) -> Run {
     cli_with_input(&gateway.endpoint(), args, None).await
 }
 
-async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> Run {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+/// The CLI with `args` against `endpoint`, without the saved contexts of whoever runs
+/// the tests.
+fn cli_command(endpoint: &str, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
         .args(args)
         .env("OUTBOX_ENDPOINT", endpoint)
-        // No saved contexts of whoever runs the tests.
         .env(
             "XDG_CONFIG_HOME",
             std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
         )
-        .env_remove("OUTBOX_CONTEXT")
+        .env_remove("OUTBOX_CONTEXT");
+    command
+}
+
+async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> Run {
+    let mut child = cli_command(endpoint, args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1176,21 +1183,6 @@ async fn text_output_tells_the_status_the_pause_and_scheduled_events() {
     tail.kill().await.expect("stop tail");
 }
 
-/// Stats of one subscription, straight from the gateway.
-async fn stats_of(gateway: &TestGateway, name: &str) -> outbox_gateway::proto::SubscriptionStats {
-    gateway
-        .admin()
-        .await
-        .get_stats(outbox_gateway::proto::GetStatsRequest {
-            subscription: name.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .subscriptions
-        .remove(0)
-}
-
 #[tokio::test]
 async fn pull_leases_no_more_than_it_prints() {
     let database = TestDatabase::create().await;
@@ -1218,21 +1210,14 @@ async fn pull_leases_no_more_than_it_prints() {
         attempts.extend(pulled.iter().map(|line| line["attempt"].as_u64()));
     }
     assert_eq!(attempts, [Some(1); 8]);
-    let stats = stats_of(&gateway, "orders").await;
+    let stats = subscription_stats(&gateway, "orders").await;
     assert_eq!((stats.delivered_total, stats.acked_total), (8, 8));
 }
 
 /// Runs the CLI with its standard output a pipe whose reader is already gone, like
 /// `outbox-gateway stats | head -0`; returns its exit code and standard error.
 async fn into_closed_pipe(endpoint: &str, args: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(args)
-        .env("OUTBOX_ENDPOINT", endpoint)
-        .env(
-            "XDG_CONFIG_HOME",
-            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
-        )
-        .env_remove("OUTBOX_CONTEXT")
+    let mut child = cli_command(endpoint, args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1516,7 +1501,10 @@ async fn dead_letters_resolve_in_bulk_and_summarize_and_events_show_where_they_s
     .await
     .json();
     assert_eq!(by_id["resolved_count"], 1);
-    assert_eq!(stats_of(&gateway, "orders").await.dead_lettered, 0);
+    assert_eq!(
+        subscription_stats(&gateway, "orders").await.dead_lettered,
+        0
+    );
 }
 
 #[tokio::test]
@@ -1646,20 +1634,16 @@ async fn token_generate_takes_roles() {
 
 /// `stats --watch --json`, one JSON line per refresh, its output piped to the test.
 fn spawn_stats_watch(endpoint: &str, interval: &str) -> tokio::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(["stats", "--watch", "--json", "--interval", interval])
-        .env("OUTBOX_ENDPOINT", endpoint)
-        .env(
-            "XDG_CONFIG_HOME",
-            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
-        )
-        .env_remove("OUTBOX_CONTEXT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("run stats --watch")
+    cli_command(
+        endpoint,
+        &["stats", "--watch", "--json", "--interval", interval],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true)
+    .spawn()
+    .expect("run stats --watch")
 }
 
 /// Reads refreshes of `stats --watch --json` until one shows `events_stored` at `stored`.

@@ -367,6 +367,24 @@ pub fn subscription(name: &str) -> proto::Subscription {
     }
 }
 
+/// The stats of one subscription, which must answer.
+pub async fn subscription_stats(
+    gateway: &TestGateway,
+    subscription: &str,
+) -> proto::SubscriptionStats {
+    gateway
+        .admin()
+        .await
+        .get_stats(proto::GetStatsRequest {
+            subscription: subscription.into(),
+        })
+        .await
+        .unwrap_or_else(|status| panic!("GetStats {subscription:?}: {status}"))
+        .into_inner()
+        .subscriptions
+        .remove(0)
+}
+
 pub async fn create_subscription(
     gateway: &TestGateway,
     subscription: proto::Subscription,

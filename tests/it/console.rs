@@ -226,20 +226,6 @@ async fn dead_letters(
     published
 }
 
-async fn stats(gateway: &TestGateway, subscription: &str) -> proto::SubscriptionStats {
-    gateway
-        .admin()
-        .await
-        .get_stats(GetStatsRequest {
-            subscription: subscription.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .subscriptions
-        .remove(0)
-}
-
 async fn listed_dead_letters(
     gateway: &TestGateway,
     subscription: &str,
@@ -773,7 +759,7 @@ async fn figures_and_dead_letters_match_get_stats_and_list_dead_letters_exactly(
     let overview = browser.get("/").await;
     overview.expect(StatusCode::OK, "anonymous");
     for name in ["orders", "billing"] {
-        let expected = stats(&gateway, name).await;
+        let expected = subscription_stats(&gateway, name).await;
         let page = browser.get("/").await;
         for (stat, value) in [
             ("pending", expected.pending),
@@ -952,14 +938,14 @@ async fn figures_and_dead_letters_match_get_stats_and_list_dead_letters_exactly(
     assert_eq!(found.location(), format!("/events/{event_id}"));
 
     // Seek to the latest: confirmed first, then billing's backlog is skipped.
-    assert!(stats(&gateway, "billing").await.pending > 0);
+    assert!(subscription_stats(&gateway, "billing").await.pending > 0);
     let form = [("csrf", csrf.as_str()), ("to", "latest")];
     browser
         .post("/subscriptions/billing/seek", &form)
         .await
         .expect(StatusCode::OK, "Every event not yet handed out is skipped");
     assert!(
-        stats(&gateway, "billing").await.pending > 0,
+        subscription_stats(&gateway, "billing").await.pending > 0,
         "a preview changes nothing"
     );
     let mut confirmed = form.to_vec();
@@ -971,7 +957,7 @@ async fn figures_and_dead_letters_match_get_stats_and_list_dead_letters_exactly(
             .status,
         StatusCode::SEE_OTHER
     );
-    assert_eq!(stats(&gateway, "billing").await.pending, 0);
+    assert_eq!(subscription_stats(&gateway, "billing").await.pending, 0);
 
     // Rates: deliveries and acks counted between two samples show on the overview.
     ack_all(&gateway, "billing", vec![in_flight.ack_id]).await;

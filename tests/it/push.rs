@@ -547,29 +547,14 @@ async fn gone_stops_pushing_until_push_is_set_again() {
             .is_some_and(|stopped| stopped.reason.contains("410"))
     })
     .await;
-    let stats = gateway
-        .admin()
-        .await
-        .get_stats(proto::GetStatsRequest {
-            subscription: "gone".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        stats.subscriptions[0]
-            .push_stopped_reason
-            .contains("410 Gone")
-    );
+    let stats = subscription_stats(&gateway, "gone").await;
+    assert!(stats.push_stopped_reason.contains("410 Gone"));
     // The one status to show, ahead of the events that now wait.
-    assert_eq!(
-        stats.subscriptions[0].status(),
-        proto::SubscriptionStatus::PushStopped
-    );
+    assert_eq!(stats.status(), proto::SubscriptionStatus::PushStopped);
     assert!(
-        stats.subscriptions[0].status_detail.contains("410 Gone"),
+        stats.status_detail.contains("410 Gone"),
         "{}",
-        stats.subscriptions[0].status_detail
+        stats.status_detail
     );
     publish(&gateway, vec![event("o-2", "order.created")]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -633,16 +618,7 @@ async fn a_client_error_dead_letters_at_once_with_the_body() {
         dead[0].last_error.len() <= 1100,
         "only the first KiB of the body"
     );
-    let stats = gateway
-        .admin()
-        .await
-        .get_stats(proto::GetStatsRequest {
-            subscription: "strict".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let stats = &stats.subscriptions[0];
+    let stats = subscription_stats(&gateway, "strict").await;
     assert_eq!(stats.push_last_status, 400);
     assert!(stats.push_last_error.contains("unknown field"));
     assert!(stats.push_last_error_at.is_some());
@@ -1257,19 +1233,8 @@ async fn a_wildcard_name_resolving_to_loopback_is_not_pushed_to() {
         "the refused resolution counts as a failed attempt",
         WAIT,
         || async {
-            let stats = gateway
-                .admin()
-                .await
-                .get_stats(proto::GetStatsRequest {
-                    subscription: "sneaky".into(),
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            stats.subscriptions[0]
-                .push_last_error
-                .contains("allowed_hosts")
-                && stats.subscriptions[0].push_requests_total >= 2
+            let stats = subscription_stats(&gateway, "sneaky").await;
+            stats.push_last_error.contains("allowed_hosts") && stats.push_requests_total >= 2
         },
     )
     .await;
@@ -1391,18 +1356,8 @@ async fn https_endpoints_are_verified_against_the_configured_ca() {
         "the unverified certificate fails the push",
         WAIT,
         || async {
-            let stats = gateway
-                .admin()
-                .await
-                .get_stats(proto::GetStatsRequest {
-                    subscription: "untrusted".into(),
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            stats.subscriptions[0]
-                .push_last_error
-                .contains("certificate")
+            let stats = subscription_stats(&gateway, "untrusted").await;
+            stats.push_last_error.contains("certificate")
         },
     )
     .await;
@@ -1740,16 +1695,10 @@ async fn scheduled_events_wait_and_expired_ones_are_not_pushed() {
             &format!("{subscription} settles the expired event"),
             WAIT,
             || async {
-                let stats = gateway
-                    .admin()
+                subscription_stats(&gateway, subscription)
                     .await
-                    .get_stats(proto::GetStatsRequest {
-                        subscription: subscription.into(),
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                stats.subscriptions[0].expired_total == 1
+                    .expired_total
+                    == 1
             },
         )
         .await;
@@ -1846,16 +1795,7 @@ async fn events_of_every_source_are_pushed_naming_their_source() {
         ])
     );
     eventually("every push is acked", WAIT, || async {
-        let stats = gateway
-            .admin()
-            .await
-            .get_stats(proto::GetStatsRequest {
-                subscription: "hooks".into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let hooks = &stats.subscriptions[0];
+        let hooks = subscription_stats(&gateway, "hooks").await;
         hooks.acked_total == 3 && hooks.in_flight == 0 && hooks.pending == 0
     })
     .await;

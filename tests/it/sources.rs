@@ -850,16 +850,7 @@ async fn scheduled_and_expiring_events_work_in_every_source() {
         "the expired event is a dead letter in orders",
         WAIT,
         || async {
-            let stats = gateway
-                .admin()
-                .await
-                .get_stats(proto::GetStatsRequest {
-                    subscription: "all".into(),
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            let total = &stats.subscriptions[0];
+            let total = subscription_stats(gateway, "all").await;
             total.expired_total == 1
                 && total.dead_lettered == 1
                 && total.sources.iter().any(|per_source| {

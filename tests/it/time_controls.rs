@@ -418,20 +418,6 @@ async fn the_cli_pauses_and_resumes() {
 
 // Expiry.
 
-async fn stats_of(gateway: &TestGateway, name: &str) -> proto::SubscriptionStats {
-    gateway
-        .admin()
-        .await
-        .get_stats(proto::GetStatsRequest {
-            subscription: name.into(),
-        })
-        .await
-        .expect("stats")
-        .into_inner()
-        .subscriptions
-        .remove(0)
-}
-
 async fn dead_letters(gateway: &TestGateway, name: &str) -> Vec<proto::DeadLetter> {
     gateway
         .admin()
@@ -451,7 +437,7 @@ async fn until_expired(gateway: &TestGateway, name: &str, count: u64) {
     eventually(
         &format!("{name} counts {count} expired events"),
         ARRIVES,
-        || async { stats_of(gateway, name).await.expired_total == count },
+        || async { subscription_stats(gateway, name).await.expired_total == count },
     )
     .await;
 }
@@ -610,7 +596,12 @@ async fn a_subscription_lets_events_older_than_its_max_age_expire() {
         aggregates(&everything.take(2, ARRIVES).await),
         BTreeSet::from(["old".to_owned(), "new".to_owned()])
     );
-    assert_eq!(stats_of(&gateway, "everything").await.expired_total, 0);
+    assert_eq!(
+        subscription_stats(&gateway, "everything")
+            .await
+            .expired_total,
+        0
+    );
 
     // The limit can be lifted and the dead-lettering switched on.
     let updated = gateway
@@ -785,7 +776,7 @@ async fn a_scheduled_event_arrives_on_time_while_others_flow() {
     let unscheduled = consumer.take(2, ARRIVES).await;
     assert_eq!(aggregates(&unscheduled), names("now", 3).split_off("now-1"));
     eventually("stats show the scheduled events", ARRIVES, || async {
-        let stats = stats_of(&gateway, "work").await;
+        let stats = subscription_stats(&gateway, "work").await;
         stats.scheduled == 3
             && stats
                 .next_scheduled_at
@@ -813,7 +804,7 @@ async fn a_scheduled_event_arrives_on_time_while_others_flow() {
             .iter()
             .all(|delivery| delivery.event.as_ref().unwrap().deliver_at.is_some())
     );
-    let stats = stats_of(&gateway, "work").await;
+    let stats = subscription_stats(&gateway, "work").await;
     assert_eq!((stats.scheduled, stats.next_scheduled_at), (0, None));
 }
 
@@ -900,7 +891,7 @@ async fn scheduled_events_are_not_lag_and_due_ones_age_from_their_time() {
     .await
     .expect("insert a due event");
 
-    let stats = stats_of(&gateway, "work").await;
+    let stats = subscription_stats(&gateway, "work").await;
     assert_eq!(stats.scheduled, 1, "{stats:?}");
     assert_eq!(stats.pending, 1, "only the due event is pending: {stats:?}");
     assert_eq!(stats.lag_events, 1, "{stats:?}");
@@ -917,7 +908,7 @@ async fn scheduled_events_are_not_lag_and_due_ones_age_from_their_time() {
     // Claimed by the stream, the scheduled event waits in a record of its own: still
     // no lag, and nothing unacked.
     eventually("only the scheduled event is left", ARRIVES, || async {
-        let stats = stats_of(&gateway, "work").await;
+        let stats = subscription_stats(&gateway, "work").await;
         stats.acked_total == 1
             && stats.scheduled == 1
             && stats.pending == 0
@@ -964,7 +955,7 @@ async fn many_events_scheduled_ahead_do_not_hold_back_the_others() {
         took < Duration::from_secs(120),
         "the scheduled events held the others back for {took:?}"
     );
-    let stats = stats_of(&gateway, "work").await;
+    let stats = subscription_stats(&gateway, "work").await;
     assert_eq!(stats.scheduled, SCHEDULED as u64);
     assert_eq!(
         stats.pending, 0,
@@ -1118,7 +1109,10 @@ async fn an_event_that_expires_while_waiting_in_order_frees_its_aggregate() {
         "step.three",
         "the expired event went out, or held its aggregate"
     );
-    assert_eq!(stats_of(&gateway, "ordered").await.expired_total, 1);
+    assert_eq!(
+        subscription_stats(&gateway, "ordered").await.expired_total,
+        1
+    );
 }
 
 #[tokio::test]
