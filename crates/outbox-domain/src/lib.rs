@@ -4,7 +4,7 @@
 //! # Layout
 //! - Owns: events, subscriptions and their settings, event-type patterns, push
 //!   configurations and signatures, sources, ack ids, dead-letter selections and
-//!   figures, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
+//!   stats, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
 //!   domain refuses an input.
 //! - May depend on: plain data and parsing crates (serde, chrono, uuid, http types, url,
 //!   hashing). Never on sqlx, tokio or tonic: nothing here knows about SQL, tasks or

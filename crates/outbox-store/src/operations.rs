@@ -1,4 +1,4 @@
-//! Operator actions: requeues, dead-letter triage, seeks, setting changes and figures.
+//! Operator actions: requeues, dead-letter triage, seeks, setting changes and stats.
 
 use std::time::Duration;
 
