@@ -66,6 +66,37 @@ macro_rules! qualified_event_columns {
     };
 }
 
+/// Runs `$body` in one transaction on `$pool`, with `$transaction` the transaction's
+/// `&mut PgConnection`: commits when the body returns `Ok`, rolls back when it returns
+/// `Err`, so every path ends its transaction (dropped, sqlx would only queue the
+/// rollback until the connection's next use). The body is an async block: `?` and
+/// `return` end the body, not the calling function, and an early `return Ok(..)` commits
+/// too, so a body returns early with `Ok` only before it has written anything.
+macro_rules! run_in_transaction {
+    ($pool:expr, |$transaction:ident| $body:block) => {{
+        let mut transaction = $pool.begin().await?;
+        let outcome: $crate::Result<_> = async {
+            let $transaction: &mut sqlx::PgConnection = &mut *transaction;
+            $body
+        }
+        .await;
+        match outcome {
+            Ok(value) => {
+                transaction.commit().await?;
+                Ok(value)
+            }
+            Err(error) => {
+                if let Err(rollback_error) = transaction.rollback().await {
+                    // The body's error is the one to report; this often follows from it
+                    // (a connection that broke).
+                    tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+                }
+                Err(error)
+            }
+        }
+    }};
+}
+
 mod columns;
 mod deliveries;
 mod events;

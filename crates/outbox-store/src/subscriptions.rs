@@ -45,8 +45,8 @@ impl Store {
             secrets,
         } = *new;
         let (start_kind, start_time) = start_columns(start);
-        let mut transaction = self.pool.begin().await?;
-        let row = sqlx::query(concat!(
+        run_in_transaction!(self.pool, |transaction| {
+            let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
@@ -76,12 +76,12 @@ impl Store {
         .bind(Json(stored_secrets(secrets)))
         .fetch_one(&mut *transaction)
         .await?;
-        let subscription = subscription_from_row(&row)?;
-        if reads_here {
-            insert_cursor(&mut transaction, subscription.id, start).await?;
-        }
-        transaction.commit().await?;
-        Ok(subscription)
+            let subscription = subscription_from_row(&row)?;
+            if reads_here {
+                insert_cursor(transaction, subscription.id, start).await?;
+            }
+            Ok(subscription)
+        })
     }
 
     pub async fn subscription(&self, name: &SubscriptionName) -> Result<Option<Subscription>> {
@@ -181,24 +181,24 @@ impl Store {
     /// Deletes a subscription's definition, and its read position and delivery records
     /// in this database; the id it had, or `None` when it did not exist.
     pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<Option<i64>> {
-        let mut transaction = self.pool.begin().await?;
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
-                .bind(name.as_str())
-                .fetch_optional(&mut *transaction)
+        run_in_transaction!(self.pool, |transaction| {
+            let id: Option<i64> =
+                sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
+                    .bind(name.as_str())
+                    .fetch_optional(&mut *transaction)
+                    .await?;
+            let Some(id) = id else {
+                return Ok(None);
+            };
+            // Waits for a running claim so it cannot leave records behind.
+            lock_subscription(transaction, id, LockMode::Exclusive).await?;
+            delete_reading(transaction, id).await?;
+            sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
+                .bind(id)
+                .execute(&mut *transaction)
                 .await?;
-        let Some(id) = id else {
-            return Ok(None);
-        };
-        // Waits for a running claim so it cannot leave records behind.
-        lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
-        delete_reading(&mut transaction, id).await?;
-        sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
-            .bind(id)
-            .execute(&mut *transaction)
-            .await?;
-        transaction.commit().await?;
-        Ok(Some(id))
+            Ok(Some(id))
+        })
     }
 
     /// Pauses the subscription with `reason` until `until` (or until resumed). Pausing a
@@ -255,11 +255,11 @@ impl Store {
     /// Forgets everything of the subscription in this database: its read position and
     /// delivery records (dead letters included).
     pub async fn delete_cursor(&self, subscription_id: i64) -> Result<()> {
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        delete_reading(&mut transaction, subscription_id).await?;
-        transaction.commit().await?;
-        Ok(())
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+            delete_reading(transaction, subscription_id).await?;
+            Ok(())
+        })
     }
 
     /// Stops pushing for the subscription (its endpoint is gone) unless it already
