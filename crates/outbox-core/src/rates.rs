@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    domain::SubscriptionName,
+    domain::{SubscriptionId, SubscriptionName},
     sources::Sources,
     storage::{CounterTotals, StoreError},
 };
@@ -146,7 +146,7 @@ impl DeliveryRates {
 /// Every subscription's counters summed over the sources.
 async fn totals(sources: &Sources) -> Result<HashMap<SubscriptionName, CounterTotals>, StoreError> {
     let subscriptions = sources.default_source().store.subscriptions().await?;
-    let mut by_id: HashMap<i64, CounterTotals> = subscriptions
+    let mut by_id: HashMap<SubscriptionId, CounterTotals> = subscriptions
         .iter()
         .map(|subscription| {
             let zero = CounterTotals {
@@ -179,7 +179,7 @@ mod tests {
         HashMap::from([(
             SubscriptionName::parse("name", "orders").unwrap(),
             CounterTotals {
-                subscription_id: id,
+                subscription_id: SubscriptionId(id),
                 delivered,
                 acked,
             },

@@ -532,11 +532,11 @@ impl SubscriptionSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Pause, PushStopped, StartPosition, Subscription};
+    use crate::{Pause, PushStopped, StartPosition, Subscription, SubscriptionId};
 
     fn subscription(now: DateTime<Utc>) -> Subscription {
         Subscription {
-            id: 1,
+            id: SubscriptionId(1),
             name: SubscriptionName::parse("name", "work").unwrap(),
             settings: SubscriptionSettings::default(),
             sources: Vec::new(),

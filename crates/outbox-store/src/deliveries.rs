@@ -17,7 +17,7 @@ use super::{
     events::event_from_row,
     locks::{LockMode, lock_subscription},
 };
-use outbox_domain::{AckId, Delivery, Subscription};
+use outbox_domain::{AckId, Delivery, LeaseId, Subscription, SubscriptionId};
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -80,7 +80,7 @@ impl Store {
 
             let due_rows = if include_due {
                 sqlx::query(include_str!("queries/claim_due.sql"))
-                    .bind(subscription_id)
+                    .bind(subscription_id.0)
                     .bind(limit)
                     .bind(lease_token)
                     .bind(millis(settings.ack_deadline))
@@ -123,7 +123,7 @@ impl Store {
             let mut read_full_batch = false;
             if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
                 let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
-                    .bind(subscription_id)
+                    .bind(subscription_id.0)
                     .bind(cursor.xact_id)
                     .bind(cursor.position)
                     .bind(remaining)
@@ -157,14 +157,14 @@ impl Store {
                 }
             } else if due_count > 0 {
                 sqlx::query(include_str!("queries/count_deliveries.sql"))
-                    .bind(subscription_id)
+                    .bind(subscription_id.0)
                     .bind(due_count)
                     .execute(&mut *transaction)
                     .await?;
             }
             if expired > 0 {
                 sqlx::query(include_str!("queries/count_expired.sql"))
-                    .bind(subscription_id)
+                    .bind(subscription_id.0)
                     .bind(i64::try_from(expired).unwrap_or(i64::MAX))
                     .execute(&mut *transaction)
                     .await?;
@@ -187,7 +187,7 @@ impl Store {
             include_str!("queries/leased.sql"),
             include_str!("queries/ack.sql")
         ))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(positions)
         .bind(attempts)
         .bind(tokens);
@@ -232,7 +232,7 @@ impl Store {
                 lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
             }
             let row = sqlx::query(include_str!("queries/nack.sql"))
-                .bind(subscription.id)
+                .bind(subscription.id.0)
                 .bind(ack.position)
                 .bind(ack.attempt)
                 .bind(ack.lease_token)
@@ -262,7 +262,7 @@ impl Store {
     /// positions extended with their new deadline (the rest were stale).
     pub async fn extend_leases(
         &self,
-        subscription_id: i64,
+        subscription_id: SubscriptionId,
         acks: &[AckId],
         extension: std::time::Duration,
     ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
@@ -271,7 +271,7 @@ impl Store {
             include_str!("queries/leased.sql"),
             include_str!("queries/extend.sql")
         ))
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(&positions)
         .bind(&attempts)
         .bind(&tokens)
@@ -284,12 +284,15 @@ impl Store {
             .collect()
     }
 
-    /// Makes the given leases (position, lease token) deliverable again at once: their
-    /// stream ended.
-    pub async fn release_leases(&self, subscription_id: i64, leases: &[(i64, i64)]) -> Result<u64> {
-        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+    /// Makes the given leases deliverable again at once: their stream ended.
+    pub async fn release_leases(
+        &self,
+        subscription_id: SubscriptionId,
+        leases: &[LeaseId],
+    ) -> Result<u64> {
+        let (positions, tokens) = lease_columns(leases);
         let result = sqlx::query(include_str!("queries/release.sql"))
-            .bind(subscription_id)
+            .bind(subscription_id.0)
             .bind(positions)
             .bind(tokens)
             .execute(&self.pool)
@@ -297,21 +300,21 @@ impl Store {
         Ok(result.rows_affected())
     }
 
-    /// Which of the given leases (position, lease token) are still held, with their
+    /// Which of the given leases are still held, as their positions with their
     /// deadlines; acks and extensions may have reached another gateway process.
     pub async fn live_leases(
         &self,
-        subscription_id: i64,
-        leases: &[(i64, i64)],
+        subscription_id: SubscriptionId,
+        leases: &[LeaseId],
     ) -> Result<Vec<(i64, DateTime<Utc>)>> {
-        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+        let (positions, tokens) = lease_columns(leases);
         let rows = sqlx::query(
             "SELECT d.position, d.due_at FROM outbox_deliveries d \
              JOIN UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token) \
                ON d.position = l.position AND d.lease_token = l.lease_token \
              WHERE d.subscription_id = $1 AND d.state = 'in_flight' AND d.due_at > now()",
         )
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(positions)
         .bind(tokens)
         .fetch_all(&self.pool)
@@ -322,16 +325,24 @@ impl Store {
     }
 }
 
+/// Leases as the `bigint[]` parameters of their positions and tokens.
+fn lease_columns(leases: &[LeaseId]) -> (Vec<i64>, Vec<i64>) {
+    leases
+        .iter()
+        .map(|lease| (lease.position, lease.token))
+        .unzip()
+}
+
 pub(super) async fn promote_waiting(
     connection: &mut PgConnection,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
     ordering_keys: &[i64],
 ) -> Result<()> {
     if ordering_keys.is_empty() {
         return Ok(());
     }
     sqlx::query(include_str!("queries/promote_waiting.sql"))
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(ordering_keys)
         .execute(connection)
         .await?;

@@ -64,7 +64,7 @@ impl Store {
         run_in_transaction!(self.pool, |transaction| {
             let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2::int)")
                 .bind(SUBSCRIPTION_LOCK_CLASS)
-                .bind(subscription.id)
+                .bind(subscription.id.0)
                 .fetch_one(&mut *transaction)
                 .await?;
             if !locked {
@@ -72,7 +72,7 @@ impl Store {
             }
             let settings = &subscription.settings;
             let rows = sqlx::query(include_str!("queries/reclaim_expired.sql"))
-                .bind(subscription.id)
+                .bind(subscription.id.0)
                 .bind(settings.max_attempts as i32)
                 .bind(settings.persistent_event_types.to_regex())
                 .fetch_all(&mut *transaction)

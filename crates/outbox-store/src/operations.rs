@@ -15,7 +15,7 @@ use super::{
 };
 use outbox_domain::{
     DeadLetter, DeadLetterSelection, Event, OutboxStats, StartPosition, Subscription,
-    SubscriptionName, SubscriptionStats,
+    SubscriptionId, SubscriptionName, SubscriptionStats,
 };
 
 /// Why a requeue changed nothing.
@@ -90,7 +90,7 @@ impl Store {
                  WHERE subscription_id = $1 AND position = $2 AND state = 'in_flight' \
                    AND due_at > now())",
                 )
-                .bind(subscription.id)
+                .bind(subscription.id.0)
                 .bind(position)
                 .fetch_one(&mut *transaction)
                 .await?;
@@ -202,7 +202,7 @@ impl Store {
             event_columns!(),
             " FROM resolved r JOIN outbox_events USING (position)"
         ))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(event_id)
         .bind(resolved_by)
         .bind(notes)
@@ -214,7 +214,7 @@ impl Store {
 
     /// Moves a subscription's read position in this database; false when it has none
     /// here.
-    pub async fn seek(&self, subscription_id: i64, to: StartPosition) -> Result<bool> {
+    pub async fn seek(&self, subscription_id: SubscriptionId, to: StartPosition) -> Result<bool> {
         run_in_transaction!(self.pool, |transaction| {
             lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
             let (start_kind, not_before) = start_columns(to);
@@ -228,7 +228,7 @@ impl Store {
                 start_position_sql!("$2"),
                 ") AS start WHERE c.subscription_id = $1"
             ))
-            .bind(subscription_id)
+            .bind(subscription_id.0)
             .bind(start_kind == "latest")
             .bind(not_before)
             .execute(&mut *transaction)
@@ -292,7 +292,7 @@ impl Store {
         };
         let settings = &subscription.settings;
         let row = sqlx::query(include_str!("queries/subscription_stats.sql"))
-            .bind(subscription.id)
+            .bind(subscription.id.0)
             .bind(cursor.xact_id)
             .bind(cursor.position)
             .bind(settings.event_types.to_regex())
@@ -373,7 +373,7 @@ async fn requeue_positions(
         return Ok(0);
     }
     let requeued = sqlx::query(include_str!("queries/requeue.sql"))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(positions)
         .bind(subscription.settings.ordered)
         .execute(connection)
@@ -389,7 +389,7 @@ pub(super) fn bind_selection<'q>(
     include_resolved: bool,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     query
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(&selection.ids)
         .bind(selection.event_types.to_regex())
         .bind(selection.aggregate_type.as_deref())

@@ -6,7 +6,7 @@ use chrono::Utc;
 use super::Page;
 use crate::{
     console::{Console, ConsoleError, session::Session, views},
-    domain::SubscriptionName,
+    domain::{SubscriptionId, SubscriptionName},
 };
 
 pub async fn overview(State(console): State<Console>, session: Session) -> Page {
@@ -38,7 +38,7 @@ pub async fn overview(State(console): State<Console>, session: Session) -> Page 
 
 async fn subscription_ids(
     console: &Console,
-) -> Result<std::collections::HashMap<SubscriptionName, i64>, ConsoleError> {
+) -> Result<std::collections::HashMap<SubscriptionName, SubscriptionId>, ConsoleError> {
     Ok(console
         .inner
         .subscriptions
