@@ -18,10 +18,30 @@ use crate::{
 // Defined by the parts they configure; named here too, where the settings are read.
 pub use crate::{console::tls::TlsFiles, telemetry::LogFormat};
 
+// The defaults of the gateway's own settings, each written once; those of the parts it
+// configures are their `Default` impls (`DeliveryConfig`, `PublishLimits`,
+// `MaintenanceConfig`). The `[default: ...]` in each flag's help is checked against
+// them by tests/it/configuration.rs.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 pub const DEFAULT_CONSOLE_LISTEN: &str = "127.0.0.1:9465";
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
+const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_CONNECTION_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_HTTP2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const DEFAULT_HTTP2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+const DEFAULT_DB_MAX_CONNECTIONS: u32 = 10;
+const DEFAULT_DB_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_DB_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_DB_IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+const DEFAULT_HEALTH_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+const DEFAULT_METRICS_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+const DEFAULT_CONSOLE_SESSION_TTL: Duration = Duration::from_secs(8 * 60 * 60);
+const DEFAULT_LOG_LEVEL: &str = "info";
 
 /// Settings of `outbox-gateway serve`. Each is a flag, an environment variable and a
 /// key of the configuration file.
@@ -501,29 +521,35 @@ impl Config {
                     });
                 }
             },
-            max_message_bytes: settings.max_message_bytes.unwrap_or(16 * 1024 * 1024),
-            max_concurrent_streams: settings.max_concurrent_streams.unwrap_or(256),
-            rpc_timeout: duration(settings.rpc_timeout, Duration::from_secs(30)),
+            max_message_bytes: settings
+                .max_message_bytes
+                .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES),
+            max_concurrent_streams: settings
+                .max_concurrent_streams
+                .unwrap_or(DEFAULT_MAX_CONCURRENT_STREAMS),
+            rpc_timeout: duration(settings.rpc_timeout, DEFAULT_RPC_TIMEOUT),
             connection_idle_timeout: duration(
                 settings.connection_idle_timeout,
-                Duration::from_secs(30),
+                DEFAULT_CONNECTION_IDLE_TIMEOUT,
             ),
             http2_keepalive_interval: duration(
                 settings.http2_keepalive_interval,
-                Duration::from_secs(10),
+                DEFAULT_HTTP2_KEEPALIVE_INTERVAL,
             ),
             http2_keepalive_timeout: duration(
                 settings.http2_keepalive_timeout,
-                Duration::from_secs(10),
+                DEFAULT_HTTP2_KEEPALIVE_TIMEOUT,
             ),
-            tcp_keepalive: duration(settings.tcp_keepalive, Duration::from_secs(60)),
+            tcp_keepalive: duration(settings.tcp_keepalive, DEFAULT_TCP_KEEPALIVE),
             migrate: !settings.no_migrate.unwrap_or(false),
-            db_max_connections: settings.db_max_connections.unwrap_or(10),
-            db_connect_timeout: duration(settings.db_connect_timeout, Duration::from_secs(10)),
-            db_acquire_timeout: duration(settings.db_acquire_timeout, Duration::from_secs(5)),
+            db_max_connections: settings
+                .db_max_connections
+                .unwrap_or(DEFAULT_DB_MAX_CONNECTIONS),
+            db_connect_timeout: duration(settings.db_connect_timeout, DEFAULT_DB_CONNECT_TIMEOUT),
+            db_acquire_timeout: duration(settings.db_acquire_timeout, DEFAULT_DB_ACQUIRE_TIMEOUT),
             db_idle_in_transaction_timeout: duration(
                 settings.db_idle_in_transaction_timeout,
-                Duration::from_secs(10),
+                DEFAULT_DB_IDLE_IN_TRANSACTION_TIMEOUT,
             ),
             limits: PublishLimits {
                 max_batch_events: settings
@@ -593,8 +619,11 @@ impl Config {
                     ),
                 }
             },
-            shutdown_grace: duration(settings.shutdown_grace, Duration::from_secs(10)),
-            health_check_interval: duration(settings.health_check_interval, Duration::from_secs(1)),
+            shutdown_grace: duration(settings.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
+            health_check_interval: duration(
+                settings.health_check_interval,
+                DEFAULT_HEALTH_CHECK_INTERVAL,
+            ),
             metrics_listen: match settings
                 .metrics_listen
                 .as_deref()
@@ -605,7 +634,7 @@ impl Config {
             },
             metrics_refresh_interval: duration(
                 settings.metrics_refresh_interval,
-                Duration::from_secs(10),
+                DEFAULT_METRICS_REFRESH_INTERVAL,
             ),
             console_listen: match settings
                 .console_listen
@@ -617,7 +646,7 @@ impl Config {
             },
             console_session_ttl: duration(
                 settings.console_session_ttl,
-                Duration::from_secs(8 * 60 * 60),
+                DEFAULT_CONSOLE_SESSION_TTL,
             ),
             console_allowed_hosts: AllowedHosts::parse(
                 &settings.console_allowed_hosts.unwrap_or_default(),
@@ -628,7 +657,9 @@ impl Config {
             })?,
             console_rate_interval: Duration::from_secs(10),
             log_format: settings.log_format.unwrap_or_default(),
-            log_level: settings.log_level.unwrap_or_else(|| "info".to_owned()),
+            log_level: settings
+                .log_level
+                .unwrap_or_else(|| DEFAULT_LOG_LEVEL.to_owned()),
         };
         config.validate()?;
         Ok(config)

@@ -27,7 +27,7 @@ pub struct MetricsEndpoint {
 
 impl MetricsEndpoint {
     /// Installs the process-wide recorder, with a description of every metric. Gauges not
-    /// refreshed for `stale_after` disappear (a deleted subscription's figures, for
+    /// refreshed for `stale_after` disappear (a deleted subscription's stats, for
     /// instance). Only the first gateway of a process owns the recorder: a later one
     /// (tests run several) serves an endpoint of its own that stays empty.
     pub fn install(stale_after: Duration) -> Result<MetricsEndpoint, String> {
@@ -91,7 +91,7 @@ impl MetricsEndpoint {
     }
 }
 
-/// The subscriptions the figures refreshes saw, and those that vanished between two
+/// The subscriptions the stats refreshes saw, and those that vanished between two
 /// of them (deleted): a deleted subscription's series — its counters too, which never go
 /// idle — leave the endpoint, while one created since the last refresh shows at once.
 #[derive(Default)]

@@ -1,5 +1,5 @@
 //! The gateway's lifecycle: connects to the databases, starts the relay, the pushers,
-//! maintenance and the figures, serves the gRPC API, the console and the metrics
+//! maintenance and the stats gauges, serves the gRPC API, the console and the metrics
 //! endpoint, and shuts them down in order.
 
 use std::{future::Future, time::Duration};
@@ -178,16 +178,17 @@ pub async fn run_with_console(
     // Both loop until told to stop; their token also ends a wait to restart.
     if config.metrics_listen.is_some() {
         let (sources, operations) = (sources.clone(), operations.clone());
-        let (interval, stop_figures) = (config.metrics_refresh_interval, stop.child_token());
+        let (interval, stop_stats) = (config.metrics_refresh_interval, stop.child_token());
         tasks.spawn(keep_running(
+            // The task label stays "figures": it is a published metric label.
             TaskName::single("figures"),
             RestartDelays::default(),
-            stop_figures.clone(),
+            stop_stats.clone(),
             move || {
-                let figures = refresh_figures(sources.clone(), operations.clone(), interval);
-                let stop = stop_figures.clone();
+                let refresh = refresh_stats(sources.clone(), operations.clone(), interval);
+                let stop = stop_stats.clone();
                 async move {
-                    stop.run_until_cancelled(figures).await;
+                    stop.run_until_cancelled(refresh).await;
                 }
             },
             |_| {},
@@ -348,7 +349,7 @@ pub async fn run_with_console(
             Err(error) => tracing::error!(%error, "the console's task failed"),
         }
     }
-    // What is left — maintenance, the source watch, the figures, the metrics endpoint —
+    // What is left — maintenance, the source watch, the stats refresh, the metrics endpoint —
     // stops now and is waited for, before the pools close.
     stop.cancel();
     tasks.close();
@@ -447,7 +448,7 @@ fn serving_status(serving: bool) -> ServingStatus {
 /// Recomputes the per-subscription gauges and the pool gauges. Counting a large backlog
 /// takes the database a while, so the refresh never spends more than about 1/20 of the
 /// time: with a backlog of millions it comes less often than `interval`.
-async fn refresh_figures(sources: Sources, operations: Operations, interval: Duration) {
+async fn refresh_stats(sources: Sources, operations: Operations, interval: Duration) {
     loop {
         let started = std::time::Instant::now();
         match operations.stats(None).await {
@@ -456,25 +457,25 @@ async fn refresh_figures(sources: Sources, operations: Operations, interval: Dur
                 metrics_endpoint::existing_subscriptions(
                     subscriptions
                         .iter()
-                        .map(|figures| figures.total.name.as_str().to_owned())
+                        .map(|report| report.total.name.as_str().to_owned())
                         .collect(),
                 );
-                for figures in &subscriptions {
-                    for stats in &figures.per_source {
+                for report in &subscriptions {
+                    for stats in &report.per_source {
                         metrics::subscription_counters(
                             stats.name.as_str(),
                             stats.source.as_ref().map_or("", |source| source.as_str()),
                         );
-                        metrics::subscription_figures(stats, now);
+                        metrics::subscription_stats(stats, now);
                     }
                 }
-                metrics::outbox_figures(&outbox);
+                metrics::outbox_stats(&outbox);
             }
             Err(error) => tracing::debug!(%error, "could not refresh metrics"),
         }
         let (size, idle) = sources.default_source().store.pool_usage();
         metrics::pool(size, idle);
-        metrics::process_figures();
+        metrics::build_and_process();
         tokio::time::sleep(interval.max(started.elapsed() * 20)).await;
     }
 }

@@ -15,7 +15,7 @@ use crate::{
         check_timestamp, fingerprint, parse_event_id,
     },
     error::{Error, Result},
-    operations::{SourceStatus, SubscriptionFigures},
+    operations::{SourceStatus, SubscriptionStatsReport},
     proto,
     sources::Sources,
     subscriptions::SubscriptionChange,
@@ -610,17 +610,20 @@ fn subscription_delivery(
     delivery
 }
 
-pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats) -> proto::Stats {
+pub(super) fn stats(
+    subscriptions: Vec<SubscriptionStatsReport>,
+    outbox: OutboxStats,
+) -> proto::Stats {
     let now = Utc::now();
     let newest = outbox.newest_event_at;
     proto::Stats {
         subscriptions: subscriptions
             .into_iter()
-            .map(|figures| {
-                let push = figures.push.unwrap_or_default();
+            .map(|report| {
+                let push = report.push.unwrap_or_default();
                 let requests = &push.requests;
                 proto::SubscriptionStats {
-                    sources: figures
+                    sources: report
                         .per_source
                         .into_iter()
                         .map(|stats| subscription_stats(stats, now, newest))
@@ -635,10 +638,10 @@ pub(super) fn stats(subscriptions: Vec<SubscriptionFigures>, outbox: OutboxStats
                         .stopped
                         .map(|stopped| stopped.reason)
                         .unwrap_or_default(),
-                    error: figures.error.unwrap_or_default(),
-                    status: subscription_status(figures.status.kind()) as i32,
-                    status_detail: figures.status.detail(),
-                    ..subscription_stats(figures.total, now, newest)
+                    error: report.error.unwrap_or_default(),
+                    status: subscription_status(report.status.kind()) as i32,
+                    status_detail: report.status.detail(),
+                    ..subscription_stats(report.total, now, newest)
                 }
             })
             .collect(),

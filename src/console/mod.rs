@@ -1,5 +1,5 @@
 //! The web console: server-rendered pages over the same core operations the Admin RPCs
-//! call — figures, dead letters, events — and the forms that requeue, resolve and seek.
+//! call — stats, dead letters, events — and the forms that requeue, resolve and seek.
 //! Like `api`, it only translates (HTTP forms and pages to domain values and back),
 //! checks who may do what and maps errors, in [`ConsoleError`]'s one exhaustive mapping.
 //!

@@ -95,7 +95,7 @@ pub struct OverviewRow {
     pub rates: Option<SubscriptionRates>,
     /// Subscribe streams open on this gateway.
     pub streams: usize,
-    /// Why its figures could not be computed; the row says so instead of the page
+    /// Why its stats could not be computed; the row says so instead of the page
     /// failing for every subscription.
     pub error: Option<String>,
 }
@@ -298,7 +298,7 @@ pub struct SubscriptionView<'a> {
     pub subscription: &'a Subscription,
     /// Its one status, as GetStats and the CLI show it.
     pub status: &'a SubscriptionStatus,
-    /// Its figures over all its sources, and in each.
+    /// Its stats over all its sources, and in each.
     pub stats: &'a SubscriptionStats,
     pub per_source: &'a [SubscriptionStats],
     /// The sources it reads.

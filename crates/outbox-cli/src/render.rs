@@ -367,7 +367,7 @@ pub fn push_text(stats: &proto::SubscriptionStats) -> Option<String> {
     Some(text)
 }
 
-/// Adds a push subscription's request figures (a pull subscription has none).
+/// Adds a push subscription's request stats (a pull subscription has none).
 fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value {
     let pushes = stats.push_requests_total > 0
         || stats.push_in_flight > 0

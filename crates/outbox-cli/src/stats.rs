@@ -1,4 +1,4 @@
-//! `stats`: delivery figures of every subscription, once or with `--watch`.
+//! `stats`: delivery stats of every subscription, once or with `--watch`.
 
 use std::time::Duration;
 

@@ -360,7 +360,7 @@ pub(crate) async fn subscriptions(
                 .map_err(describe)?
                 .into_inner();
             // The text also says how it is doing, in the words of `stats` and the console.
-            let figures = match target.json {
+            let subscription_stats = match target.json {
                 true => None,
                 false => admin
                     .get_stats(proto::GetStatsRequest { subscription: name })
@@ -370,8 +370,8 @@ pub(crate) async fn subscriptions(
             };
             target.print(render::subscription(&subscription), || {
                 render::subscription_text(&subscription);
-                if let Some(figures) = &figures {
-                    render::status_text(figures);
+                if let Some(subscription_stats) = &subscription_stats {
+                    render::status_text(subscription_stats);
                 }
             });
         }
@@ -454,12 +454,12 @@ pub(crate) async fn subscriptions(
                     .await
                     .map_err(describe)?
                     .into_inner();
-                let figures = stats.subscriptions.first().cloned().unwrap_or_default();
+                let subscription_stats = stats.subscriptions.first().cloned().unwrap_or_default();
                 confirm(&format!(
                     "delete subscription {name}, dropping {} in flight, {} awaiting retry and {}",
-                    count(figures.in_flight, "delivery"),
-                    count(figures.awaiting_retry, "delivery"),
-                    count(figures.dead_lettered, "unresolved dead letter"),
+                    count(subscription_stats.in_flight, "delivery"),
+                    count(subscription_stats.awaiting_retry, "delivery"),
+                    count(subscription_stats.dead_lettered, "unresolved dead letter"),
                 ))?;
             }
             admin

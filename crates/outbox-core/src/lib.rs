@@ -4,7 +4,7 @@
 //! # Layout
 //! - [`publish`]: idempotent, atomic batch publishing.
 //! - [`subscriptions`]: creating, changing, seeking and deleting subscriptions.
-//! - [`operations`]: requeues, dead-letter triage and delivery figures.
+//! - [`operations`]: requeues, dead-letter triage and delivery stats.
 //! - [`sources`]: the source databases relayed from, and whether each is reachable.
 //! - [`maintenance`]: lease reclaim and retention on a timer.
 //! - [`delivery`]: the relay — per-subscription dispatchers, leases, wake-ups.

@@ -9,7 +9,10 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    delivery::Relay, domain::Subscription, error::Error, sources::Source,
+    delivery::Relay,
+    domain::{Subscription, SubscriptionId},
+    error::Error,
+    sources::Source,
     subscriptions::Subscriptions,
 };
 
@@ -140,7 +143,7 @@ pub async fn pass(
         .collect();
     // One statement finds the few with expired leases, rather than a transaction for
     // every subscription, most of which have none.
-    let ids: Vec<i64> = reading.iter().map(|subscription| subscription.id).collect();
+    let ids: Vec<SubscriptionId> = reading.iter().map(|subscription| subscription.id).collect();
     let expired = store.subscriptions_with_expired_leases(&ids).await?;
     for subscription in reading.iter().filter(|s| expired.contains(&s.id)) {
         let outcome = store

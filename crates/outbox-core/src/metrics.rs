@@ -272,7 +272,7 @@ pub fn task_panicked(task: &'static str) {
     counter!("outbox_task_panics_total", "task" => task).increment(1);
 }
 
-/// The labels of a subscription's figures in one source.
+/// The labels of a subscription's stats in one source.
 fn per_source(subscription: &str, source: &str) -> [(&'static str, String); 2] {
     [
         ("subscription", subscription.to_owned()),
@@ -303,23 +303,23 @@ pub fn subscription_counters(subscription: &str, source: &str) {
     counter!("outbox_events_expired_total", "subscription" => subscription.to_owned()).increment(0);
 }
 
-/// The build and the process's own figures. Gauges are set again on every refresh, since
+/// The build and the process's own usage. Gauges are set again on every refresh, since
 /// those left alone for a while leave the endpoint.
-pub fn process_figures() {
+pub fn build_and_process() {
     gauge!("outbox_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-    if let Some(figures) = process::read() {
-        counter!("process_cpu_seconds_total").absolute(figures.cpu_seconds as u64);
-        gauge!("process_resident_memory_bytes").set(figures.resident_bytes as f64);
-        gauge!("process_open_fds").set(figures.open_fds as f64);
-        if let Some(max_fds) = figures.max_fds {
+    if let Some(usage) = process::read() {
+        counter!("process_cpu_seconds_total").absolute(usage.cpu_seconds as u64);
+        gauge!("process_resident_memory_bytes").set(usage.resident_bytes as f64);
+        gauge!("process_open_fds").set(usage.open_fds as f64);
+        if let Some(max_fds) = usage.max_fds {
             gauge!("process_max_fds").set(max_fds as f64);
         }
-        gauge!("process_start_time_seconds").set(figures.start_time_seconds);
+        gauge!("process_start_time_seconds").set(usage.start_time_seconds);
     }
 }
 
 /// The lag gauges of one subscription in one source.
-pub fn subscription_figures(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
+pub fn subscription_stats(stats: &SubscriptionStats, now: chrono::DateTime<chrono::Utc>) {
     let labels = per_source(
         stats.name.as_str(),
         stats.source.as_ref().map_or("", |source| source.as_str()),
@@ -341,7 +341,7 @@ pub fn source_up(source: &str, up: bool) {
     gauge!("outbox_source_up", "source" => source.to_owned()).set(if up { 1.0 } else { 0.0 });
 }
 
-pub fn outbox_figures(stats: &OutboxStats) {
+pub fn outbox_stats(stats: &OutboxStats) {
     gauge!("outbox_events_stored").set(stats.events_stored as f64);
     gauge!("outbox_oldest_open_transaction_age_seconds")
         .set(stats.oldest_open_transaction_age.as_secs_f64());
@@ -353,11 +353,11 @@ pub fn pool(size: u32, idle: usize) {
         .set(size.saturating_sub(idle as u32) as f64);
 }
 
-/// The process figures as the Prometheus client libraries name them, read from `/proc`
+/// The process usage as the Prometheus client libraries name them, read from `/proc`
 /// (Linux only; elsewhere there are none).
 mod process {
-    /// The figures of this process.
-    pub struct Figures {
+    /// The usage of this process.
+    pub struct Usage {
         pub cpu_seconds: f64,
         pub resident_bytes: u64,
         pub open_fds: usize,
@@ -366,7 +366,7 @@ mod process {
     }
 
     #[cfg(target_os = "linux")]
-    pub fn read() -> Option<Figures> {
+    pub fn read() -> Option<Usage> {
         // SAFETY: sysconf only reads a configuration value.
         let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
         let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
@@ -387,7 +387,7 @@ mod process {
         let max_fds = std::fs::read_to_string("/proc/self/limits")
             .ok()
             .and_then(|limits| parse_max_open_files(&limits));
-        Some(Figures {
+        Some(Usage {
             cpu_seconds: (stat.user_ticks + stat.system_ticks) as f64 / ticks_per_second,
             resident_bytes: stat.resident_pages * page_size as u64,
             open_fds,
@@ -397,7 +397,7 @@ mod process {
     }
 
     #[cfg(not(target_os = "linux"))]
-    pub fn read() -> Option<Figures> {
+    pub fn read() -> Option<Usage> {
         None
     }
 

@@ -1,4 +1,4 @@
-//! Operator actions on delivered events: requeues, dead-letter triage and figures, over
+//! Operator actions on delivered events: requeues, dead-letter triage and stats, over
 //! every source (or the one named).
 
 use std::sync::Arc;
@@ -92,25 +92,25 @@ impl PageToken {
     }
 }
 
-/// A subscription's figures in total and per source it reads (sources that cannot be
+/// A subscription's stats in total and per source it reads (sources that cannot be
 /// reached are left out of both).
 #[derive(Debug, Clone)]
-pub struct SubscriptionFigures {
+pub struct SubscriptionStatsReport {
     /// The one state to show for it, from its total, pause, push and consumers.
     pub status: SubscriptionStatus,
     pub total: SubscriptionStats,
     pub per_source: Vec<SubscriptionStats>,
     /// Of a push subscription: its requests as this gateway process saw them, and why
     /// pushing stopped, if it did.
-    pub push: Option<PushFigures>,
-    /// Why some of its figures could not be computed (logged in full): shown for this
+    pub push: Option<PushStats>,
+    /// Why some of its stats could not be computed (logged in full): shown for this
     /// subscription alone, so one failing query does not fail every shared view.
     pub error: Option<String>,
 }
 
-/// A push subscription's figures.
+/// A push subscription's stats.
 #[derive(Debug, Clone, Default)]
-pub struct PushFigures {
+pub struct PushStats {
     /// Requests of this gateway process (other replicas keep their own).
     pub requests: PushStatus,
     pub stopped: Option<PushStopped>,
@@ -601,17 +601,17 @@ impl Operations {
         Ok(events)
     }
 
-    /// Figures of one subscription or of all — each in total and per source — and of
+    /// Stats of one subscription or of all — each in total and per source — and of
     /// the outbox over every reachable source.
     pub async fn stats(
         &self,
         only: Option<&SubscriptionName>,
-    ) -> Result<(Vec<SubscriptionFigures>, OutboxStats)> {
+    ) -> Result<(Vec<SubscriptionStatsReport>, OutboxStats)> {
         let subscriptions = match only {
             Some(name) => vec![self.subscription(name).await?],
             None => self.subscriptions().await?,
         };
-        let mut figures = Vec::with_capacity(subscriptions.len());
+        let mut reports = Vec::with_capacity(subscriptions.len());
         let attached_here = self.relay.attached_subscriptions();
         let now = Utc::now();
         for subscription in &subscriptions {
@@ -623,7 +623,7 @@ impl Operations {
                 }
                 match source.store.subscription_stats(subscription).await {
                     Ok(Some(stats)) => per_source.push(stats),
-                    // A subscription deleted meanwhile simply drops out of the figures.
+                    // A subscription deleted meanwhile simply drops out of the stats.
                     Ok(None) => {}
                     Err(failure) => {
                         tracing::warn!(
@@ -652,12 +652,12 @@ impl Operations {
                     since: subscription.last_attached_at,
                 }
             };
-            figures.push(SubscriptionFigures {
+            reports.push(SubscriptionStatsReport {
                 error,
                 status: SubscriptionStatus::of(subscription, &total, consumers, now),
                 total,
                 per_source,
-                push: subscription.settings.push.as_ref().map(|_| PushFigures {
+                push: subscription.settings.push.as_ref().map(|_| PushStats {
                     requests: self.push_board.get(subscription.id).unwrap_or_default(),
                     stopped: subscription.push_stopped.clone(),
                 }),
@@ -667,7 +667,7 @@ impl Operations {
         for source in self.relay.sources().iter().filter(|s| s.is_connected()) {
             outboxes.push(source.store.outbox_stats().await?);
         }
-        Ok((figures, OutboxStats::sum(&outboxes)))
+        Ok((reports, OutboxStats::sum(&outboxes)))
     }
 
     /// Every source: whether it is reachable, its outbox and its schema version.
@@ -791,7 +791,7 @@ fn delivery_state(
     }
 }
 
-/// A subscription's figures over its sources.
+/// A subscription's stats over its sources.
 fn total(subscription: &Subscription, per_source: &[SubscriptionStats]) -> SubscriptionStats {
     let sum = |figure: fn(&SubscriptionStats) -> u64| per_source.iter().map(figure).sum();
     SubscriptionStats {

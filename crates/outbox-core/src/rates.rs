@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    domain::SubscriptionName,
+    domain::{SubscriptionId, SubscriptionName},
     sources::Sources,
     storage::{CounterTotals, StoreError},
 };
@@ -146,7 +146,7 @@ impl DeliveryRates {
 /// Every subscription's counters summed over the sources.
 async fn totals(sources: &Sources) -> Result<HashMap<SubscriptionName, CounterTotals>, StoreError> {
     let subscriptions = sources.default_source().store.subscriptions().await?;
-    let mut by_id: HashMap<i64, CounterTotals> = subscriptions
+    let mut by_id: HashMap<SubscriptionId, CounterTotals> = subscriptions
         .iter()
         .map(|subscription| {
             let zero = CounterTotals {
@@ -179,7 +179,7 @@ mod tests {
         HashMap::from([(
             SubscriptionName::parse("name", "orders").unwrap(),
             CounterTotals {
-                subscription_id: id,
+                subscription_id: SubscriptionId(id),
                 delivered,
                 acked,
             },
@@ -198,13 +198,13 @@ mod tests {
         assert_eq!(rates.of(&name), None, "one sample is no rate");
         rates.record(start + interval, totals(1, 100, 50), interval);
         rates.record(start + interval * 2, totals(1, 100, 150), interval);
-        let figures = rates.of(&name).unwrap();
-        assert_eq!(figures.points.len(), 2);
-        assert_eq!(figures.points[0].delivered_per_second, 10.0);
-        assert_eq!(figures.points[1].acked_per_second, 10.0);
-        assert_eq!(figures.covered, interval * 2);
-        assert_eq!(figures.delivered_per_second, 5.0);
-        assert_eq!(figures.acked_per_second, 7.5);
+        let of_name = rates.of(&name).unwrap();
+        assert_eq!(of_name.points.len(), 2);
+        assert_eq!(of_name.points[0].delivered_per_second, 10.0);
+        assert_eq!(of_name.points[1].acked_per_second, 10.0);
+        assert_eq!(of_name.covered, interval * 2);
+        assert_eq!(of_name.delivered_per_second, 5.0);
+        assert_eq!(of_name.acked_per_second, 7.5);
 
         // Deleted and created again: the new counters start a new series.
         rates.record(start + interval * 3, totals(2, 1, 1), interval);

@@ -14,8 +14,8 @@ use chrono::{DateTime, Utc};
 use crate::{
     delivery::Relay,
     domain::{
-        AllowedHosts, Pause, PushSecret, SourceName, StartPosition, Subscription, SubscriptionName,
-        SubscriptionPatch, SubscriptionSettings, check_expire_after_idle,
+        AllowedHosts, Pause, PushSecret, SourceName, StartPosition, Subscription, SubscriptionId,
+        SubscriptionName, SubscriptionPatch, SubscriptionSettings, check_expire_after_idle,
     },
     error::{Error, Result},
     push::PushBoard,
@@ -296,12 +296,12 @@ impl Subscriptions {
     /// have no read position there yet.
     pub async fn reconcile(&self, source: &Source) -> Result<()> {
         let subscriptions = self.list().await?;
-        let reading: HashSet<i64> = subscriptions
+        let reading: HashSet<SubscriptionId> = subscriptions
             .iter()
             .filter(|subscription| subscription.reads(&source.name))
             .map(|subscription| subscription.id)
             .collect();
-        let present: HashSet<i64> = source
+        let present: HashSet<SubscriptionId> = source
             .store
             .cursor_subscription_ids()
             .await?

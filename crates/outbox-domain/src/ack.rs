@@ -6,7 +6,10 @@
 //! `default` source, `source/position-attempt-token` for any other; ack ids issued before
 //! there were several sources stay valid.
 
-use super::source::{SourceId, SourceName};
+use super::{
+    lease::{LeaseId, LeaseKey},
+    source::{SourceId, SourceName},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AckId {
@@ -17,6 +20,19 @@ pub struct AckId {
 }
 
 impl AckId {
+    /// The lease this ack id settles, in its source.
+    pub fn lease(&self) -> LeaseId {
+        LeaseId {
+            position: self.position,
+            token: self.lease_token,
+        }
+    }
+
+    /// Where this gateway keeps the lease.
+    pub fn lease_key(&self) -> LeaseKey {
+        self.lease().key_in(self.source)
+    }
+
     /// Parses the text form; `source_id` finds a source by name (`None`: not one of this
     /// gateway's). `None` for anything malformed.
     pub fn parse(text: &str, source_id: impl Fn(&str) -> Option<SourceId>) -> Option<AckId> {

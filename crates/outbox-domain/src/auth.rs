@@ -40,7 +40,7 @@ pub enum Role {
     Publisher,
     Subscriber,
     Admin,
-    /// Reads figures, settings and dead letters (the web console's read-only pages and
+    /// Reads stats, settings and dead letters (the web console's read-only pages and
     /// the Admin service's reading calls) and changes nothing.
     Viewer,
 }
@@ -130,7 +130,7 @@ impl Principal {
         }
     }
 
-    /// Reading figures, settings and dead letters: the viewer role, or the admin role.
+    /// Reading stats, settings and dead letters: the viewer role, or the admin role.
     pub fn check_view(&self) -> Result<()> {
         if self.viewer || self.admin {
             Ok(())

@@ -2,9 +2,9 @@
 //! delivery, with the validation that guards them and the rules of who may call what.
 //!
 //! # Layout
-//! - Owns: events, subscriptions and their settings, event-type patterns, push
-//!   configurations and signatures, sources, ack ids, dead-letter selections and
-//!   figures, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
+//! - Owns: events, subscriptions and their ids and settings, event-type patterns, push
+//!   configurations and signatures, sources, ack ids and leases, dead-letter selections
+//!   and stats, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
 //!   domain refuses an input.
 //! - May depend on: plain data and parsing crates (serde, chrono, uuid, http types, url,
 //!   hashing). Never on sqlx, tokio or tonic: nothing here knows about SQL, tasks or
@@ -15,6 +15,7 @@ pub mod auth;
 mod delivery;
 mod event;
 mod input;
+mod lease;
 mod operations;
 mod pattern;
 mod push;
@@ -32,6 +33,7 @@ pub use input::{
     Echo, MAX_FILTER_BYTES, MAX_FILTER_ENTRIES, MAX_JSON_DEPTH, check_filter_size, check_json,
     check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
 };
+pub use lease::{LeaseId, LeaseKey};
 pub use operations::{
     BEHIND_AFTER, Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState,
     EventDeliveries, NO_CONSUMER_AFTER, OutboxStats, StatusKind, SubscriptionPatch,
@@ -46,6 +48,6 @@ pub use refusal::Refusal;
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,
-    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, StartPosition, Subscription, SubscriptionName,
-    SubscriptionSettings, check_expire_after_idle,
+    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, StartPosition, Subscription, SubscriptionId,
+    SubscriptionName, SubscriptionSettings, check_expire_after_idle,
 };

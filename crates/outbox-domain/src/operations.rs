@@ -1,4 +1,4 @@
-//! Types of the operator's view: dead letters, delivery figures, requeue selections and
+//! Types of the operator's view: dead letters, delivery stats, requeue selections and
 //! subscription changes.
 
 use std::{collections::BTreeMap, time::Duration};
@@ -178,7 +178,7 @@ pub struct EventDeliveries {
     pub subscriptions: Vec<(SubscriptionName, DeliveryState)>,
 }
 
-/// Delivery figures of one subscription, in one source or over all it reads.
+/// Delivery stats of one subscription, in one source or over all it reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubscriptionStats {
     pub name: SubscriptionName,
@@ -316,7 +316,7 @@ pub enum Consumers {
 }
 
 impl SubscriptionStatus {
-    /// The status of a subscription with these figures (its total over its sources) and
+    /// The status of a subscription with these stats (its total over its sources) and
     /// consumers, at `now`.
     pub fn of(
         subscription: &super::Subscription,
@@ -448,7 +448,7 @@ fn plural(count: u64) -> &'static str {
     if count == 1 { "" } else { "s" }
 }
 
-/// Figures of an outbox.
+/// Stats of an outbox.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct OutboxStats {
     pub events_stored: u64,
@@ -459,7 +459,7 @@ pub struct OutboxStats {
 }
 
 impl OutboxStats {
-    /// The figures of several outboxes together.
+    /// The stats of several outboxes together.
     pub fn sum(outboxes: &[OutboxStats]) -> OutboxStats {
         OutboxStats {
             events_stored: outboxes.iter().map(|o| o.events_stored).sum(),
@@ -532,11 +532,11 @@ impl SubscriptionSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Pause, PushStopped, StartPosition, Subscription};
+    use crate::{Pause, PushStopped, StartPosition, Subscription, SubscriptionId};
 
     fn subscription(now: DateTime<Utc>) -> Subscription {
         Subscription {
-            id: 1,
+            id: SubscriptionId(1),
             name: SubscriptionName::parse("name", "work").unwrap(),
             settings: SubscriptionSettings::default(),
             sources: Vec::new(),

@@ -241,10 +241,22 @@ impl SubscriptionSettings {
     }
 }
 
+/// A stored subscription's id: the key of its definition, read positions and deliveries
+/// in every source, and of its advisory lock. Names stay the callers' handle; the id is
+/// the gateway's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SubscriptionId(pub i64);
+
+impl std::fmt::Display for SubscriptionId {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(formatter)
+    }
+}
+
 /// A stored subscription.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Subscription {
-    pub id: i64,
+    pub id: SubscriptionId,
     pub name: SubscriptionName,
     pub settings: SubscriptionSettings,
     /// The sources it reads; empty: every source, including ones added later.

@@ -1,6 +1,6 @@
 //! Columns several groups of statements share: a subscription's read position in a
-//! source (its cursor), start positions, the metadata filter and durations in
-//! milliseconds.
+//! source (its cursor), subscription ids, start positions, the metadata filter and
+//! durations in milliseconds.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -8,7 +8,17 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, types::Json};
 
 use super::Result;
-use outbox_domain::{StartPosition, SubscriptionSettings};
+use outbox_domain::{StartPosition, SubscriptionId, SubscriptionSettings};
+
+/// Subscription ids as a `bigint[]` parameter.
+pub(super) fn id_values(ids: &[SubscriptionId]) -> Vec<i64> {
+    ids.iter().map(|id| id.0).collect()
+}
+
+/// Subscription ids read back from a `bigint` column.
+pub(super) fn from_id_values(values: Vec<i64>) -> Vec<SubscriptionId> {
+    values.into_iter().map(SubscriptionId).collect()
+}
 
 /// How far a subscription has read in one database.
 #[derive(Debug, Clone)]
@@ -26,13 +36,13 @@ pub(super) struct Cursor {
 /// The subscription's read position in this database; `None` when it has none here.
 pub(super) async fn cursor(
     connection: &mut PgConnection,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
 ) -> Result<Option<Cursor>> {
     let row = sqlx::query(
         "SELECT cursor_xact_id, cursor_position, pending_xact_ids, pending_positions, not_before \
          FROM outbox_cursors WHERE subscription_id = $1",
     )
-    .bind(subscription_id)
+    .bind(subscription_id.0)
     .fetch_optional(connection)
     .await?;
     row.map(|row| {

@@ -17,7 +17,7 @@ use super::{
     events::event_from_row,
     locks::{LockMode, lock_subscription},
 };
-use outbox_domain::{AckId, Delivery, Subscription};
+use outbox_domain::{AckId, Delivery, LeaseId, Subscription, SubscriptionId};
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -68,117 +68,116 @@ impl Store {
         include_due: bool,
     ) -> Result<Option<Claim>> {
         let subscription_id = subscription.id;
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        let Some(cursor) = cursor(&mut transaction, subscription_id).await? else {
-            transaction.rollback().await?;
-            return Ok(None);
-        };
-        let settings = &subscription.settings;
-        let max_event_age = settings.max_event_age.map(millis);
-        let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
-        let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+            let Some(cursor) = cursor(transaction, subscription_id).await? else {
+                return Ok(None);
+            };
+            let settings = &subscription.settings;
+            let max_event_age = settings.max_event_age.map(millis);
+            let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
+            let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
 
-        let due_rows = if include_due {
-            sqlx::query(include_str!("queries/claim_due.sql"))
-                .bind(subscription_id)
-                .bind(limit)
-                .bind(lease_token)
-                .bind(millis(settings.ack_deadline))
-                .bind(settings.max_attempts as i32)
-                .bind(settings.persistent_event_types.to_regex())
-                .bind(byte_budget)
-                .bind(max_event_age)
-                .bind(settings.dead_letter_expired)
-                .fetch_all(&mut *transaction)
-                .await?
-        } else {
-            Vec::new()
-        };
-        let mut deliveries = Vec::with_capacity(due_rows.len());
-        let mut freed_keys = Vec::new();
-        let mut dead_lettered = 0;
-        let mut expired = 0;
-        for row in &due_rows {
-            let state: &str = row.try_get("state")?;
-            if state == "in_flight" {
-                deliveries.push(self.delivery_from_row(row, lease_token)?);
-                continue;
-            }
-            // Dead-lettered or dropped: either way its aggregate is free.
-            dead_lettered += u64::from(state == "dead");
-            expired += u64::from(row.try_get::<bool, _>("expired")?);
-            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
-                freed_keys.push(key);
-            }
-        }
-        promote_waiting(&mut transaction, subscription_id, &freed_keys).await?;
-        let made_due = !freed_keys.is_empty();
-
-        let due_count = deliveries.len() as i64;
-        let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
-        let remaining = limit - due_count;
-        let remaining_bytes =
-            byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
-        let mut next_scheduled = None;
-        let mut read_full_batch = false;
-        if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
-            let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
-                .bind(subscription_id)
-                .bind(cursor.xact_id)
-                .bind(cursor.position)
-                .bind(remaining)
-                .bind(settings.event_types.to_regex())
-                .bind(&settings.aggregate_types)
-                .bind(metadata_filter(settings))
-                .bind(cursor.not_before)
-                .bind(lease_token)
-                .bind(millis(settings.ack_deadline))
-                .bind(settings.ordered)
-                .bind(&cursor.pending_xact_ids)
-                .bind(&cursor.pending_positions)
-                .bind(remaining_bytes)
-                .bind(due_count)
-                .bind(max_event_age)
-                .bind(settings.dead_letter_expired)
-                .fetch_all(&mut *transaction)
-                .await?;
-            // Every row carries the batch's summary; a lone summary row has no position.
-            if let Some(summary) = new_rows.first() {
-                let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
-                dead_lettered += expired_dead_lettered;
-                expired += expired_dead_lettered + count(summary, "expired_dropped")?;
-                next_scheduled = summary.try_get("next_scheduled")?;
-                read_full_batch = summary.try_get("batch_full")?;
-            }
-            for row in &new_rows {
-                if row.try_get::<Option<i64>, _>("position")?.is_some() {
+            let due_rows = if include_due {
+                sqlx::query(include_str!("queries/claim_due.sql"))
+                    .bind(subscription_id.0)
+                    .bind(limit)
+                    .bind(lease_token)
+                    .bind(millis(settings.ack_deadline))
+                    .bind(settings.max_attempts as i32)
+                    .bind(settings.persistent_event_types.to_regex())
+                    .bind(byte_budget)
+                    .bind(max_event_age)
+                    .bind(settings.dead_letter_expired)
+                    .fetch_all(&mut *transaction)
+                    .await?
+            } else {
+                Vec::new()
+            };
+            let mut deliveries = Vec::with_capacity(due_rows.len());
+            let mut freed_keys = Vec::new();
+            let mut dead_lettered = 0;
+            let mut expired = 0;
+            for row in &due_rows {
+                let state: &str = row.try_get("state")?;
+                if state == "in_flight" {
                     deliveries.push(self.delivery_from_row(row, lease_token)?);
+                    continue;
+                }
+                // Dead-lettered or dropped: either way its aggregate is free.
+                dead_lettered += u64::from(state == "dead");
+                expired += u64::from(row.try_get::<bool, _>("expired")?);
+                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                    freed_keys.push(key);
                 }
             }
-        } else if due_count > 0 {
-            sqlx::query(include_str!("queries/count_deliveries.sql"))
-                .bind(subscription_id)
-                .bind(due_count)
-                .execute(&mut *transaction)
-                .await?;
-        }
-        if expired > 0 {
-            sqlx::query(include_str!("queries/count_expired.sql"))
-                .bind(subscription_id)
-                .bind(i64::try_from(expired).unwrap_or(i64::MAX))
-                .execute(&mut *transaction)
-                .await?;
-        }
-        transaction.commit().await?;
-        Ok(Some(Claim {
-            deliveries,
-            dead_lettered,
-            expired,
-            next_scheduled,
-            read_full_batch,
-            made_due,
-        }))
+            promote_waiting(transaction, subscription_id, &freed_keys).await?;
+            let made_due = !freed_keys.is_empty();
+
+            let due_count = deliveries.len() as i64;
+            let due_bytes: u64 = deliveries.iter().map(Delivery::size).sum();
+            let remaining = limit - due_count;
+            let remaining_bytes =
+                byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
+            let mut next_scheduled = None;
+            let mut read_full_batch = false;
+            if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
+                let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
+                    .bind(subscription_id.0)
+                    .bind(cursor.xact_id)
+                    .bind(cursor.position)
+                    .bind(remaining)
+                    .bind(settings.event_types.to_regex())
+                    .bind(&settings.aggregate_types)
+                    .bind(metadata_filter(settings))
+                    .bind(cursor.not_before)
+                    .bind(lease_token)
+                    .bind(millis(settings.ack_deadline))
+                    .bind(settings.ordered)
+                    .bind(&cursor.pending_xact_ids)
+                    .bind(&cursor.pending_positions)
+                    .bind(remaining_bytes)
+                    .bind(due_count)
+                    .bind(max_event_age)
+                    .bind(settings.dead_letter_expired)
+                    .fetch_all(&mut *transaction)
+                    .await?;
+                // Every row carries the batch's summary; a lone summary row has no position.
+                if let Some(summary) = new_rows.first() {
+                    let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
+                    dead_lettered += expired_dead_lettered;
+                    expired += expired_dead_lettered + count(summary, "expired_dropped")?;
+                    next_scheduled = summary.try_get("next_scheduled")?;
+                    read_full_batch = summary.try_get("batch_full")?;
+                }
+                for row in &new_rows {
+                    if row.try_get::<Option<i64>, _>("position")?.is_some() {
+                        deliveries.push(self.delivery_from_row(row, lease_token)?);
+                    }
+                }
+            } else if due_count > 0 {
+                sqlx::query(include_str!("queries/count_deliveries.sql"))
+                    .bind(subscription_id.0)
+                    .bind(due_count)
+                    .execute(&mut *transaction)
+                    .await?;
+            }
+            if expired > 0 {
+                sqlx::query(include_str!("queries/count_expired.sql"))
+                    .bind(subscription_id.0)
+                    .bind(i64::try_from(expired).unwrap_or(i64::MAX))
+                    .execute(&mut *transaction)
+                    .await?;
+            }
+            Ok(Some(Claim {
+                deliveries,
+                dead_lettered,
+                expired,
+                next_scheduled,
+                read_full_batch,
+                made_due,
+            }))
+        })
     }
 
     /// Acks deliveries; returns the ack ids that settled a lease (the rest were stale).
@@ -188,7 +187,7 @@ impl Store {
             include_str!("queries/leased.sql"),
             include_str!("queries/ack.sql")
         ))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(positions)
         .bind(attempts)
         .bind(tokens);
@@ -200,22 +199,22 @@ impl Store {
                 .collect());
         }
         // An ack on an ordered subscription frees its aggregate for the next event.
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
-        let rows = statement.fetch_all(&mut *transaction).await?;
-        let acked = named_leases(acks, &rows)?
-            .into_iter()
-            .map(|(ack, _)| ack)
-            .collect();
-        let mut freed_keys = Vec::new();
-        for row in &rows {
-            if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
-                freed_keys.push(key);
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
+            let rows = statement.fetch_all(&mut *transaction).await?;
+            let acked = named_leases(acks, &rows)?
+                .into_iter()
+                .map(|(ack, _)| ack)
+                .collect();
+            let mut freed_keys = Vec::new();
+            for row in &rows {
+                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                    freed_keys.push(key);
+                }
             }
-        }
-        promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
-        transaction.commit().await?;
-        Ok(acked)
+            promote_waiting(transaction, subscription.id, &freed_keys).await?;
+            Ok(acked)
+        })
     }
 
     /// Nacks one delivery; `None` when its lease is stale.
@@ -228,42 +227,42 @@ impl Store {
         dead_letter: bool,
     ) -> Result<Option<NackOutcome>> {
         let settings = &subscription.settings;
-        let mut transaction = self.pool.begin().await?;
-        if settings.ordered {
-            lock_subscription(&mut transaction, subscription.id, LockMode::Shared).await?;
-        }
-        let row = sqlx::query(include_str!("queries/nack.sql"))
-            .bind(subscription.id)
-            .bind(ack.position)
-            .bind(ack.attempt)
-            .bind(ack.lease_token)
-            .bind(reason)
-            .bind(millis(retry_delay))
-            .bind(dead_letter)
-            .bind(settings.max_attempts as i32)
-            .bind(settings.persistent_event_types.to_regex())
-            .fetch_optional(&mut *transaction)
-            .await?;
-        let Some(row) = row else {
-            return Ok(None);
-        };
-        let dead_lettered: bool = row.try_get("to_dead")?;
-        if dead_lettered && let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
-            promote_waiting(&mut transaction, subscription.id, &[key]).await?;
-        }
-        let retry_at = row.try_get("due_at")?;
-        transaction.commit().await?;
-        Ok(Some(NackOutcome {
-            dead_lettered,
-            retry_at,
-        }))
+        run_in_transaction!(self.pool, |transaction| {
+            if settings.ordered {
+                lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
+            }
+            let row = sqlx::query(include_str!("queries/nack.sql"))
+                .bind(subscription.id.0)
+                .bind(ack.position)
+                .bind(ack.attempt)
+                .bind(ack.lease_token)
+                .bind(reason)
+                .bind(millis(retry_delay))
+                .bind(dead_letter)
+                .bind(settings.max_attempts as i32)
+                .bind(settings.persistent_event_types.to_regex())
+                .fetch_optional(&mut *transaction)
+                .await?;
+            let Some(row) = row else {
+                return Ok(None);
+            };
+            let dead_lettered: bool = row.try_get("to_dead")?;
+            if dead_lettered && let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                promote_waiting(transaction, subscription.id, &[key]).await?;
+            }
+            let retry_at = row.try_get("due_at")?;
+            Ok(Some(NackOutcome {
+                dead_lettered,
+                retry_at,
+            }))
+        })
     }
 
     /// Moves the deadline of leased deliveries to `extension` from now; returns the
     /// positions extended with their new deadline (the rest were stale).
     pub async fn extend_leases(
         &self,
-        subscription_id: i64,
+        subscription_id: SubscriptionId,
         acks: &[AckId],
         extension: std::time::Duration,
     ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
@@ -272,7 +271,7 @@ impl Store {
             include_str!("queries/leased.sql"),
             include_str!("queries/extend.sql")
         ))
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(&positions)
         .bind(&attempts)
         .bind(&tokens)
@@ -285,12 +284,15 @@ impl Store {
             .collect()
     }
 
-    /// Makes the given leases (position, lease token) deliverable again at once: their
-    /// stream ended.
-    pub async fn release_leases(&self, subscription_id: i64, leases: &[(i64, i64)]) -> Result<u64> {
-        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+    /// Makes the given leases deliverable again at once: their stream ended.
+    pub async fn release_leases(
+        &self,
+        subscription_id: SubscriptionId,
+        leases: &[LeaseId],
+    ) -> Result<u64> {
+        let (positions, tokens) = lease_columns(leases);
         let result = sqlx::query(include_str!("queries/release.sql"))
-            .bind(subscription_id)
+            .bind(subscription_id.0)
             .bind(positions)
             .bind(tokens)
             .execute(&self.pool)
@@ -298,21 +300,21 @@ impl Store {
         Ok(result.rows_affected())
     }
 
-    /// Which of the given leases (position, lease token) are still held, with their
+    /// Which of the given leases are still held, as their positions with their
     /// deadlines; acks and extensions may have reached another gateway process.
     pub async fn live_leases(
         &self,
-        subscription_id: i64,
-        leases: &[(i64, i64)],
+        subscription_id: SubscriptionId,
+        leases: &[LeaseId],
     ) -> Result<Vec<(i64, DateTime<Utc>)>> {
-        let (positions, tokens): (Vec<i64>, Vec<i64>) = leases.iter().copied().unzip();
+        let (positions, tokens) = lease_columns(leases);
         let rows = sqlx::query(
             "SELECT d.position, d.due_at FROM outbox_deliveries d \
              JOIN UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token) \
                ON d.position = l.position AND d.lease_token = l.lease_token \
              WHERE d.subscription_id = $1 AND d.state = 'in_flight' AND d.due_at > now()",
         )
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(positions)
         .bind(tokens)
         .fetch_all(&self.pool)
@@ -323,16 +325,24 @@ impl Store {
     }
 }
 
+/// Leases as the `bigint[]` parameters of their positions and tokens.
+fn lease_columns(leases: &[LeaseId]) -> (Vec<i64>, Vec<i64>) {
+    leases
+        .iter()
+        .map(|lease| (lease.position, lease.token))
+        .unzip()
+}
+
 pub(super) async fn promote_waiting(
     connection: &mut PgConnection,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
     ordering_keys: &[i64],
 ) -> Result<()> {
     if ordering_keys.is_empty() {
         return Ok(());
     }
     sqlx::query(include_str!("queries/promote_waiting.sql"))
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(ordering_keys)
         .execute(connection)
         .await?;

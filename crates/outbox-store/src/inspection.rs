@@ -6,8 +6,11 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 use uuid::Uuid;
 
-use super::{Result, Store, StoreError, events::event_from_row, operations::bind_selection};
-use outbox_domain::{DeadLetterGroup, DeadLetterSelection, Event, Subscription};
+use super::{
+    Result, Store, StoreError, columns::id_values, events::event_from_row,
+    operations::bind_selection,
+};
+use outbox_domain::{DeadLetterGroup, DeadLetterSelection, Event, Subscription, SubscriptionId};
 
 /// The facts about one event on one subscription that its delivery state is made of.
 #[derive(Debug, Clone, Default)]
@@ -39,7 +42,7 @@ pub struct DeliveryRecord {
 /// Deliveries made and acks applied on one subscription since it began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CounterTotals {
-    pub subscription_id: i64,
+    pub subscription_id: SubscriptionId,
     pub delivered: u64,
     pub acked: u64,
 }
@@ -151,10 +154,10 @@ impl Store {
         position: i64,
         subscriptions: &[Subscription],
     ) -> Result<Vec<DeliveryFacts>> {
-        let ids: Vec<i64> = subscriptions.iter().map(|s| s.id).collect();
+        let ids: Vec<SubscriptionId> = subscriptions.iter().map(|s| s.id).collect();
         let rows = sqlx::query(include_str!("queries/event_deliveries.sql"))
             .bind(position)
-            .bind(&ids)
+            .bind(id_values(&ids))
             .fetch_all(&self.pool)
             .await?;
         let mut by_subscription = std::collections::HashMap::with_capacity(rows.len());
@@ -174,7 +177,7 @@ impl Store {
                 }),
             };
             by_subscription.insert(
-                row.try_get::<i64, _>("subscription_id")?,
+                SubscriptionId(row.try_get("subscription_id")?),
                 DeliveryFacts {
                     handed_out: row
                         .try_get::<Option<bool>, _>("handed_out")?
@@ -225,7 +228,7 @@ impl Store {
         rows.iter()
             .map(|row| {
                 Ok(CounterTotals {
-                    subscription_id: row.try_get("subscription_id")?,
+                    subscription_id: SubscriptionId(row.try_get("subscription_id")?),
                     delivered: row.try_get::<i64, _>("delivered")?.max(0) as u64,
                     acked: row.try_get::<i64, _>("acked")?.max(0) as u64,
                 })

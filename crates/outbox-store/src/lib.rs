@@ -5,7 +5,7 @@
 //! # Layout
 //! - Owns: the [`Store`] (one pool on one source database) and its statements, grouped
 //!   by what they touch — events and publishing, subscription definitions and read
-//!   positions, deliveries and leases, operations (requeue, seek, figures), inspection,
+//!   positions, deliveries and leases, operations (requeue, seek, stats), inspection,
 //!   maintenance (reclaim, retention), reading new rows; the subscription lock and the
 //!   columns several groups share; the SQL files under `queries/`.
 //! - May depend on: `outbox-domain` and sqlx (with tokio underneath). Never on the core
@@ -66,6 +66,37 @@ macro_rules! qualified_event_columns {
     };
 }
 
+/// Runs `$body` in one transaction on `$pool`, with `$transaction` the transaction's
+/// `&mut PgConnection`: commits when the body returns `Ok`, rolls back when it returns
+/// `Err`, so every path ends its transaction (dropped, sqlx would only queue the
+/// rollback until the connection's next use). The body is an async block: `?` and
+/// `return` end the body, not the calling function, and an early `return Ok(..)` commits
+/// too, so a body returns early with `Ok` only before it has written anything.
+macro_rules! run_in_transaction {
+    ($pool:expr, |$transaction:ident| $body:block) => {{
+        let mut transaction = $pool.begin().await?;
+        let outcome: $crate::Result<_> = async {
+            let $transaction: &mut sqlx::PgConnection = &mut *transaction;
+            $body
+        }
+        .await;
+        match outcome {
+            Ok(value) => {
+                transaction.commit().await?;
+                Ok(value)
+            }
+            Err(error) => {
+                if let Err(rollback_error) = transaction.rollback().await {
+                    // The body's error is the one to report; this often follows from it
+                    // (a connection that broke).
+                    tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+                }
+                Err(error)
+            }
+        }
+    }};
+}
+
 mod columns;
 mod deliveries;
 mod events;
@@ -91,7 +122,7 @@ pub use operations::RequeueRefusal;
 pub use reading::{PositionMove, ReadPosition, ScannedRow, ScannedRows, SubscriptionPosition};
 pub use subscriptions::NewDefinition;
 
-use outbox_domain::{SourceId, SourceName};
+use outbox_domain::{LeaseId, SourceId, SourceName, SubscriptionId};
 
 /// Result alias of the storage layer.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -420,13 +451,13 @@ const SETTLED_CHANNEL: &str = "outbox_settled";
 /// Leases of a subscription settled on a gateway other than the one holding them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settled {
-    pub subscription_id: i64,
+    pub subscription_id: SubscriptionId,
     /// A nack made a delivery due for another attempt.
     pub made_due: bool,
-    /// The settled leases as (position, lease token), so their holder can forget them
-    /// without asking the database; `None` when too many to name in one notification
-    /// (the holder then re-reads its leases).
-    pub leases: Option<Vec<(i64, i64)>>,
+    /// The settled leases, so their holder can forget them without asking the
+    /// database; `None` when too many to name in one notification (the holder then
+    /// re-reads its leases).
+    pub leases: Option<Vec<LeaseId>>,
 }
 
 impl Settled {
@@ -440,7 +471,7 @@ impl Settled {
             None => "*".to_owned(),
             Some(leases) => leases
                 .iter()
-                .map(|(position, token)| format!("{position}.{token}"))
+                .map(|lease| format!("{}.{}", lease.position, lease.token))
                 .collect::<Vec<_>>()
                 .join(","),
         };
@@ -449,7 +480,7 @@ impl Settled {
 
     fn parse(payload: &str) -> Option<Settled> {
         let mut parts = payload.splitn(3, ':');
-        let subscription_id = parts.next()?.parse().ok()?;
+        let subscription_id = SubscriptionId(parts.next()?.parse().ok()?);
         let made_due = match parts.next()? {
             "d" => true,
             "a" => false,
@@ -463,7 +494,10 @@ impl Settled {
                     .split(',')
                     .map(|lease| {
                         let (position, token) = lease.split_once('.')?;
-                        Some((position.parse().ok()?, token.parse().ok()?))
+                        Some(LeaseId {
+                            position: position.parse().ok()?,
+                            token: token.parse().ok()?,
+                        })
                     })
                     .collect::<Option<Vec<_>>>()?,
             ),
@@ -593,16 +627,20 @@ fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOption
 mod tests {
     use super::*;
 
+    fn lease(position: i64, token: i64) -> LeaseId {
+        LeaseId { position, token }
+    }
+
     #[test]
     fn settlement_notices_round_trip() {
         for settled in [
             Settled {
-                subscription_id: 7,
+                subscription_id: SubscriptionId(7),
                 made_due: true,
-                leases: Some(vec![(1, -5), (42, i64::MAX)]),
+                leases: Some(vec![lease(1, -5), lease(42, i64::MAX)]),
             },
             Settled {
-                subscription_id: 8,
+                subscription_id: SubscriptionId(8),
                 made_due: false,
                 leases: None,
             },
@@ -610,9 +648,9 @@ mod tests {
             assert_eq!(Settled::parse(&settled.payload()), Some(settled));
         }
         let most = Settled {
-            subscription_id: i64::MAX,
+            subscription_id: SubscriptionId(i64::MAX),
             made_due: true,
-            leases: Some(vec![(i64::MAX, i64::MIN); Settled::MAX_NAMED_LEASES]),
+            leases: Some(vec![lease(i64::MAX, i64::MIN); Settled::MAX_NAMED_LEASES]),
         };
         assert!(most.payload().len() < 8000);
         assert_eq!(Settled::parse("x:a:*"), None);

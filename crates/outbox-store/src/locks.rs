@@ -2,6 +2,7 @@
 //! position changes take, so that which event goes out next is decided by one
 //! transaction at a time.
 
+use outbox_domain::SubscriptionId;
 use sqlx::PgConnection;
 
 use super::Result;
@@ -17,7 +18,7 @@ pub(super) enum LockMode {
 
 pub(super) async fn lock_subscription(
     connection: &mut PgConnection,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
     mode: LockMode,
 ) -> Result<()> {
     let statement = match mode {
@@ -26,7 +27,7 @@ pub(super) async fn lock_subscription(
     };
     sqlx::query(statement)
         .bind(SUBSCRIPTION_LOCK_CLASS)
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .execute(connection)
         .await?;
     Ok(())

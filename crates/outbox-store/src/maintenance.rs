@@ -61,39 +61,39 @@ impl Store {
         &self,
         subscription: &Subscription,
     ) -> Result<Option<Reclaimed>> {
-        let mut transaction = self.pool.begin().await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2::int)")
-            .bind(SUBSCRIPTION_LOCK_CLASS)
-            .bind(subscription.id)
-            .fetch_one(&mut *transaction)
-            .await?;
-        if !locked {
-            return Ok(None);
-        }
-        let settings = &subscription.settings;
-        let rows = sqlx::query(include_str!("queries/reclaim_expired.sql"))
-            .bind(subscription.id)
-            .bind(settings.max_attempts as i32)
-            .bind(settings.persistent_event_types.to_regex())
-            .fetch_all(&mut *transaction)
-            .await?;
-        let mut freed_keys = Vec::new();
-        let mut dead_lettered = 0;
-        for row in &rows {
-            let state: &str = row.try_get("state")?;
-            if state == "dead" {
-                dead_lettered += 1;
-                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
-                    freed_keys.push(key);
+        run_in_transaction!(self.pool, |transaction| {
+            let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, $2::int)")
+                .bind(SUBSCRIPTION_LOCK_CLASS)
+                .bind(subscription.id.0)
+                .fetch_one(&mut *transaction)
+                .await?;
+            if !locked {
+                return Ok(None);
+            }
+            let settings = &subscription.settings;
+            let rows = sqlx::query(include_str!("queries/reclaim_expired.sql"))
+                .bind(subscription.id.0)
+                .bind(settings.max_attempts as i32)
+                .bind(settings.persistent_event_types.to_regex())
+                .fetch_all(&mut *transaction)
+                .await?;
+            let mut freed_keys = Vec::new();
+            let mut dead_lettered = 0;
+            for row in &rows {
+                let state: &str = row.try_get("state")?;
+                if state == "dead" {
+                    dead_lettered += 1;
+                    if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                        freed_keys.push(key);
+                    }
                 }
             }
-        }
-        promote_waiting(&mut transaction, subscription.id, &freed_keys).await?;
-        transaction.commit().await?;
-        Ok(Some(Reclaimed {
-            leases: rows.len() as u64,
-            dead_lettered,
-        }))
+            promote_waiting(transaction, subscription.id, &freed_keys).await?;
+            Ok(Some(Reclaimed {
+                leases: rows.len() as u64,
+                dead_lettered,
+            }))
+        })
     }
 
     /// Deletes one batch of events past retention that no subscription needs; `None`
@@ -103,29 +103,29 @@ impl Store {
         retention: Duration,
         batch_size: usize,
     ) -> Result<Option<u64>> {
-        let mut transaction = self.pool.begin().await?;
-        if !try_lock(&mut transaction, RETENTION_LOCK).await? {
-            return Ok(None);
-        }
-        let lowest = lowest_cursor(&mut transaction).await?;
-        let deleted = sqlx::query(include_str!("queries/retention.sql"))
-            .bind(millis(retention))
-            .bind(lowest.xact_id)
-            .bind(lowest.position)
-            .bind(batch_size as i64)
-            .bind(&lowest.pending_xact_ids)
-            .execute(&mut *transaction)
-            .await?
-            .rows_affected();
-        // A requeue racing this batch may have recreated a record for a deleted event.
-        sqlx::query(
-            "DELETE FROM outbox_deliveries d \
+        run_in_transaction!(self.pool, |transaction| {
+            if !try_lock(transaction, RETENTION_LOCK).await? {
+                return Ok(None);
+            }
+            let lowest = lowest_cursor(transaction).await?;
+            let deleted = sqlx::query(include_str!("queries/retention.sql"))
+                .bind(millis(retention))
+                .bind(lowest.xact_id)
+                .bind(lowest.position)
+                .bind(batch_size as i64)
+                .bind(&lowest.pending_xact_ids)
+                .execute(&mut *transaction)
+                .await?
+                .rows_affected();
+            // A requeue racing this batch may have recreated a record for a deleted event.
+            sqlx::query(
+                "DELETE FROM outbox_deliveries d \
              WHERE NOT EXISTS (SELECT 1 FROM outbox_events e WHERE e.position = d.position)",
-        )
-        .execute(&mut *transaction)
-        .await?;
-        transaction.commit().await?;
-        Ok(Some(deleted))
+            )
+            .execute(&mut *transaction)
+            .await?;
+            Ok(Some(deleted))
+        })
     }
 
     /// Hard maximum retention: deletes one batch of events older than `max_retention`
@@ -135,24 +135,24 @@ impl Store {
         max_retention: Duration,
         batch_size: usize,
     ) -> Result<Option<ForceExpired>> {
-        let mut transaction = self.pool.begin().await?;
-        if !try_lock(&mut transaction, RETENTION_LOCK).await? {
-            return Ok(None);
-        }
-        let lowest = lowest_cursor(&mut transaction).await?;
-        let row = sqlx::query(include_str!("queries/force_expire.sql"))
-            .bind(millis(max_retention))
-            .bind(lowest.xact_id)
-            .bind(lowest.position)
-            .bind(batch_size as i64)
-            .bind(&lowest.pending_xact_ids)
-            .fetch_one(&mut *transaction)
-            .await?;
-        transaction.commit().await?;
-        Ok(Some(ForceExpired {
-            deleted: row.try_get::<i64, _>("deleted")?.max(0) as u64,
-            still_needed: row.try_get::<i64, _>("still_needed")?.max(0) as u64,
-        }))
+        run_in_transaction!(self.pool, |transaction| {
+            if !try_lock(transaction, RETENTION_LOCK).await? {
+                return Ok(None);
+            }
+            let lowest = lowest_cursor(transaction).await?;
+            let row = sqlx::query(include_str!("queries/force_expire.sql"))
+                .bind(millis(max_retention))
+                .bind(lowest.xact_id)
+                .bind(lowest.position)
+                .bind(batch_size as i64)
+                .bind(&lowest.pending_xact_ids)
+                .fetch_one(&mut *transaction)
+                .await?;
+            Ok(Some(ForceExpired {
+                deleted: row.try_get::<i64, _>("deleted")?.max(0) as u64,
+                still_needed: row.try_get::<i64, _>("still_needed")?.max(0) as u64,
+            }))
+        })
     }
 }
 

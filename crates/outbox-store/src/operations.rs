@@ -1,4 +1,4 @@
-//! Operator actions: requeues, dead-letter triage, seeks, setting changes and figures.
+//! Operator actions: requeues, dead-letter triage, seeks, setting changes and stats.
 
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use super::{
 };
 use outbox_domain::{
     DeadLetter, DeadLetterSelection, Event, OutboxStats, StartPosition, Subscription,
-    SubscriptionName, SubscriptionStats,
+    SubscriptionId, SubscriptionName, SubscriptionStats,
 };
 
 /// Why a requeue changed nothing.
@@ -80,35 +80,39 @@ impl Store {
         subscriptions: &'a [Subscription],
         position: i64,
     ) -> Result<Result<Vec<&'a SubscriptionName>, RequeueRefusal>> {
-        let mut transaction = self.pool.begin().await?;
-        let mut requeued = Vec::new();
-        for subscription in subscriptions {
-            lock_subscription(&mut transaction, subscription.id, LockMode::Exclusive).await?;
-            let in_flight: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM outbox_deliveries \
+        run_in_transaction!(self.pool, |transaction| {
+            // Every check comes before the first requeue: a refusal returns before anything
+            // is written, and the transaction commits nothing.
+            for subscription in subscriptions {
+                lock_subscription(transaction, subscription.id, LockMode::Exclusive).await?;
+                let in_flight: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM outbox_deliveries \
                  WHERE subscription_id = $1 AND position = $2 AND state = 'in_flight' \
                    AND due_at > now())",
-            )
-            .bind(subscription.id)
-            .bind(position)
-            .fetch_one(&mut *transaction)
-            .await?;
-            if in_flight {
-                return Ok(Err(RequeueRefusal::InFlight {
-                    subscription: subscription.name.clone(),
-                }));
+                )
+                .bind(subscription.id.0)
+                .bind(position)
+                .fetch_one(&mut *transaction)
+                .await?;
+                if in_flight {
+                    return Ok(Err(RequeueRefusal::InFlight {
+                        subscription: subscription.name.clone(),
+                    }));
+                }
             }
-            let Some(cursor) = cursor(&mut transaction, subscription.id).await? else {
-                continue;
-            };
-            if handed_out(&mut transaction, &cursor, position).await?
-                && requeue_positions(&mut transaction, subscription, &[position]).await? > 0
-            {
-                requeued.push(&subscription.name);
+            let mut requeued = Vec::new();
+            for subscription in subscriptions {
+                let Some(cursor) = cursor(transaction, subscription.id).await? else {
+                    continue;
+                };
+                if handed_out(transaction, &cursor, position).await?
+                    && requeue_positions(transaction, subscription, &[position]).await? > 0
+                {
+                    requeued.push(&subscription.name);
+                }
             }
-        }
-        transaction.commit().await?;
-        Ok(Ok(requeued))
+            Ok(Ok(requeued))
+        })
     }
 
     /// Sends the selected dead letters of a subscription back for delivery; an empty
@@ -118,27 +122,27 @@ impl Store {
         subscription: &Subscription,
         selection: &DeadLetterSelection,
     ) -> Result<u64> {
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription.id, LockMode::Exclusive).await?;
-        let rows = bind_selection(
-            sqlx::query(concat!(
-                "SELECT d.position FROM outbox_deliveries d \
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription.id, LockMode::Exclusive).await?;
+            let rows = bind_selection(
+                sqlx::query(concat!(
+                    "SELECT d.position FROM outbox_deliveries d \
                  JOIN outbox_events e ON e.position = d.position WHERE ",
-                include_str!("queries/dead_letter_selection.sql")
-            )),
-            subscription,
-            selection,
-            !selection.ids.is_empty(),
-        )
-        .fetch_all(&mut *transaction)
-        .await?;
-        let positions = rows
-            .iter()
-            .map(|row| row.try_get("position"))
-            .collect::<Result<Vec<i64>, _>>()?;
-        let requeued = requeue_positions(&mut transaction, subscription, &positions).await?;
-        transaction.commit().await?;
-        Ok(requeued)
+                    include_str!("queries/dead_letter_selection.sql")
+                )),
+                subscription,
+                selection,
+                !selection.ids.is_empty(),
+            )
+            .fetch_all(&mut *transaction)
+            .await?;
+            let positions = rows
+                .iter()
+                .map(|row| row.try_get("position"))
+                .collect::<Result<Vec<i64>, _>>()?;
+            let requeued = requeue_positions(transaction, subscription, &positions).await?;
+            Ok(requeued)
+        })
     }
 
     /// One page of the selected dead letters, oldest first, starting after `after`.
@@ -198,7 +202,7 @@ impl Store {
             event_columns!(),
             " FROM resolved r JOIN outbox_events USING (position)"
         ))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(event_id)
         .bind(resolved_by)
         .bind(notes)
@@ -210,28 +214,28 @@ impl Store {
 
     /// Moves a subscription's read position in this database; false when it has none
     /// here.
-    pub async fn seek(&self, subscription_id: i64, to: StartPosition) -> Result<bool> {
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        let (start_kind, not_before) = start_columns(to);
-        let moved = sqlx::query(concat!(
-            "UPDATE outbox_cursors c \
+    pub async fn seek(&self, subscription_id: SubscriptionId, to: StartPosition) -> Result<bool> {
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+            let (start_kind, not_before) = start_columns(to);
+            let moved = sqlx::query(concat!(
+                "UPDATE outbox_cursors c \
              SET cursor_xact_id = start.xact_id, cursor_position = 0, \
                  pending_xact_ids = start.pending_xact_ids, \
                  pending_positions = start.pending_positions, \
                  not_before = $3, updated_at = now() \
              FROM (",
-            start_position_sql!("$2"),
-            ") AS start WHERE c.subscription_id = $1"
-        ))
-        .bind(subscription_id)
-        .bind(start_kind == "latest")
-        .bind(not_before)
-        .execute(&mut *transaction)
-        .await?
-        .rows_affected();
-        transaction.commit().await?;
-        Ok(moved > 0)
+                start_position_sql!("$2"),
+                ") AS start WHERE c.subscription_id = $1"
+            ))
+            .bind(subscription_id.0)
+            .bind(start_kind == "latest")
+            .bind(not_before)
+            .execute(&mut *transaction)
+            .await?
+            .rows_affected();
+            Ok(moved > 0)
+        })
     }
 
     /// Stores a subscription's new settings (not its name, start or ordering), push
@@ -288,7 +292,7 @@ impl Store {
         };
         let settings = &subscription.settings;
         let row = sqlx::query(include_str!("queries/subscription_stats.sql"))
-            .bind(subscription.id)
+            .bind(subscription.id.0)
             .bind(cursor.xact_id)
             .bind(cursor.position)
             .bind(settings.event_types.to_regex())
@@ -369,7 +373,7 @@ async fn requeue_positions(
         return Ok(0);
     }
     let requeued = sqlx::query(include_str!("queries/requeue.sql"))
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(positions)
         .bind(subscription.settings.ordered)
         .execute(connection)
@@ -385,7 +389,7 @@ pub(super) fn bind_selection<'q>(
     include_resolved: bool,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     query
-        .bind(subscription.id)
+        .bind(subscription.id.0)
         .bind(&selection.ids)
         .bind(selection.event_types.to_regex())
         .bind(selection.aggregate_type.as_deref())

@@ -5,7 +5,12 @@
 
 use sqlx::{Row, types::Json};
 
-use super::{Result, Store};
+use outbox_domain::SubscriptionId;
+
+use super::{
+    Result, Store,
+    columns::{from_id_values, id_values},
+};
 
 /// A read position: how far reading went in a source. The same shape as a
 /// subscription's (see `queries/claim_new.sql`).
@@ -22,7 +27,7 @@ pub struct ReadPosition {
 /// A subscription's read position as stored, with the start time it skips events before.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubscriptionPosition {
-    pub subscription_id: i64,
+    pub subscription_id: SubscriptionId,
     pub at: ReadPosition,
     pub not_before: Option<chrono::DateTime<chrono::Utc>>,
 }
@@ -110,20 +115,20 @@ impl Store {
     /// The read positions here of these subscriptions (those without one are left out).
     pub async fn read_positions(
         &self,
-        subscription_ids: &[i64],
+        subscription_ids: &[SubscriptionId],
     ) -> Result<Vec<SubscriptionPosition>> {
         let rows = sqlx::query(
             "SELECT subscription_id, cursor_xact_id, cursor_position, pending_xact_ids, \
                  pending_positions, not_before \
              FROM outbox_cursors WHERE subscription_id = ANY ($1)",
         )
-        .bind(subscription_ids)
+        .bind(id_values(subscription_ids))
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
             .map(|row| {
                 Ok(SubscriptionPosition {
-                    subscription_id: row.try_get("subscription_id")?,
+                    subscription_id: SubscriptionId(row.try_get("subscription_id")?),
                     at: ReadPosition {
                         xact_id: row.try_get("cursor_xact_id")?,
                         position: row.try_get("cursor_position")?,
@@ -160,7 +165,7 @@ impl Store {
         let (mut to_xact, mut to_position, mut to_pending, mut to_taken) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for PositionMove { subscription, to } in moves {
-            ids.push(subscription.subscription_id);
+            ids.push(subscription.subscription_id.0);
             from_xact.push(subscription.at.xact_id);
             from_position.push(subscription.at.position);
             from_pending.push(text(&subscription.at.pending_xact_ids));
@@ -206,31 +211,33 @@ impl Store {
     /// scheduled event whose time came, or a lease that expired (its gateway may be gone).
     pub async fn subscriptions_with_due_deliveries(
         &self,
-        subscription_ids: &[i64],
-    ) -> Result<Vec<i64>> {
-        Ok(sqlx::query_scalar(
+        subscription_ids: &[SubscriptionId],
+    ) -> Result<Vec<SubscriptionId>> {
+        let due = sqlx::query_scalar(
             "SELECT s.id FROM unnest($1::bigint[]) AS s(id) \
              WHERE EXISTS (SELECT 1 FROM outbox_deliveries d \
                            WHERE d.subscription_id = s.id AND d.due_at <= now())",
         )
-        .bind(subscription_ids)
+        .bind(id_values(subscription_ids))
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        Ok(from_id_values(due))
     }
 
     /// Which of these subscriptions have leases here whose deadline passed.
     pub async fn subscriptions_with_expired_leases(
         &self,
-        subscription_ids: &[i64],
-    ) -> Result<Vec<i64>> {
-        Ok(sqlx::query_scalar(
+        subscription_ids: &[SubscriptionId],
+    ) -> Result<Vec<SubscriptionId>> {
+        let expired = sqlx::query_scalar(
             "SELECT s.id FROM unnest($1::bigint[]) AS s(id) \
              WHERE EXISTS (SELECT 1 FROM outbox_deliveries d \
                            WHERE d.subscription_id = s.id AND d.due_at <= now() \
                              AND d.state = 'in_flight')",
         )
-        .bind(subscription_ids)
+        .bind(id_values(subscription_ids))
         .fetch_all(&self.pool)
-        .await?)
+        .await?;
+        Ok(from_id_values(expired))
     }
 }

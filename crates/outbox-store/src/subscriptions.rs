@@ -8,12 +8,12 @@ use sqlx::{PgConnection, Row, postgres::PgRow, types::Json};
 
 use super::{
     Result, Store, StoreError,
-    columns::{millis, start_columns},
+    columns::{from_id_values, id_values, millis, start_columns},
     locks::{LockMode, lock_subscription},
 };
 use outbox_domain::{
     PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SourceName, StartPosition,
-    Subscription, SubscriptionName, SubscriptionSettings,
+    Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings,
 };
 
 /// What a new subscription's definition is stored with.
@@ -45,8 +45,8 @@ impl Store {
             secrets,
         } = *new;
         let (start_kind, start_time) = start_columns(start);
-        let mut transaction = self.pool.begin().await?;
-        let row = sqlx::query(concat!(
+        run_in_transaction!(self.pool, |transaction| {
+            let row = sqlx::query(concat!(
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
@@ -76,12 +76,12 @@ impl Store {
         .bind(Json(stored_secrets(secrets)))
         .fetch_one(&mut *transaction)
         .await?;
-        let subscription = subscription_from_row(&row)?;
-        if reads_here {
-            insert_cursor(&mut transaction, subscription.id, start).await?;
-        }
-        transaction.commit().await?;
-        Ok(subscription)
+            let subscription = subscription_from_row(&row)?;
+            if reads_here {
+                insert_cursor(transaction, subscription.id, start).await?;
+            }
+            Ok(subscription)
+        })
     }
 
     pub async fn subscription(&self, name: &SubscriptionName) -> Result<Option<Subscription>> {
@@ -96,26 +96,26 @@ impl Store {
         row.as_ref().map(subscription_from_row).transpose()
     }
 
-    pub async fn subscription_by_id(&self, id: i64) -> Result<Option<Subscription>> {
+    pub async fn subscription_by_id(&self, id: SubscriptionId) -> Result<Option<Subscription>> {
         let row = sqlx::query(concat!(
             "SELECT ",
             subscription_columns!(),
             " FROM outbox_subscriptions WHERE id = $1"
         ))
-        .bind(id)
+        .bind(id.0)
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()
     }
 
     /// The definitions of these subscriptions that still exist.
-    pub async fn subscriptions_by_ids(&self, ids: &[i64]) -> Result<Vec<Subscription>> {
+    pub async fn subscriptions_by_ids(&self, ids: &[SubscriptionId]) -> Result<Vec<Subscription>> {
         let rows = sqlx::query(concat!(
             "SELECT ",
             subscription_columns!(),
             " FROM outbox_subscriptions WHERE id = ANY ($1)"
         ))
-        .bind(ids)
+        .bind(id_values(ids))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(subscription_from_row).collect()
@@ -134,9 +134,9 @@ impl Store {
 
     /// Records that streams are attached to these subscriptions now: idle ones expire by
     /// it, and an operator's view tells from it whether a subscription has a consumer.
-    pub async fn touch_attached(&self, subscription_ids: &[i64]) -> Result<()> {
+    pub async fn touch_attached(&self, subscription_ids: &[SubscriptionId]) -> Result<()> {
         sqlx::query("UPDATE outbox_subscriptions SET last_attached_at = now() WHERE id = ANY ($1)")
-            .bind(subscription_ids)
+            .bind(id_values(subscription_ids))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -145,7 +145,10 @@ impl Store {
     /// Subscriptions with no stream attached anywhere for longer than their
     /// `expire_after_idle`, leaving out `attached_here` (streams of this process not yet
     /// recorded).
-    pub async fn idle_expired(&self, attached_here: &[i64]) -> Result<Vec<SubscriptionName>> {
+    pub async fn idle_expired(
+        &self,
+        attached_here: &[SubscriptionId],
+    ) -> Result<Vec<SubscriptionName>> {
         let names: Vec<String> = sqlx::query_scalar(
             "SELECT name FROM outbox_subscriptions \
              WHERE expire_after_idle_ms IS NOT NULL \
@@ -153,7 +156,7 @@ impl Store {
                AND NOT id = ANY ($1) \
              ORDER BY name",
         )
-        .bind(attached_here)
+        .bind(id_values(attached_here))
         .fetch_all(&self.pool)
         .await?;
         names
@@ -180,25 +183,28 @@ impl Store {
 
     /// Deletes a subscription's definition, and its read position and delivery records
     /// in this database; the id it had, or `None` when it did not exist.
-    pub async fn delete_subscription(&self, name: &SubscriptionName) -> Result<Option<i64>> {
-        let mut transaction = self.pool.begin().await?;
-        let id: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
-                .bind(name.as_str())
-                .fetch_optional(&mut *transaction)
+    pub async fn delete_subscription(
+        &self,
+        name: &SubscriptionName,
+    ) -> Result<Option<SubscriptionId>> {
+        run_in_transaction!(self.pool, |transaction| {
+            let id: Option<i64> =
+                sqlx::query_scalar("SELECT id FROM outbox_subscriptions WHERE name = $1")
+                    .bind(name.as_str())
+                    .fetch_optional(&mut *transaction)
+                    .await?;
+            let Some(id) = id.map(SubscriptionId) else {
+                return Ok(None);
+            };
+            // Waits for a running claim so it cannot leave records behind.
+            lock_subscription(transaction, id, LockMode::Exclusive).await?;
+            delete_reading(transaction, id).await?;
+            sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
+                .bind(id.0)
+                .execute(&mut *transaction)
                 .await?;
-        let Some(id) = id else {
-            return Ok(None);
-        };
-        // Waits for a running claim so it cannot leave records behind.
-        lock_subscription(&mut transaction, id, LockMode::Exclusive).await?;
-        delete_reading(&mut transaction, id).await?;
-        sqlx::query("DELETE FROM outbox_subscriptions WHERE id = $1")
-            .bind(id)
-            .execute(&mut *transaction)
-            .await?;
-        transaction.commit().await?;
-        Ok(Some(id))
+            Ok(Some(id))
+        })
     }
 
     /// Pauses the subscription with `reason` until `until` (or until resumed). Pausing a
@@ -247,30 +253,34 @@ impl Store {
     }
 
     /// Starts the subscription reading this database at `start`, unless it already does.
-    pub async fn create_cursor(&self, subscription_id: i64, start: StartPosition) -> Result<()> {
+    pub async fn create_cursor(
+        &self,
+        subscription_id: SubscriptionId,
+        start: StartPosition,
+    ) -> Result<()> {
         let mut connection = self.pool.acquire().await?;
         insert_cursor(&mut connection, subscription_id, start).await
     }
 
     /// Forgets everything of the subscription in this database: its read position and
     /// delivery records (dead letters included).
-    pub async fn delete_cursor(&self, subscription_id: i64) -> Result<()> {
-        let mut transaction = self.pool.begin().await?;
-        lock_subscription(&mut transaction, subscription_id, LockMode::Exclusive).await?;
-        delete_reading(&mut transaction, subscription_id).await?;
-        transaction.commit().await?;
-        Ok(())
+    pub async fn delete_cursor(&self, subscription_id: SubscriptionId) -> Result<()> {
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+            delete_reading(transaction, subscription_id).await?;
+            Ok(())
+        })
     }
 
     /// Stops pushing for the subscription (its endpoint is gone) unless it already
     /// stopped, or no longer pushes; true when this call stopped it.
-    pub async fn stop_push(&self, subscription_id: i64, reason: &str) -> Result<bool> {
+    pub async fn stop_push(&self, subscription_id: SubscriptionId, reason: &str) -> Result<bool> {
         let stopped = sqlx::query(
             "UPDATE outbox_subscriptions SET push_stopped_at = now(), push_stopped_reason = $2, \
                  updated_at = now() \
              WHERE id = $1 AND push IS NOT NULL AND push_stopped_at IS NULL",
         )
-        .bind(subscription_id)
+        .bind(subscription_id.0)
         .bind(reason)
         .execute(&self.pool)
         .await?
@@ -298,18 +308,18 @@ impl Store {
     }
 
     /// The subscriptions that read this database (have a read position here).
-    pub async fn cursor_subscription_ids(&self) -> Result<Vec<i64>> {
-        Ok(
+    pub async fn cursor_subscription_ids(&self) -> Result<Vec<SubscriptionId>> {
+        Ok(from_id_values(
             sqlx::query_scalar("SELECT subscription_id FROM outbox_cursors ORDER BY 1")
                 .fetch_all(&self.pool)
                 .await?,
-        )
+        ))
     }
 }
 
 async fn insert_cursor(
     connection: &mut PgConnection,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
     start: StartPosition,
 ) -> Result<()> {
     let (start_kind, not_before) = start_columns(start);
@@ -322,7 +332,7 @@ async fn insert_cursor(
         ") AS start \
          ON CONFLICT (subscription_id) DO NOTHING"
     ))
-    .bind(subscription_id)
+    .bind(subscription_id.0)
     .bind(start_kind == "latest")
     .bind(not_before)
     .execute(connection)
@@ -332,14 +342,17 @@ async fn insert_cursor(
 
 /// Deletes a subscription's read position, delivery records and counters here; the
 /// caller holds the subscription's lock.
-async fn delete_reading(connection: &mut PgConnection, subscription_id: i64) -> Result<()> {
+async fn delete_reading(
+    connection: &mut PgConnection,
+    subscription_id: SubscriptionId,
+) -> Result<()> {
     for statement in [
         "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
         "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
         "DELETE FROM outbox_cursors WHERE subscription_id = $1",
     ] {
         sqlx::query(statement)
-            .bind(subscription_id)
+            .bind(subscription_id.0)
             .execute(&mut *connection)
             .await?;
     }
@@ -380,7 +393,7 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
         _ => StartPosition::Latest,
     };
     Ok(Subscription {
-        id: row.try_get("id")?,
+        id: SubscriptionId(row.try_get("id")?),
         name: SubscriptionName::parse("name", &name).map_err(corrupt)?,
         settings: SubscriptionSettings {
             event_types: patterns(row, "event_types")?,

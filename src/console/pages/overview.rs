@@ -1,4 +1,4 @@
-//! The overview page: every subscription with its figures and state.
+//! The overview page: every subscription with its stats and state.
 
 use axum::{extract::State, response::IntoResponse};
 use chrono::Utc;
@@ -6,27 +6,27 @@ use chrono::Utc;
 use super::Page;
 use crate::{
     console::{Console, ConsoleError, session::Session, views},
-    domain::SubscriptionName,
+    domain::{SubscriptionId, SubscriptionName},
 };
 
 pub async fn overview(State(console): State<Console>, session: Session) -> Page {
     session.principal.check_view()?;
     let inner = &console.inner;
-    let (figures, outbox) = inner.operations.stats(None).await?;
+    let (reports, outbox) = inner.operations.stats(None).await?;
     let ids = subscription_ids(&console).await?;
     let streams = inner.relay.stream_counts();
-    let mut rows: Vec<views::OverviewRow> = figures
+    let mut rows: Vec<views::OverviewRow> = reports
         .into_iter()
-        .map(|figures| views::OverviewRow {
-            status: figures.status,
-            rates: inner.rates.of(&figures.total.name),
+        .map(|report| views::OverviewRow {
+            status: report.status,
+            rates: inner.rates.of(&report.total.name),
             streams: ids
-                .get(&figures.total.name)
+                .get(&report.total.name)
                 .and_then(|id| streams.get(id))
                 .copied()
                 .unwrap_or(0),
-            stats: figures.total,
-            error: figures.error,
+            stats: report.total,
+            error: report.error,
         })
         .collect();
     // Those that need a look first, most pressing on top; by name within a status.
@@ -38,7 +38,7 @@ pub async fn overview(State(console): State<Console>, session: Session) -> Page 
 
 async fn subscription_ids(
     console: &Console,
-) -> Result<std::collections::HashMap<SubscriptionName, i64>, ConsoleError> {
+) -> Result<std::collections::HashMap<SubscriptionName, SubscriptionId>, ConsoleError> {
     Ok(console
         .inner
         .subscriptions

@@ -1,4 +1,4 @@
-//! The subscription page — its settings, figures and dead letters — and its actions:
+//! The subscription page — its settings, stats and dead letters — and its actions:
 //! requeue or resolve dead letters, seek, pause, resume.
 
 use axum::{
@@ -52,8 +52,8 @@ pub async fn subscription(
     let paged = page.is_some();
     let inner = &console.inner;
     let subscription = inner.subscriptions.get(&name).await?;
-    let (figures, outbox) = inner.operations.stats(Some(&name)).await?;
-    let figures = figures
+    let (reports, outbox) = inner.operations.stats(Some(&name)).await?;
+    let report = reports
         .into_iter()
         .next()
         .ok_or_else(|| Error::NotFound(format!("subscription {name:?} does not exist")))?;
@@ -87,9 +87,9 @@ pub async fn subscription(
     let frame = console.frame(&session);
     let view = views::SubscriptionView {
         subscription: &subscription,
-        status: &figures.status,
-        stats: &figures.total,
-        per_source: &figures.per_source,
+        status: &report.status,
+        stats: &report.total,
+        per_source: &report.per_source,
         sources: &sources,
         outbox: &outbox,
         rates: rates.as_ref(),

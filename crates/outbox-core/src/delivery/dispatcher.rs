@@ -25,11 +25,11 @@ use tokio_util::task::TaskTracker;
 
 use super::{
     Relay,
-    flow::{BufferBudget, LeaseKey, StreamLimits, Streams},
+    flow::{BufferBudget, StreamLimits, Streams},
     stream::DeliveryStream,
 };
 use crate::{
-    domain::{AckId, Delivery, SourceId, Subscription},
+    domain::{AckId, Delivery, LeaseId, LeaseKey, SourceId, Subscription, SubscriptionId},
     error::Error,
     metrics,
     sources::{Source, Sources},
@@ -48,7 +48,7 @@ pub(super) struct Dispatcher {
     sources: Sources,
     /// Tracks lease releases so shutdown waits for them.
     tasks: TaskTracker,
-    subscription_id: i64,
+    subscription_id: SubscriptionId,
     /// Lease tokens are `token_base + claim number`: unique per claim, so an ack id never
     /// names two leases even when a requeue resets the attempt count.
     token_base: i64,
@@ -182,7 +182,7 @@ impl Dispatcher {
         *current = Arc::new(subscription);
     }
 
-    pub(super) fn subscription_id(&self) -> i64 {
+    pub(super) fn subscription_id(&self) -> SubscriptionId {
         self.subscription_id
     }
 
@@ -264,13 +264,15 @@ impl Dispatcher {
         &self,
         source: SourceId,
         made_due: bool,
-        leases: Option<&[(i64, i64)]>,
+        leases: Option<&[LeaseId]>,
     ) {
         let mut state = self.state.lock().expect("dispatcher lock");
         match leases {
             Some(leases) => {
-                for &(position, token) in leases {
-                    state.streams.forget_matching((source, position), token);
+                for lease in leases {
+                    state
+                        .streams
+                        .forget_matching(lease.key_in(source), lease.token);
                 }
             }
             None => {
@@ -295,7 +297,7 @@ impl Dispatcher {
         for ack in acks {
             match state
                 .streams
-                .forget_matching((ack.source, ack.position), ack.lease_token)
+                .forget_matching(ack.lease_key(), ack.lease_token)
             {
                 Some(lease) => {
                     if settlement == Settlement::Acked {
@@ -326,7 +328,7 @@ impl Dispatcher {
         for (ack, deadline) in deadlines {
             state
                 .streams
-                .extend((ack.source, ack.position), ack.lease_token, *deadline);
+                .extend(ack.lease_key(), ack.lease_token, *deadline);
         }
     }
 
@@ -373,9 +375,12 @@ impl Dispatcher {
                 }
                 std::mem::take(&mut state.releases)
             };
-            let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
-            for ((source, position), token) in leases {
-                by_source.entry(source).or_default().push((position, token));
+            let mut by_source: HashMap<SourceId, Vec<LeaseId>> = HashMap::new();
+            for (key, token) in leases {
+                by_source
+                    .entry(key.source)
+                    .or_default()
+                    .push(key.with_token(token));
             }
             let mut busy = false;
             for (source_id, leases) in by_source {
@@ -398,11 +403,11 @@ impl Dispatcher {
                         state.releases.extend(
                             leases
                                 .into_iter()
-                                .map(|(position, token)| ((source_id, position), token)),
+                                .map(|lease| (lease.key_in(source_id), lease.token)),
                         );
                     }
                     Err(error) => {
-                        tracing::warn!(subscription_id = self.subscription_id, source = %source.name, %error, "could not release leases; they expire at their deadline");
+                        tracing::warn!(subscription_id = self.subscription_id.0, source = %source.name, %error, "could not release leases; they expire at their deadline");
                     }
                 }
             }
@@ -829,9 +834,9 @@ async fn claim(
             drop(state);
             // A lost connection is logged once, by the health monitor.
             if source.is_connected() && !error.is_unavailable() {
-                tracing::warn!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+                tracing::warn!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
             } else {
-                tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, retry_in = ?delay, "claim failed");
+                tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
             }
             return Claimed::Failed;
         }
@@ -907,7 +912,7 @@ async fn read_definition(dispatcher: &Dispatcher) -> bool {
         }
         Ok(None) => false,
         Err(error) => {
-            tracing::debug!(subscription_id = dispatcher.subscription_id, %error, "cannot read the subscription; keeping its last settings");
+            tracing::debug!(subscription_id = dispatcher.subscription_id.0, %error, "cannot read the subscription; keeping its last settings");
             true
         }
     }
@@ -933,13 +938,13 @@ enum Missing {
     Expired,
 }
 
-/// Takes the deadlines of `leases` (position, token) from their source: a lease it still
-/// holds keeps its deadline there. Without an answer (the source is down) nothing
-/// changes, and it returns false.
+/// Takes the deadlines of `leases` from their source: a lease it still holds keeps its
+/// deadline there. Without an answer (the source is down) nothing changes, and it
+/// returns false.
 async fn reread_leases(
     dispatcher: &Dispatcher,
     source_id: SourceId,
-    leases: Vec<(i64, i64)>,
+    leases: Vec<LeaseId>,
     missing: Missing,
 ) -> bool {
     let Some(source) = dispatcher.sources.get(source_id) else {
@@ -959,9 +964,9 @@ async fn reread_leases(
         Ok(live) => {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            for (position, token) in leases {
-                let key = (source_id, position);
-                match (live.get(&position), &missing) {
+            for lease in leases {
+                let (key, token) = (lease.key_in(source_id), lease.token);
+                match (live.get(&lease.position), &missing) {
                     (Some(deadline), _) => state.streams.extend(key, token, *deadline),
                     (None, Missing::Settled) => {
                         state.streams.forget_matching(key, token);
@@ -972,7 +977,7 @@ async fn reread_leases(
             true
         }
         Err(error) => {
-            tracing::debug!(subscription_id = dispatcher.subscription_id, source = %source.name, %error, "lease refresh failed");
+            tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "lease refresh failed");
             false
         }
     }

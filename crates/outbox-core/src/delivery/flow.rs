@@ -46,7 +46,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, mpsc};
 
 use crate::{
-    domain::{Delivery, SourceId},
+    domain::{Delivery, LeaseId, LeaseKey, SourceId},
     error::Error,
     storage::ClaimLimits,
 };
@@ -130,9 +130,6 @@ impl Drop for UnprovenTurn<'_> {
             now + now.saturating_duration_since(self.started);
     }
 }
-
-/// A lease's place: its source and the event's position there.
-pub type LeaseKey = (SourceId, i64);
 
 /// What one stream may hold unsettled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -395,7 +392,7 @@ impl Streams {
     ) -> Result<(), (LeaseKey, i64)> {
         let size = delivery.size();
         let (key, token, deadline) = (
-            (delivery.ack_id.source, delivery.ack_id.position),
+            delivery.ack_id.lease_key(),
             delivery.ack_id.lease_token,
             delivery.ack_deadline,
         );
@@ -490,17 +487,16 @@ impl Streams {
         }
     }
 
-    /// Leases whose deadline here has passed, by source, as (position, token). The
-    /// database may hold a later one: an extension that reached another gateway moved
-    /// it only there.
-    pub fn overdue(&self, now: DateTime<Utc>) -> HashMap<SourceId, Vec<(i64, i64)>> {
-        let mut overdue: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
-        for ((source, position), lease) in &self.leases {
+    /// Leases whose deadline here has passed, by source. The database may hold a later
+    /// one: an extension that reached another gateway moved it only there.
+    pub fn overdue(&self, now: DateTime<Utc>) -> HashMap<SourceId, Vec<LeaseId>> {
+        let mut overdue: HashMap<SourceId, Vec<LeaseId>> = HashMap::new();
+        for (key, lease) in &self.leases {
             if lease.deadline <= now {
                 overdue
-                    .entry(*source)
+                    .entry(key.source)
                     .or_default()
-                    .push((*position, lease.token));
+                    .push(key.with_token(lease.token));
             }
         }
         overdue
@@ -521,7 +517,7 @@ impl Streams {
         let mut stalled = Vec::new();
         for key in &expired {
             if let Some(lease) = self.remove_lease(*key)
-                && !unanswered.contains(&key.0)
+                && !unanswered.contains(&key.source)
             {
                 stalled.push(lease.stream_id);
             }
@@ -540,7 +536,7 @@ impl Streams {
             slot.growing_since = None;
             slot.proven = false;
         }
-        let mut sources: Vec<SourceId> = expired.into_iter().map(|(source, _)| source).collect();
+        let mut sources: Vec<SourceId> = expired.into_iter().map(|key| key.source).collect();
         sources.sort();
         sources.dedup();
         sources
@@ -552,8 +548,8 @@ impl Streams {
     /// the other sources' deliveries could use.
     pub fn forget_source(&mut self, source: SourceId) -> usize {
         let leases = self.leases_of(source);
-        for (position, _) in &leases {
-            self.remove_lease((source, *position));
+        for lease in &leases {
+            self.remove_lease(lease.key_in(source));
         }
         leases.len()
     }
@@ -580,12 +576,12 @@ impl Streams {
             .min()
     }
 
-    /// The leases of one source as (position, token).
-    pub fn leases_of(&self, source: SourceId) -> Vec<(i64, i64)> {
+    /// The leases of one source.
+    pub fn leases_of(&self, source: SourceId) -> Vec<LeaseId> {
         self.leases
             .iter()
-            .filter(|((lease_source, _), _)| *lease_source == source)
-            .map(|((_, position), lease)| (*position, lease.token))
+            .filter(|(key, _)| key.source == source)
+            .map(|(key, lease)| key.with_token(lease.token))
             .collect()
     }
 }
@@ -626,6 +622,14 @@ mod tests {
         }
     }
 
+    /// The key of the lease of the event at `position` in the default source.
+    fn key(position: i64) -> LeaseKey {
+        LeaseKey {
+            source: SourceId(0),
+            position,
+        }
+    }
+
     fn stream(
         streams: &mut Streams,
         deliveries: usize,
@@ -658,7 +662,7 @@ mod tests {
         assert!(streams.claim_limits(500, &budget).is_none());
         assert!(streams.place(delivery(2, 10), &budget).is_err());
         assert!(receiver.try_recv().is_ok());
-        streams.forget((SourceId(0), 1));
+        streams.forget(key(1));
         assert!(streams.claim_limits(500, &budget).is_some());
 
         for position in 2..5 {
@@ -683,8 +687,8 @@ mod tests {
         assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 1);
         streams.place(delivery(2, 10), &budget).unwrap();
         assert!(receiver.try_recv().is_ok() && receiver.try_recv().is_ok());
-        streams.forget((SourceId(0), 1));
-        streams.forget((SourceId(0), 2));
+        streams.forget(key(1));
+        streams.forget(key(2));
         assert!(
             streams.claim_limits(500, &budget).is_none(),
             "settling frees no room beyond the total"
@@ -699,7 +703,7 @@ mod tests {
         let (first, mut first_receiver, _) = stream(&mut streams, 1, u64::MAX);
         let (second, _second_receiver, _) = stream(&mut streams, 1, u64::MAX);
         streams.place(delivery(1, 10), &budget).unwrap();
-        assert_eq!(streams.leases[&(SourceId(0), 1)].stream_id, first);
+        assert_eq!(streams.leases[&key(1)].stream_id, first);
         assert!(first_receiver.try_recv().is_ok());
 
         // Nacked on another gateway and leased again before the notice arrived.
@@ -707,7 +711,7 @@ mod tests {
         again.ack_id.attempt = 2;
         again.ack_id.lease_token = 8;
         streams.place(again, &budget).unwrap();
-        assert_eq!(streams.leases[&(SourceId(0), 1)].stream_id, second);
+        assert_eq!(streams.leases[&key(1)].stream_id, second);
         assert_eq!(
             streams.slots[0].in_flight, 0,
             "the old lease's room is free"
@@ -756,7 +760,7 @@ mod tests {
         late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
         streams.place(late, &budget).unwrap();
         assert!(
-            streams.forget_matching((SourceId(0), 1), 8).is_none(),
+            streams.forget_matching(key(1), 8).is_none(),
             "another token"
         );
         assert!(streams.claim_limits(500, &budget).is_none());
@@ -797,7 +801,7 @@ mod tests {
         assert!(streams.slots[0].resting_until.is_none());
         assert_eq!(
             streams.leases_of(SourceId(0)),
-            vec![(3, streams.leases[&(SourceId(0), 3)].token)]
+            vec![key(3).with_token(streams.leases[&key(3)].token)]
         );
     }
 
@@ -826,14 +830,14 @@ mod tests {
         assert_eq!(rests, [1, 2, 4, 8, 16, 32, 60, 60]);
         // The resting stream is skipped; the other takes the next delivery.
         streams.place(delivery(100, 10), &budget).unwrap();
-        assert_eq!(streams.leases[&(SourceId(0), 100)].stream_id, reading_id);
+        assert_eq!(streams.leases[&key(100)].stream_id, reading_id);
         assert!(reading.try_recv().is_ok());
 
         // A settlement by the stalled stream makes it trusted again.
         streams.slots[0].resting_until = None;
         streams.round_robin = 0;
         streams.place(delivery(101, 10), &budget).unwrap();
-        streams.forget((SourceId(0), 101));
+        streams.forget(key(101));
         assert_eq!(streams.slots[0].stalls, 0);
         assert!(streams.slots[0].resting_until.is_none());
     }
@@ -863,7 +867,7 @@ mod tests {
                 position += 1;
                 streams.place(delivery(position, 10), &budget).unwrap();
                 assert!(receiver.try_recv().is_ok());
-                streams.forget((SourceId(0), position));
+                streams.forget(key(position));
             }
         }
         assert_eq!(
@@ -891,7 +895,7 @@ mod tests {
             assert!(streams.claim_limits(500, &budget).is_none(), "window full");
             for settled in position - limits.count as i64 + 1..=position {
                 assert!(receiver.try_recv().is_ok());
-                streams.forget((SourceId(0), settled));
+                streams.forget(key(settled));
             }
         }
         assert_eq!(offered, [INITIAL_WINDOW, 20, 40, 80, 100, 100]);
@@ -971,7 +975,7 @@ mod tests {
         assert!(streams.only_unproven_can_take(&budget), "new");
         streams.place(delivery(1, 10), &budget).unwrap();
         assert!(receiver.try_recv().is_ok());
-        streams.forget((SourceId(0), 1));
+        streams.forget(key(1));
         assert!(!streams.only_unproven_can_take(&budget), "it settled");
 
         // Its leases expire unsettled: unproven again until it settles once more.
@@ -988,7 +992,7 @@ mod tests {
         streams.round_robin = 1;
         streams.place(delivery(3, 10), &budget).unwrap();
         assert!(other.try_recv().is_ok());
-        streams.forget((SourceId(0), 3));
+        streams.forget(key(3));
         assert!(!streams.only_unproven_can_take(&budget));
     }
 }

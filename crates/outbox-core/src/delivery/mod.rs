@@ -34,8 +34,8 @@ pub use stream::DeliveryStream;
 
 use crate::{
     domain::{
-        ATTACHED_HEARTBEAT, AckId, MAX_BACKOFF, SourceId, Subscription, SubscriptionName,
-        check_text,
+        ATTACHED_HEARTBEAT, AckId, LeaseId, MAX_BACKOFF, SourceId, Subscription, SubscriptionId,
+        SubscriptionName, check_text,
     },
     error::{Error, Result},
     metrics,
@@ -103,7 +103,7 @@ struct RelayInner {
     /// whom they read for.
     audience: Arc<AtomicU64>,
     /// Dispatchers of this process by subscription id.
-    dispatchers: Mutex<HashMap<i64, Arc<Dispatcher>>>,
+    dispatchers: Mutex<HashMap<SubscriptionId, Arc<Dispatcher>>>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     /// Per source (by id): tells the other gateways on that database of news here.
@@ -229,7 +229,7 @@ impl Relay {
 
     /// Tells the other gateways on `source` that deliveries of the subscription may have
     /// become due there: their dispatcher of it claims at once.
-    fn announce_due(&self, subscription_id: i64, source: SourceId) {
+    fn announce_due(&self, subscription_id: SubscriptionId, source: SourceId) {
         if let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.0)) {
             notifier.settled(Settled {
                 subscription_id,
@@ -251,17 +251,14 @@ impl Relay {
 
     /// Tells the dispatcher of the subscription in this process about settled
     /// deliveries, and other gateways about those that were not leased here.
-    fn settled(&self, subscription_id: i64, acks: &[AckId], settlement: Settlement) {
+    fn settled(&self, subscription_id: SubscriptionId, acks: &[AckId], settlement: Settlement) {
         let elsewhere = match self.dispatcher(subscription_id) {
             Some(dispatcher) => dispatcher.settled(acks, settlement),
             None => acks.to_vec(),
         };
-        let mut by_source: HashMap<SourceId, Vec<(i64, i64)>> = HashMap::new();
+        let mut by_source: HashMap<SourceId, Vec<LeaseId>> = HashMap::new();
         for ack in &elsewhere {
-            by_source
-                .entry(ack.source)
-                .or_default()
-                .push((ack.position, ack.lease_token));
+            by_source.entry(ack.source).or_default().push(ack.lease());
         }
         for (source, leases) in by_source {
             let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.0)) else {
@@ -545,7 +542,7 @@ impl Relay {
     /// Something in `source` may have become due for the subscription (a requeue, an
     /// ack that freed an aggregate, reclaimed leases): its dispatcher here looks, and
     /// other gateways hear of it.
-    pub fn due(&self, subscription_id: i64, source: SourceId) {
+    pub fn due(&self, subscription_id: SubscriptionId, source: SourceId) {
         if let Some(dispatcher) = self.dispatcher(subscription_id) {
             dispatcher.due_in(source);
         }
@@ -555,7 +552,7 @@ impl Relay {
     /// The subscription's definition or read position changed: its dispatcher and the
     /// pushers here read it again and claim now; other gateways claim at once and take
     /// the definition at their next reading of all of them (within a poll interval).
-    pub fn subscription_changed(&self, subscription_id: i64) {
+    pub fn subscription_changed(&self, subscription_id: SubscriptionId) {
         let dispatcher = self.dispatcher(subscription_id);
         if let Some(dispatcher) = &dispatcher {
             dispatcher.definition_changed();
@@ -651,9 +648,9 @@ impl Relay {
     }
 
     /// Subscribe streams open in this process, by subscription id.
-    pub fn stream_counts(&self) -> HashMap<i64, usize> {
+    pub fn stream_counts(&self) -> HashMap<SubscriptionId, usize> {
         // One lock at a time: the map is let go before each dispatcher's is taken.
-        let dispatchers: Vec<(i64, Arc<Dispatcher>)> = self
+        let dispatchers: Vec<(SubscriptionId, Arc<Dispatcher>)> = self
             .inner
             .dispatchers
             .lock()
@@ -668,7 +665,7 @@ impl Relay {
     }
 
     /// Subscriptions with at least one Subscribe stream open in this process.
-    pub fn attached_subscriptions(&self) -> Vec<i64> {
+    pub fn attached_subscriptions(&self) -> Vec<SubscriptionId> {
         self.stream_counts()
             .into_iter()
             .filter(|(_, streams)| *streams > 0)
@@ -676,7 +673,7 @@ impl Relay {
             .collect()
     }
 
-    fn dispatcher(&self, subscription_id: i64) -> Option<Arc<Dispatcher>> {
+    fn dispatcher(&self, subscription_id: SubscriptionId) -> Option<Arc<Dispatcher>> {
         self.inner
             .dispatchers
             .lock()
@@ -702,7 +699,7 @@ async fn refresh_definitions(relay: Relay) {
         if dispatchers.is_empty() {
             continue;
         }
-        let ids: Vec<i64> = dispatchers.iter().map(|d| d.subscription_id()).collect();
+        let ids: Vec<SubscriptionId> = dispatchers.iter().map(|d| d.subscription_id()).collect();
         let definitions = &relay.sources().default_source().store;
         let found = match definitions.subscriptions_by_ids(&ids).await {
             Ok(found) => found,
@@ -711,7 +708,8 @@ async fn refresh_definitions(relay: Relay) {
                 continue;
             }
         };
-        let mut by_id: HashMap<i64, Subscription> = found.into_iter().map(|s| (s.id, s)).collect();
+        let mut by_id: HashMap<SubscriptionId, Subscription> =
+            found.into_iter().map(|s| (s.id, s)).collect();
         for dispatcher in dispatchers {
             match by_id.remove(&dispatcher.subscription_id()) {
                 Some(subscription) => dispatcher.set_definition(subscription),

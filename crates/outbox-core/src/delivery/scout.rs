@@ -38,7 +38,7 @@ use tokio::sync::Notify;
 
 use super::{Relay, dispatcher::Dispatcher};
 use crate::{
-    domain::Subscription,
+    domain::{Subscription, SubscriptionId},
     sources::Source,
     storage::{PositionMove, ReadPosition, ScannedRow, SubscriptionPosition},
 };
@@ -203,7 +203,7 @@ impl Scout {
                 dispatcher.news_in(source);
             }
         }
-        let ids: Vec<i64> = self
+        let ids: Vec<SubscriptionId> = self
             .audience()
             .dispatchers
             .iter()
@@ -289,7 +289,7 @@ impl Scout {
             }
         }
         let audience = self.audience.as_ref().expect("refreshed before use");
-        let index_of: HashMap<i64, usize> = audience
+        let index_of: HashMap<SubscriptionId, usize> = audience
             .dispatchers
             .iter()
             .enumerate()

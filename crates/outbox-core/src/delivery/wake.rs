@@ -18,6 +18,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use super::Relay;
 use crate::{
+    domain::SubscriptionId,
     sources::Source,
     storage::{Notice, Settled, Store},
 };
@@ -40,7 +41,7 @@ pub(super) struct PeerNotifier {
 struct Pending {
     events: bool,
     /// By subscription id.
-    settled: HashMap<i64, Settled>,
+    settled: HashMap<SubscriptionId, Settled>,
 }
 
 impl PeerNotifier {

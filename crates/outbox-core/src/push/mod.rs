@@ -26,7 +26,7 @@ pub use sender::{Answer, Failure, PushSender};
 use crate::{
     delivery::Relay,
     domain::{
-        AckId, AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionName,
+        AckId, AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionId, SubscriptionName,
         SubscriptionSettings,
     },
     error::Error,
@@ -123,23 +123,23 @@ impl PushStatus {
 /// requests fare, and the signing keys to use. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct PushBoard {
-    inner: Arc<Mutex<HashMap<i64, PushStatus>>>,
+    inner: Arc<Mutex<HashMap<SubscriptionId, PushStatus>>>,
     /// Read for every request, so a rotated key applies at once, without restarting
     /// the pusher; written by the supervisor from the definitions (a rotation on
     /// another replica) and by a rotation here.
-    keys: Arc<Mutex<HashMap<i64, Vec<PushSecret>>>>,
+    keys: Arc<Mutex<HashMap<SubscriptionId, Vec<PushSecret>>>>,
 }
 
 impl PushBoard {
     /// Signing keys for the subscription's next requests.
-    pub fn set_keys(&self, subscription_id: i64, keys: Vec<PushSecret>) {
+    pub fn set_keys(&self, subscription_id: SubscriptionId, keys: Vec<PushSecret>) {
         self.keys
             .lock()
             .expect("push keys lock")
             .insert(subscription_id, keys);
     }
 
-    fn keys(&self, subscription_id: i64) -> Vec<PushSecret> {
+    fn keys(&self, subscription_id: SubscriptionId) -> Vec<PushSecret> {
         self.keys
             .lock()
             .expect("push keys lock")
@@ -148,7 +148,7 @@ impl PushBoard {
             .unwrap_or_default()
     }
 
-    pub fn get(&self, subscription_id: i64) -> Option<PushStatus> {
+    pub fn get(&self, subscription_id: SubscriptionId) -> Option<PushStatus> {
         self.inner
             .lock()
             .expect("push statuses lock")
@@ -156,7 +156,7 @@ impl PushBoard {
             .cloned()
     }
 
-    fn update(&self, subscription_id: i64, change: impl FnOnce(&mut PushStatus)) {
+    fn update(&self, subscription_id: SubscriptionId, change: impl FnOnce(&mut PushStatus)) {
         change(
             self.inner
                 .lock()
@@ -166,7 +166,7 @@ impl PushBoard {
         );
     }
 
-    fn forget(&self, subscription_id: i64) {
+    fn forget(&self, subscription_id: SubscriptionId) {
         self.inner
             .lock()
             .expect("push statuses lock")
@@ -228,14 +228,14 @@ async fn supervise(
 ) {
     let shutdown = relay.stopping();
     let mut definitions = relay.watch_definitions();
-    let mut running: HashMap<i64, Running> = HashMap::new();
+    let mut running: HashMap<SubscriptionId, Running> = HashMap::new();
     let mut pushers = JoinSet::new();
     let mut generations = 0u64;
     loop {
         let store = &relay.sources().default_source().store;
         match store.active_push_subscriptions().await {
             Ok(subscriptions) => {
-                let wanted: HashMap<i64, Subscription> = subscriptions
+                let wanted: HashMap<SubscriptionId, Subscription> = subscriptions
                     .into_iter()
                     .map(|subscription| (subscription.id, subscription))
                     .collect();
