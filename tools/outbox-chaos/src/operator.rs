@@ -156,8 +156,11 @@ impl Operator {
             (at(0.2), Action::Pause),
             (at(0.2) + PAUSE_FOR, Action::Resume),
             (at(0.45), Action::Seek),
-            (at(0.65), Action::PauseUntil),
         ];
+        // In a run too short for both, the resume would end the second pause early.
+        if at(0.65) > at(0.2) + PAUSE_FOR + Duration::from_secs(1) {
+            plan.push((at(0.65), Action::PauseUntil));
+        }
         let mut requeue_at = at(0.3);
         while requeue_at < at(0.85) {
             plan.push((requeue_at, Action::Requeue));

@@ -323,12 +323,17 @@ impl Totals {
         };
         let subscriptions: Vec<SubscriptionTotals> = (journal.specs.iter().enumerate())
             .map(|(index, spec)| {
-                let received = state.received.iter().filter(|r| r.subscription == index);
-                let delivered = received.clone().count();
-                let distinct = received
-                    .map(|r| r.event)
-                    .collect::<std::collections::HashSet<_>>()
-                    .len();
+                // A push subscription's deliveries are the receiver's requests, and its
+                // acks the events answered 2xx.
+                let (delivered, distinct, acked) = if spec.role == Role::Push {
+                    let distinct: HashSet<Uuid> = state.pushed.iter().map(|p| p.event).collect();
+                    (state.pushed.len(), distinct.len(), state.pushed_ok.len())
+                } else {
+                    let received = state.received.iter().filter(|r| r.subscription == index);
+                    let distinct: HashSet<Uuid> = received.clone().map(|r| r.event).collect();
+                    let acked = state.acked.iter().filter(|(s, _)| *s == index).count();
+                    (received.count(), distinct.len(), acked)
+                };
                 SubscriptionTotals {
                     name: spec.name,
                     expected: (ledger.committed.values())
@@ -336,7 +341,7 @@ impl Totals {
                         .count(),
                     delivered,
                     redelivered: delivered - distinct,
-                    acked: state.acked.iter().filter(|(s, _)| *s == index).count(),
+                    acked,
                 }
             })
             .collect();
