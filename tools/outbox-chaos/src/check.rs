@@ -93,6 +93,7 @@ pub fn run(
         now: Utc::now(),
         origin,
         committed: ledger.committed.clone(),
+        committed_at: ledger.committed_at.clone(),
         rolled_back: ledger.rolled_back.clone(),
         violations: Vec::new(),
     };
@@ -129,6 +130,8 @@ struct Checker<'a> {
     now: DateTime<Utc>,
     origin: Instant,
     committed: HashMap<Uuid, Published>,
+    /// When each event was known committed (none for publishes settled at the end).
+    committed_at: HashMap<Uuid, Instant>,
     rolled_back: HashMap<Uuid, Published>,
     violations: Vec<Violation>,
 }
@@ -359,20 +362,23 @@ impl<'a> Checker<'a> {
     }
 
     /// Of one event's deliveries on the seek subscription (in order of arrival), the one
-    /// a seek replays, when the event was written at or after the time sought and handed
-    /// out before the seek (or so soon after its answer that it may have been claimed
-    /// before): the first delivery to arrive after both the seek was sent and the event's
-    /// first ack was answered. A replay skips an event only while it has a delivery
-    /// record, so one in flight or awaiting a retry at the seek is replayed once it is
-    /// acked, whenever the replay reaches it.
+    /// a seek replays, when the event was written at or after the time sought and had
+    /// been committed or handed out before the seek was answered (or so soon after that
+    /// it may have been claimed before): the first delivery to arrive after both the seek
+    /// was sent and the event's first ack was answered. A replay skips an event only
+    /// while it has a delivery record, so one in flight, awaiting a retry or scheduled
+    /// for later at the seek is replayed once it is acked, whenever the replay reaches
+    /// it.
     fn seek_replay(&self, receipts: &[&Received]) -> Option<usize> {
         if self.journal.specs[receipts[0].subscription].role != Role::Seek {
             return None;
         }
         self.operated.log.seeks.iter().find_map(|seek| {
             let written_after = receipts[0].created_at.is_some_and(|at| at >= seek.to);
-            let handed_out_before = receipts[0].at < seek.answered + SEEK_GRACE;
-            if !written_after || !handed_out_before {
+            let before_seek = |at: &Instant| *at < seek.answered + SEEK_GRACE;
+            let existed_before = before_seek(&receipts[0].at)
+                || (self.committed_at.get(&receipts[0].event)).is_some_and(before_seek);
+            if !written_after || !existed_before {
                 return None;
             }
             let first_acked = (receipts.iter())
