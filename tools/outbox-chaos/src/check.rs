@@ -569,7 +569,8 @@ impl<'a> Checker<'a> {
 
     /// Each subscription's `expired_total` counts at least the expiring events it never
     /// settled otherwise (dropped, or dead-lettered as expired), and no more than the
-    /// expiring events it selects.
+    /// expiring events it selects (plus, on the dead-letter subscription, the expired dead
+    /// letters requeued, which expire again).
     fn expiry_counters(&mut self) {
         let mut found = Vec::new();
         for (index, spec) in self.journal.specs.iter().enumerate() {
@@ -598,7 +599,15 @@ impl<'a> Checker<'a> {
                     }
                 })
                 .count() as u64;
-            if expired_total < not_delivered || expired_total > expiring.len() as u64 {
+            let expired_again: u64 = match spec.role {
+                Role::DeadLetters => (self.operated.log.requeues.iter())
+                    .map(|requeue| requeue.expired_requeued)
+                    .sum(),
+                _ => 0,
+            };
+            if expired_total < not_delivered
+                || expired_total > expiring.len() as u64 + expired_again
+            {
                 found.push(Violation::new(
                     "expired count",
                     format!(

@@ -70,6 +70,9 @@ pub struct Requeue {
     /// Requeued ids that must be delivered again, with attempt 1: those that were not
     /// dead-lettered as expired, of events without an expiry.
     pub redelivery_expected: Vec<Uuid>,
+    /// Requeued dead letters that had expired, times the calls made: each requeue of one
+    /// counts it as expired once more.
+    pub expired_requeued: u64,
     pub requeued: u64,
 }
 
@@ -372,12 +375,18 @@ impl Operator {
             .filter(|event| event.expires_at.is_none())
             .filter_map(|event| event.id.parse().ok())
             .collect();
+        // Each call may have requeued them (again).
+        let expired_requeued = (chosen.iter())
+            .filter(|dead| dead.last_error == "expired")
+            .count() as u64
+            * u64::from(calls.load(std::sync::atomic::Ordering::Relaxed));
         eprintln!("outbox-chaos: requeued {requeued} dead letters of {name}");
         self.operations.log().requeues.push(Requeue {
             // A failed call may have been applied: the first one sent is the earliest the
             // dead letters went back.
             sent,
             redelivery_expected,
+            expired_requeued,
             requeued,
         });
     }
