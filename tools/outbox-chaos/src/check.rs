@@ -1,4 +1,5 @@
-//! The checks: what the consumers saw against what the producers know.
+//! The checks: what the consumers and the push receiver saw against what the producers
+//! know, what the operator did and what the Admin API shows at the end.
 //!
 //! Times are the consumers' own: a delivery's arrival, and when each ack or nack was
 //! sent and answered. A lease is known to have been live from (before) the arrival of a
@@ -14,7 +15,6 @@ use std::{
 };
 
 use chrono::{DateTime, Utc};
-
 use serde::Serialize;
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -64,7 +64,7 @@ const EXPIRY_SLACK: chrono::TimeDelta = chrono::TimeDelta::seconds(1);
 /// How long after a PauseSubscription call was answered deliveries leased before it may
 /// still arrive: one poll interval (200 ms) for the other gateways to read the pause, and
 /// time for a delivery on its way, on a busy machine.
-pub const PAUSE_GRACE: Duration = Duration::from_secs(1);
+const PAUSE_GRACE: Duration = Duration::from_secs(1);
 /// How long after a SeekSubscription call was answered a delivery may arrive that was
 /// claimed before the seek took effect.
 const SEEK_GRACE: Duration = Duration::from_secs(1);
@@ -736,7 +736,7 @@ impl<'a> Checker<'a> {
     /// calls "deliveries before an event is dead-lettered". Counted in the totals
     /// (`released_past_max_attempts`) rather than reported as a violation until the
     /// gateway or the proto settles which is meant.
-    pub fn after_release(&self, received: &Received) -> bool {
+    fn after_release(&self, received: &Received) -> bool {
         released_before(self.state, received)
     }
 

@@ -1,8 +1,10 @@
 //! Consumers: several Subscribe streams per subscription, spread over the gateways and
 //! reconnecting to any live one, settling each delivery after a short random delay —
 //! mostly acks, sometimes a nack with a short `retry_after`, now and then nothing at all
-//! (the lease runs out). They use the raw gRPC stubs so that the [`Journal`] records
-//! exactly when each delivery arrived and how each ack and nack was answered.
+//! (the lease runs out); on the dead-letter subscription they nack the poison events
+//! every time and ack the others. They use the raw gRPC stubs so that the [`Journal`]
+//! records exactly when each delivery arrived and how each ack and nack was answered.
+//! The push subscription has no streams: the push receiver journals its requests.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -59,6 +61,7 @@ pub struct SubscriptionSpec {
 /// The feature a subscription exercises besides plain delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// Nothing else.
     Plain,
     /// A small `max_attempts` and `dead_letter_expired`; its consumers nack the events
     /// [`is_poison`] chooses every time, and an operator requeues some dead letters.
