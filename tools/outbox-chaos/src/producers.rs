@@ -161,15 +161,15 @@ impl Aggregate {
 }
 
 /// A `deliver_at` for some events and an `expires_at` for some others: most are neither.
-/// Schedules are short so that the run delivers them; expiries are either short enough
-/// that some events expire before they are delivered (or before a retry), or long enough
-/// that they should not.
+/// Schedules are short so that the run delivers them without lengthening the drain;
+/// expiries are either short enough that some events expire before they are delivered
+/// (or before a retry), or long enough that they should not.
 fn timing(rng: &mut StdRng) -> (Option<DateTime<Utc>>, Option<DateTime<Utc>>) {
     // Whole milliseconds, so that a re-publish compares equal to what was stored.
     let now = Utc::now().trunc_subsecs(3);
     let after = |millis| Some(now + chrono::Duration::milliseconds(millis));
     match rng.random_range(0..100) {
-        0..SCHEDULED_PERCENT => (after(rng.random_range(300..4000)), None),
+        0..SCHEDULED_PERCENT => (after(rng.random_range(300..2000)), None),
         SCHEDULED_PERCENT..EXPIRING_UNTIL if rng.random_bool(0.4) => {
             (None, after(rng.random_range(20..400)))
         }
