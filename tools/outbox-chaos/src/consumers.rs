@@ -1,8 +1,10 @@
 //! Consumers: several Subscribe streams per subscription, spread over the gateways and
 //! reconnecting to any live one, settling each delivery after a short random delay —
 //! mostly acks, sometimes a nack with a short `retry_after`, now and then nothing at all
-//! (the lease runs out). They use the raw gRPC stubs so that the [`Journal`] records
-//! exactly when each delivery arrived and how each ack and nack was answered.
+//! (the lease runs out); on the dead-letter subscription they nack the poison events
+//! every time and ack the others. They use the raw gRPC stubs so that the [`Journal`]
+//! records exactly when each delivery arrived and how each ack and nack was answered.
+//! The push subscription has no streams: the push receiver journals its requests.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -14,6 +16,7 @@ use std::{
 };
 
 use anyhow::Context;
+use chrono::{DateTime, Utc};
 use outbox_client::proto::{self, admin_client::AdminClient, subscriber_client::SubscriberClient};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use tokio::{
@@ -24,7 +27,12 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::{cluster::Cluster, database::Unsettled, ledger::Ledger};
+use crate::{
+    check::Violation,
+    cluster::Cluster,
+    database::Unsettled,
+    ledger::{Ledger, Published},
+};
 
 /// Longest an Ack or Nack call may take before it counts as failed.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -46,6 +54,41 @@ pub struct SubscriptionSpec {
     pub ack_deadline: Duration,
     /// Whether consumers sometimes leave a delivery unsettled until its lease expires.
     pub forgets: bool,
+    /// What else the subscription exercises.
+    pub role: Role,
+}
+
+/// The feature a subscription exercises besides plain delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Nothing else.
+    Plain,
+    /// A small `max_attempts` and `dead_letter_expired`; its consumers nack the events
+    /// [`is_poison`] chooses every time, and an operator requeues some dead letters.
+    DeadLetters,
+    /// An operator seeks it back in time during the run.
+    Seek,
+    /// An operator pauses it twice during the run: resumed by a call, and by `until`.
+    Pause,
+    /// Pushed by the gateways to the run's HTTP receiver; no streams.
+    Push,
+}
+
+/// `max_attempts` of the dead-letter subscription.
+pub const DEAD_LETTER_MAX_ATTEMPTS: u32 = 3;
+/// The reason its consumers give when they nack a poison event.
+pub const POISON_REASON: &str = "chaos: poison event";
+
+/// Whether the consumers of the dead-letter subscription fail on this event every time
+/// (a quarter of the events, chosen by the random bits of the id).
+pub fn is_poison(event: Uuid) -> bool {
+    event.as_bytes()[15].is_multiple_of(4)
+}
+
+/// Whether a poison event is dead-lettered by its first nack (`dead_letter = true`)
+/// rather than after `max_attempts` nacks.
+fn dead_letter_at_once(event: Uuid) -> bool {
+    event.as_bytes()[15].is_multiple_of(8)
 }
 
 /// Whether `event_type` matches `pattern`, `*` standing for one dot-separated segment (the
@@ -66,7 +109,7 @@ fn matches_pattern(pattern: &str, event_type: &str) -> bool {
 
 impl SubscriptionSpec {
     pub fn all() -> Vec<SubscriptionSpec> {
-        let spec = |name, event_types: &'static [&'static str], ordered, streams, forgets| {
+        let spec = |name, event_types: &'static [&'static str], ordered, streams, forgets, role| {
             SubscriptionSpec {
                 name,
                 event_types,
@@ -74,13 +117,54 @@ impl SubscriptionSpec {
                 streams,
                 ack_deadline: Duration::from_secs(if ordered { 5 } else { 3 }),
                 forgets,
+                role,
             }
         };
+        // The subscriptions of the features each take one event type, so they add
+        // little load.
         vec![
-            spec("chaos-all", &[], false, 6, true),
-            spec("chaos-ordered", &[], true, 3, false),
-            spec("chaos-orders", &["order.*"], false, 3, true),
+            spec("chaos-all", &[], false, 6, true, Role::Plain),
+            spec("chaos-ordered", &[], true, 3, false, Role::Plain),
+            spec("chaos-orders", &["order.*"], false, 3, true, Role::Plain),
+            spec(
+                "chaos-dead",
+                &["invoice.issued"],
+                false,
+                2,
+                false,
+                Role::DeadLetters,
+            ),
+            spec("chaos-seek", &["order.paid"], false, 2, true, Role::Seek),
+            spec(
+                "chaos-paused",
+                &["order.created"],
+                false,
+                2,
+                true,
+                Role::Pause,
+            ),
+            spec(
+                "chaos-push",
+                &["shipment.sent.eu"],
+                false,
+                0,
+                false,
+                Role::Push,
+            ),
         ]
+    }
+
+    /// Deliveries before an event is dead-lettered; 0 for never.
+    pub fn max_attempts(&self) -> u32 {
+        match self.role {
+            Role::DeadLetters => DEAD_LETTER_MAX_ATTEMPTS,
+            _ => 0,
+        }
+    }
+
+    /// Whether expired events go to its dead-letter queue rather than being dropped.
+    pub fn dead_letter_expired(&self) -> bool {
+        self.role == Role::DeadLetters
     }
 
     /// Whether an event of this type belongs to the subscription.
@@ -92,8 +176,9 @@ impl SubscriptionSpec {
                 .any(|pattern| matches_pattern(pattern, event_type))
     }
 
-    /// Creates the subscription (from the earliest event, retrying forever).
-    pub async fn create(&self, cluster: &Cluster) -> anyhow::Result<()> {
+    /// Creates the subscription from the earliest event; a push subscription sends to
+    /// `push_endpoint`.
+    pub async fn create(&self, cluster: &Cluster, push_endpoint: &str) -> anyhow::Result<()> {
         let subscription = proto::Subscription {
             name: self.name.into(),
             event_types: self.event_types.iter().map(|t| t.to_string()).collect(),
@@ -103,7 +188,18 @@ impl SubscriptionSpec {
                 )),
             }),
             ack_deadline: prost_types::Duration::try_from(self.ack_deadline).ok(),
-            max_attempts: Some(0),
+            max_attempts: Some(self.max_attempts()),
+            dead_letter_expired: self.dead_letter_expired(),
+            push: (self.role == Role::Push).then(|| proto::PushConfig {
+                endpoint: push_endpoint.to_owned(),
+                // Shorter than the default, so that a push lost with a killed gateway is
+                // sent again within the run.
+                timeout: Some(prost_types::Duration {
+                    seconds: 2,
+                    nanos: 0,
+                }),
+                ..Default::default()
+            }),
             retry_backoff_min: Some(prost_types::Duration {
                 seconds: 0,
                 nanos: 100_000_000,
@@ -138,8 +234,27 @@ pub struct Received {
     pub attempt: u32,
     pub ack_id: String,
     pub at: Instant,
+    /// The arrival by the clock the gateways and PostgreSQL share with this machine, to
+    /// compare with `deliver_at` and `expires_at`.
+    pub wall: DateTime<Utc>,
+    /// When the event was written, as the gateway has it (a seek to a time replays the
+    /// events written at or after it).
+    pub created_at: Option<DateTime<Utc>>,
+    /// The event's expiry, as delivered.
+    pub expires_at: Option<DateTime<Utc>>,
     pub stream: u64,
     pub gateway: usize,
+}
+
+/// One request of a push subscription as the run's HTTP receiver got it.
+#[derive(Debug, Clone)]
+pub struct Pushed {
+    pub event: Uuid,
+    pub event_type: String,
+    pub at: Instant,
+    pub wall: DateTime<Utc>,
+    /// What the receiver answered.
+    pub status: u16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,10 +306,23 @@ pub struct JournalState {
     pub subscribe_failures: u64,
     /// Streams that ended with an error, by gRPC code (or "closed").
     pub stream_ends: HashMap<String, u64>,
+    /// When each stream ended, by stream id.
+    pub stream_ended_at: HashMap<u64, Instant>,
     pub forgotten: u64,
     /// Settlements applied by a gateway other than the one whose stream received the
     /// delivery.
     pub settled_elsewhere: u64,
+    /// Requests of the push subscription, in order of arrival.
+    pub pushed: Vec<Pushed>,
+    /// Events of the push subscription the receiver answered with a 2xx.
+    pub pushed_ok: HashSet<Uuid>,
+    /// Pairs acked before a seek that the seek must deliver again, with when the seek
+    /// was sent; their acks no longer count as settling them.
+    pub replay_expected: HashMap<(usize, Uuid), Instant>,
+    /// Nacks applied on the dead-letter subscription, poison or not.
+    pub poison_nacks: u64,
+    /// Answers that broke a promise of the API as they came in.
+    pub violations: Vec<Violation>,
 }
 
 impl Journal {
@@ -234,18 +362,17 @@ impl Journal {
             .push(settlement);
     }
 
-    /// `(subscription, event)` pairs still to be acked: committed events matching a
-    /// subscription, neither acked OK nor, after an ack whose answer was lost, gone from
-    /// the delivery records.
-    /// Counted per subscription.
+    /// `(subscription, event)` pairs still to be settled (see [`is_settled`]), counted
+    /// per subscription.
     pub fn outstanding(&self, ledger: &Ledger, unsettled: &Unsettled) -> Vec<usize> {
         let ledger = ledger.state();
         let state = self.state();
+        let now = Utc::now();
         let mut outstanding = vec![0; self.specs.len()];
         for event in ledger.committed.values() {
             for (index, spec) in self.specs.iter().enumerate() {
                 if spec.matches(&event.event_type)
-                    && !is_settled(&state, unsettled, index, spec.name, event.id)
+                    && !is_settled(&state, unsettled, index, spec, event, now)
                 {
                     outstanding[index] += 1;
                 }
@@ -253,21 +380,102 @@ impl Journal {
         }
         outstanding
     }
+
+    /// After a seek to `not_before` sent at `seek_sent`: the pairs of `subscription`
+    /// written at or after that time, acked before the seek was sent and not delivered
+    /// since, must be delivered again; they no longer count as acked until they are.
+    /// Events that expire are left out (the replay may find them expired). Returns how
+    /// many pairs are expected.
+    pub fn expect_replay(
+        &self,
+        subscription: usize,
+        seek_sent: Instant,
+        not_before: DateTime<Utc>,
+    ) -> usize {
+        let mut state = self.state();
+        let mut acked_before = HashSet::new();
+        let mut touched_since = HashSet::new();
+        for received in &state.received {
+            if received.subscription != subscription {
+                continue;
+            }
+            let pair = (subscription, received.event);
+            if received.at >= seek_sent {
+                touched_since.insert(pair);
+            }
+            for settlement in state
+                .settlements
+                .get(&received.ack_id)
+                .into_iter()
+                .flatten()
+            {
+                if settlement.kind == SettleKind::Ack && settlement.answer == Answer::Applied {
+                    if settlement.answered < seek_sent {
+                        acked_before.insert(pair);
+                    } else {
+                        touched_since.insert(pair);
+                    }
+                }
+            }
+        }
+        let replayed: Vec<(usize, Uuid)> = (state.received.iter())
+            .filter(|received| {
+                received.subscription == subscription
+                    && received.expires_at.is_none()
+                    && received.created_at.is_some_and(|at| at >= not_before)
+            })
+            .map(|received| (subscription, received.event))
+            .filter(|pair| acked_before.contains(pair) && !touched_since.contains(pair))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        for pair in &replayed {
+            state.acked.remove(pair);
+            state.ack_failed.remove(pair);
+            state.replay_expected.insert(*pair, seek_sent);
+        }
+        replayed.len()
+    }
+
+    pub fn violation(&self, violation: Violation) {
+        self.state().violations.push(violation);
+    }
 }
 
-/// Whether the pair is known acked: an ack answered OK, or an ack whose call failed and
-/// whose delivery record is gone (the ack was applied; nothing else removes a record
-/// while subscriptions never dead-letter).
+/// Whether the pair needs nothing more from the consumers:
+/// - acked: an ack answered OK, or an ack whose call failed and whose delivery record is
+///   gone (the ack was applied: on a subscription that never dead-letters nothing else
+///   removes a record of an event that does not expire);
+/// - dead-lettered, on the subscription that dead-letters;
+/// - expired with no record left, on the subscriptions that drop expired events;
+/// - on the push subscription: answered 2xx by the receiver (or expired) and no record
+///   left, so the gateway took the answer.
 pub fn is_settled(
     state: &JournalState,
     unsettled: &Unsettled,
     subscription: usize,
-    name: &str,
-    event: Uuid,
+    spec: &SubscriptionSpec,
+    event: &Published,
+    now: DateTime<Utc>,
 ) -> bool {
-    let pair = (subscription, event);
-    state.acked.contains(&pair)
-        || (state.ack_failed.contains(&pair) && !unsettled.contains_key(&(name.to_owned(), event)))
+    let pair = (subscription, event.id);
+    let record = unsettled
+        .get(&(spec.name.to_owned(), event.id))
+        .map(String::as_str);
+    if spec.role == Role::Push {
+        return record.is_none() && (state.pushed_ok.contains(&event.id) || event.expired_by(now));
+    }
+    if state.acked.contains(&pair) {
+        return true;
+    }
+    match record {
+        None => {
+            state.ack_failed.contains(&pair)
+                || (event.expired_by(now) && !spec.dead_letter_expired())
+        }
+        Some("dead") => spec.role == Role::DeadLetters,
+        Some(_) => false,
+    }
 }
 
 /// The running consumers.
@@ -393,6 +601,7 @@ impl Consumer {
                 Err(status) => break format!("{:?}", status.code()),
             };
             let at = Instant::now();
+            let wall = Utc::now();
             let event = delivery.event.unwrap_or_default();
             let received = Received {
                 subscription: self.subscription,
@@ -403,13 +612,18 @@ impl Consumer {
                 attempt: delivery.attempt,
                 ack_id: delivery.ack_id,
                 at,
+                wall,
+                created_at: event.created_at.and_then(date_time),
+                expires_at: event.expires_at.and_then(date_time),
                 stream: stream_id,
                 gateway,
             };
             self.journal.state().received.push(received.clone());
             handlers.spawn(self.clone().handle(received, acks.clone()));
         };
-        *self.journal.state().stream_ends.entry(end).or_default() += 1;
+        let mut state = self.journal.state();
+        *state.stream_ends.entry(end).or_default() += 1;
+        state.stream_ended_at.insert(stream_id, Instant::now());
     }
 
     /// Settles one delivery after a short random delay.
@@ -419,11 +633,20 @@ impl Consumer {
             (rng.random_range(0..25), rng.random_range(0..100))
         };
         tokio::time::sleep(Duration::from_millis(delay)).await;
+        if self.spec().role == Role::DeadLetters {
+            // Poison events fail for good, also while draining; the others never fail.
+            if is_poison(received.event) {
+                self.nack(&received, Nack::Poison).await;
+            } else {
+                let _ = acks.send(received).await;
+            }
+            return;
+        }
         let calm = self.calm.is_cancelled();
         if calm || choice < 88 {
             let _ = acks.send(received).await;
         } else if choice < 97 {
-            self.nack(&received).await;
+            self.nack(&received, Nack::Retry).await;
         } else if self.spec().forgets {
             self.journal.state().forgotten += 1;
         } else {
@@ -431,23 +654,31 @@ impl Consumer {
         }
     }
 
-    async fn nack(&self, received: &Received) {
+    async fn nack(&self, received: &Received, nack: Nack) {
         let retry_after = rand::rng().random_range(50..300);
+        let dead_letter = nack == Nack::Poison && dead_letter_at_once(received.event);
         let request = proto::NackRequest {
             subscription: self.spec().name.into(),
             ack_id: received.ack_id.clone(),
-            reason: "chaos: simulated failure".into(),
+            reason: match nack {
+                Nack::Retry => "chaos: simulated failure",
+                Nack::Poison => POISON_REASON,
+            }
+            .into(),
             retry_after: Some(prost_types::Duration {
                 seconds: 0,
                 nanos: retry_after * 1_000_000,
             }),
-            dead_letter: false,
+            dead_letter,
         };
         let gateway = rand::rng().random_range(0..self.cluster.len());
         let mut client = SubscriberClient::new(self.cluster.channel(gateway));
         let sent = Instant::now();
         let answer = match timeout(CALL_TIMEOUT, client.nack(request)).await {
-            Ok(Ok(_)) => Answer::Applied,
+            Ok(Ok(response)) => {
+                self.check_nack_response(received, dead_letter, &response.into_inner());
+                Answer::Applied
+            }
             Ok(Err(status)) if status.code() == tonic::Code::FailedPrecondition => Answer::Stale,
             Ok(Err(status)) => Answer::Failed(format!("{:?}", status.code())),
             Err(_) => Answer::Failed("timeout".into()),
@@ -460,6 +691,33 @@ impl Consumer {
             answer,
         };
         self.journal.record_settlement(received, settlement);
+    }
+
+    /// A nack goes to the dead-letter queue when it asks to, or when it settles the last
+    /// attempt the subscription allows; otherwise it is retried.
+    fn check_nack_response(
+        &self,
+        received: &Received,
+        dead_letter: bool,
+        response: &proto::NackResponse,
+    ) {
+        let max_attempts = self.spec().max_attempts();
+        let expected = dead_letter || (max_attempts > 0 && received.attempt >= max_attempts);
+        if self.spec().role == Role::DeadLetters {
+            self.journal.state().poison_nacks += 1;
+        }
+        if response.dead_lettered != expected || response.retry_at.is_some() == expected {
+            self.journal.violation(Violation::new(
+                "nack answer",
+                format!(
+                    "{}: nack of {} attempt {} (dead_letter {dead_letter}, max_attempts \
+                     {max_attempts}) answered {response:?}",
+                    self.spec().name,
+                    received.event,
+                    received.attempt
+                ),
+            ));
+        }
     }
 
     /// Sends acks in batches, half of them to the gateway of the current stream and the
@@ -538,6 +796,20 @@ impl Consumer {
         }
         failure.is_none()
     }
+}
+
+/// Why a consumer nacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Nack {
+    /// A passing failure: retried after a short `retry_after`.
+    Retry,
+    /// A poison event of the dead-letter subscription.
+    Poison,
+}
+
+/// A protobuf timestamp as a date, `None` when out of range.
+pub fn date_time(timestamp: prost_types::Timestamp) -> Option<DateTime<Utc>> {
+    DateTime::from_timestamp(timestamp.seconds, timestamp.nanos.try_into().ok()?)
 }
 
 #[cfg(test)]

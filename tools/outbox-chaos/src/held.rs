@@ -41,6 +41,8 @@ pub async fn run(database: ChaosDatabase, ledger: Arc<Ledger>, seed: u64, stop: 
                     version: 1,
                     event_type: (*EVENT_TYPES.choose(&mut rng).expect("event types")).to_owned(),
                     route: Route::Sql,
+                    deliver_at: None,
+                    expires_at: None,
                 })
                 .collect()
         } else {

@@ -6,6 +6,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
+use chrono::{DateTime, Utc};
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -27,6 +28,17 @@ pub struct Published {
     pub version: i64,
     pub event_type: String,
     pub route: Route,
+    /// Delivered to no subscription before this time (a scheduled event).
+    pub deliver_at: Option<DateTime<Utc>>,
+    /// Delivered to no subscription from this time on (an expiring event).
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+impl Published {
+    /// Whether the event has expired by `now`.
+    pub fn expired_by(&self, now: DateTime<Utc>) -> bool {
+        self.expires_at.is_some_and(|expires_at| expires_at <= now)
+    }
 }
 
 #[derive(Debug, Default)]

@@ -1,6 +1,8 @@
 //! `outbox-chaos`: runs three gateway processes on a throw-away database, publishes
-//! through them (gRPC and direct SQL, with rollbacks) and consumes from several
-//! subscriptions while gateways are killed, restarted and cut off from PostgreSQL; then
+//! through them (gRPC and direct SQL, with rollbacks; some events scheduled, some
+//! expiring) and consumes from several subscriptions (one of them pushed to an HTTP
+//! receiver, one dead-lettering poison events) while gateways are killed, restarted and
+//! cut off from PostgreSQL and an operator pauses, seeks and requeues dead letters; then
 //! lets the consumers drain and checks every delivery guarantee against what the
 //! producers know they committed.
 //!
@@ -14,7 +16,9 @@ mod consumers;
 mod database;
 mod held;
 mod ledger;
+mod operator;
 mod producers;
+mod push;
 mod report;
 
 use std::{path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
@@ -31,6 +35,7 @@ use crate::{
     consumers::{Journal, SubscriptionSpec},
     database::{ChaosDatabase, Databases},
     ledger::Ledger,
+    operator::{Operations, Operator},
     report::{Timing, Totals},
 };
 
@@ -172,26 +177,22 @@ async fn run_on(
         log_dir.display()
     );
 
-    let config_file = match databases.0.get(1) {
-        Some(remote) => {
-            let path = log_dir.join("gateways.toml");
-            std::fs::write(
-                &path,
-                format!(
-                    "[[sources]]\nname = \"{REMOTE_SOURCE}\"\ndatabase_url = \"{}\"\n",
-                    remote.url()
-                ),
-            )
-            .with_context(|| format!("cannot write {}", path.display()))?;
-            Some(path)
-        }
-        None => None,
-    };
+    // Pushing is off until the receiver's host is allowed.
+    let mut config = "[push]\nallowed_hosts = [\"127.0.0.1\"]\n".to_owned();
+    if let Some(remote) = databases.0.get(1) {
+        config.push_str(&format!(
+            "\n[[sources]]\nname = \"{REMOTE_SOURCE}\"\ndatabase_url = \"{}\"\n",
+            remote.url()
+        ));
+    }
+    let config_file = log_dir.join("gateways.toml");
+    std::fs::write(&config_file, config)
+        .with_context(|| format!("cannot write {}", config_file.display()))?;
     let cluster = Arc::new(
         Cluster::start(
             gateway_bin,
             database.url(),
-            config_file,
+            Some(config_file),
             log_dir.to_path_buf(),
             args.gateway_log_level.clone(),
             3,
@@ -199,13 +200,16 @@ async fn run_on(
         .await?,
     );
     let specs = SubscriptionSpec::all();
-    for spec in &specs {
-        spec.create(&cluster).await?;
-    }
-
     let ledger = Arc::new(Ledger::default());
     let journal = Arc::new(Journal::new(specs.clone()));
     let counters = Arc::new(ChaosCounters::default());
+    let operations = Arc::new(Operations::default());
+
+    let stop_receiver = CancellationToken::new();
+    let push_endpoint = push::start(journal.clone(), stop_receiver.clone()).await?;
+    for spec in &specs {
+        spec.create(&cluster, &push_endpoint).await?;
+    }
 
     let stop_consumers = CancellationToken::new();
     let calm = CancellationToken::new();
@@ -234,6 +238,10 @@ async fn run_on(
         seed,
         args.duration,
     ));
+    let operator = tokio::spawn(
+        Operator::new(cluster.clone(), journal.clone(), operations.clone(), seed)
+            .run(args.duration),
+    );
     let holder = tokio::spawn(held::run(
         database.clone(),
         ledger.clone(),
@@ -250,9 +258,13 @@ async fn run_on(
     tokio::time::sleep(args.duration).await;
     stop_producing.cancel();
     eprintln!("outbox-chaos: chaos phase over, waiting for producers and the fault injector");
-    let ((), chaos_result, _) = tokio::join!(producers.join(), chaos, holder);
+    let ((), chaos_result, _, operator_result) =
+        tokio::join!(producers.join(), chaos, holder, operator);
     if let Err(error) = chaos_result {
         anyhow::bail!("the fault injector failed: {error}");
+    }
+    if let Err(error) = operator_result {
+        anyhow::bail!("the operator failed: {error}");
     }
     cluster.ensure_all_running(&counters).await;
 
@@ -267,10 +279,18 @@ async fn run_on(
     let _ = watchdog.await;
 
     let snapshot = databases.final_state().await?;
+    let admin_view = operator::final_view(&cluster, &specs, &operations).await;
     let shutdown_problems = cluster.stop_all().await;
+    stop_receiver.cancel();
     let panics = cluster.panics();
 
-    let mut violations = check::run(&ledger, &journal, &snapshot, started);
+    let operations_log = operations.log();
+    let operated = check::Operated {
+        log: &operations_log,
+        view: &admin_view,
+    };
+    let mut violations = check::run(&ledger, &journal, &snapshot, operated, started);
+    violations.extend(operations_log.violations.iter().cloned());
     violations.extend(ledger.state().violations.iter().cloned());
     violations.extend(counters.violations());
     violations.extend(shutdown_problems);
@@ -281,7 +301,18 @@ async fn run_on(
         drain: drain_time,
         drained,
     };
-    let totals = Totals::gather(&ledger, &journal, &counters, &violations, timing, seed);
+    let totals = Totals::gather(
+        &ledger,
+        &journal,
+        &counters,
+        check::Operated {
+            log: &operations_log,
+            view: &admin_view,
+        },
+        &violations,
+        timing,
+        seed,
+    );
     report::print(&totals, &violations);
     Ok(violations.is_empty())
 }

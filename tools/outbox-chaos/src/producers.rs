@@ -7,6 +7,7 @@
 
 use std::{sync::Arc, time::Duration};
 
+use chrono::{DateTime, SubsecRound, Utc};
 use outbox_client::{ClientError, Connection, Publisher, proto};
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::IndexedRandom};
 use tokio::{task::JoinSet, time::Instant};
@@ -37,6 +38,10 @@ const PUBLISH_TIMEOUT: Duration = Duration::from_secs(15);
 const RESOLVE_WITHIN: Duration = Duration::from_secs(60);
 /// Share of SQL transactions rolled back.
 const ROLLBACK_RATE: f64 = 0.2;
+/// Percent of the events published over gRPC that are scheduled (`deliver_at`), and the
+/// percent up to which the following ones expire (`expires_at`).
+const SCHEDULED_PERCENT: u32 = 6;
+const EXPIRING_UNTIL: u32 = 14;
 
 /// The running producers.
 pub struct Producers {
@@ -122,14 +127,27 @@ impl Aggregate {
         let version = self.next_version;
         self.next_version += 1;
         let event_type = *EVENT_TYPES.choose(rng).expect("event types");
+        // Only events published over gRPC are scheduled or expire: SQL producers write
+        // the plain columns the other tests cover.
+        let (deliver_at, expires_at) = match route {
+            Route::Rpc => timing(rng),
+            Route::Sql => (None, None),
+        };
         let published = Published {
             id,
             aggregate: self.key(),
             version,
             event_type: event_type.to_owned(),
             route,
+            deliver_at,
+            expires_at,
         };
         let input = proto::EventInput {
+            deliver_at: deliver_at.map(timestamp),
+            expires_at: expires_at.map(timestamp),
+            // An expiry may not precede `occurred_at`, which would otherwise be the time
+            // of a retried call, after a short expiry.
+            occurred_at: expires_at.map(|_| timestamp(Utc::now().trunc_subsecs(3))),
             id: id.to_string(),
             aggregate_type: self.aggregate_type.into(),
             aggregate_id: self.id.clone(),
@@ -139,6 +157,31 @@ impl Aggregate {
             ..Default::default()
         };
         (published, input)
+    }
+}
+
+/// A `deliver_at` for some events and an `expires_at` for some others: most are neither.
+/// Schedules are short so that the run delivers them without lengthening the drain;
+/// expiries are either short enough that some events expire before they are delivered
+/// (or before a retry), or long enough that they should not.
+fn timing(rng: &mut StdRng) -> (Option<DateTime<Utc>>, Option<DateTime<Utc>>) {
+    // Whole milliseconds, so that a re-publish compares equal to what was stored.
+    let now = Utc::now().trunc_subsecs(3);
+    let after = |millis| Some(now + chrono::Duration::milliseconds(millis));
+    match rng.random_range(0..100) {
+        0..SCHEDULED_PERCENT => (after(rng.random_range(300..2000)), None),
+        SCHEDULED_PERCENT..EXPIRING_UNTIL if rng.random_bool(0.4) => {
+            (None, after(rng.random_range(20..400)))
+        }
+        SCHEDULED_PERCENT..EXPIRING_UNTIL => (None, after(rng.random_range(2000..8000))),
+        _ => (None, None),
+    }
+}
+
+pub fn timestamp(at: DateTime<Utc>) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: at.timestamp(),
+        nanos: at.timestamp_subsec_nanos() as i32,
     }
 }
 

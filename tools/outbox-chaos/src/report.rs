@@ -2,17 +2,20 @@
 //! output) for programs, followed by the violations, if any.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     time::Duration,
 };
 
 use serde::Serialize;
+use tokio::time::Instant;
+use uuid::Uuid;
 
 use crate::{
     chaos::ChaosCounters,
-    check::{LOST_KINDS, Violation},
-    consumers::{Answer, Journal, JournalState, SettleKind},
+    check::{LOST_KINDS, Operated, Violation, released_before},
+    consumers::{Answer, Journal, JournalState, Role, SettleKind, is_poison},
     ledger::{Ledger, LedgerState, Published, Route},
+    operator::Pause,
 };
 
 /// Violations printed in full; the rest are only counted.
@@ -57,6 +60,42 @@ pub struct Totals {
     pub connection_cuts: u64,
     pub connections_cut: u64,
     pub source_outages: u64,
+    /// Events published with a `deliver_at` ahead, and those of them delivered (pulled or
+    /// pushed) on some subscription.
+    pub scheduled_published: usize,
+    pub scheduled_delivered: usize,
+    /// Events published with an `expires_at`, those of them delivered on some
+    /// subscription, and the sum of the subscriptions' `expired_total`.
+    pub expiring_published: usize,
+    pub expiring_delivered: usize,
+    pub expired: u64,
+    /// The dead-letter subscription: poison events among its committed ones, nacks
+    /// applied, dead letters listed at the end, dead letters requeued during the run and
+    /// how many of those were delivered again.
+    pub poison_events: usize,
+    pub poison_nacks: u64,
+    pub dead_letters: usize,
+    pub dead_letters_requeued: u64,
+    pub requeued_redelivered: usize,
+    /// Deliveries beyond `max_attempts` of an event whose previous lease a stream's end
+    /// gave back (see `Checker::after_release`).
+    pub released_past_max_attempts: usize,
+    /// Pauses of the paused subscription, and deliveries after a pause ended of events
+    /// committed while it lasted.
+    pub pauses: usize,
+    pub delivered_after_pause: usize,
+    /// Seeks, acked events they had to replay, and how many of those were delivered
+    /// again.
+    pub seeks: usize,
+    pub seek_replays_expected: usize,
+    pub seek_replayed: usize,
+    /// Push requests received, those answered with an error, and distinct events answered
+    /// 2xx.
+    pub push_requests: usize,
+    pub push_errors_answered: usize,
+    pub pushed_events: usize,
+    /// Admin calls of the operator tried again on another gateway.
+    pub admin_retried_calls: u64,
     pub subscriptions: Vec<SubscriptionTotals>,
     /// On ordered subscriptions, from the ack of one event to the arrival of the next
     /// event of its aggregate (already committed then), by where the ack went.
@@ -179,17 +218,98 @@ pub struct Timing {
     pub drained: bool,
 }
 
+/// Figures of the features the operator and the special subscriptions exercise.
+struct FeatureTotals {
+    scheduled_delivered: usize,
+    expiring_delivered: usize,
+    poison_events: usize,
+    requeued_redelivered: usize,
+    delivered_after_pause: usize,
+    seek_replayed: usize,
+}
+
+impl FeatureTotals {
+    fn gather(
+        ledger: &LedgerState,
+        state: &JournalState,
+        journal: &Journal,
+        operated: &Operated,
+    ) -> FeatureTotals {
+        let delivered: HashSet<Uuid> = (state.received.iter().map(|r| r.event))
+            .chain(state.pushed.iter().map(|p| p.event))
+            .collect();
+        let delivered_with = |has: fn(&Published) -> bool| {
+            (ledger.committed.values())
+                .filter(|event| has(event) && delivered.contains(&event.id))
+                .count()
+        };
+        let role_index = |role| journal.specs.iter().position(|spec| spec.role == role);
+        let poison_events = role_index(Role::DeadLetters).map_or(0, |index| {
+            (ledger.committed.values())
+                .filter(|event| journal.specs[index].matches(&event.event_type))
+                .filter(|event| is_poison(event.id))
+                .count()
+        });
+        let requeued_redelivered = role_index(Role::DeadLetters).map_or(0, |index| {
+            (operated.log.requeues.iter())
+                .flat_map(|requeue| {
+                    (requeue.redelivery_expected.iter()).map(move |id| (requeue.sent, *id))
+                })
+                .filter(|(sent, id)| {
+                    (state.received.iter())
+                        .any(|r| r.subscription == index && r.event == *id && r.at > *sent)
+                })
+                .count()
+        });
+        let delivered_after_pause = role_index(Role::Pause).map_or(0, |index| {
+            let during = |pause: &Pause, at: &Instant| *at > pause.answered && *at < pause.ended;
+            (state.received.iter())
+                .filter(|r| r.subscription == index)
+                .filter(|r| {
+                    operated.log.pauses.iter().any(|pause| {
+                        r.at > pause.ended
+                            && ledger
+                                .committed_at
+                                .get(&r.event)
+                                .is_some_and(|at| during(pause, at))
+                    })
+                })
+                .count()
+        });
+        let seek_replayed = (state.replay_expected.iter())
+            .filter(|((subscription, id), sent)| {
+                (state.received.iter())
+                    .any(|r| r.subscription == *subscription && r.event == *id && r.at > **sent)
+            })
+            .count();
+        FeatureTotals {
+            scheduled_delivered: delivered_with(|event| event.deliver_at.is_some()),
+            expiring_delivered: delivered_with(|event| event.expires_at.is_some()),
+            poison_events,
+            requeued_redelivered,
+            delivered_after_pause,
+            seek_replayed,
+        }
+    }
+}
+
 impl Totals {
+    #[allow(clippy::too_many_arguments)]
     pub fn gather(
         ledger: &Ledger,
         journal: &Journal,
         counters: &ChaosCounters,
+        operated: Operated,
         violations: &[Violation],
         timing: Timing,
         seed: u64,
     ) -> Totals {
         let ledger = ledger.state();
         let state = journal.state();
+        let features = FeatureTotals::gather(&ledger, &state, journal, &operated);
+        let published_with = |has: fn(&Published) -> bool| {
+            ledger.committed.values().filter(|event| has(event)).count()
+        };
         let published = |route| {
             (ledger.committed.values())
                 .filter(|event| event.route == route)
@@ -203,12 +323,17 @@ impl Totals {
         };
         let subscriptions: Vec<SubscriptionTotals> = (journal.specs.iter().enumerate())
             .map(|(index, spec)| {
-                let received = state.received.iter().filter(|r| r.subscription == index);
-                let delivered = received.clone().count();
-                let distinct = received
-                    .map(|r| r.event)
-                    .collect::<std::collections::HashSet<_>>()
-                    .len();
+                // A push subscription's deliveries are the receiver's requests, and its
+                // acks the events answered 2xx.
+                let (delivered, distinct, acked) = if spec.role == Role::Push {
+                    let distinct: HashSet<Uuid> = state.pushed.iter().map(|p| p.event).collect();
+                    (state.pushed.len(), distinct.len(), state.pushed_ok.len())
+                } else {
+                    let received = state.received.iter().filter(|r| r.subscription == index);
+                    let distinct: HashSet<Uuid> = received.clone().map(|r| r.event).collect();
+                    let acked = state.acked.iter().filter(|(s, _)| *s == index).count();
+                    (received.count(), distinct.len(), acked)
+                };
                 SubscriptionTotals {
                     name: spec.name,
                     expected: (ledger.committed.values())
@@ -216,7 +341,7 @@ impl Totals {
                         .count(),
                     delivered,
                     redelivered: delivered - distinct,
-                    acked: state.acked.iter().filter(|(s, _)| *s == index).count(),
+                    acked,
                 }
             })
             .collect();
@@ -268,6 +393,37 @@ impl Totals {
             connection_cuts: ChaosCounters::get(&counters.connection_cuts),
             connections_cut: ChaosCounters::get(&counters.connections_cut),
             source_outages: ChaosCounters::get(&counters.source_outages),
+            scheduled_published: published_with(|event| event.deliver_at.is_some()),
+            scheduled_delivered: features.scheduled_delivered,
+            expiring_published: published_with(|event| event.expires_at.is_some()),
+            expiring_delivered: features.expiring_delivered,
+            expired: operated.view.expired_total.values().sum(),
+            poison_events: features.poison_events,
+            poison_nacks: state.poison_nacks,
+            dead_letters: operated.view.dead_letters.len(),
+            dead_letters_requeued: (operated.log.requeues.iter())
+                .map(|requeue| requeue.requeued)
+                .sum(),
+            requeued_redelivered: features.requeued_redelivered,
+            released_past_max_attempts: (state.received.iter())
+                .filter(|received| {
+                    let max_attempts = journal.specs[received.subscription].max_attempts();
+                    max_attempts > 0
+                        && received.attempt > max_attempts
+                        && released_before(&state, received)
+                })
+                .count(),
+            pauses: operated.log.pauses.len(),
+            delivered_after_pause: features.delivered_after_pause,
+            seeks: operated.log.seeks.len(),
+            seek_replays_expected: state.replay_expected.len(),
+            seek_replayed: features.seek_replayed,
+            push_requests: state.pushed.len(),
+            push_errors_answered: (state.pushed.iter())
+                .filter(|pushed| !(200..300).contains(&pushed.status))
+                .count(),
+            pushed_events: state.pushed_ok.len(),
+            admin_retried_calls: operated.log.retried_calls,
             subscriptions,
             ordered_handoff_same_gateway,
             ordered_handoff_other_gateway,
@@ -352,6 +508,60 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
             format!("{} ({})", totals.connection_cuts, totals.connections_cut),
         ),
         ("source outages", totals.source_outages.to_string()),
+        (
+            "scheduled published / delivered",
+            format!(
+                "{} / {}",
+                totals.scheduled_published, totals.scheduled_delivered
+            ),
+        ),
+        (
+            "expiring published / delivered / expired",
+            format!(
+                "{} / {} / {}",
+                totals.expiring_published, totals.expiring_delivered, totals.expired
+            ),
+        ),
+        (
+            "poison events / nacks / dead letters",
+            format!(
+                "{} / {} / {}",
+                totals.poison_events, totals.poison_nacks, totals.dead_letters
+            ),
+        ),
+        (
+            "dead letters requeued / delivered again",
+            format!(
+                "{} / {}",
+                totals.dead_letters_requeued, totals.requeued_redelivered
+            ),
+        ),
+        (
+            "past max_attempts after a stream's end",
+            totals.released_past_max_attempts.to_string(),
+        ),
+        (
+            "pauses / delivered after a pause",
+            format!("{} / {}", totals.pauses, totals.delivered_after_pause),
+        ),
+        (
+            "seeks / replays expected / replayed",
+            format!(
+                "{} / {} / {}",
+                totals.seeks, totals.seek_replays_expected, totals.seek_replayed
+            ),
+        ),
+        (
+            "push requests / errors answered / events",
+            format!(
+                "{} / {} / {}",
+                totals.push_requests, totals.push_errors_answered, totals.pushed_events
+            ),
+        ),
+        (
+            "admin calls retried",
+            totals.admin_retried_calls.to_string(),
+        ),
         (
             "ordered handoff, ack to same gateway",
             totals.ordered_handoff_same_gateway.to_string(),

@@ -1,6 +1,7 @@
 //! Runs the `outbox-chaos` program for a short chaos phase: three gateway processes are
-//! killed, restarted and cut off from PostgreSQL while events are published and
-//! consumed, and no delivery guarantee may break.
+//! killed, restarted and cut off from PostgreSQL while events (some scheduled, some
+//! expiring) are published, consumed and pushed, and subscriptions are paused, sought
+//! and dead-lettered; no delivery guarantee may break.
 
 use std::{
     io::Read,
@@ -67,10 +68,22 @@ fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
         "idle_in_transaction_checks",
         "settled_elsewhere",
         "source_outages",
+        // The features: scheduled and expiring events, dead letters and their requeue, a
+        // seek's replay, pauses and pushes.
+        "scheduled_delivered",
+        "expiring_delivered",
+        "expired",
+        "dead_letters",
+        "requeued_redelivered",
+        "seek_replayed",
+        "delivered_after_pause",
+        "pushed_events",
     ] {
         assert!(totals[key].as_u64() > Some(0), "{key} is 0\n{report}");
     }
     assert_eq!(totals["graceful_restarts"], 1, "{report}");
+    assert_eq!(totals["pauses"], 2, "{report}");
+    assert_eq!(totals["seeks"], 1, "{report}");
 }
 
 fn read_in_background(mut pipe: impl Read + Send + 'static) -> JoinHandle<String> {
