@@ -580,6 +580,55 @@ async fn an_expired_last_attempt_is_dead_lettered_too() {
     assert!(consumer.next(QUIET).await.is_none(), "no second attempt");
 }
 
+/// A delivery given back when its stream closed used its attempt like one whose lease
+/// expired: on the last attempt it is dead-lettered, not delivered once more than
+/// `max_attempts` allows.
+#[tokio::test]
+async fn a_last_attempt_given_back_by_a_closed_stream_is_dead_lettered() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            max_attempts: Some(1),
+            ack_deadline: seconds(600),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut first = Consumer::open(&gateway, "orders", 0).await;
+    assert_eq!(
+        first.next(WAIT).await.expect("the first attempt").attempt,
+        1
+    );
+    drop(first);
+
+    let mut second = Consumer::open(&gateway, "orders", 0).await;
+    let pool = database.pool().await;
+    eventually("the last attempt is dead-lettered", WAIT, || async {
+        delivery_records(&pool, "orders").await == vec![("o-1".into(), "dead".into(), 1)]
+    })
+    .await;
+    assert!(second.next(QUIET).await.is_none(), "no second attempt");
+    let listed = gateway
+        .admin()
+        .await
+        .list_dead_letters(proto::ListDeadLettersRequest {
+            subscription: "orders".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.dead_letters.len(), 1);
+    assert_eq!(listed.dead_letters[0].attempts, 1);
+    assert_eq!(
+        listed.dead_letters[0].last_error,
+        "stream closed before settling"
+    );
+}
+
 #[tokio::test]
 async fn dead_letter_nack_is_immediate_but_persistent_types_keep_retrying() {
     let database = TestDatabase::create().await;

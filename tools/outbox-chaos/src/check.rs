@@ -684,13 +684,7 @@ impl<'a> Checker<'a> {
                             )),
                         ));
                     }
-                    let released_on_last = (self.state.received.iter()).any(|received| {
-                        received.subscription == index
-                            && received.event == event.id
-                            && received.attempt == dead.attempts
-                            && self.after_release(received)
-                    });
-                    if dead.attempts > max_attempts && !released_on_last {
+                    if dead.attempts > max_attempts {
                         found.push(Violation::new(
                             "too many attempts",
                             detail(&format!("dead-lettered after {} attempts", dead.attempts)),
@@ -709,10 +703,7 @@ impl<'a> Checker<'a> {
             }
         }
         for received in &self.state.received {
-            if received.subscription == index
-                && received.attempt > max_attempts
-                && !self.after_release(received)
-            {
+            if received.subscription == index && received.attempt > max_attempts {
                 found.push(Violation::new(
                     "too many attempts",
                     format!(
@@ -725,19 +716,6 @@ impl<'a> Checker<'a> {
             }
         }
         self.violations.extend(found);
-    }
-
-    /// Whether the delivery before this one of its event went to a stream that ended
-    /// before this one arrived, unsettled: the stream's end gave the lease back.
-    ///
-    /// A lease given back becomes a retry with its attempt counted, and only an expired
-    /// lease on its last attempt is dead-lettered by the due claim, so an event given back
-    /// on its last attempt is delivered once more than `max_attempts`, which the proto
-    /// calls "deliveries before an event is dead-lettered". Counted in the totals
-    /// (`released_past_max_attempts`) rather than reported as a violation until the
-    /// gateway or the proto settles which is meant.
-    fn after_release(&self, received: &Received) -> bool {
-        released_before(self.state, received)
     }
 
     /// Every dead letter requeued (not as expired) is delivered again, first as attempt 1.
@@ -840,26 +818,4 @@ impl<'a> Checker<'a> {
             })
             .map(|settlement| settlement.sent)
     }
-}
-
-/// See [`Checker::after_release`].
-pub fn released_before(state: &JournalState, received: &Received) -> bool {
-    let previous = (state.received.iter())
-        .filter(|other| {
-            other.subscription == received.subscription
-                && other.event == received.event
-                && other.at < received.at
-        })
-        .max_by_key(|other| other.at);
-    previous.is_some_and(|previous| {
-        let ended = (state.stream_ended_at.get(&previous.stream))
-            .is_some_and(|ended| *ended <= received.at);
-        let settled = (state
-            .settlements
-            .get(&previous.ack_id)
-            .into_iter()
-            .flatten())
-        .any(|settlement| settlement.sent >= previous.at && settlement.answer == Answer::Applied);
-        ended && !settled
-    })
 }

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::{
     chaos::ChaosCounters,
-    check::{LOST_KINDS, Operated, Violation, released_before},
+    check::{LOST_KINDS, Operated, Violation},
     consumers::{Answer, Journal, JournalState, Role, SettleKind, is_poison},
     ledger::{Ledger, LedgerState, Published, Route},
     operator::Pause,
@@ -77,9 +77,6 @@ pub struct Totals {
     pub dead_letters: usize,
     pub dead_letters_requeued: u64,
     pub requeued_redelivered: usize,
-    /// Deliveries beyond `max_attempts` of an event whose previous lease a stream's end
-    /// gave back (see `Checker::after_release`).
-    pub released_past_max_attempts: usize,
     /// Pauses of the paused subscription, and deliveries after a pause ended of events
     /// committed while it lasted.
     pub pauses: usize,
@@ -405,14 +402,6 @@ impl Totals {
                 .map(|requeue| requeue.requeued)
                 .sum(),
             requeued_redelivered: features.requeued_redelivered,
-            released_past_max_attempts: (state.received.iter())
-                .filter(|received| {
-                    let max_attempts = journal.specs[received.subscription].max_attempts();
-                    max_attempts > 0
-                        && received.attempt > max_attempts
-                        && released_before(&state, received)
-                })
-                .count(),
             pauses: operated.log.pauses.len(),
             delivered_after_pause: features.delivered_after_pause,
             seeks: operated.log.seeks.len(),
@@ -535,10 +524,6 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
                 "{} / {}",
                 totals.dead_letters_requeued, totals.requeued_redelivered
             ),
-        ),
-        (
-            "past max_attempts after a stream's end",
-            totals.released_past_max_attempts.to_string(),
         ),
         (
             "pauses / delivered after a pause",

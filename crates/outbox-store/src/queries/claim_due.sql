@@ -1,7 +1,9 @@
 -- Re-leases deliveries whose lease expired or whose retry is due (scheduled events
 -- included, at their deliver_at), oldest first, within a byte budget (the first is always
--- taken). An expired lease that used the last attempt goes to the dead-letter queue
--- instead (unless its event type is persistent). An event past its expires_at or the
+-- taken). An expired lease that used the last attempt, or one its stream gave back on
+-- the last attempt (a retry whose attempt reached the limit: a nack on the last attempt
+-- dead-letters at once), goes to the dead-letter queue instead (unless its event type is
+-- persistent). An event past its expires_at or the
 -- subscription's max event age is not redelivered: its record goes to the dead-letter
 -- queue with the error "expired" ($9), or is dropped.
 --
@@ -25,7 +27,7 @@ judged AS (
            (coalesce(e.expires_at <= now(), false)
             OR coalesce(greatest(e.created_at, e.deliver_at)
                         + $8::bigint * interval '1 millisecond' <= now(), false)) AS expired,
-           (due.state = 'in_flight' AND $5 > 0 AND due.attempt >= $5
+           (due.state IN ('in_flight', 'retry') AND $5 > 0 AND due.attempt >= $5
             AND ($6::text IS NULL OR e.event_type !~ $6)) AS exhausted,
            octet_length(e.payload) AS size
     FROM due
