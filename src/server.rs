@@ -107,7 +107,8 @@ pub async fn run_with_console(
     sources.prepare().await?;
     // One root token: each subsystem stops on a child of it, in the order the shutdown
     // below follows; cancelled on any return, errors included. Every background task of
-    // the server runs on `tasks` (the relay keeps its own, which its shutdown awaits).
+    // the server runs on `tasks` (the relay's are counted apart as well, so that its
+    // shutdown can wait for them alone).
     let stop = CancellationToken::new();
     let _stop_everything_on_return = stop.clone().drop_guard();
     let tasks = TaskTracker::new();
@@ -125,7 +126,12 @@ pub async fn run_with_console(
         tracing::info!(%address, "serving metrics at /metrics");
         tasks.spawn(endpoint.serve(listener, stop_metrics.clone().cancelled_owned()));
     }
-    let relay = Relay::start(sources.clone(), config.delivery.clone());
+    let relay = Relay::start(
+        sources.clone(),
+        config.delivery.clone(),
+        stop.child_token(),
+        &tasks,
+    );
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
     let push_board = push::PushBoard::default();
     let subscriptions = Subscriptions::new(

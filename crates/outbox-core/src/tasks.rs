@@ -9,9 +9,39 @@ use std::{any::Any, future::Future, panic::AssertUnwindSafe, time::Duration};
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::metrics;
+
+/// The tasks of one subsystem: spawned on the process's one tracker, and counted on the
+/// subsystem's own as well, so that its shutdown can wait for them alone.
+#[derive(Debug, Clone)]
+pub struct SubsystemTasks {
+    process: TaskTracker,
+    own: TaskTracker,
+}
+
+impl SubsystemTasks {
+    pub fn on(process: &TaskTracker) -> Self {
+        SubsystemTasks {
+            process: process.clone(),
+            own: TaskTracker::new(),
+        }
+    }
+
+    pub fn spawn<F>(&self, task: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.process.spawn(self.own.track_future(task));
+    }
+
+    /// Waits until every task of the subsystem has ended; none may be spawned after.
+    pub async fn close_and_wait(&self) {
+        self.own.close();
+        self.own.wait().await;
+    }
+}
 
 /// Delays before restarting a task after a panic: the first, doubling up to the last.
 #[derive(Debug, Clone, Copy)]

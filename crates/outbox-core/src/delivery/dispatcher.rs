@@ -21,7 +21,6 @@ use std::{
 
 use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
-use tokio_util::task::TaskTracker;
 
 use super::{
     Relay,
@@ -34,6 +33,7 @@ use crate::{
     metrics,
     sources::{Source, Sources},
     storage::ClaimLimits,
+    tasks::SubsystemTasks,
     trace_context,
 };
 
@@ -47,7 +47,7 @@ const RELEASE_PATIENCE: Duration = Duration::from_secs(30);
 pub(super) struct Dispatcher {
     sources: Sources,
     /// Tracks lease releases so shutdown waits for them.
-    tasks: TaskTracker,
+    tasks: SubsystemTasks,
     subscription_id: SubscriptionId,
     /// Lease tokens are `token_base + claim number`: unique per claim, so an ack id never
     /// names two leases even when a requeue resets the attempt count.
@@ -145,7 +145,7 @@ pub(super) enum Settlement {
 impl Dispatcher {
     pub(super) fn new(
         sources: Sources,
-        tasks: TaskTracker,
+        tasks: SubsystemTasks,
         subscription: Subscription,
         budget: Arc<BufferBudget>,
         audience: Arc<AtomicU64>,

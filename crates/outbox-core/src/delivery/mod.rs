@@ -27,6 +27,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::watch;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
+use crate::tasks::SubsystemTasks;
+
 use dispatcher::{Dispatcher, Settlement};
 use flow::{BufferBudget, StreamLimits, UnprovenClaims};
 use futures_util::future::join_all;
@@ -105,7 +107,7 @@ struct RelayInner {
     /// Dispatchers of this process by subscription id.
     dispatchers: Mutex<HashMap<SubscriptionId, Arc<Dispatcher>>>,
     shutdown: CancellationToken,
-    tasks: TaskTracker,
+    tasks: SubsystemTasks,
     /// Per source (by id): tells the other gateways on that database of news here.
     peer_notifiers: Vec<wake::PeerNotifier>,
     /// One permit per open Subscribe stream.
@@ -139,11 +141,16 @@ fn in_request_order(request: &[AckId], chosen: &[AckId]) -> Vec<AckId> {
 }
 
 impl Relay {
-    /// Starts the relay's background tasks: per source, the NOTIFY listener and the
-    /// notifier that tells other gateways about this one's news.
-    pub fn start(sources: Sources, config: DeliveryConfig) -> Relay {
-        let shutdown = CancellationToken::new();
-        let tasks = TaskTracker::new();
+    /// Starts the relay's background tasks on `tasks`, the process's tracker: per source,
+    /// the NOTIFY listener and the notifier that tells other gateways about this one's
+    /// news. They stop when `shutdown` is cancelled or [`Relay::shutdown`] is called.
+    pub fn start(
+        sources: Sources,
+        config: DeliveryConfig,
+        shutdown: CancellationToken,
+        tasks: &TaskTracker,
+    ) -> Relay {
+        let tasks = SubsystemTasks::on(tasks);
         let peer_notifiers = sources
             .iter()
             .map(|source| wake::PeerNotifier::start(source.store.clone(), &tasks, shutdown.clone()))
@@ -615,8 +622,7 @@ impl Relay {
     /// Ends every stream, gives their leases back and waits for the relay's tasks.
     pub async fn shutdown(&self) {
         self.inner.shutdown.cancel();
-        self.inner.tasks.close();
-        self.inner.tasks.wait().await;
+        self.inner.tasks.close_and_wait().await;
     }
 
     /// The source an ack id names; unavailable at once when it is known to be down.

@@ -14,13 +14,14 @@ use std::{
 };
 
 use tokio::sync::Notify;
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tokio_util::sync::CancellationToken;
 
 use super::Relay;
 use crate::{
     domain::SubscriptionId,
     sources::Source,
     storage::{Notice, Settled, Store},
+    tasks::SubsystemTasks,
 };
 
 const PEER_NOTIFY_INTERVAL: Duration = Duration::from_millis(5);
@@ -45,7 +46,7 @@ struct Pending {
 }
 
 impl PeerNotifier {
-    pub(super) fn start(store: Store, tasks: &TaskTracker, shutdown: CancellationToken) -> Self {
+    pub(super) fn start(store: Store, tasks: &SubsystemTasks, shutdown: CancellationToken) -> Self {
         let requested = Arc::new(Notify::new());
         let pending = Arc::new(Mutex::new(Pending::default()));
         let (wake, news) = (requested.clone(), pending.clone());
@@ -112,7 +113,7 @@ impl PeerNotifier {
 pub(super) fn spawn_listener(
     relay: Relay,
     source: Arc<Source>,
-    tasks: &TaskTracker,
+    tasks: &SubsystemTasks,
     shutdown: CancellationToken,
 ) {
     tasks.spawn(async move {
