@@ -183,16 +183,18 @@ impl Store {
     /// Acks deliveries; returns the ack ids that settled a lease (the rest were stale).
     pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
-        let statement = sqlx::query(concat!(
-            include_str!("queries/leased.sql"),
-            include_str!("queries/ack.sql")
-        ))
-        .bind(subscription.id.0)
-        .bind(positions)
-        .bind(attempts)
-        .bind(tokens);
+        let statement = || {
+            sqlx::query(concat!(
+                include_str!("queries/leased.sql"),
+                include_str!("queries/ack.sql")
+            ))
+            .bind(subscription.id.0)
+            .bind(&positions)
+            .bind(&attempts)
+            .bind(&tokens)
+        };
         if !subscription.settings.ordered {
-            let rows = statement.fetch_all(&self.pool).await?;
+            let rows = statement().fetch_all(&self.pool).await?;
             return Ok(named_leases(acks, &rows)?
                 .into_iter()
                 .map(|(ack, _)| ack)
@@ -201,7 +203,7 @@ impl Store {
         // An ack on an ordered subscription frees its aggregate for the next event.
         run_in_transaction!(self.pool, |transaction| {
             lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
-            let rows = statement.fetch_all(&mut *transaction).await?;
+            let rows = statement().fetch_all(&mut *transaction).await?;
             let acked = named_leases(acks, &rows)?
                 .into_iter()
                 .map(|(ack, _)| ack)

@@ -72,30 +72,52 @@ macro_rules! qualified_event_columns {
 /// rollback until the connection's next use). The body is an async block: `?` and
 /// `return` end the body, not the calling function, and an early `return Ok(..)` commits
 /// too, so a body returns early with `Ok` only before it has written anything.
+///
+/// A transaction PostgreSQL chose as a deadlock's victim, or aborted for a
+/// serialization failure, wrote nothing: it runs again, up to
+/// [`TRANSACTION_ATTEMPTS`] times in all, so such a race (deleting a subscription while
+/// its streams give their leases back) never reaches a caller as a failure. The body
+/// must therefore be able to run more than once.
 macro_rules! run_in_transaction {
     ($pool:expr, |$transaction:ident| $body:block) => {{
-        let mut transaction = $pool.begin().await?;
-        let outcome: $crate::Result<_> = async {
-            let $transaction: &mut sqlx::PgConnection = &mut *transaction;
-            $body
-        }
-        .await;
-        match outcome {
-            Ok(value) => {
-                transaction.commit().await?;
-                Ok(value)
-            }
-            Err(error) => {
-                if let Err(rollback_error) = transaction.rollback().await {
-                    // The body's error is the one to report; this often follows from it
-                    // (a connection that broke).
-                    tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+        let mut attempt = 1;
+        loop {
+            let outcome: $crate::Result<_> = async {
+                let mut transaction = $pool.begin().await?;
+                let outcome: $crate::Result<_> = async {
+                    let $transaction: &mut sqlx::PgConnection = &mut *transaction;
+                    $body
                 }
-                Err(error)
+                .await;
+                match outcome {
+                    Ok(value) => {
+                        transaction.commit().await?;
+                        Ok(value)
+                    }
+                    Err(error) => {
+                        if let Err(rollback_error) = transaction.rollback().await {
+                            // The body's error is the one to report; this often follows
+                            // from it (a connection that broke).
+                            tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+                        }
+                        Err(error)
+                    }
+                }
+            }
+            .await;
+            match outcome {
+                Err(error) if error.is_conflict() && attempt < $crate::TRANSACTION_ATTEMPTS => {
+                    tracing::debug!(%error, attempt, "a transaction lost a race and runs again");
+                    attempt += 1;
+                }
+                outcome => break outcome,
             }
         }
     }};
 }
+
+/// How many times [`run_in_transaction`] runs a transaction that keeps losing races.
+pub const TRANSACTION_ATTEMPTS: u32 = 3;
 
 mod columns;
 mod deliveries;
@@ -167,6 +189,18 @@ impl StoreError {
         match self {
             StoreError::Unavailable(sqlx::Error::PoolTimedOut) => true,
             StoreError::Shared(inner) => inner.is_pool_exhausted(),
+            _ => false,
+        }
+    }
+
+    /// PostgreSQL aborted the transaction to end a deadlock or a serialization
+    /// conflict; it wrote nothing and may run again.
+    pub fn is_conflict(&self) -> bool {
+        match self {
+            StoreError::Database(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40P01" | "40001"))
+            }
+            StoreError::Shared(inner) => inner.is_conflict(),
             _ => false,
         }
     }
@@ -654,6 +688,75 @@ mod tests {
         };
         assert!(most.payload().len() < 8000);
         assert_eq!(Settled::parse("x:a:*"), None);
+    }
+
+    /// A transaction PostgreSQL picks as a deadlock's victim runs again rather than
+    /// failing its caller. Here it waits first, so its deadlock check (after
+    /// `deadlock_timeout`) is the one that finds the cycle and aborts it.
+    #[tokio::test]
+    async fn a_deadlock_victim_runs_again() {
+        let database = outbox_testkit::ThrowawayDatabase::create(
+            &outbox_testkit::test_server_url(),
+            "storage",
+        )
+        .await
+        .expect("a database");
+        let pool = PgPoolOptions::new()
+            .max_connections(3)
+            .connect(database.url())
+            .await
+            .expect("connect");
+        sqlx::raw_sql("CREATE TABLE rows (id int PRIMARY KEY); INSERT INTO rows VALUES (1), (2)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let mut other = pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM rows WHERE id = 1 FOR UPDATE")
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        let runs = std::sync::atomic::AtomicU32::new(0);
+        let contended = async {
+            let outcome: Result<()> = run_in_transaction!(pool, |transaction| {
+                runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
+                    .execute(&mut *transaction)
+                    .await?;
+                sqlx::query("SELECT 1 FROM rows WHERE id = 1 FOR UPDATE")
+                    .execute(&mut *transaction)
+                    .await?;
+                Ok(())
+            });
+            outcome
+        };
+        let closing_the_cycle = async {
+            // Once the transaction above waits for row 1, wait for its row 2.
+            outbox_testkit::poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
+                let pool = &pool;
+                async move {
+                    let waiting: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+                          WHERE wait_event_type = 'Lock' AND query LIKE '%id = 1 FOR UPDATE')",
+                    )
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+                    waiting.then_some(())
+                }
+            })
+            .await
+            .expect("the transaction waits for row 1");
+            sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
+                .execute(&mut *other)
+                .await
+                .expect("the other side is not the victim");
+            other.commit().await.unwrap();
+        };
+        let (outcome, ()) = tokio::join!(contended, closing_the_cycle);
+        outcome.expect("the victim ran again and committed");
+        assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 2);
+        pool.close().await;
+        database.drop_database().await.expect("drop");
     }
 
     /// The second guard behind ending every transaction: PostgreSQL itself ends a session
