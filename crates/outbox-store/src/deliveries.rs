@@ -16,6 +16,7 @@ use super::{
     columns::{cursor, metadata_filter, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
+    run_again_on_conflict,
 };
 use outbox_domain::{AckId, Delivery, LeaseId, Subscription, SubscriptionId};
 
@@ -194,7 +195,7 @@ impl Store {
             .bind(&tokens)
         };
         if !subscription.settings.ordered {
-            let rows = statement().fetch_all(&self.pool).await?;
+            let rows = run_again_on_conflict(|| statement().fetch_all(&self.pool)).await?;
             return Ok(named_leases(acks, &rows)?
                 .into_iter()
                 .map(|(ack, _)| ack)
@@ -269,16 +270,18 @@ impl Store {
         extension: std::time::Duration,
     ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
-        let rows = sqlx::query(concat!(
-            include_str!("queries/leased.sql"),
-            include_str!("queries/extend.sql")
-        ))
-        .bind(subscription_id.0)
-        .bind(&positions)
-        .bind(&attempts)
-        .bind(&tokens)
-        .bind(millis(extension))
-        .fetch_all(&self.pool)
+        let rows = run_again_on_conflict(|| {
+            sqlx::query(concat!(
+                include_str!("queries/leased.sql"),
+                include_str!("queries/extend.sql")
+            ))
+            .bind(subscription_id.0)
+            .bind(&positions)
+            .bind(&attempts)
+            .bind(&tokens)
+            .bind(millis(extension))
+            .fetch_all(&self.pool)
+        })
         .await?;
         named_leases(acks, &rows)?
             .into_iter()
@@ -293,12 +296,14 @@ impl Store {
         leases: &[LeaseId],
     ) -> Result<u64> {
         let (positions, tokens) = lease_columns(leases);
-        let result = sqlx::query(include_str!("queries/release.sql"))
-            .bind(subscription_id.0)
-            .bind(positions)
-            .bind(tokens)
-            .execute(&self.pool)
-            .await?;
+        let result = run_again_on_conflict(|| {
+            sqlx::query(include_str!("queries/release.sql"))
+                .bind(subscription_id.0)
+                .bind(&positions)
+                .bind(&tokens)
+                .execute(&self.pool)
+        })
+        .await?;
         Ok(result.rows_affected())
     }
 

@@ -116,8 +116,29 @@ macro_rules! run_in_transaction {
     }};
 }
 
-/// How many times [`run_in_transaction`] runs a transaction that keeps losing races.
+/// How many times [`run_in_transaction`] runs a transaction that keeps losing races (and
+/// [`run_again_on_conflict`] a statement).
 pub const TRANSACTION_ATTEMPTS: u32 = 3;
+
+/// Runs one statement outside an explicit transaction, again when PostgreSQL aborted it
+/// to end a deadlock or a serialization conflict, as [`run_in_transaction`] does: an ack
+/// racing a subscription's deletion must not answer INTERNAL.
+async fn run_again_on_conflict<T, F, Fut>(mut statement: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut attempt = 1;
+    loop {
+        match statement().await.map_err(StoreError::from) {
+            Err(error) if error.is_conflict() && attempt < TRANSACTION_ATTEMPTS => {
+                tracing::debug!(%error, attempt, "a statement lost a race and runs again");
+                attempt += 1;
+            }
+            outcome => return outcome,
+        }
+    }
+}
 
 mod columns;
 mod deliveries;
@@ -659,6 +680,8 @@ fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOption
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
     use super::*;
 
     fn lease(position: i64, token: i64) -> LeaseId {
@@ -691,10 +714,56 @@ mod tests {
     }
 
     /// A transaction PostgreSQL picks as a deadlock's victim runs again rather than
-    /// failing its caller. Here it waits first, so its deadlock check (after
-    /// `deadlock_timeout`) is the one that finds the cycle and aborts it.
+    /// failing its caller.
     #[tokio::test]
     async fn a_deadlock_victim_runs_again() {
+        let (database, pool, other) = deadlock_ahead().await;
+        let runs = AtomicU32::new(0);
+        let contended = async {
+            let outcome: Result<()> = run_in_transaction!(pool, |transaction| {
+                runs.fetch_add(1, Ordering::Relaxed);
+                sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
+                    .execute(&mut *transaction)
+                    .await?;
+                sqlx::query("SELECT 1 FROM rows WHERE id = 1 FOR UPDATE")
+                    .execute(&mut *transaction)
+                    .await?;
+                Ok(())
+            });
+            outcome
+        };
+        let (outcome, ()) = tokio::join!(contended, close_the_cycle(&pool, other));
+        outcome.expect("the victim ran again and committed");
+        assert_eq!(runs.load(Ordering::Relaxed), 2);
+        pool.close().await;
+        database.drop_database().await.expect("drop");
+    }
+
+    /// The same for a statement run on its own, as an ack is.
+    #[tokio::test]
+    async fn a_statement_that_is_a_deadlock_victim_runs_again() {
+        let (database, pool, other) = deadlock_ahead().await;
+        let runs = AtomicU32::new(0);
+        let contended = run_again_on_conflict(|| {
+            runs.fetch_add(1, Ordering::Relaxed);
+            // Locks row 2, then row 1.
+            sqlx::query("SELECT 1 FROM rows WHERE id IN (1, 2) ORDER BY id DESC FOR UPDATE")
+                .execute(&pool)
+        });
+        let (outcome, ()) = tokio::join!(contended, close_the_cycle(&pool, other));
+        outcome.expect("the victim ran again");
+        assert_eq!(runs.load(Ordering::Relaxed), 2);
+        pool.close().await;
+        database.drop_database().await.expect("drop");
+    }
+
+    /// A database with a table `rows` (ids 1 and 2), a pool on it, and a transaction
+    /// holding row 1.
+    async fn deadlock_ahead() -> (
+        outbox_testkit::ThrowawayDatabase,
+        PgPool,
+        sqlx::Transaction<'static, sqlx::Postgres>,
+    ) {
         let database = outbox_testkit::ThrowawayDatabase::create(
             &outbox_testkit::test_server_url(),
             "storage",
@@ -710,53 +779,43 @@ mod tests {
             .execute(&pool)
             .await
             .unwrap();
-        let mut other = pool.begin().await.unwrap();
+        let mut holding_row_1 = pool.begin().await.unwrap();
         sqlx::query("SELECT 1 FROM rows WHERE id = 1 FOR UPDATE")
-            .execute(&mut *other)
+            .execute(&mut *holding_row_1)
             .await
             .unwrap();
-        let runs = std::sync::atomic::AtomicU32::new(0);
-        let contended = async {
-            let outcome: Result<()> = run_in_transaction!(pool, |transaction| {
-                runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
-                    .execute(&mut *transaction)
-                    .await?;
-                sqlx::query("SELECT 1 FROM rows WHERE id = 1 FOR UPDATE")
-                    .execute(&mut *transaction)
-                    .await?;
-                Ok(())
-            });
-            outcome
-        };
-        let closing_the_cycle = async {
-            // Once the transaction above waits for row 1, wait for its row 2.
-            outbox_testkit::poll_until(Duration::from_secs(30), Duration::from_millis(20), || {
-                let pool = &pool;
-                async move {
-                    let waiting: bool = sqlx::query_scalar(
-                        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
-                          WHERE wait_event_type = 'Lock' AND query LIKE '%id = 1 FOR UPDATE')",
-                    )
-                    .fetch_one(pool)
-                    .await
-                    .unwrap();
-                    waiting.then_some(())
-                }
-            })
-            .await
-            .expect("the transaction waits for row 1");
-            sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
-                .execute(&mut *other)
+        (database, pool, holding_row_1)
+    }
+
+    /// Once another session waits for row 1 (holding row 2), asks for row 2 in the
+    /// transaction holding row 1, then commits. The other session waited first, so its
+    /// deadlock check (after `deadlock_timeout`) is the one that finds the cycle: it is
+    /// the victim.
+    async fn close_the_cycle(
+        pool: &PgPool,
+        mut holding_row_1: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) {
+        outbox_testkit::poll_until(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            || async {
+                let waiting: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
+                  WHERE wait_event_type = 'Lock' AND datname = current_database())",
+                )
+                .fetch_one(pool)
                 .await
-                .expect("the other side is not the victim");
-            other.commit().await.unwrap();
-        };
-        let (outcome, ()) = tokio::join!(contended, closing_the_cycle);
-        outcome.expect("the victim ran again and committed");
-        assert_eq!(runs.load(std::sync::atomic::Ordering::Relaxed), 2);
-        pool.close().await;
-        database.drop_database().await.expect("drop");
+                .unwrap();
+                waiting.then_some(())
+            },
+        )
+        .await
+        .expect("the contended side waits for row 1");
+        sqlx::query("SELECT 1 FROM rows WHERE id = 2 FOR UPDATE")
+            .execute(&mut *holding_row_1)
+            .await
+            .expect("the other side is not the victim");
+        holding_row_1.commit().await.unwrap();
     }
 
     /// The second guard behind ending every transaction: PostgreSQL itself ends a session
