@@ -378,6 +378,161 @@ async fn a_closed_stream_gives_its_deliveries_back_at_once() {
     );
 }
 
+/// One claim's deliveries settled three ways: the acked third never comes back, the
+/// nacked third and the third left to expire come back once each as attempt 2, and the
+/// stats count each event once.
+#[tokio::test]
+async fn a_batch_partly_acked_partly_nacked_partly_expired_comes_back_only_where_unsettled() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    // Long enough for a new stream to collect all 30 (its window starts at 10 and
+    // doubles each second) before the first leases run out.
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(5),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(
+        &gateway,
+        (0..30)
+            .map(|i| event(&format!("o-{i:02}"), "order.created"))
+            .collect(),
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "orders", 0).await;
+    let first = consumer.take(30, WAIT).await;
+    assert_eq!(first.len(), 30);
+    assert!(first.iter().all(|delivery| delivery.attempt == 1));
+    let (acked, rest) = first.split_at(10);
+    let (nacked, left) = rest.split_at(10);
+    assert!(
+        ack(
+            &gateway,
+            "orders",
+            acked.iter().map(|d| d.ack_id.clone()).collect()
+        )
+        .await
+        .is_empty()
+    );
+    for delivery in nacked {
+        nack(
+            &gateway,
+            proto::NackRequest {
+                subscription: "orders".into(),
+                ack_id: delivery.ack_id.clone(),
+                reason: "try again".into(),
+                retry_after: Some(prost_types::Duration::default()),
+                ..Default::default()
+            },
+        )
+        .await;
+    }
+
+    // A stream whose leases expired unsettled is offered one delivery at a time until it
+    // settles again: ack each as it comes, as a consumer would.
+    let mut again = Vec::new();
+    while again.len() < 20 {
+        let delivery = consumer
+            .next(WAIT)
+            .await
+            .unwrap_or_else(|| panic!("got {} of 20 redeliveries", again.len()));
+        assert!(
+            ack(&gateway, "orders", vec![delivery.ack_id.clone()])
+                .await
+                .is_empty()
+        );
+        again.push(delivery);
+    }
+    let expected: HashSet<String> = nacked.iter().chain(left).map(aggregate_of).collect();
+    let came_back: HashSet<String> = again.iter().map(aggregate_of).collect();
+    assert_eq!(came_back, expected, "each unsettled event comes back once");
+    assert!(again.iter().all(|delivery| delivery.attempt == 2));
+    // The late acks of the expired leases are stale.
+    assert_eq!(
+        ack(
+            &gateway,
+            "orders",
+            left.iter().map(|d| d.ack_id.clone()).collect()
+        )
+        .await
+        .len(),
+        10
+    );
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "nothing acked comes back"
+    );
+    let stats = subscription_stats(&gateway, "orders").await;
+    assert_eq!(
+        (stats.acked_total, stats.in_flight, stats.pending),
+        (30, 0, 0)
+    );
+}
+
+/// A subscription with 10,000 deliveries in flight at once: all arrive once, acks in
+/// shuffled batches settle every one, and nothing comes back.
+#[tokio::test]
+async fn ten_thousand_deliveries_in_flight_settle_exactly_once() {
+    const EVENTS: usize = 10_000;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(600),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    for chunk in (0..EVENTS).collect::<Vec<_>>().chunks(500) {
+        publish(
+            &gateway,
+            chunk
+                .iter()
+                .map(|i| event(&format!("o-{i}"), "order.created"))
+                .collect(),
+        )
+        .await;
+    }
+    let mut consumer = Consumer::open(&gateway, "orders", EVENTS as u32).await;
+    let mut deliveries = consumer.take(EVENTS, Duration::from_secs(120)).await;
+    assert_eq!(deliveries.len(), EVENTS);
+    let distinct: HashSet<String> = deliveries.iter().map(aggregate_of).collect();
+    assert_eq!(distinct.len(), EVENTS, "each event once");
+    let in_flight = subscription_stats(&gateway, "orders").await.in_flight;
+    assert_eq!(in_flight, EVENTS as u64);
+
+    // Settled out of order, in batches that mix the claims they came in.
+    deliveries.reverse();
+    let (odd, even): (Vec<_>, Vec<_>) = deliveries
+        .into_iter()
+        .enumerate()
+        .partition(|(index, _)| index % 2 == 1);
+    for half in [odd, even] {
+        for batch in half.chunks(700) {
+            let stale = ack(
+                &gateway,
+                "orders",
+                batch.iter().map(|(_, d)| d.ack_id.clone()).collect(),
+            )
+            .await;
+            assert!(stale.is_empty(), "{} stale acks", stale.len());
+        }
+    }
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "nothing acked comes back"
+    );
+    let stats = subscription_stats(&gateway, "orders").await;
+    assert_eq!(
+        (stats.acked_total, stats.in_flight, stats.pending),
+        (EVENTS as u64, 0, 0)
+    );
+}
+
 #[tokio::test]
 async fn an_old_lease_named_beside_the_current_one_is_stale() {
     let database = TestDatabase::create().await;
