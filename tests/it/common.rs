@@ -367,6 +367,34 @@ pub fn subscription(name: &str) -> proto::Subscription {
     }
 }
 
+/// Acks every one of `deliveries`; returns the stale ack ids.
+pub async fn ack_deliveries(
+    gateway: &TestGateway,
+    subscription: &str,
+    deliveries: &[proto::Delivery],
+) -> Vec<String> {
+    let ack_ids = deliveries.iter().map(|d| d.ack_id.clone()).collect();
+    ack(gateway, subscription, ack_ids).await
+}
+
+/// The first page of a subscription's unresolved dead letters.
+pub async fn list_dead_letters(
+    gateway: &TestGateway,
+    subscription: &str,
+) -> Vec<proto::DeadLetter> {
+    gateway
+        .admin()
+        .await
+        .list_dead_letters(proto::ListDeadLettersRequest {
+            subscription: subscription.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|status| panic!("ListDeadLetters {subscription:?}: {status}"))
+        .into_inner()
+        .dead_letters
+}
+
 /// The stats of one subscription, which must answer.
 pub async fn subscription_stats(
     gateway: &TestGateway,

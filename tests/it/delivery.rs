@@ -360,22 +360,9 @@ async fn a_closed_stream_gives_its_deliveries_back_at_once() {
     let mut second = Consumer::open(&gateway, "orders", 0).await;
     let again = second.take(3, WAIT).await;
     assert!(again.iter().all(|d| d.attempt == 2));
-    let stale = ack(
-        &gateway,
-        "orders",
-        taken.iter().map(|d| d.ack_id.clone()).collect(),
-    )
-    .await;
+    let stale = ack_deliveries(&gateway, "orders", &taken).await;
     assert_eq!(stale.len(), 3, "the closed stream's ack ids are stale");
-    assert!(
-        ack(
-            &gateway,
-            "orders",
-            again.iter().map(|d| d.ack_id.clone()).collect()
-        )
-        .await
-        .is_empty()
-    );
+    assert!(ack_deliveries(&gateway, "orders", &again).await.is_empty());
 }
 
 /// One claim's deliveries settled three ways: the acked third never comes back, the
@@ -408,15 +395,7 @@ async fn a_batch_partly_acked_partly_nacked_partly_expired_comes_back_only_where
     assert!(first.iter().all(|delivery| delivery.attempt == 1));
     let (acked, rest) = first.split_at(10);
     let (nacked, left) = rest.split_at(10);
-    assert!(
-        ack(
-            &gateway,
-            "orders",
-            acked.iter().map(|d| d.ack_id.clone()).collect()
-        )
-        .await
-        .is_empty()
-    );
+    assert!(ack_deliveries(&gateway, "orders", acked).await.is_empty());
     for delivery in nacked {
         nack(
             &gateway,
@@ -451,16 +430,7 @@ async fn a_batch_partly_acked_partly_nacked_partly_expired_comes_back_only_where
     assert_eq!(came_back, expected, "each unsettled event comes back once");
     assert!(again.iter().all(|delivery| delivery.attempt == 2));
     // The late acks of the expired leases are stale.
-    assert_eq!(
-        ack(
-            &gateway,
-            "orders",
-            left.iter().map(|d| d.ack_id.clone()).collect()
-        )
-        .await
-        .len(),
-        10
-    );
+    assert_eq!(ack_deliveries(&gateway, "orders", left).await.len(), 10);
     assert!(
         consumer.next(QUIET).await.is_none(),
         "nothing acked comes back"
@@ -766,22 +736,10 @@ async fn a_last_attempt_given_back_by_a_closed_stream_is_dead_lettered() {
     })
     .await;
     assert!(second.next(QUIET).await.is_none(), "no second attempt");
-    let listed = gateway
-        .admin()
-        .await
-        .list_dead_letters(proto::ListDeadLettersRequest {
-            subscription: "orders".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(listed.dead_letters.len(), 1);
-    assert_eq!(listed.dead_letters[0].attempts, 1);
-    assert_eq!(
-        listed.dead_letters[0].last_error,
-        "stream closed before settling"
-    );
+    let listed = list_dead_letters(&gateway, "orders").await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].attempts, 1);
+    assert_eq!(listed[0].last_error, "stream closed before settling");
 }
 
 #[tokio::test]

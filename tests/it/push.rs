@@ -250,20 +250,6 @@ async fn get(gateway: &TestGateway, name: &str) -> proto::Subscription {
         .into_inner()
 }
 
-async fn dead_letters(gateway: &TestGateway, name: &str) -> Vec<proto::DeadLetter> {
-    gateway
-        .admin()
-        .await
-        .list_dead_letters(proto::ListDeadLettersRequest {
-            subscription: name.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .dead_letters
-}
-
 async fn update_push(
     gateway: &TestGateway,
     name: &str,
@@ -602,10 +588,10 @@ async fn a_client_error_dead_letters_at_once_with_the_body() {
     publish(&gateway, vec![event("o-1", "order.created")]).await;
     receiver.wait_for(1).await;
     eventually("the event is dead-lettered", WAIT, || async {
-        !dead_letters(&gateway, "strict").await.is_empty()
+        !list_dead_letters(&gateway, "strict").await.is_empty()
     })
     .await;
-    let dead = dead_letters(&gateway, "strict").await;
+    let dead = list_dead_letters(&gateway, "strict").await;
     assert_eq!(dead[0].attempts, 1, "no retries for a 400");
     assert!(
         dead[0]
@@ -1393,10 +1379,10 @@ async fn redirects_are_not_followed_and_the_rate_limit_paces_requests() {
     create_push(&gateway, push_subscription("moved", &receiver.endpoint())).await;
     publish(&gateway, vec![event("o-1", "order.created")]).await;
     eventually("the redirected event is dead-lettered", WAIT, || async {
-        !dead_letters(&gateway, "moved").await.is_empty()
+        !list_dead_letters(&gateway, "moved").await.is_empty()
     })
     .await;
-    let dead = dead_letters(&gateway, "moved").await;
+    let dead = list_dead_letters(&gateway, "moved").await;
     assert!(
         dead[0].last_error.contains("redirects are not followed"),
         "{}",
@@ -1548,10 +1534,10 @@ async fn failures_dead_letter_after_max_attempts_unless_the_type_is_persistent()
     )
     .await;
     eventually("the ordinary event is dead-lettered", WAIT, || async {
-        !dead_letters(&gateway, "failing").await.is_empty()
+        !list_dead_letters(&gateway, "failing").await.is_empty()
     })
     .await;
-    let dead = dead_letters(&gateway, "failing").await;
+    let dead = list_dead_letters(&gateway, "failing").await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].event.as_ref().unwrap().event_type, "order.created");
     assert_eq!(dead[0].attempts, 2);
@@ -1566,7 +1552,7 @@ async fn failures_dead_letter_after_max_attempts_unless_the_type_is_persistent()
             >= 4
     })
     .await;
-    assert_eq!(dead_letters(&gateway, "failing").await.len(), 1);
+    assert_eq!(list_dead_letters(&gateway, "failing").await.len(), 1);
 }
 
 #[tokio::test]
@@ -1724,8 +1710,8 @@ async fn scheduled_events_wait_and_expired_ones_are_not_pushed() {
         assert_eq!(aggregates.len(), 2, "{aggregates:?}");
         assert!(!aggregates.contains(&"stale".to_owned()), "{aggregates:?}");
     }
-    assert!(dead_letters(&gateway, "drops").await.is_empty());
-    let kept = dead_letters(&gateway, "keeps").await;
+    assert!(list_dead_letters(&gateway, "drops").await.is_empty());
+    let kept = list_dead_letters(&gateway, "keeps").await;
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert_eq!(kept[0].event.as_ref().unwrap().aggregate_id, "stale");
     assert_eq!(kept[0].last_error, "expired");

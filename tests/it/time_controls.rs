@@ -418,20 +418,6 @@ async fn the_cli_pauses_and_resumes() {
 
 // Expiry.
 
-async fn dead_letters(gateway: &TestGateway, name: &str) -> Vec<proto::DeadLetter> {
-    gateway
-        .admin()
-        .await
-        .list_dead_letters(proto::ListDeadLettersRequest {
-            subscription: name.into(),
-            ..Default::default()
-        })
-        .await
-        .expect("dead letters")
-        .into_inner()
-        .dead_letters
-}
-
 /// Waits until the subscription has counted `count` expired events.
 async fn until_expired(gateway: &TestGateway, name: &str, count: u64) {
     eventually(
@@ -493,8 +479,8 @@ async fn an_expired_event_is_counted_and_dead_lettered_only_when_asked() {
             "{name} delivered an expired event"
         );
     }
-    assert!(dead_letters(&gateway, "dropping").await.is_empty());
-    let kept = dead_letters(&gateway, "keeping").await;
+    assert!(list_dead_letters(&gateway, "dropping").await.is_empty());
+    let kept = list_dead_letters(&gateway, "keeping").await;
     assert_eq!(kept.len(), 2, "{kept:?}");
     for dead_letter in &kept {
         assert_eq!(dead_letter.last_error, "expired");
@@ -556,7 +542,7 @@ async fn an_event_past_its_expiry_is_not_redelivered_but_its_ack_succeeds() {
         consumer.next(QUIET).await.is_none(),
         "redelivered after expiry"
     );
-    let kept = dead_letters(&gateway, "work").await;
+    let kept = list_dead_letters(&gateway, "work").await;
     assert_eq!(kept.len(), 1);
     assert_eq!(kept[0].last_error, "expired");
     assert_eq!(kept[0].event.as_ref().unwrap().aggregate_id, "nacked");

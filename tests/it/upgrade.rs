@@ -126,17 +126,7 @@ async fn a_database_of_the_previous_schema_is_migrated_and_served_as_before() {
         "kept until deleted, as before"
     );
 
-    let dead_letters = gateway
-        .admin()
-        .await
-        .list_dead_letters(proto::ListDeadLettersRequest {
-            subscription: "orders".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .dead_letters;
+    let dead_letters = list_dead_letters(&gateway, "orders").await;
     assert_eq!(dead_letters.len(), 1, "{dead_letters:?}");
     assert_eq!(dead_letters[0].event.as_ref().unwrap().aggregate_id, "o-2");
     assert_eq!(dead_letters[0].last_error, "cannot parse");
