@@ -79,61 +79,52 @@ macro_rules! qualified_event_columns {
 /// its streams give their leases back) never reaches a caller as a failure. The body
 /// must therefore be able to run more than once.
 macro_rules! run_in_transaction {
-    ($pool:expr, |$transaction:ident| $body:block) => {{
-        let mut attempt = 1;
-        loop {
+    ($pool:expr, |$transaction:ident| $body:block) => {
+        $crate::run_again_on_conflict(|| async {
+            let mut transaction = $pool.begin().await?;
             let outcome: $crate::Result<_> = async {
-                let mut transaction = $pool.begin().await?;
-                let outcome: $crate::Result<_> = async {
-                    let $transaction: &mut sqlx::PgConnection = &mut *transaction;
-                    $body
-                }
-                .await;
-                match outcome {
-                    Ok(value) => {
-                        transaction.commit().await?;
-                        Ok(value)
-                    }
-                    Err(error) => {
-                        if let Err(rollback_error) = transaction.rollback().await {
-                            // The body's error is the one to report; this often follows
-                            // from it (a connection that broke).
-                            tracing::debug!(error = %rollback_error, "could not roll back a transaction");
-                        }
-                        Err(error)
-                    }
-                }
+                let $transaction: &mut sqlx::PgConnection = &mut *transaction;
+                $body
             }
             .await;
             match outcome {
-                Err(error) if error.is_conflict() && attempt < $crate::TRANSACTION_ATTEMPTS => {
-                    tracing::debug!(%error, attempt, "a transaction lost a race and runs again");
-                    attempt += 1;
+                Ok(value) => {
+                    transaction.commit().await?;
+                    Ok(value)
                 }
-                outcome => break outcome,
+                Err(error) => {
+                    if let Err(rollback_error) = transaction.rollback().await {
+                        // The body's error is the one to report; this often follows from
+                        // it (a connection that broke).
+                        tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+                    }
+                    Err(error)
+                }
             }
-        }
-    }};
+        })
+        .await
+    };
 }
 
-/// How many times [`run_in_transaction`] runs a transaction that keeps losing races (and
-/// [`run_again_on_conflict`] a statement).
+/// How many times [`run_again_on_conflict`] runs what keeps losing races.
 pub const TRANSACTION_ATTEMPTS: u32 = 3;
 
-/// Runs one statement outside an explicit transaction, again when PostgreSQL aborted it
-/// to end a deadlock or a serialization conflict, as [`run_in_transaction`] does: an ack
-/// racing a subscription's deletion must not answer INTERNAL.
-async fn run_again_on_conflict<T, F, Fut>(mut statement: F) -> Result<T>
+/// Runs `attempt` (one statement, or a whole transaction for [`run_in_transaction`])
+/// again when PostgreSQL aborted it to end a deadlock or a serialization conflict: it
+/// wrote nothing, and a caller (an ack racing a subscription's deletion) must not see
+/// INTERNAL for it.
+async fn run_again_on_conflict<T, E, F, Fut>(mut attempt: F) -> Result<T>
 where
+    StoreError: From<E>,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, sqlx::Error>>,
+    Fut: Future<Output = Result<T, E>>,
 {
-    let mut attempt = 1;
+    let mut attempts = 1;
     loop {
-        match statement().await.map_err(StoreError::from) {
-            Err(error) if error.is_conflict() && attempt < TRANSACTION_ATTEMPTS => {
-                tracing::debug!(%error, attempt, "a statement lost a race and runs again");
-                attempt += 1;
+        match attempt().await.map_err(StoreError::from) {
+            Err(error) if error.is_conflict() && attempts < TRANSACTION_ATTEMPTS => {
+                tracing::debug!(%error, attempts, "lost a race with another transaction; runs again");
+                attempts += 1;
             }
             outcome => return outcome,
         }
