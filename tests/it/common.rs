@@ -594,7 +594,7 @@ pub fn seconds(seconds: u64) -> Option<prost_types::Duration> {
 /// State and attempt of every delivery record of a subscription, by aggregate id.
 pub async fn delivery_records(pool: &PgPool, subscription: &str) -> Vec<(String, String, i32)> {
     sqlx::query_as(
-        "SELECT e.aggregate_id, d.state, d.attempt FROM outbox_deliveries d \
+        "SELECT e.aggregate_id, d.state, d.attempt FROM outbox_delivery_records d \
          JOIN outbox_subscriptions s ON s.id = d.subscription_id \
          JOIN outbox_events e ON e.position = d.position \
          WHERE s.name = $1 ORDER BY d.position",

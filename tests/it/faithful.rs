@@ -384,7 +384,7 @@ async fn any_operator_or_consumer_input_is_stored_faithfully_or_refused_as_inval
             })
             .await;
         let last_error: Option<Option<String>> = sqlx::query_scalar(
-            "SELECT d.last_error FROM outbox_deliveries d JOIN outbox_events e USING (position) \
+            "SELECT d.last_error FROM outbox_delivery_records d JOIN outbox_events e USING (position) \
              WHERE e.id = $1::uuid",
         )
         .bind(&event_id)

@@ -51,7 +51,7 @@ async fn unread_stream(
 
 async fn in_flight(pool: &PgPool, subscription: &str) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM outbox_deliveries d JOIN outbox_subscriptions s ON s.id = d.subscription_id \
+        "SELECT count(*) FROM outbox_delivery_records d JOIN outbox_subscriptions s ON s.id = d.subscription_id \
          WHERE s.name = $1 AND d.state = 'in_flight'",
     )
     .bind(subscription)

@@ -7,6 +7,7 @@
 
 mod common;
 
+mod batches;
 mod cli;
 mod client;
 mod configuration;

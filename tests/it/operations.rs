@@ -974,7 +974,16 @@ async fn maintenance_vacuums_the_delivery_table_once_acks_left_enough_dead_rows(
     config.maintenance.vacuum_check_interval = Duration::from_millis(200);
     config.maintenance.vacuum_min_dead_rows = 300;
     let gateway = TestGateway::start_with(&database, config).await;
-    create_subscription(&gateway, subscription("orders")).await;
+    // Ordered: its deliveries have records of their own (elsewhere a claim's acks
+    // settle one batch row).
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            ..subscription("orders")
+        },
+    )
+    .await;
     let pool = database.pool().await;
 
     let events = (0..500)

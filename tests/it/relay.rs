@@ -436,11 +436,12 @@ async fn concurrent_writers_committing_in_random_order_lose_and_double_nothing()
     let pool_ref = &pool;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let pending: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries WHERE state <> 'dead'")
-                .fetch_one(pool_ref)
-                .await
-                .unwrap();
+        let pending: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM outbox_delivery_records WHERE state <> 'dead'",
+        )
+        .fetch_one(pool_ref)
+        .await
+        .unwrap();
         let stats = gateway
             .admin()
             .await

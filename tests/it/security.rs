@@ -719,6 +719,8 @@ async fn the_writer_role_may_only_add_events() {
         for forbidden in [
             "SELECT * FROM outbox_events",
             "SELECT * FROM outbox_deliveries",
+            "SELECT * FROM outbox_delivery_batches",
+            "SELECT * FROM outbox_delivery_records",
             "SELECT * FROM outbox_subscriptions",
             "UPDATE outbox_events SET payload = '{}'",
             "DELETE FROM outbox_events",

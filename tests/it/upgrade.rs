@@ -57,8 +57,9 @@ async fn a_database_of_the_previous_schema_is_migrated_and_served_as_before() {
     let pool = database.pool().await;
     let newest = migrate_to_previous_release(&pool).await;
 
-    // What the previous release left: o-1 and o-2 handed out (o-1 awaits a retry, o-2 is
-    // a dead letter), o-3 and o-4 not yet read.
+    // What the previous release left: o-0, o-1 and o-2 handed out (o-0 leased to a
+    // consumer, o-1 awaiting a retry, o-2 a dead letter), o-3 and o-4 not yet read.
+    let (_, leased) = insert_event(&pool, "o-0").await;
     let (_, first) = insert_event(&pool, "o-1").await;
     let (handed_out_xact, handed_out_position) = insert_event(&pool, "o-2").await;
     insert_event(&pool, "o-3").await;
@@ -100,6 +101,16 @@ async fn a_database_of_the_previous_schema_is_migrated_and_served_as_before() {
     .await
     .expect("a dead letter");
 
+    sqlx::query(
+        "INSERT INTO outbox_deliveries (subscription_id, position, state, attempt, lease_token, due_at) \
+         VALUES ($1, $2, 'in_flight', 1, 42, now() + interval '1 hour')",
+    )
+    .bind(subscription_id)
+    .bind(leased)
+    .execute(&pool)
+    .await
+    .expect("a delivery in flight");
+
     let gateway = TestGateway::start(&database).await;
 
     let applied: Vec<(i64, bool)> =
@@ -131,6 +142,15 @@ async fn a_database_of_the_previous_schema_is_migrated_and_served_as_before() {
     assert_eq!(dead_letters[0].event.as_ref().unwrap().aggregate_id, "o-2");
     assert_eq!(dead_letters[0].last_error, "cannot parse");
     assert_eq!(dead_letters[0].attempts, 5);
+
+    // An ack id the previous release handed out is answered: stale when it names another
+    // lease, applied when it names the one held.
+    let ack_id = |token: u64| format!("{leased}-1-{token:016x}");
+    assert_eq!(
+        ack(&gateway, "orders", vec![ack_id(43)]).await,
+        vec![ack_id(43)]
+    );
+    assert!(ack(&gateway, "orders", vec![ack_id(42)]).await.is_empty());
 
     // The retry comes as the second attempt; the unread events as first ones.
     let mut consumer = Consumer::open(&gateway, "orders", 10).await;

@@ -6,7 +6,7 @@
 //! lock, does not give the claiming transaction an id before its snapshot is taken, so
 //! claimers do not hold back each other's read horizon.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
@@ -80,6 +80,8 @@ impl Store {
             let byte_budget = i64::try_from(limits.bytes).unwrap_or(i64::MAX);
 
             let due_rows = if include_due {
+                // Expired leases of claim batches are redelivered from records of their own.
+                split_batches(&mut *transaction, subscription_id, Moved::Expired).await?;
                 sqlx::query(include_str!("queries/claim_due.sql"))
                     .bind(subscription_id.0)
                     .bind(limit)
@@ -181,8 +183,61 @@ impl Store {
         })
     }
 
-    /// Acks deliveries; returns the ack ids that settled a lease (the rest were stale).
-    pub async fn ack(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
+    /// Acks deliveries in one go (see `ack_groups.rs`); returns the ack ids that settled
+    /// a lease (the rest were stale).
+    pub(crate) async fn ack_together(
+        &self,
+        subscription: &Subscription,
+        acks: &[AckId],
+    ) -> Result<Vec<AckId>> {
+        if subscription.settings.ordered {
+            return self.ack_records(subscription, acks).await;
+        }
+        // First leases of unordered subscriptions are mostly held in claim batches; what
+        // is not found there (moved out to a record, later attempts, ack ids from before
+        // batches) is looked for among the records, in a statement of its own so that it
+        // sees a move that a concurrent statement committed meanwhile.
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = acks
+            .iter()
+            .filter(|ack| ack.attempt == 1)
+            .map(|ack| (ack.position, ack.lease_token))
+            .unzip();
+        let mut acked = Vec::with_capacity(acks.len());
+        if !positions.is_empty() {
+            let rows = run_again_on_conflict(|| {
+                sqlx::query(include_str!("queries/ack_batches.sql"))
+                    .bind(subscription.id.0)
+                    .bind(&positions)
+                    .bind(&tokens)
+                    .fetch_all(&self.pool)
+            })
+            .await?;
+            let mut settled = HashSet::with_capacity(rows.len());
+            for row in &rows {
+                settled.insert(LeaseId {
+                    position: row.try_get("position")?,
+                    token: row.try_get("lease_token")?,
+                });
+            }
+            acked.extend(
+                acks.iter()
+                    .filter(|ack| ack.attempt == 1 && settled.contains(&ack.lease())),
+            );
+        }
+        if acked.len() == acks.len() {
+            return Ok(acked);
+        }
+        let rest: Vec<AckId> = acks
+            .iter()
+            .filter(|ack| !acked.contains(ack))
+            .copied()
+            .collect();
+        acked.extend(self.ack_records(subscription, &rest).await?);
+        Ok(acked)
+    }
+
+    /// Acks deliveries that have records of their own.
+    async fn ack_records(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);
         let statement = || {
             sqlx::query(concat!(
@@ -230,6 +285,10 @@ impl Store {
         dead_letter: bool,
     ) -> Result<Option<NackOutcome>> {
         let settings = &subscription.settings;
+        if ack.attempt == 1 && !settings.ordered {
+            let lease = ack.lease();
+            split_batches(&self.pool, subscription.id, Moved::Leases(&[lease])).await?;
+        }
         run_in_transaction!(self.pool, |transaction| {
             if settings.ordered {
                 lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
@@ -269,6 +328,12 @@ impl Store {
         acks: &[AckId],
         extension: std::time::Duration,
     ) -> Result<Vec<(AckId, DateTime<Utc>)>> {
+        let first_leases: Vec<LeaseId> = acks
+            .iter()
+            .filter(|ack| ack.attempt == 1)
+            .map(AckId::lease)
+            .collect();
+        split_batches(&self.pool, subscription_id, Moved::Leases(&first_leases)).await?;
         let (positions, attempts, tokens) = split_ack_ids(acks);
         let rows = run_again_on_conflict(|| {
             sqlx::query(concat!(
@@ -295,6 +360,7 @@ impl Store {
         subscription_id: SubscriptionId,
         leases: &[LeaseId],
     ) -> Result<u64> {
+        split_batches(&self.pool, subscription_id, Moved::Leases(leases)).await?;
         let (positions, tokens) = lease_columns(leases);
         let result = run_again_on_conflict(|| {
             sqlx::query(include_str!("queries/release.sql"))
@@ -316,7 +382,7 @@ impl Store {
     ) -> Result<Vec<(i64, DateTime<Utc>)>> {
         let (positions, tokens) = lease_columns(leases);
         let rows = sqlx::query(
-            "SELECT d.position, d.due_at FROM outbox_deliveries d \
+            "SELECT d.position, d.due_at FROM outbox_delivery_records d \
              JOIN UNNEST($2::bigint[], $3::bigint[]) AS l(position, lease_token) \
                ON d.position = l.position AND d.lease_token = l.lease_token \
              WHERE d.subscription_id = $1 AND d.state = 'in_flight' AND d.due_at > now()",
@@ -338,6 +404,46 @@ fn lease_columns(leases: &[LeaseId]) -> (Vec<i64>, Vec<i64>) {
         .iter()
         .map(|lease| (lease.position, lease.token))
         .unzip()
+}
+
+/// Which leased deliveries `split_batches` moves out of their claim batches.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Moved<'a> {
+    /// These leases, wherever a batch holds them.
+    Leases(&'a [LeaseId]),
+    /// Every one whose lease expired.
+    Expired,
+    /// Every one of the subscription's.
+    All,
+    /// These events', whatever their lease.
+    Positions(&'a [i64]),
+}
+
+/// Moves leased deliveries out of claim batches into records of their own, with the
+/// same lease (see `queries/split_batches.sql`); returns how many moved.
+pub(super) async fn split_batches(
+    executor: impl sqlx::PgExecutor<'_>,
+    subscription_id: SubscriptionId,
+    moved: Moved<'_>,
+) -> Result<u64> {
+    let (tokens, positions, only_expired) = match moved {
+        Moved::Leases([]) | Moved::Positions([]) => return Ok(0),
+        Moved::Leases(leases) => {
+            let (positions, tokens) = lease_columns(leases);
+            (Some(tokens), Some(positions), false)
+        }
+        Moved::Expired => (None, None, true),
+        Moved::All => (None, None, false),
+        Moved::Positions(positions) => (None, Some(positions.to_vec()), false),
+    };
+    let moved: i64 = sqlx::query_scalar(include_str!("queries/split_batches.sql"))
+        .bind(subscription_id.0)
+        .bind(tokens)
+        .bind(positions)
+        .bind(only_expired)
+        .fetch_one(executor)
+        .await?;
+    Ok(moved.max(0) as u64)
 }
 
 pub(super) async fn promote_waiting(

@@ -131,6 +131,7 @@ where
     }
 }
 
+mod ack_groups;
 mod columns;
 mod deliveries;
 mod events;
@@ -316,6 +317,8 @@ pub struct Store {
     /// not depend on whether the main pool has a connection free. A pool busy with work
     /// is back-pressure; only this probe failing means the database is lost.
     probe_pool: PgPool,
+    /// Concurrent ack calls, applied together per subscription.
+    ack_groups: std::sync::Arc<ack_groups::AckGroups>,
 }
 
 impl Store {
@@ -352,6 +355,7 @@ impl Store {
             pool,
             publish_pool,
             probe_pool,
+            ack_groups: Default::default(),
         }
     }
 

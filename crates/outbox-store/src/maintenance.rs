@@ -8,7 +8,10 @@ use std::time::Duration;
 use sqlx::Row;
 
 use super::{
-    Result, Store, columns::millis, deliveries::promote_waiting, locks::SUBSCRIPTION_LOCK_CLASS,
+    Result, Store,
+    columns::millis,
+    deliveries::{Moved, promote_waiting, split_batches},
+    locks::SUBSCRIPTION_LOCK_CLASS,
 };
 use outbox_domain::Subscription;
 
@@ -42,16 +45,19 @@ impl Store {
     pub async fn vacuum_deliveries(&self, min_dead_rows: i64) -> Result<Option<i64>> {
         let dead_rows: i64 = sqlx::query_scalar(
             "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables \
-             WHERE relid = 'outbox_deliveries'::regclass",
+             WHERE relid IN ('outbox_deliveries'::regclass, 'outbox_delivery_batches'::regclass)",
         )
         .fetch_one(&self.pool)
         .await?;
         if dead_rows < min_dead_rows {
             return Ok(None);
         }
-        sqlx::raw_sql("VACUUM (SKIP_LOCKED) outbox_deliveries, outbox_subscription_counters")
-            .execute(&self.pool)
-            .await?;
+        sqlx::raw_sql(
+            "VACUUM (SKIP_LOCKED) outbox_deliveries, outbox_delivery_batches, \
+             outbox_subscription_counters",
+        )
+        .execute(&self.pool)
+        .await?;
         Ok(Some(dead_rows))
     }
 
@@ -71,6 +77,7 @@ impl Store {
                 return Ok(None);
             }
             let settings = &subscription.settings;
+            split_batches(&mut *transaction, subscription.id, Moved::Expired).await?;
             let rows = sqlx::query(include_str!("queries/reclaim_expired.sql"))
                 .bind(subscription.id.0)
                 .bind(settings.max_attempts as i32)

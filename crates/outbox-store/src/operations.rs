@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::{
     Result, Store, StoreError,
     columns::{Cursor, cursor, metadata_filter, millis, start_columns},
+    deliveries::{Moved, split_batches},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
     subscriptions::subscription_from_row,
@@ -86,7 +87,7 @@ impl Store {
             for subscription in subscriptions {
                 lock_subscription(transaction, subscription.id, LockMode::Exclusive).await?;
                 let in_flight: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM outbox_deliveries \
+                    "SELECT EXISTS (SELECT 1 FROM outbox_delivery_records \
                  WHERE subscription_id = $1 AND position = $2 AND state = 'in_flight' \
                    AND due_at > now())",
                 )
@@ -217,6 +218,9 @@ impl Store {
     pub async fn seek(&self, subscription_id: SubscriptionId, to: StartPosition) -> Result<bool> {
         run_in_transaction!(self.pool, |transaction| {
             lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+            // A claim after the seek may read again what the subscription's batches hold
+            // in flight; as records, those keep their lease (see claim_new.sql).
+            split_batches(&mut *transaction, subscription_id, Moved::All).await?;
             let (start_kind, not_before) = start_columns(to);
             let moved = sqlx::query(concat!(
                 "UPDATE outbox_cursors c \
@@ -372,6 +376,12 @@ async fn requeue_positions(
     if positions.is_empty() {
         return Ok(0);
     }
+    split_batches(
+        &mut *connection,
+        subscription.id,
+        Moved::Positions(positions),
+    )
+    .await?;
     let requeued = sqlx::query(include_str!("queries/requeue.sql"))
         .bind(subscription.id.0)
         .bind(positions)

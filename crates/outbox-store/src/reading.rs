@@ -216,7 +216,9 @@ impl Store {
         let due = sqlx::query_scalar(
             "SELECT s.id FROM unnest($1::bigint[]) AS s(id) \
              WHERE EXISTS (SELECT 1 FROM outbox_deliveries d \
-                           WHERE d.subscription_id = s.id AND d.due_at <= now())",
+                           WHERE d.subscription_id = s.id AND d.due_at <= now()) \
+                OR EXISTS (SELECT 1 FROM outbox_delivery_batches b \
+                           WHERE b.subscription_id = s.id AND b.due_at <= now())",
         )
         .bind(id_values(subscription_ids))
         .fetch_all(&self.pool)
@@ -233,7 +235,9 @@ impl Store {
             "SELECT s.id FROM unnest($1::bigint[]) AS s(id) \
              WHERE EXISTS (SELECT 1 FROM outbox_deliveries d \
                            WHERE d.subscription_id = s.id AND d.due_at <= now() \
-                             AND d.state = 'in_flight')",
+                             AND d.state = 'in_flight') \
+                OR EXISTS (SELECT 1 FROM outbox_delivery_batches b \
+                           WHERE b.subscription_id = s.id AND b.due_at <= now())",
         )
         .bind(id_values(subscription_ids))
         .fetch_all(&self.pool)

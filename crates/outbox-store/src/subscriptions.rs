@@ -348,6 +348,7 @@ async fn delete_reading(
 ) -> Result<()> {
     for statement in [
         "DELETE FROM outbox_deliveries WHERE subscription_id = $1",
+        "DELETE FROM outbox_delivery_batches WHERE subscription_id = $1",
         "DELETE FROM outbox_subscription_counters WHERE subscription_id = $1",
         "DELETE FROM outbox_cursors WHERE subscription_id = $1",
     ] {

@@ -125,7 +125,16 @@ impl BenchDatabase {
         loop {
             attempts += 1;
             match connection
-                .execute("TRUNCATE outbox_events, outbox_deliveries, outbox_cursors, outbox_subscriptions CASCADE")
+                .execute(
+                    // Claim batches exist from schema 11 on; a run may compare an older build.
+                    "DO $$ BEGIN \
+                         TRUNCATE outbox_events, outbox_deliveries, outbox_cursors, \
+                                  outbox_subscriptions CASCADE; \
+                         IF to_regclass('outbox_delivery_batches') IS NOT NULL THEN \
+                             TRUNCATE outbox_delivery_batches; \
+                         END IF; \
+                     END $$",
+                )
                 .await
             {
                 Ok(_) => break,
@@ -158,11 +167,28 @@ impl BenchDatabase {
         self.settle().await
     }
 
+    /// The schema has claim batches (`outbox_delivery_batches`, schema 11 on); a run may
+    /// compare a build from before them.
+    pub async fn has_claim_batches(&self) -> anyhow::Result<bool> {
+        let mut connection = self.connect().await?;
+        Ok(sqlx::query_scalar(
+            "SELECT to_regclass('outbox_delivery_batches') IS NOT NULL",
+        )
+        .fetch_one(&mut connection)
+        .await?)
+    }
+
     /// Delivery records of every subscription: in flight, awaiting a retry or a
     /// scheduled time, waiting, dead.
     pub async fn delivery_records(&self) -> anyhow::Result<u64> {
         let mut connection = self.connect().await?;
-        let count: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
+        let batches = self.has_claim_batches().await?;
+        let records = if batches {
+            "SELECT count(*) FROM outbox_delivery_records"
+        } else {
+            "SELECT count(*) FROM outbox_deliveries"
+        };
+        let count: i64 = sqlx::query_scalar(records)
             .fetch_one(&mut connection)
             .await
             .context("cannot count delivery records")?;

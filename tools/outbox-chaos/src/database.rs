@@ -106,7 +106,7 @@ impl ChaosDatabase {
     /// with subscription names from `names` (definitions live in the gateway's database).
     async fn unsettled_here(&self, names: &HashMap<i64, String>) -> anyhow::Result<Unsettled> {
         let rows: Vec<(i64, Uuid, String)> = sqlx::query_as(
-            "SELECT d.subscription_id, e.id, d.state FROM outbox_deliveries d \
+            "SELECT d.subscription_id, e.id, d.state FROM outbox_delivery_records d \
              JOIN outbox_events e ON e.position = d.position",
         )
         .fetch_all(&self.pool)

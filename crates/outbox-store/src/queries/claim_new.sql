@@ -1,4 +1,5 @@
--- Claims the next events of one subscription, records their deliveries and moves the
+-- Claims the next events of one subscription, records their deliveries (per claim on
+-- unordered subscriptions, per event on ordered ones) and moves the
 -- subscription's read position (its row of outbox_cursors), in one statement. The caller
 -- holds the subscription's lock and binds its read position as parameters (joining it
 -- would turn the index range below into a filter over every earlier event).
@@ -124,9 +125,10 @@ decided AS (
     FROM keyed k
 ),
 inserted AS (
-    -- Records get their `seq` (the order waiting records are released in) from the
-    -- column default, row by row in the order selected here: the order in which the
-    -- events became visible to this subscription.
+    -- Records of their own: on ordered subscriptions every event's, elsewhere those of
+    -- events that do not go out now. They get their `seq` (the order waiting records are
+    -- released in) from the column default, row by row in the order selected here: the
+    -- order in which the events became visible to this subscription.
     INSERT INTO outbox_deliveries (subscription_id, position, state, attempt, lease_token,
                                    due_at, ordering_key, last_error, dead_lettered_at)
     SELECT $1, d.position, d.state,
@@ -138,11 +140,35 @@ inserted AS (
            CASE WHEN d.state = 'dead' THEN 'expired' END,
            CASE WHEN d.state = 'dead' THEN now() END
     FROM decided d
-    WHERE d.state IS NOT NULL
+    WHERE d.state IS NOT NULL AND (d.state <> 'in_flight' OR $11)
     ORDER BY d.xact_id, d.position
     -- A record left from before a seek keeps its state.
     ON CONFLICT (subscription_id, position) DO NOTHING
     RETURNING position, state, attempt, due_at
+),
+-- Elsewhere the deliveries are leased as rows of up to 128 (see
+-- outbox_delivery_batches), not one record each; an event that has a record from before
+-- a seek keeps it (a seek moves the subscription's batches into records).
+batch_slots AS (
+    SELECT d.position, (row_number() OVER (ORDER BY d.xact_id, d.position) - 1) / 128 AS chunk,
+           row_number() OVER (ORDER BY d.xact_id, d.position) AS n
+    FROM decided d
+    WHERE d.state = 'in_flight' AND NOT $11
+      AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
+                      WHERE x.subscription_id = $1 AND x.position = d.position)
+),
+batched AS (
+    INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
+    SELECT $1, $9::bigint, s.chunk, now() + $10 * interval '1 millisecond',
+           array_agg(s.position ORDER BY s.n)
+    FROM batch_slots s
+    GROUP BY s.chunk
+    RETURNING due_at, positions
+),
+delivered AS (
+    SELECT i.position, i.attempt, i.due_at FROM inserted i WHERE i.state = 'in_flight'
+    UNION ALL
+    SELECT p.position, 1, b.due_at FROM batched b CROSS JOIN unnest(b.positions) AS p(position)
 ),
 -- Where reading stands after this batch.
 outcome AS (
@@ -216,7 +242,7 @@ counted AS (
     -- Deliveries made, on this connection's counter shard (see count_deliveries.sql).
     INSERT INTO outbox_subscription_counters (subscription_id, shard, delivered)
     SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) + $15
-    FROM inserted WHERE state = 'in_flight'
+    FROM delivered
     HAVING count(*) + $15 > 0
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
@@ -245,8 +271,7 @@ LEFT JOIN LATERAL (
     SELECT i.position, i.attempt, i.due_at, e.xact_id,
            e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
            e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
-    FROM inserted i
+    FROM delivered i
     JOIN outbox_events e ON e.position = i.position
-    WHERE i.state = 'in_flight'
 ) r ON true
 ORDER BY r.xact_id, r.position

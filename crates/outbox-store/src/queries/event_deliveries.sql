@@ -14,5 +14,5 @@ SELECT s.id AS subscription_id,
 FROM outbox_events e
 CROSS JOIN unnest($2::bigint[]) AS s(id)
 LEFT JOIN outbox_cursors c ON c.subscription_id = s.id
-LEFT JOIN outbox_deliveries d ON d.subscription_id = s.id AND d.position = e.position
+LEFT JOIN outbox_delivery_records d ON d.subscription_id = s.id AND d.position = e.position
 WHERE e.position = $1

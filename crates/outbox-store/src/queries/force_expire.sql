@@ -16,6 +16,40 @@ records AS (
     DELETE FROM outbox_deliveries d USING doomed WHERE d.position = doomed.position
     RETURNING d.position, d.state, d.resolved_at
 ),
+-- Claim batches lose the doomed events (they were in flight); a row left with nothing
+-- goes, and its acks are counted as an ack's would be.
+batch_rows AS (
+    SELECT b.subscription_id, b.lease_token, b.chunk, b.acked,
+           ARRAY(SELECT p FROM unnest(b.positions) AS p WHERE p <> ALL (x.positions)) AS remaining,
+           ARRAY(SELECT p FROM unnest(b.positions) AS p WHERE p = ANY (x.positions)) AS doomed_here
+    FROM outbox_delivery_batches b,
+         (SELECT coalesce(array_agg(position), '{}') AS positions FROM doomed) x
+    WHERE b.positions && x.positions
+    FOR UPDATE OF b
+),
+batches_emptied AS (
+    DELETE FROM outbox_delivery_batches b
+    USING batch_rows r
+    WHERE b.subscription_id = r.subscription_id AND b.lease_token = r.lease_token
+      AND b.chunk = r.chunk AND cardinality(r.remaining) = 0
+),
+batches_shrunk AS (
+    UPDATE outbox_delivery_batches b
+    SET positions = r.remaining
+    FROM batch_rows r
+    WHERE b.subscription_id = r.subscription_id AND b.lease_token = r.lease_token
+      AND b.chunk = r.chunk AND cardinality(r.remaining) > 0
+),
+batch_acks AS (
+    INSERT INTO outbox_subscription_counters (subscription_id, shard, acked)
+    SELECT r.subscription_id, (pg_backend_pid() % 64)::smallint, sum(r.acked)
+    FROM batch_rows r
+    WHERE cardinality(r.remaining) = 0
+    GROUP BY r.subscription_id
+    HAVING sum(r.acked) > 0
+    ON CONFLICT (subscription_id, shard)
+    DO UPDATE SET acked = outbox_subscription_counters.acked + EXCLUDED.acked
+),
 events AS (
     DELETE FROM outbox_events e USING doomed WHERE e.position = doomed.position
     RETURNING e.position
@@ -24,6 +58,7 @@ still_needed AS (
     SELECT count(*) AS n
     FROM doomed
     WHERE doomed.not_handed_out
+       OR EXISTS (SELECT 1 FROM batch_rows b WHERE doomed.position = ANY (b.doomed_here))
        OR EXISTS (SELECT 1 FROM records r
                   WHERE r.position = doomed.position
                     AND NOT (r.state = 'dead' AND r.resolved_at IS NOT NULL))

@@ -8,6 +8,10 @@ WITH needed AS (
     SELECT DISTINCT d.position
     FROM outbox_deliveries d
     WHERE NOT (d.state = 'dead' AND d.resolved_at IS NOT NULL)
+    UNION
+    SELECT p.position
+    FROM outbox_delivery_batches b
+    CROSS JOIN unnest(b.positions) AS p(position)
 ),
 doomed AS (
     SELECT e.position

@@ -46,12 +46,16 @@ records AS (
                FILTER (WHERE d.state <> 'dead'
                          AND NOT (d.state = 'retry' AND d.attempt = 0 AND d.due_at > now()))
                AS oldest_record
-    FROM outbox_deliveries d
+    FROM outbox_delivery_records d
     JOIN outbox_events e ON e.position = d.position
     WHERE d.subscription_id = $1
 ),
 totals AS (
-    SELECT coalesce(sum(delivered), 0)::bigint AS delivered, coalesce(sum(acked), 0)::bigint AS acked,
+    SELECT coalesce(sum(delivered), 0)::bigint AS delivered,
+           (coalesce(sum(acked), 0)
+            -- Acks of batch rows still held are counted when the row goes.
+            + (SELECT coalesce(sum(b.acked), 0) FROM outbox_delivery_batches b
+               WHERE b.subscription_id = $1))::bigint AS acked,
            coalesce(sum(expired), 0)::bigint AS expired
     FROM outbox_subscription_counters
     WHERE subscription_id = $1

@@ -1,0 +1,51 @@
+-- Settles first leases held in claim batches (outbox_delivery_batches): each batch row
+-- named loses the acked positions, in one write whatever their number, and a row left
+-- with nothing is deleted and its acks counted (see count_deliveries.sql). Compare-and-
+-- set like every settlement: the row must carry the ack id's token and an unexpired
+-- deadline, and the position must still be in it (not acked before, nor moved out to a
+-- record of its own: ack.sql settles those). Rows are locked before they are read, so
+-- a concurrent ack or move of the same row is seen, never undone.
+-- $1 subscription id, $2 positions, $3 their lease tokens (attempt 1).
+WITH named AS (
+    SELECT a.lease_token, array_agg(a.position) AS positions
+    FROM unnest($2::bigint[], $3::bigint[]) AS a(position, lease_token)
+    GROUP BY a.lease_token
+),
+locked AS (
+    SELECT b.lease_token, b.chunk, b.positions, n.positions AS named
+    FROM named n
+    JOIN outbox_delivery_batches b
+      ON b.subscription_id = $1 AND b.lease_token = n.lease_token
+    WHERE b.positions && n.positions
+      AND b.due_at > now()
+    FOR UPDATE OF b
+),
+settled AS (
+    SELECT l.lease_token, l.chunk,
+           ARRAY(SELECT p FROM unnest(l.positions) AS p WHERE p = ANY (l.named)) AS acked,
+           ARRAY(SELECT p FROM unnest(l.positions) AS p WHERE p <> ALL (l.named)) AS remaining
+    FROM locked l
+),
+emptied AS (
+    DELETE FROM outbox_delivery_batches b
+    USING settled s
+    WHERE b.subscription_id = $1 AND b.lease_token = s.lease_token AND b.chunk = s.chunk
+      AND cardinality(s.remaining) = 0
+    RETURNING b.acked + cardinality(s.acked) AS acked
+),
+shrunk AS (
+    UPDATE outbox_delivery_batches b
+    SET acked = b.acked + cardinality(s.acked), positions = s.remaining
+    FROM settled s
+    WHERE b.subscription_id = $1 AND b.lease_token = s.lease_token AND b.chunk = s.chunk
+      AND cardinality(s.remaining) > 0
+),
+counted AS (
+    INSERT INTO outbox_subscription_counters (subscription_id, shard, acked)
+    SELECT $1, (pg_backend_pid() % 64)::smallint, sum(acked) FROM emptied HAVING sum(acked) > 0
+    ON CONFLICT (subscription_id, shard)
+    DO UPDATE SET acked = outbox_subscription_counters.acked + EXCLUDED.acked
+)
+SELECT a.position, s.lease_token
+FROM settled s
+CROSS JOIN unnest(s.acked) AS a(position)

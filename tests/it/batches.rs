@@ -1,0 +1,202 @@
+//! Delivery bookkeeping per claim: on unordered subscriptions a claim's leases are kept as
+//! rows of `outbox_delivery_batches`, not a record per event. Acks from any stream or
+//! replica settle them exactly once, and a gateway that dies with claims half acked loses
+//! nothing and delivers nothing acked again.
+
+use std::{collections::BTreeSet, time::Duration};
+
+use crate::common::*;
+use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
+use sqlx::PgPool;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn count(pool: &PgPool, query: &'static str) -> i64 {
+    sqlx::query_scalar(query).fetch_one(pool).await.unwrap()
+}
+
+fn events(count: usize) -> Vec<proto::EventInput> {
+    (0..count)
+        .map(|index| event(&format!("o-{index}"), "order.created"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claim_is_kept_as_rows_and_acks_through_several_replicas_settle_each_event_once() {
+    let database = TestDatabase::create().await;
+    let first = TestGateway::start(&database).await;
+    let second = TestGateway::start(&database).await;
+    create_subscription(&first, subscription("orders")).await;
+    publish(&first, events(300)).await;
+    let pool = database.pool().await;
+
+    let mut consumer = Consumer::open(&first, "orders", 300).await;
+    let deliveries = consumer.take(300, WAIT).await;
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM outbox_delivery_records WHERE state = 'in_flight'"
+        )
+        .await,
+        300
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM outbox_deliveries").await,
+        0,
+        "no record per event"
+    );
+    let rows = count(&pool, "SELECT count(*) FROM outbox_delivery_batches").await;
+    assert!(rows <= 30, "{rows} rows hold 300 leases");
+
+    // Acks in groups that cut across the claims, through both replicas in turn.
+    // (37 and 300 are coprime: every delivery once, in an order that jumps about.)
+    let ack_ids: Vec<String> = (0..300)
+        .map(|index| deliveries[(index * 37) % 300].ack_id.clone())
+        .collect();
+    for (index, group) in ack_ids.chunks(7).enumerate() {
+        let through = if index % 2 == 0 { &first } else { &second };
+        assert!(
+            ack(through, "orders", group.to_vec()).await.is_empty(),
+            "group {index} acked"
+        );
+    }
+    // Settled once: acking again, on either replica, is stale.
+    assert_eq!(
+        ack(&first, "orders", ack_ids[..40].to_vec()).await.len(),
+        40
+    );
+    assert_eq!(
+        ack(&second, "orders", ack_ids[200..].to_vec()).await.len(),
+        100
+    );
+
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM outbox_delivery_records").await,
+        0
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM outbox_delivery_batches").await,
+        0,
+        "settled rows are deleted"
+    );
+    let stats = subscription_stats(&second, "orders").await;
+    assert_eq!(
+        (
+            stats.delivered_total,
+            stats.acked_total,
+            stats.in_flight,
+            stats.pending
+        ),
+        (300, 300, 0, 0)
+    );
+    assert!(
+        consumer.next(Duration::from_secs(1)).await.is_none(),
+        "nothing acked comes again"
+    );
+}
+
+#[tokio::test]
+async fn a_gateway_killed_with_claims_half_acked_delivers_again_only_what_was_not_acked() {
+    let database = TestDatabase::create().await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
+        .arg(database.url())
+        .args(["--console-listen", "off", "--metrics-listen", "off"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the gateway binary");
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
+        matches!(child.try_wait(), Ok(None))
+    })
+    .await
+    .expect("the gateway serves");
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    proto::admin_client::AdminClient::new(channel.clone())
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                ack_deadline: seconds(3),
+                ..subscription("orders")
+            }),
+        })
+        .await
+        .unwrap();
+    proto::publisher_client::PublisherClient::new(channel.clone())
+        .publish(proto::PublishRequest {
+            events: events(200),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    // Every other delivery is acked as it comes; the rest stay leased.
+    let mut subscriber = SubscriberClient::new(channel);
+    let stream = subscriber
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders".into(),
+            max_in_flight: 200,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut consumer = Consumer::from_stream(stream);
+    let mut unacked = BTreeSet::new();
+    let mut unacked_ids = Vec::new();
+    for round in 0..10 {
+        let deliveries = consumer.take(20, WAIT).await;
+        let (acked, kept): (Vec<_>, Vec<_>) = deliveries
+            .into_iter()
+            .enumerate()
+            .partition(|(index, _)| index % 2 == 0);
+        let stale = subscriber
+            .ack(proto::AckRequest {
+                subscription: "orders".into(),
+                ack_ids: acked.into_iter().map(|(_, d)| d.ack_id).collect(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .stale_ack_ids;
+        assert!(stale.is_empty(), "round {round}: {stale:?}");
+        for (_, delivery) in kept {
+            unacked.insert(aggregate_of(&delivery));
+            unacked_ids.push(delivery.ack_id);
+        }
+    }
+    assert_eq!(unacked.len(), 100);
+    child.start_kill().expect("SIGKILL");
+    child.wait().await.unwrap();
+
+    let gateway = TestGateway::start(&database).await;
+    let mut consumer = Consumer::open(&gateway, "orders", 200).await;
+    let again = consumer.take(100, WAIT).await;
+    let redelivered: BTreeSet<String> = again.iter().map(aggregate_of).collect();
+    assert_eq!(redelivered, unacked, "exactly the unacked come again");
+    assert!(again.iter().all(|delivery| delivery.attempt == 2));
+    assert!(
+        consumer.next(Duration::from_secs(1)).await.is_none(),
+        "nothing acked comes again"
+    );
+    // The dead gateway's leases are gone: their ack ids settle nothing.
+    assert_eq!(ack(&gateway, "orders", unacked_ids).await.len(), 100);
+    ack_all(
+        &gateway,
+        "orders",
+        again.into_iter().map(|delivery| delivery.ack_id).collect(),
+    )
+    .await;
+    let stats = subscription_stats(&gateway, "orders").await;
+    assert_eq!(
+        (stats.acked_total, stats.in_flight, stats.awaiting_retry),
+        (200, 0, 0)
+    );
+}
