@@ -171,11 +171,11 @@ impl BenchDatabase {
     /// compare a build from before them.
     pub async fn has_claim_batches(&self) -> anyhow::Result<bool> {
         let mut connection = self.connect().await?;
-        Ok(sqlx::query_scalar(
-            "SELECT to_regclass('outbox_delivery_batches') IS NOT NULL",
+        Ok(
+            sqlx::query_scalar("SELECT to_regclass('outbox_delivery_batches') IS NOT NULL")
+                .fetch_one(&mut connection)
+                .await?,
         )
-        .fetch_one(&mut connection)
-        .await?)
     }
 
     /// Delivery records of every subscription: in flight, awaiting a retry or a
