@@ -160,6 +160,40 @@ impl Databases {
         })
     }
 
+    /// Rows written so far in the gateways' tables other than the outbox (inserts,
+    /// updates and deletes as `pg_stat_user_tables` counts them), over every source. A
+    /// session's counts arrive when it flushes its statistics, at the latest when it ends.
+    pub async fn bookkeeping_row_writes(&self) -> anyhow::Result<u64> {
+        let mut total = 0;
+        for database in &self.0 {
+            let writes: i64 = sqlx::query_scalar(
+                "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
+                 FROM pg_stat_user_tables \
+                 WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'",
+            )
+            .fetch_one(&database.pool)
+            .await
+            .with_context(|| format!("cannot read the table statistics of {}", database.name()))?;
+            total += writes.max(0) as u64;
+        }
+        Ok(total)
+    }
+
+    /// [`Databases::bookkeeping_row_writes`] once the counts stop moving: sessions that
+    /// ended flush their statistics as they go (given at most five seconds).
+    pub async fn settled_row_writes(&self) -> anyhow::Result<u64> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut last = self.bookkeeping_row_writes().await?;
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            let now = self.bookkeeping_row_writes().await?;
+            if now == last || tokio::time::Instant::now() >= deadline {
+                return Ok(now);
+            }
+            last = now;
+        }
+    }
+
     /// Terminates the gateways' connections to every source.
     pub async fn cut_gateway_connections(&self) -> anyhow::Result<u64> {
         let mut cut = 0;

@@ -9,6 +9,7 @@
 //! Exits 0 when no guarantee was violated, 1 on a violation, 2 when the run itself could
 //! not be carried out (no database, no gateway binary).
 
+mod bookkeeping;
 mod chaos;
 mod check;
 mod cluster;
@@ -282,6 +283,7 @@ async fn run_on(
     let admin_view = operator::final_view(&cluster, &specs, &operations).await;
     let shutdown_problems = cluster.stop_all().await;
     stop_receiver.cancel();
+    let row_writes_per_event = bookkeeping::row_writes_per_event(&cluster, databases).await?;
     let panics = cluster.panics();
 
     let operations_log = operations.log();
@@ -295,13 +297,23 @@ async fn run_on(
     violations.extend(counters.violations());
     violations.extend(shutdown_problems);
     violations.extend(panics);
+    if row_writes_per_event > bookkeeping::MAX_ROW_WRITES_PER_EVENT {
+        violations.push(check::Violation::new(
+            "bookkeeping per event",
+            format!(
+                "draining a burst wrote {row_writes_per_event:.2} rows per event in the \
+                 gateway's tables, more than {}",
+                bookkeeping::MAX_ROW_WRITES_PER_EVENT
+            ),
+        ));
+    }
 
     let timing = Timing {
         run: started.elapsed(),
         drain: drain_time,
         drained,
     };
-    let totals = Totals::gather(
+    let mut totals = Totals::gather(
         &ledger,
         &journal,
         &counters,
@@ -313,6 +325,7 @@ async fn run_on(
         timing,
         seed,
     );
+    totals.burst_row_writes_per_event = row_writes_per_event;
     report::print(&totals, &violations);
     Ok(violations.is_empty())
 }

@@ -42,6 +42,9 @@ pub struct Totals {
     pub held_transactions: u64,
     /// Samples of the gateways' sessions looking for one left idle in a transaction.
     pub idle_in_transaction_checks: u64,
+    /// Rows the gateway wrote in its own tables per event of the burst drained after
+    /// the run.
+    pub burst_row_writes_per_event: f64,
     pub delivered: usize,
     pub redelivered: usize,
     pub acked: usize,
@@ -373,6 +376,7 @@ impl Totals {
             bad_inputs_refused: ledger.bad_inputs_refused,
             held_transactions: ledger.held_transactions,
             idle_in_transaction_checks: ChaosCounters::get(&counters.idle_in_transaction_checks),
+            burst_row_writes_per_event: 0.0,
             delivered: subscriptions.iter().map(|s| s.delivered).sum(),
             redelivered: subscriptions.iter().map(|s| s.redelivered).sum(),
             acked: state.acked.len(),
@@ -554,6 +558,10 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
         (
             "ordered handoff, ack to other gateway",
             totals.ordered_handoff_other_gateway.to_string(),
+        ),
+        (
+            "row writes per event of a burst",
+            format!("{:.3}", totals.burst_row_writes_per_event),
         ),
         ("lost", totals.lost.to_string()),
         ("violations", totals.violations.to_string()),
