@@ -898,6 +898,59 @@ async fn maximum_retention_deletes_regardless_and_is_counted() {
     );
 }
 
+/// Events force-expired while leased leave the claim that holds them: they are no
+/// longer counted in flight, and their ack ids are stale.
+#[tokio::test]
+async fn maximum_retention_takes_leased_events_out_of_their_claim() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("orders")).await;
+    let pool = database.pool().await;
+    for aggregate in ["old-1", "old-2"] {
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+             VALUES ('order', $1, 'order.created', '{}', now() - interval '2 hours')",
+        )
+        .bind(aggregate)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    publish(&gateway, vec![event("new", "order.created")]).await;
+    let mut consumer = Consumer::open(&gateway, "orders", 10).await;
+    let deliveries = consumer.take(3, WAIT).await;
+
+    // A second gateway with a maximum retention sweeps the old events away.
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    config.maintenance.retention = Duration::from_secs(3600);
+    config.maintenance.max_retention = Some(Duration::from_secs(3600));
+    let _sweeper = TestGateway::start_with(&database, config).await;
+    eventually(
+        "the old events are force-expired",
+        Duration::from_secs(10),
+        || async { event_positions(&pool).await == ["new"] },
+    )
+    .await;
+    let (orders, outbox) = stats(&mut gateway.admin().await, "orders").await;
+    assert_eq!(outbox.events_force_expired, 2, "both were in flight");
+    assert_eq!(orders.in_flight, 1);
+
+    let (old, new): (Vec<_>, Vec<_>) = deliveries
+        .into_iter()
+        .partition(|delivery| aggregate_of(delivery).starts_with("old"));
+    let old_ids: Vec<String> = old.into_iter().map(|d| d.ack_id).collect();
+    assert_eq!(ack(&gateway, "orders", old_ids.clone()).await, old_ids);
+    ack_all(
+        &gateway,
+        "orders",
+        new.into_iter().map(|d| d.ack_id).collect(),
+    )
+    .await;
+    let (orders, _) = stats(&mut gateway.admin().await, "orders").await;
+    assert_eq!((orders.in_flight, orders.acked_total), (0, 1));
+}
+
 #[tokio::test]
 async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() {
     let database = TestDatabase::create().await;
