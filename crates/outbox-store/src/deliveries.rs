@@ -202,7 +202,7 @@ impl Store {
             .filter(|ack| ack.attempt == 1)
             .map(|ack| (ack.position, ack.lease_token))
             .unzip();
-        let mut acked = Vec::with_capacity(acks.len());
+        let mut settled = HashSet::new();
         if !positions.is_empty() {
             let rows = run_again_on_conflict(|| {
                 sqlx::query(include_str!("queries/ack_batches.sql"))
@@ -212,27 +212,20 @@ impl Store {
                     .fetch_all(&self.pool)
             })
             .await?;
-            let mut settled = HashSet::with_capacity(rows.len());
             for row in &rows {
                 settled.insert(LeaseId {
                     position: row.try_get("position")?,
                     token: row.try_get("lease_token")?,
                 });
             }
-            acked.extend(
-                acks.iter()
-                    .filter(|ack| ack.attempt == 1 && settled.contains(&ack.lease())),
-            );
         }
-        if acked.len() == acks.len() {
-            return Ok(acked);
-        }
-        let rest: Vec<AckId> = acks
+        let (mut acked, rest): (Vec<AckId>, Vec<AckId>) = acks
             .iter()
-            .filter(|ack| !acked.contains(ack))
             .copied()
-            .collect();
-        acked.extend(self.ack_records(subscription, &rest).await?);
+            .partition(|ack| ack.attempt == 1 && settled.contains(&ack.lease()));
+        if !rest.is_empty() {
+            acked.extend(self.ack_records(subscription, &rest).await?);
+        }
         Ok(acked)
     }
 
