@@ -1,8 +1,8 @@
 //! Background maintenance of every source: brings read positions up to date with the
 //! subscription definitions, deletes subscriptions unused past their `expire_after_idle`,
-//! reclaims expired leases and enforces retention on a timer,
-//! and vacuums the delivery table as soon as enough acks have left dead rows in it. Safe
-//! with several gateways: no step waits for another gateway doing the same.
+//! reclaims expired leases and enforces retention on a timer, and vacuums the delivery
+//! tables as soon as enough settlements have left dead rows in them. Safe with several
+//! gateways: no step waits for another gateway doing the same.
 
 use std::time::Duration;
 

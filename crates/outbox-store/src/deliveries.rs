@@ -279,8 +279,9 @@ impl Store {
     ) -> Result<Option<NackOutcome>> {
         let settings = &subscription.settings;
         if ack.attempt == 1 && !settings.ordered {
-            let lease = ack.lease();
-            split_batches(&self.pool, subscription.id, Moved::Leases(&[lease])).await?;
+            let lease = [ack.lease()];
+            self.split_batches(subscription.id, Moved::Leases(&lease))
+                .await?;
         }
         run_in_transaction!(self.pool, |transaction| {
             if settings.ordered {
@@ -326,7 +327,8 @@ impl Store {
             .filter(|ack| ack.attempt == 1)
             .map(AckId::lease)
             .collect();
-        split_batches(&self.pool, subscription_id, Moved::Leases(&first_leases)).await?;
+        self.split_batches(subscription_id, Moved::Leases(&first_leases))
+            .await?;
         let (positions, attempts, tokens) = split_ack_ids(acks);
         let rows = run_again_on_conflict(|| {
             sqlx::query(concat!(
@@ -353,7 +355,8 @@ impl Store {
         subscription_id: SubscriptionId,
         leases: &[LeaseId],
     ) -> Result<u64> {
-        split_batches(&self.pool, subscription_id, Moved::Leases(leases)).await?;
+        self.split_batches(subscription_id, Moved::Leases(leases))
+            .await?;
         let (positions, tokens) = lease_columns(leases);
         let result = run_again_on_conflict(|| {
             sqlx::query(include_str!("queries/release.sql"))
@@ -412,15 +415,23 @@ pub(super) enum Moved<'a> {
     Positions(&'a [i64]),
 }
 
+impl Store {
+    /// `split_batches` on a connection of its own, run again when it loses a deadlock
+    /// to a concurrent ack or move of the same rows.
+    async fn split_batches(&self, subscription_id: SubscriptionId, moved: Moved<'_>) -> Result<()> {
+        run_again_on_conflict(|| split_batches(&self.pool, subscription_id, moved)).await
+    }
+}
+
 /// Moves leased deliveries out of claim batches into records of their own, with the
-/// same lease (see `queries/split_batches.sql`); returns how many moved.
+/// same lease (see `queries/split_batches.sql`).
 pub(super) async fn split_batches(
     executor: impl sqlx::PgExecutor<'_>,
     subscription_id: SubscriptionId,
     moved: Moved<'_>,
-) -> Result<u64> {
+) -> Result<()> {
     let (tokens, positions, only_expired) = match moved {
-        Moved::Leases([]) | Moved::Positions([]) => return Ok(0),
+        Moved::Leases([]) | Moved::Positions([]) => return Ok(()),
         Moved::Leases(leases) => {
             let (positions, tokens) = lease_columns(leases);
             (Some(tokens), Some(positions), false)
@@ -429,14 +440,14 @@ pub(super) async fn split_batches(
         Moved::All => (None, None, false),
         Moved::Positions(positions) => (None, Some(positions.to_vec()), false),
     };
-    let moved: i64 = sqlx::query_scalar(include_str!("queries/split_batches.sql"))
+    sqlx::query(include_str!("queries/split_batches.sql"))
         .bind(subscription_id.0)
         .bind(tokens)
         .bind(positions)
         .bind(only_expired)
-        .fetch_one(executor)
+        .execute(executor)
         .await?;
-    Ok(moved.max(0) as u64)
+    Ok(())
 }
 
 pub(super) async fn promote_waiting(

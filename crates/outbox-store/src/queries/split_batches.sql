@@ -45,4 +45,4 @@ counted AS (
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET acked = outbox_subscription_counters.acked + EXCLUDED.acked
 )
-SELECT count(*) AS moved FROM moved
+SELECT count(*) FROM moved
