@@ -98,28 +98,8 @@ async fn a_claim_is_kept_as_rows_and_acks_through_several_replicas_settle_each_e
 #[tokio::test]
 async fn a_gateway_killed_with_claims_half_acked_delivers_again_only_what_was_not_acked() {
     let database = TestDatabase::create().await;
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
-        .arg(database.url())
-        .args(["--console-listen", "off", "--metrics-listen", "off"])
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the gateway binary");
-    let log = ProcessLog::collect(&mut child);
-    let address = log.announced("serving gRPC", &mut child).await;
-    outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
-        matches!(child.try_wait(), Ok(None))
-    })
-    .await
-    .expect("the gateway serves");
-    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let (mut child, _log, _, channel) =
+        start_gateway_process(&database, &["--metrics-listen", "off"]).await;
     proto::admin_client::AdminClient::new(channel.clone())
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(proto::Subscription {

@@ -102,6 +102,45 @@ impl ProcessLog {
     }
 }
 
+/// The gateway binary serving `database` as a child process (so a test can kill it),
+/// with `extra` arguments after `serve`'s own, on ephemeral ports and with the console
+/// off; returned with its log, its gRPC address and a channel to it once it serves.
+pub async fn start_gateway_process(
+    database: &TestDatabase,
+    extra: &[&str],
+) -> (tokio::process::Child, ProcessLog, SocketAddr, Channel) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--console-listen",
+            "off",
+        ])
+        .arg("--database-url")
+        .arg(database.url())
+        .args(extra)
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the gateway binary");
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    outbox_testkit::gateway::wait_until_serving(address, Duration::from_secs(30), || {
+        matches!(child.try_wait(), Ok(None))
+    })
+    .await
+    .expect("the gateway serves");
+    let channel = Channel::from_shared(format!("http://{address}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect to the gateway process");
+    (child, log, address, channel)
+}
+
 /// How often the tests poll for a condition (with `poll_until` and a deadline).
 pub const POLL: Duration = Duration::from_millis(50);
 

@@ -863,6 +863,21 @@ async fn retention_deletes_only_what_no_subscription_needs() {
     );
 }
 
+/// Events of these aggregates, written "two hours ago" (created_at is the writing
+/// transaction's start).
+async fn insert_events_two_hours_old(pool: &PgPool, aggregates: &[&str]) {
+    for aggregate in aggregates {
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+             VALUES ('order', $1, 'order.created', '{}', now() - interval '2 hours')",
+        )
+        .bind(aggregate)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}
+
 #[tokio::test]
 async fn maximum_retention_deletes_regardless_and_is_counted() {
     let database = TestDatabase::create().await;
@@ -873,17 +888,7 @@ async fn maximum_retention_deletes_regardless_and_is_counted() {
     let gateway = TestGateway::start_with(&database, config).await;
     create_subscription(&gateway, subscription("orders")).await;
     let pool = database.pool().await;
-    // Two events written "two hours ago" (created_at is the writing transaction's start).
-    for aggregate in ["old-1", "old-2"] {
-        sqlx::query(
-            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
-             VALUES ('order', $1, 'order.created', '{}', now() - interval '2 hours')",
-        )
-        .bind(aggregate)
-        .execute(&pool)
-        .await
-        .unwrap();
-    }
+    insert_events_two_hours_old(&pool, &["old-1", "old-2"]).await;
     publish(&gateway, vec![event("new", "order.created")]).await;
     eventually(
         "the old events are force-expired",
@@ -906,16 +911,7 @@ async fn maximum_retention_takes_leased_events_out_of_their_claim() {
     let gateway = TestGateway::start(&database).await;
     create_subscription(&gateway, subscription("orders")).await;
     let pool = database.pool().await;
-    for aggregate in ["old-1", "old-2"] {
-        sqlx::query(
-            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
-             VALUES ('order', $1, 'order.created', '{}', now() - interval '2 hours')",
-        )
-        .bind(aggregate)
-        .execute(&pool)
-        .await
-        .unwrap();
-    }
+    insert_events_two_hours_old(&pool, &["old-1", "old-2"]).await;
     publish(&gateway, vec![event("new", "order.created")]).await;
     let mut consumer = Consumer::open(&gateway, "orders", 10).await;
     let deliveries = consumer.take(3, WAIT).await;

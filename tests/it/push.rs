@@ -911,31 +911,18 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     });
     let config_file = std::env::temp_dir().join(format!("{}-push.toml", database.name()));
     std::fs::write(&config_file, "[push]\nallowed_hosts = [\"127.0.0.1\"]\n").unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--database-url"])
-        .arg(database.url())
-        .args(["--console-listen", "off", "--metrics-listen", "127.0.0.1:0"])
-        .arg("--config")
-        .arg(&config_file)
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the gateway binary");
-    let log = ProcessLog::collect(&mut child);
-    let address = log.announced("serving gRPC", &mut child).await;
+    let config_argument = config_file.to_str().expect("a UTF-8 path");
+    let (mut child, log, _, channel) = start_gateway_process(
+        &database,
+        &[
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--config",
+            config_argument,
+        ],
+    )
+    .await;
     let metrics = log.announced("serving metrics", &mut child).await;
-    outbox_testkit::gateway::wait_until_serving(address, WAIT, || {
-        matches!(child.try_wait(), Ok(None))
-    })
-    .await
-    .expect("the gateway serves");
-    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
     let mut subscription = push_subscription("survivor", &receiver.endpoint());
     // The lease: the request's timeout plus a settling margin, beyond the ack deadline.
     subscription.ack_deadline = seconds(1);
