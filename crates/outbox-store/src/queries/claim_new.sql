@@ -1,8 +1,8 @@
 -- Claims the next events of one subscription, records their deliveries (per claim on
--- unordered subscriptions, per event on ordered ones) and moves the
--- subscription's read position (its row of outbox_cursors), in one statement. The caller
--- holds the subscription's lock and binds its read position as parameters (joining it
--- would turn the index range below into a filter over every earlier event).
+-- unordered subscriptions, per event on ordered ones) and moves the subscription's read
+-- position (its row of outbox_cursors), in one statement. The caller holds the
+-- subscription's lock and binds its read position as parameters (joining it would turn
+-- the index range below into a filter over every earlier event).
 --
 -- The read position is a cursor in (xact_id, position) order plus the transactions that
 -- were still running when the cursor passed them ("pending": their rows were invisible
@@ -150,8 +150,7 @@ inserted AS (
 -- outbox_delivery_batches), not one record each; an event that has a record from before
 -- a seek keeps it (a seek moves the subscription's batches into records).
 batch_slots AS (
-    SELECT d.position, (row_number() OVER (ORDER BY d.xact_id, d.position) - 1) / 128 AS chunk,
-           row_number() OVER (ORDER BY d.xact_id, d.position) AS n
+    SELECT d.position, row_number() OVER (ORDER BY d.xact_id, d.position) AS n
     FROM decided d
     WHERE d.state = 'in_flight' AND NOT $11
       AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
@@ -159,10 +158,10 @@ batch_slots AS (
 ),
 batched AS (
     INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
-    SELECT $1, $9::bigint, s.chunk, now() + $10 * interval '1 millisecond',
+    SELECT $1, $9::bigint, (s.n - 1) / 128, now() + $10 * interval '1 millisecond',
            array_agg(s.position ORDER BY s.n)
     FROM batch_slots s
-    GROUP BY s.chunk
+    GROUP BY (s.n - 1) / 128
     RETURNING due_at, positions
 ),
 delivered AS (
