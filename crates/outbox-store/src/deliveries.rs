@@ -1,5 +1,10 @@
 //! Delivery records: claiming events for a subscription, settling leases, releasing them.
 //!
+//! On unordered subscriptions a claim keeps its leases as rows of
+//! `outbox_delivery_batches` (one per 128 events), which acks shrink; whatever gives a
+//! delivery a state of its own first moves it into an `outbox_deliveries` record with the
+//! same lease (`split_batches`). Ordered subscriptions keep a record per event.
+//!
 //! Everything that decides which event goes out next for a subscription (claims, and on
 //! ordered subscriptions the acks and dead letters that free an aggregate) runs under a
 //! transaction-scoped advisory lock on the subscription. An advisory lock, unlike a row

@@ -5,7 +5,8 @@
 //! # Layout
 //! - Owns: the [`Store`] (one pool on one source database) and its statements, grouped
 //!   by what they touch — events and publishing, subscription definitions and read
-//!   positions, deliveries and leases, operations (requeue, seek, stats), inspection,
+//!   positions, deliveries and leases (claim batches, records of their own, acks applied
+//!   in groups), operations (requeue, seek, stats), inspection,
 //!   maintenance (reclaim, retention), reading new rows; the subscription lock and the
 //!   columns several groups share; the SQL files under `queries/`.
 //! - May depend on: `outbox-domain` and sqlx (with tokio underneath). Never on the core
