@@ -8,13 +8,14 @@
 //! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
 //!   migrating, waiting until it serves, stopping it.
 //! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start.
+//! - [`gateway_row_writes`]: the rows the gateway has written in its own tables.
 
 mod database;
 pub mod gateway;
 mod poll;
 mod server;
 
-pub use database::{DatabaseError, ThrowawayDatabase};
+pub use database::{DatabaseError, ThrowawayDatabase, gateway_row_writes};
 pub use poll::poll_until;
 pub use server::{PostgresServer, ServerError};
 

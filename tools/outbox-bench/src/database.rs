@@ -195,24 +195,21 @@ impl BenchDatabase {
         Ok(count.max(0) as u64)
     }
 
-    /// Rows written (inserted, updated, deleted) so far in the gateway's tables other than
-    /// `outbox_events`, and the server's WAL position in bytes. The row counts come from
-    /// `pg_stat_user_tables`, which other sessions update only when they flush their
-    /// statistics (within a second while busy, ten seconds once idle): read this once
-    /// the counts have stopped moving ([`BenchDatabase::settled_bookkeeping`]).
+    /// Rows written so far in the gateway's tables ([`outbox_testkit::gateway_row_writes`]:
+    /// read this once the counts have stopped moving,
+    /// [`BenchDatabase::settled_bookkeeping`]), and the server's WAL position in bytes.
     pub async fn bookkeeping(&self) -> anyhow::Result<Bookkeeping> {
         let mut connection = self.connect().await?;
-        let (row_writes, wal_bytes): (i64, i64) = sqlx::query_as(
-            "SELECT (SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
-                       FROM pg_stat_user_tables \
-                      WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'), \
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint",
-        )
-        .fetch_one(&mut connection)
-        .await
-        .context("cannot read the table statistics")?;
+        let row_writes = outbox_testkit::gateway_row_writes(&mut connection)
+            .await
+            .context("cannot read the table statistics")?;
+        let wal_bytes: i64 =
+            sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+                .fetch_one(&mut connection)
+                .await
+                .context("cannot read the WAL position")?;
         Ok(Bookkeeping {
-            row_writes: row_writes.max(0) as u64,
+            row_writes,
             wal_bytes: wal_bytes.max(0) as u64,
         })
     }

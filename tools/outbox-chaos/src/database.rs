@@ -160,21 +160,16 @@ impl Databases {
         })
     }
 
-    /// Rows written so far in the gateways' tables other than the outbox (inserts,
-    /// updates and deletes as `pg_stat_user_tables` counts them), over every source. A
-    /// session's counts arrive when it flushes its statistics, at the latest when it ends.
+    /// Rows written so far in the gateways' tables over every source
+    /// ([`outbox_testkit::gateway_row_writes`]).
     pub async fn bookkeeping_row_writes(&self) -> anyhow::Result<u64> {
         let mut total = 0;
         for database in &self.0 {
-            let writes: i64 = sqlx::query_scalar(
-                "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
-                 FROM pg_stat_user_tables \
-                 WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'",
-            )
-            .fetch_one(&database.pool)
-            .await
-            .with_context(|| format!("cannot read the table statistics of {}", database.name()))?;
-            total += writes.max(0) as u64;
+            total += outbox_testkit::gateway_row_writes(&database.pool)
+                .await
+                .with_context(|| {
+                    format!("cannot read the table statistics of {}", database.name())
+                })?;
         }
         Ok(total)
     }
