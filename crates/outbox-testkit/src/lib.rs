@@ -4,7 +4,7 @@
 //! - [`ThrowawayDatabase`]: a database of its own on a PostgreSQL server, dropped
 //!   afterwards with whatever is still connected to it.
 //! - [`poll_until`]: waiting for a condition by polling with a deadline, never by
-//!   sleeping a guessed time.
+//!   sleeping a guessed time; [`settled`]: for a figure to stop moving.
 //! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
 //!   migrating, waiting until it serves, stopping it.
 //! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start.
@@ -16,7 +16,7 @@ mod poll;
 mod server;
 
 pub use database::{DatabaseError, ThrowawayDatabase, gateway_row_writes};
-pub use poll::poll_until;
+pub use poll::{poll_until, settled};
 pub use server::{PostgresServer, ServerError};
 
 /// The PostgreSQL server tests create their databases on: `TEST_POSTGRES_URL`, or the

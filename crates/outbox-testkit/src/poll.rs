@@ -24,6 +24,33 @@ where
     }
 }
 
+/// Reads `read` every `interval` until its value has stayed the same for `quiet`, for at
+/// most `within`; returns the last value read. For figures others update late, such as
+/// table statistics, which sessions flush when they go idle or end.
+pub async fn settled<T, E, F, Fut>(
+    quiet: Duration,
+    within: Duration,
+    interval: Duration,
+    mut read: F,
+) -> Result<T, E>
+where
+    T: PartialEq,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let started = Instant::now();
+    let mut last = read().await?;
+    let mut unchanged_since = started;
+    while unchanged_since.elapsed() < quiet && started.elapsed() < within {
+        tokio::time::sleep(interval).await;
+        let now = read().await?;
+        if now != last {
+            (last, unchanged_since) = (now, Instant::now());
+        }
+    }
+    Ok(last)
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -57,5 +84,36 @@ mod tests {
         assert_eq!(value, None);
         assert!(started.elapsed() >= Duration::from_millis(100));
         assert!(started.elapsed() < Duration::from_millis(150));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn settled_waits_until_the_value_stops_moving() {
+        // 1, 2, 3, then 3 for good: read every 10 ms, quiet for 50 ms.
+        let calls = AtomicU32::new(0);
+        let started = Instant::now();
+        let value = settled(
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+            Duration::from_millis(10),
+            || async { Ok::<_, ()>((calls.fetch_add(1, Ordering::Relaxed) + 1).min(3)) },
+        )
+        .await;
+        assert_eq!(value, Ok(3));
+        assert!(started.elapsed() >= Duration::from_millis(70));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn settled_gives_up_moving_values_after_within() {
+        let calls = AtomicU32::new(0);
+        let started = Instant::now();
+        let value = settled(
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+            Duration::from_millis(10),
+            || async { Ok::<_, ()>(calls.fetch_add(1, Ordering::Relaxed)) },
+        )
+        .await;
+        assert!(value.unwrap() >= 19);
+        assert!(started.elapsed() < Duration::from_millis(250));
     }
 }

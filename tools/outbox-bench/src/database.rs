@@ -219,17 +219,13 @@ impl BenchDatabase {
     /// not the idle gateway after it.
     pub async fn settled_bookkeeping(&self, quiet: Duration) -> anyhow::Result<Bookkeeping> {
         let now = self.bookkeeping().await?;
-        let started = tokio::time::Instant::now();
-        let (mut last, mut unchanged_since) = (now.row_writes, started);
-        while unchanged_since.elapsed() < quiet && started.elapsed() < quiet * 4 {
-            tokio::time::sleep(Duration::from_millis(250)).await;
-            let row_writes = self.bookkeeping().await?.row_writes;
-            if row_writes != last {
-                (last, unchanged_since) = (row_writes, tokio::time::Instant::now());
-            }
-        }
+        let row_writes =
+            outbox_testkit::settled(quiet, quiet * 4, Duration::from_millis(250), || async {
+                anyhow::Ok(self.bookkeeping().await?.row_writes)
+            })
+            .await?;
         Ok(Bookkeeping {
-            row_writes: last,
+            row_writes,
             wal_bytes: now.wal_bytes,
         })
     }

@@ -177,16 +177,14 @@ impl Databases {
     /// [`Databases::bookkeeping_row_writes`] once the counts stop moving: sessions that
     /// ended flush their statistics as they go (given at most five seconds).
     pub async fn settled_row_writes(&self) -> anyhow::Result<u64> {
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut last = self.bookkeeping_row_writes().await?;
-        loop {
-            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            let now = self.bookkeeping_row_writes().await?;
-            if now == last || tokio::time::Instant::now() >= deadline {
-                return Ok(now);
-            }
-            last = now;
-        }
+        let half_a_second = std::time::Duration::from_millis(500);
+        outbox_testkit::settled(
+            half_a_second,
+            std::time::Duration::from_secs(5),
+            half_a_second,
+            || self.bookkeeping_row_writes(),
+        )
+        .await
     }
 
     /// Terminates the gateways' connections to every source.
