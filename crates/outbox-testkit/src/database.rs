@@ -153,6 +153,21 @@ fn database_url(server_url: &str, database: &str) -> String {
     url
 }
 
+/// Rows written so far (inserted, updated, deleted) in the gateway's tables other than
+/// `outbox_events`: what delivery bookkeeping costs the database. The counts come from
+/// `pg_stat_user_tables`, which other sessions update only when they flush their
+/// statistics (within a second while busy, ten seconds once idle, and as they end).
+pub async fn gateway_row_writes(executor: impl sqlx::PgExecutor<'_>) -> Result<u64, sqlx::Error> {
+    let writes: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
+         FROM pg_stat_user_tables \
+         WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'",
+    )
+    .fetch_one(executor)
+    .await?;
+    Ok(writes.max(0) as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,19 +209,4 @@ mod tests {
             "postgres://u:p@localhost/b?sslmode=disable"
         );
     }
-}
-
-/// Rows written so far (inserted, updated, deleted) in the gateway's tables other than
-/// `outbox_events`: what delivery bookkeeping costs the database. The counts come from
-/// `pg_stat_user_tables`, which other sessions update only when they flush their
-/// statistics (within a second while busy, ten seconds once idle, and as they end).
-pub async fn gateway_row_writes(executor: impl sqlx::PgExecutor<'_>) -> Result<u64, sqlx::Error> {
-    let writes: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint \
-         FROM pg_stat_user_tables \
-         WHERE relname LIKE 'outbox\\_%' AND relname <> 'outbox_events'",
-    )
-    .fetch_one(executor)
-    .await?;
-    Ok(writes.max(0) as u64)
 }
