@@ -13,6 +13,7 @@ use crate::{
     domain::{AllowedHosts, PublishLimits},
     maintenance::MaintenanceConfig,
     push::PushSettings,
+    sinks::SinkSettings,
     sources::{SourceSettings, SourcesSettings},
 };
 // Defined by the parts they configure; named here too, where the settings are read.
@@ -77,6 +78,11 @@ pub struct Settings {
     /// configuration file only (a `[push]` table).
     #[arg(skip)]
     pub push: Option<PushFileSettings>,
+
+    /// Brokers sink subscriptions publish into; configuration file only (`[[sinks]]`
+    /// tables).
+    #[arg(skip)]
+    pub sinks: Option<Vec<SinkSettings>>,
 
     /// Allow listening beyond loopback with no tokens configured: anyone who can reach
     /// the port may publish, read and administer.
@@ -389,6 +395,8 @@ pub struct Config {
     pub delivery: DeliveryConfig,
     pub maintenance: MaintenanceConfig,
     pub push: PushSettings,
+    /// Broker connections of sink subscriptions, validated.
+    pub sinks: Vec<SinkSettings>,
     pub shutdown_grace: Duration,
     pub health_check_interval: Duration,
     /// `None`: no metrics endpoint.
@@ -618,6 +626,14 @@ impl Config {
                         delivery_defaults.poll_interval,
                     ),
                 }
+            },
+            sinks: {
+                let sinks = settings.sinks.unwrap_or_default();
+                crate::sinks::validate(&sinks).map_err(|message| ConfigError::Invalid {
+                    setting: "sinks",
+                    message,
+                })?;
+                sinks
             },
             shutdown_grace: duration(settings.shutdown_grace, DEFAULT_SHUTDOWN_GRACE),
             health_check_interval: duration(
@@ -893,6 +909,7 @@ impl Settings {
             tokens,
             sources,
             push,
+            sinks,
             insecure_no_auth,
             tls_cert,
             tls_key,
@@ -1071,6 +1088,75 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn reads_sink_tables_and_refuses_bad_ones_naming_the_entry() {
+        let sinks = |text: &str| {
+            let settings: Settings = toml::from_str(text).unwrap();
+            Config::from_settings(settings).map(|config| config.sinks)
+        };
+        let read = sinks(
+            "[[sinks]]\nname = \"events-js\"\nkind = \"nats\"\nservers = [\"nats://127.0.0.1:4222\"]\ntoken = \"s3cret\"\n",
+        )
+        .unwrap();
+        assert_eq!(read[0].name, "events-js");
+        assert!(
+            !format!("{:?}", read[0]).contains("s3cret"),
+            "credentials are never shown"
+        );
+        for (text, expected) in [
+            (
+                "name = \"Bad Name\"\nkind = \"nats\"\nservers = [\"nats://h:4222\"]",
+                "name must match",
+            ),
+            (
+                "name = \"a\"\nkind = \"nats\"\nservers = []",
+                "servers must name",
+            ),
+            (
+                "name = \"a\"\nkind = \"nats\"\nservers = [\"http://h:4222\"]",
+                "is not a NATS URL",
+            ),
+            (
+                "name = \"a\"\nkind = \"kafka\"\nservers = [\"nats://h:4222\"]",
+                "not available in this version",
+            ),
+            ("name = \"a\"\nkind = \"amqp\"", "not a sink kind"),
+            (
+                "name = \"a\"\nkind = \"nats\"\nservers = [\"nats://h:4222\"]\nuser = \"u\"",
+                "user and password go together",
+            ),
+            (
+                "name = \"a\"\nkind = \"nats\"\nservers = [\"nats://h:4222\"]\ntoken = \"t\"\nuser = \"u\"\npassword = \"p\"",
+                "set one of",
+            ),
+        ] {
+            match sinks(&format!("[[sinks]]\n{text}\n")) {
+                Err(ConfigError::Invalid {
+                    setting: "sinks",
+                    message,
+                }) => {
+                    assert!(message.starts_with("sinks[0]"), "{message}");
+                    assert!(message.contains(expected), "{text}: {message}");
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        let twice = "[[sinks]]\nname = \"a\"\nkind = \"nats\"\nservers = [\"nats://h:4222\"]\n";
+        match sinks(&format!("{twice}{twice}")) {
+            Err(ConfigError::Invalid { message, .. }) => {
+                assert!(
+                    message.contains("sinks[1]") && message.contains("earlier sink"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            toml::from_str::<Settings>("[[sinks]]\nname = \"a\"\nkind = \"nats\"\nbrokers = []\n")
+                .is_err()
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //! - [`api`]: thin gRPC adapters, authentication and the one error-to-status mapping.
 //! - [`console`]: the web console, an HTTP adapter over the same core operations.
 //! - [`push_client`]: the HTTP client push requests go out through.
+//! - [`sinks`]: the broker connections (`[[sinks]]`) sink subscriptions publish into.
 //! - [`connections`]: closing client connections that send nothing.
 //! - [`telemetry`]: logs, the trace exporter, the per-RPC layer.
 //! - [`metrics_endpoint`]: the Prometheus exporter and the RPC metrics.
@@ -31,7 +32,8 @@
 //!   validation) and [`auth`] (bearer tokens, roles and their scopes);
 //! - from `outbox-store`: [`storage`] (every SQL statement, the pool and the migrations);
 //! - from `outbox-core`: [`publish`], [`subscriptions`], [`operations`], [`sources`],
-//!   [`maintenance`], [`delivery`] (the relay), [`push`] (push scheduling), [`rates`],
+//!   [`maintenance`], [`delivery`] (the relay), [`push`] (push scheduling), [`sink`] (sink
+//!   scheduling), [`drain`], [`rates`],
 //!   [`audit`], [`tasks`], [`metrics`], [`trace_context`] and the core [`error`];
 //! - from `outbox-cli`: [`cli`], the binary's client subcommands;
 //! - from `outbox-client`: [`proto`], the generated API types.
@@ -43,13 +45,14 @@ pub mod console;
 pub mod metrics_endpoint;
 pub mod push_client;
 pub mod server;
+pub mod sinks;
 pub mod telemetry;
 
 pub use config::Config;
 pub use outbox_cli as cli;
 pub use outbox_core::{
-    audit, delivery, domain, error, maintenance, metrics, operations, publish, push, rates,
-    sources, storage, subscriptions, tasks, trace_context,
+    audit, delivery, domain, drain, error, maintenance, metrics, operations, publish, push, rates,
+    sink, sources, storage, subscriptions, tasks, trace_context,
 };
 pub use outbox_domain::auth;
 pub use server::{RunError, run, run_with_console};

@@ -14,11 +14,11 @@ use crate::{
     api::{AdminApi, PublisherApi, SubscriberApi},
     auth, config, connections, console,
     delivery::Relay,
-    maintenance, metrics, metrics_endpoint,
+    drain, maintenance, metrics, metrics_endpoint,
     operations::Operations,
     proto,
     publish::Publisher,
-    push, push_client, rates, sources,
+    push, push_client, rates, sink, sinks, sources,
     sources::{ConnectError, Sources, SourcesError, connect_within},
     storage::{Store, StoreError},
     subscriptions::Subscriptions,
@@ -45,6 +45,8 @@ pub enum RunError {
     Tls(String),
     #[error("{0}")]
     Push(String),
+    #[error("cannot set up a sink: {0}")]
+    Sinks(String),
     #[error("invalid tokens: {0}")]
     Tokens(String),
     #[error(transparent)]
@@ -134,10 +136,15 @@ pub async fn run_with_console(
     );
     let publisher = Publisher::new(relay.clone(), config.limits.clone());
     let push_board = push::PushBoard::default();
+    let sink_catalog = sinks::connect(&config.sinks)
+        .await
+        .map_err(RunError::Sinks)?;
+    let sink_board = drain::StatusBoard::default();
     let subscriptions = Subscriptions::new(
         relay.clone(),
         config.push.allowed_hosts.clone(),
         push_board.clone(),
+        sink_catalog.clone(),
     );
     let push_client = push_client::PushClient::new(&config.push)
         .map_err(|error| RunError::Push(error.to_string()))?;
@@ -147,7 +154,13 @@ pub async fn run_with_console(
         push_board.clone(),
         std::sync::Arc::new(push_client),
     );
-    let operations = Operations::new(relay.clone(), push_board.clone());
+    sink::Sinkers::start(
+        relay.clone(),
+        sink_catalog.clone(),
+        sink_board.clone(),
+        config.push.poll_interval,
+    );
+    let operations = Operations::new(relay.clone(), push_board.clone(), sink_board);
     let stop_maintenance = stop.child_token();
     tasks.spawn(keep_running(
         TaskName::single("maintenance"),
@@ -201,6 +214,25 @@ pub async fn run_with_console(
         ));
     }
     let stop_health = stop.child_token();
+    if sink_catalog.iter().next().is_some() {
+        tasks.spawn(keep_running(
+            TaskName::single("sink_health_monitor"),
+            RestartDelays::default(),
+            stop_health.clone(),
+            {
+                let (catalog, reporter) = (sink_catalog.clone(), health_reporter.clone());
+                let (interval, stop) = (config.health_check_interval, stop_health.clone());
+                move || {
+                    let monitor = monitor_sinks(catalog.clone(), reporter.clone(), interval);
+                    let stop = stop.clone();
+                    async move {
+                        stop.run_until_cancelled(monitor).await;
+                    }
+                }
+            },
+            |_| {},
+        ));
+    }
     let health_monitor = tasks.spawn(keep_running(
         TaskName::single("health_monitor"),
         RestartDelays::default(),
@@ -440,6 +472,33 @@ async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Du
             }
         }
         tokio::time::sleep(interval).await;
+    }
+}
+
+/// Each sink reports on `outbox.sink.<name>`: SERVING while its broker answers. A
+/// change is logged with the reason.
+async fn monitor_sinks(catalog: sink::SinkCatalog, reporter: HealthReporter, interval: Duration) {
+    let mut reported: std::collections::HashMap<String, bool> = Default::default();
+    loop {
+        for status in catalog.statuses().await {
+            let reachable = status.reachable.is_ok();
+            if reported.get(&status.name) != Some(&reachable) {
+                match &status.reachable {
+                    Ok(()) => tracing::info!(sink = %status.name, "the sink's broker answers"),
+                    Err(reason) => {
+                        tracing::warn!(sink = %status.name, %reason, "the sink's broker cannot be reached; its subscriptions wait")
+                    }
+                }
+                reporter
+                    .set_service_status(
+                        format!("outbox.sink.{}", status.name),
+                        serving_status(reachable),
+                    )
+                    .await;
+                reported.insert(status.name, reachable);
+            }
+        }
+        tokio::time::sleep(interval.max(Duration::from_secs(1))).await;
     }
 }
 

@@ -521,6 +521,28 @@ impl AdminService for AdminApi {
             sources: sources.into_iter().map(convert::source_status).collect(),
         }))
     }
+
+    #[tracing::instrument(skip_all)]
+    async fn list_sinks(
+        &self,
+        request: Request<proto::ListSinksRequest>,
+    ) -> Result<Response<proto::ListSinksResponse>, Status> {
+        auth::principal(&request)?
+            .check_admin()
+            .map_err(status_from)?;
+        let sinks = self.subscriptions.sinks().await;
+        Ok(Response::new(proto::ListSinksResponse {
+            sinks: sinks
+                .into_iter()
+                .map(|sink| proto::Sink {
+                    name: sink.name,
+                    kind: sink.kind.to_string(),
+                    reachable: sink.reachable.is_ok(),
+                    error: sink.reachable.err().unwrap_or_default(),
+                })
+                .collect(),
+        }))
+    }
 }
 
 /// The name of a caller with the admin role; refuses anyone else.

@@ -10,9 +10,9 @@ use crate::{
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
         DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
-        PushFormat, PushInput, SourceName, StartPosition, StatusKind, Subscription,
-        SubscriptionName, SubscriptionPatch, SubscriptionSettings, SubscriptionStats,
-        check_timestamp, fingerprint, parse_event_id,
+        PushFormat, PushInput, SinkConfig, SinkInput, SourceName, StartPosition, StatusKind,
+        Subscription, SubscriptionName, SubscriptionPatch, SubscriptionSettings, SubscriptionStats,
+        Template, check_timestamp, fingerprint, parse_event_id,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionStatsReport},
@@ -167,6 +167,10 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
             .push
             .map(|push| push_config("subscription.push", push))
             .transpose()?,
+        sink: message
+            .sink
+            .map(|sink| sink_config("subscription.sink", sink))
+            .transpose()?,
     };
     let start = start_position("subscription.start", message.start)?;
     let sources = message
@@ -245,7 +249,30 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
             at: Some(datetime_to_timestamp(stopped.at)),
             reason: stopped.reason,
         }),
+        sink: settings.sink.map(|sink| {
+            let text = |template: Option<Template>| {
+                template.map_or_else(String::new, |t| t.as_str().to_owned())
+            };
+            proto::SinkConfig {
+                name: sink.name,
+                subject: text(sink.subject),
+                topic: text(sink.topic),
+                key: text(sink.key),
+            }
+        }),
     }
+}
+
+fn sink_config(field: &str, message: proto::SinkConfig) -> Result<SinkConfig> {
+    Ok(SinkConfig::parse(
+        field,
+        SinkInput {
+            name: message.name,
+            subject: message.subject,
+            topic: message.topic,
+            key: message.key,
+        },
+    )?)
 }
 
 /// A created or updated subscription, with the signing key the change made (shown
@@ -453,6 +480,15 @@ pub(super) fn subscription_patch(
                         .transpose()?,
                 );
             }
+            "sink" => {
+                patch.sink = Some(
+                    message
+                        .sink
+                        .clone()
+                        .map(|sink| sink_config("subscription.sink", sink))
+                        .transpose()?,
+                );
+            }
             "name" | "start" | "ordered" | "created_at" | "sources" | "expire_after_idle"
             | "push_stopped" => {
                 return Err(Error::invalid(
@@ -622,6 +658,7 @@ pub(super) fn stats(
             .map(|report| {
                 let push = report.push.unwrap_or_default();
                 let requests = &push.requests;
+                let sink = report.sink.unwrap_or_default();
                 proto::SubscriptionStats {
                     sources: report
                         .per_source
@@ -638,6 +675,12 @@ pub(super) fn stats(
                         .stopped
                         .map(|stopped| stopped.reason)
                         .unwrap_or_default(),
+                    sink_in_flight: sink.in_flight,
+                    sink_last_error: sink.last_error.clone().unwrap_or_default(),
+                    sink_last_error_at: sink.last_error_at.map(datetime_to_timestamp),
+                    sink_sent_total: sink.requests_total,
+                    sink_confirmed_total: sink.confirmed_total,
+                    sink_rate: sink.rate(),
                     error: report.error.unwrap_or_default(),
                     status: subscription_status(report.status.kind()) as i32,
                     status_detail: report.status.detail(),

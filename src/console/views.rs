@@ -15,6 +15,7 @@ use crate::{
         OutboxStats, SourceName, StartPosition, StatusKind, Subscription, SubscriptionName,
         SubscriptionStats, SubscriptionStatus, is_json_content_type,
     },
+    drain::DrainStatus,
     operations::{PageToken, SourceStatus},
     rates::{SubscriptionRates, WINDOW},
 };
@@ -305,6 +306,8 @@ pub struct SubscriptionView<'a> {
     pub sources: &'a [SourceName],
     pub outbox: &'a OutboxStats,
     pub rates: Option<&'a SubscriptionRates>,
+    /// A sink subscription's messages, as this gateway process sent them.
+    pub sink: Option<&'a DrainStatus>,
     pub streams: usize,
     pub groups: &'a [DeadLetterGroup],
     /// Dead letters the filter matches, and the listed page of them.
@@ -333,7 +336,7 @@ pub fn subscription(frame: &Frame, view: &SubscriptionView) -> Markup {
         div.columns {
             section #settings aria-labelledby="settings-title" {
                 h2 #settings-title { "Settings" }
-                (settings(view.subscription))
+                (settings(view.subscription, view.sink))
             }
             @if frame.admin {
                 (pause_form(frame, view.subscription))
@@ -589,7 +592,7 @@ fn pause_form(frame: &Frame, subscription: &Subscription) -> Markup {
     }
 }
 
-fn settings(subscription: &Subscription) -> Markup {
+fn settings(subscription: &Subscription, sink_status: Option<&DrainStatus>) -> Markup {
     let settings = &subscription.settings;
     let list = |values: Vec<String>| -> Markup {
         html! {
@@ -641,6 +644,22 @@ fn settings(subscription: &Subscription) -> Markup {
             dt { "Delivery" }
             dd {
                 @match &settings.push {
+                    None if settings.sink.is_some() => {
+                        @let sink = settings.sink.as_ref().expect("checked");
+                        "into sink " code { (sink.name) }
+                        @if let Some(subject) = &sink.subject { ", subject " code { (subject.as_str()) } }
+                        @if let Some(topic) = &sink.topic { ", topic " code { (topic.as_str()) } }
+                        @if let Some(key) = &sink.key { ", key " code { (key.as_str()) } }
+                        @if let Some(status) = sink_status {
+                            br;
+                            (count(status.confirmed_total)) " confirmed of "
+                            (count(status.requests_total)) " sent by this gateway, "
+                            (status.in_flight) " awaiting the broker"
+                            @if let (Some(error), Some(at)) = (&status.last_error, status.last_error_at) {
+                                br; strong { "last error " } (time(at)) ": " (error_text(error))
+                            }
+                        }
+                    }
                     None => { "pull (Subscribe streams)" }
                     Some(push) => {
                         "push to " code { (push.endpoint.as_str()) }

@@ -28,6 +28,7 @@ mod refusals;
 mod relay;
 mod replicas;
 mod security;
+mod sinks;
 mod sources;
 mod time_controls;
 mod transactions;

@@ -22,6 +22,7 @@ mod publish;
 mod pull;
 mod render;
 mod requeue;
+mod sinks;
 mod sources;
 mod stats;
 mod stop;
@@ -51,6 +52,7 @@ pub use pull::PullArgs;
 use pull::pull;
 pub use requeue::RequeueArgs;
 use requeue::requeue;
+use sinks::sinks;
 use sources::sources;
 use stats::stats;
 use stop::StopSignals;
@@ -516,6 +518,12 @@ pub enum ClientCommand {
         #[command(flatten)]
         target: Target,
     },
+    /// List the brokers sink subscriptions can publish into (`[[sinks]]` of the
+    /// gateway's configuration) and whether each is reachable.
+    Sinks {
+        #[command(flatten)]
+        target: Target,
+    },
     /// Take up to --max deliveries of a subscription, print them, and settle them:
     /// --ack, --nack (retry later) or --dead-letter; without one they go back at once.
     Pull {
@@ -589,6 +597,7 @@ pub async fn run(command: ClientCommand) -> Result<(), CliError> {
         | ClientCommand::Publish { target, .. }
         | ClientCommand::Tail { target, .. }
         | ClientCommand::Sources { target }
+        | ClientCommand::Sinks { target }
         | ClientCommand::Pull { target, .. }
         | ClientCommand::Health { target } => target.clone(),
     };
@@ -614,6 +623,7 @@ pub async fn run(command: ClientCommand) -> Result<(), CliError> {
         }
         ClientCommand::Tail { target, args } => tail(&target, args).await.map_err(CliError::from),
         ClientCommand::Sources { target } => sources(&target).await.map_err(CliError::from),
+        ClientCommand::Sinks { target } => sinks(&target).await.map_err(CliError::from),
         ClientCommand::Pull { target, args } => pull(&target, args).await,
         ClientCommand::Health { target } => health(&target).await.map_err(CliError::from),
     };

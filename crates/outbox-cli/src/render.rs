@@ -102,6 +102,12 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "paused_until": timestamp(&subscription.paused_until),
         "expire_after_idle": subscription.expire_after_idle.as_ref().map(|_| duration(&subscription.expire_after_idle)),
         "push": subscription.push.as_ref().map(push),
+        "sink": subscription.sink.as_ref().map(|sink| json!({
+            "name": sink.name,
+            "subject": sink.subject,
+            "topic": sink.topic,
+            "key": sink.key,
+        })),
         "push_stopped": subscription.push_stopped.as_ref().map(|stopped| json!({
             "at": timestamp(&stopped.at),
             "reason": stopped.reason,
@@ -176,9 +182,22 @@ pub fn subscription_text(subscription: &proto::Subscription) {
         ),
         (
             "delivery",
-            match &subscription.push {
-                None => "pull (Subscribe streams)".to_owned(),
-                Some(push) => format!("push to {}", push.endpoint),
+            match (&subscription.push, &subscription.sink) {
+                (Some(push), _) => format!("push to {}", push.endpoint),
+                (None, Some(sink)) if !sink.subject.is_empty() => {
+                    format!("sink {} (subject {})", sink.name, sink.subject)
+                }
+                (None, Some(sink)) => format!(
+                    "sink {} (topic {}{})",
+                    sink.name,
+                    sink.topic,
+                    if sink.key.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", key {}", sink.key)
+                    }
+                ),
+                (None, None) => "pull (Subscribe streams)".to_owned(),
             },
         ),
         (
@@ -229,6 +248,35 @@ pub fn status_text(stats: &proto::SubscriptionStats) {
     if let Some(push) = push_text(stats) {
         println!("{:<23} {push}", "push requests:");
     }
+    if let Some(sink) = sink_text(stats) {
+        println!("{:<23} {sink}", "sink messages:");
+    }
+}
+
+/// Whether a subscription's stats count sink messages (a sink subscription that sent
+/// something, or failed to).
+fn sends_to_sink(stats: &proto::SubscriptionStats) -> bool {
+    stats.sink_sent_total > 0 || stats.sink_in_flight > 0 || !stats.sink_last_error.is_empty()
+}
+
+/// A sink subscription's messages in a line: how many sent and confirmed, the last
+/// failure; `None` when there were none.
+pub fn sink_text(stats: &proto::SubscriptionStats) -> Option<String> {
+    if !sends_to_sink(stats) {
+        return None;
+    }
+    let mut text = format!(
+        "{} sent, {} confirmed ({:.1}/s), {} in flight",
+        stats.sink_sent_total, stats.sink_confirmed_total, stats.sink_rate, stats.sink_in_flight
+    );
+    if !stats.sink_last_error.is_empty() {
+        text.push_str(&format!(
+            "; last error {}: {}",
+            timestamp(&stats.sink_last_error_at).as_str().unwrap_or("-"),
+            stats.sink_last_error
+        ));
+    }
+    Some(text)
 }
 
 /// A pause in force in words: since when, until when, and why.
@@ -367,7 +415,7 @@ pub fn push_text(stats: &proto::SubscriptionStats) -> Option<String> {
     Some(text)
 }
 
-/// Adds a push subscription's request stats (a pull subscription has none).
+/// Adds a push subscription's request stats and a sink subscription's messages.
 fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value {
     let pushes = stats.push_requests_total > 0
         || stats.push_in_flight > 0
@@ -382,6 +430,16 @@ fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value 
             "requests_total": stats.push_requests_total,
             "rate": stats.push_rate,
             "stopped_reason": stats.push_stopped_reason,
+        });
+    }
+    if sends_to_sink(stats) {
+        value["sink"] = json!({
+            "in_flight": stats.sink_in_flight,
+            "last_error": stats.sink_last_error,
+            "last_error_at": timestamp(&stats.sink_last_error_at),
+            "sent_total": stats.sink_sent_total,
+            "confirmed_total": stats.sink_confirmed_total,
+            "rate": stats.sink_rate,
         });
     }
     value

@@ -154,6 +154,35 @@ pub struct PushArgs {
     push_rate_limit: Option<f64>,
 }
 
+/// Sink delivery settings of `subscriptions create` and `update`.
+#[derive(Debug, clap::Args)]
+pub struct SinkArgs {
+    /// Publish each event into this sink of the gateway's configuration (`outbox-gateway
+    /// sinks` lists them) instead of waiting for Subscribe streams.
+    #[arg(long, conflicts_with = "push_endpoint")]
+    sink: Option<String>,
+    /// NATS sinks: the subject template, e.g. 'orders.{aggregate_type}.{event_type}'.
+    #[arg(long, requires = "sink")]
+    subject: Option<String>,
+    /// Kafka sinks: the topic template, e.g. 'orders' or 'orders-{aggregate_type}'.
+    #[arg(long, requires = "sink")]
+    topic: Option<String>,
+    /// Kafka sinks: the key template [default: {aggregate_type}/{aggregate_id}].
+    #[arg(long, requires = "sink")]
+    key: Option<String>,
+}
+
+impl SinkArgs {
+    fn into_sink(self) -> Option<proto::SinkConfig> {
+        Some(proto::SinkConfig {
+            name: self.sink?,
+            subject: self.subject.unwrap_or_default(),
+            topic: self.topic.unwrap_or_default(),
+            key: self.key.unwrap_or_default(),
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum PushFormatArg {
     Binary,
@@ -204,6 +233,8 @@ pub enum SubscriptionCommand {
         sources: Vec<String>,
         #[command(flatten)]
         push: PushArgs,
+        #[command(flatten)]
+        sink: SinkArgs,
     },
     /// List all subscriptions.
     List,
@@ -222,8 +253,13 @@ pub enum SubscriptionCommand {
         /// push one and gets a signing secret, printed once); a stopped push resumes.
         #[command(flatten)]
         push: PushArgs,
-        /// Stop pushing: consumers read the subscription with Subscribe again.
-        #[arg(long, conflicts_with = "push_endpoint")]
+        /// The sink settings replace the current ones (a pull or push subscription
+        /// becomes a sink one).
+        #[command(flatten)]
+        sink: SinkArgs,
+        /// Stop pushing or publishing into a sink: consumers read the subscription with
+        /// Subscribe again.
+        #[arg(long, conflicts_with_all = ["push_endpoint", "sink"])]
         pull: bool,
         #[command(flatten)]
         clear: ClearArgs,
@@ -298,6 +334,7 @@ pub(crate) async fn subscriptions(
             expire_after_idle,
             sources,
             push,
+            sink,
         } => {
             let subscription = proto::Subscription {
                 start: Some(start),
@@ -306,6 +343,7 @@ pub(crate) async fn subscriptions(
                 expire_after_idle: expire_after_idle
                     .and_then(|idle| prost_types::Duration::try_from(idle).ok()),
                 push: push.into_push(),
+                sink: sink.into_sink(),
                 ..settings.into_subscription(name)
             };
             let created = admin
@@ -379,6 +417,7 @@ pub(crate) async fn subscriptions(
             name,
             settings,
             push,
+            sink,
             pull,
             clear,
             ordered,
@@ -397,8 +436,12 @@ pub(crate) async fn subscriptions(
             let mut paths = settings.given_paths();
             paths.extend(clear.paths());
             let push = push.into_push();
+            let sink = sink.into_sink();
             if push.is_some() || pull {
                 paths.push("push".into());
+            }
+            if sink.is_some() || pull {
+                paths.push("sink".into());
             }
             if paths.is_empty() {
                 return Err(usage(
@@ -409,6 +452,7 @@ pub(crate) async fn subscriptions(
                 .update_subscription(proto::UpdateSubscriptionRequest {
                     subscription: Some(proto::Subscription {
                         push,
+                        sink,
                         ..settings.into_subscription(name)
                     }),
                     update_mask: Some(prost_types::FieldMask { paths }),

@@ -11,6 +11,9 @@
 //! - [`push`]: push scheduling — pushers that drain the relay into signed requests
 //!   (CloudEvents, Standard Webhooks), sent through a [`push::PushSender`] the gateway
 //!   provides.
+//! - [`sink`]: sinkers that drain the relay into brokers (NATS JetStream, Kafka)
+//!   through the [`sink::SinkClient`]s the gateway provides.
+//! - [`drain`]: what pushers and sinkers share — one per subscription, its status.
 //! - [`rates`]: delivery and ack rates over the last 15 minutes.
 //! - [`audit`]: the audit trail of administrators' changes.
 //! - [`tasks`]: long-lived background tasks restarted after a panic, loudly.
@@ -23,7 +26,7 @@
 //!
 //! May depend on: `outbox-domain`, `outbox-store`, tokio and the tracing/metrics
 //! facades. Never on a transport or the command line: no tonic, axum, hyper, maud or
-//! clap — the gRPC API, the console, the push HTTP client and the configuration sit
+//! clap — the gRPC API, the console, the push HTTP client, the broker clients and the configuration sit
 //! above, in the `outbox-gateway` package.
 
 pub use outbox_domain as domain;
@@ -31,6 +34,7 @@ pub use outbox_store as storage;
 
 pub mod audit;
 pub mod delivery;
+pub mod drain;
 pub mod error;
 pub mod maintenance;
 pub mod metrics;
@@ -38,6 +42,7 @@ pub mod operations;
 pub mod publish;
 pub mod push;
 pub mod rates;
+pub mod sink;
 pub mod sources;
 pub mod subscriptions;
 pub mod tasks;

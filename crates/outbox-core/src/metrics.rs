@@ -156,6 +156,15 @@ pub fn describe() {
         Unit::Seconds,
         "time from sending a push request to its answer"
     );
+    describe_counter!(
+        "outbox_sink_messages_total",
+        "messages of sink subscriptions to their brokers, by outcome: confirmed, retried (a transient failure) or refused (dead-lettered unless persistent)"
+    );
+    describe_histogram!(
+        "outbox_sink_duration_seconds",
+        Unit::Seconds,
+        "time from sending a message to a broker to its confirmation or failure"
+    );
 }
 
 static EVENT_TYPES: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
@@ -241,6 +250,45 @@ impl PushRequestMetrics {
                 counter.increment(1);
                 requests.insert(code.to_owned(), counter);
             }
+        }
+    }
+}
+
+/// The message metrics of one sink subscription, registered once rather than looked up
+/// for every message.
+pub struct SinkMetrics {
+    duration: metrics::Histogram,
+    /// By outcome, in [`SinkMetrics::OUTCOMES`] order.
+    messages: [metrics::Counter; 3],
+}
+
+impl SinkMetrics {
+    pub const OUTCOMES: [&str; 3] = ["confirmed", "retried", "refused"];
+
+    pub fn new(subscription: &str, sink: &str) -> SinkMetrics {
+        let counter = |outcome: &'static str| {
+            counter!(
+                "outbox_sink_messages_total",
+                "subscription" => subscription.to_owned(),
+                "sink" => sink.to_owned(),
+                "outcome" => outcome
+            )
+        };
+        SinkMetrics {
+            duration: histogram!(
+                "outbox_sink_duration_seconds",
+                "subscription" => subscription.to_owned(),
+                "sink" => sink.to_owned()
+            ),
+            messages: Self::OUTCOMES.map(counter),
+        }
+    }
+
+    /// One message's outcome (one of [`SinkMetrics::OUTCOMES`]) and how long it took.
+    pub fn message(&self, outcome: &str, elapsed: Duration) {
+        self.duration.record(elapsed.as_secs_f64());
+        if let Some(index) = Self::OUTCOMES.iter().position(|known| *known == outcome) {
+            self.messages[index].increment(1);
         }
     }
 }

@@ -13,9 +13,10 @@ use crate::{
         EventDeliveries, OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName,
         SubscriptionStats, SubscriptionStatus, check_event_key, check_text,
     },
+    drain::{DrainStatus, StatusBoard},
     error::{Error, Result},
     metrics,
-    push::{PushBoard, PushStatus},
+    push::PushBoard,
     sources::{Source, SourceHealth},
     storage::{DeliveryFacts, RequeueRefusal},
 };
@@ -103,6 +104,9 @@ pub struct SubscriptionStatsReport {
     /// Of a push subscription: its requests as this gateway process saw them, and why
     /// pushing stopped, if it did.
     pub push: Option<PushStats>,
+    /// A sink subscription's messages, as this gateway process sent them (other
+    /// replicas keep their own).
+    pub sink: Option<DrainStatus>,
     /// Why some of its stats could not be computed (logged in full): shown for this
     /// subscription alone, so one failing query does not fail every shared view.
     pub error: Option<String>,
@@ -112,7 +116,7 @@ pub struct SubscriptionStatsReport {
 #[derive(Debug, Clone, Default)]
 pub struct PushStats {
     /// Requests of this gateway process (other replicas keep their own).
-    pub requests: PushStatus,
+    pub requests: DrainStatus,
     pub stopped: Option<PushStopped>,
 }
 
@@ -132,11 +136,17 @@ pub struct Operations {
     relay: Relay,
     /// What this process's pushers report.
     push_board: PushBoard,
+    /// What this process's sinkers report.
+    sink_board: StatusBoard,
 }
 
 impl Operations {
-    pub fn new(relay: Relay, push_board: PushBoard) -> Self {
-        Operations { relay, push_board }
+    pub fn new(relay: Relay, push_board: PushBoard, sink_board: StatusBoard) -> Self {
+        Operations {
+            relay,
+            push_board,
+            sink_board,
+        }
     }
 
     /// The sources asked for: the named one (INVALID_ARGUMENT when unknown) or all.
@@ -642,16 +652,17 @@ impl Operations {
                 }
             }
             let total = total(subscription, &per_source);
-            let consumers = if subscription.settings.push.is_some() {
-                Consumers::Push
-            } else if attached_here.contains(&subscription.id) {
-                Consumers::Attached
-            } else {
-                // Streams of other gateways show in the time they last recorded.
-                Consumers::Absent {
-                    since: subscription.last_attached_at,
-                }
-            };
+            let consumers =
+                if subscription.settings.push.is_some() || subscription.settings.sink.is_some() {
+                    Consumers::Gateway
+                } else if attached_here.contains(&subscription.id) {
+                    Consumers::Attached
+                } else {
+                    // Streams of other gateways show in the time they last recorded.
+                    Consumers::Absent {
+                        since: subscription.last_attached_at,
+                    }
+                };
             reports.push(SubscriptionStatsReport {
                 error,
                 status: SubscriptionStatus::of(subscription, &total, consumers, now),
@@ -661,6 +672,11 @@ impl Operations {
                     requests: self.push_board.get(subscription.id).unwrap_or_default(),
                     stopped: subscription.push_stopped.clone(),
                 }),
+                sink: subscription
+                    .settings
+                    .sink
+                    .as_ref()
+                    .map(|_| self.sink_board.get(subscription.id).unwrap_or_default()),
             });
         }
         let mut outboxes = Vec::new();

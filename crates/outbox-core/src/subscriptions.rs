@@ -19,6 +19,7 @@ use crate::{
     },
     error::{Error, Result},
     push::PushBoard,
+    sink::{SinkCatalog, SinkStatus},
     sources::Source,
     storage::{NewDefinition, Store, StoreError},
 };
@@ -30,6 +31,8 @@ pub struct Subscriptions {
     push_hosts: AllowedHosts,
     /// Where this process's pushers take their signing keys from.
     push_board: PushBoard,
+    /// The brokers sink subscriptions may publish to (`[[sinks]]`).
+    sinks: SinkCatalog,
 }
 
 /// How long a rotated-out signing key keeps signing unless the rotation says.
@@ -49,11 +52,17 @@ pub struct SubscriptionChange {
 }
 
 impl Subscriptions {
-    pub fn new(relay: Relay, push_hosts: AllowedHosts, push_board: PushBoard) -> Self {
+    pub fn new(
+        relay: Relay,
+        push_hosts: AllowedHosts,
+        push_board: PushBoard,
+        sinks: SinkCatalog,
+    ) -> Self {
         Subscriptions {
             relay,
             push_hosts,
             push_board,
+            sinks,
         }
     }
 
@@ -113,6 +122,18 @@ impl Subscriptions {
         }
     }
 
+    /// The gateway's sinks, with whether each broker answers now.
+    pub async fn sinks(&self) -> Vec<SinkStatus> {
+        self.sinks.statuses().await
+    }
+
+    fn check_sink(&self, settings: &SubscriptionSettings) -> Result<()> {
+        match &settings.sink {
+            Some(sink) => self.sinks.check("subscription.sink", sink),
+            None => Ok(()),
+        }
+    }
+
     fn definitions(&self) -> &Store {
         &self.relay.sources().default_source().store
     }
@@ -128,6 +149,7 @@ impl Subscriptions {
         settings.validate("subscription")?;
         check_expire_after_idle("subscription.expire_after_idle", expire_after_idle)?;
         self.check_push(&settings)?;
+        self.check_sink(&settings)?;
         let new_secret = settings.push.as_ref().map(|_| PushSecret::generate());
         let secrets: Vec<PushSecret> = new_secret.iter().cloned().collect();
         for (index, source) in sources.iter().enumerate() {
@@ -174,7 +196,7 @@ impl Subscriptions {
                 tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
             }
         }
-        if subscription.settings.push.is_some() {
+        if subscription.settings.push.is_some() || subscription.settings.sink.is_some() {
             self.relay.subscription_changed(subscription.id);
         }
         Ok(SubscriptionChange {
@@ -195,8 +217,9 @@ impl Subscriptions {
     }
 
     /// Changes the settings the patch names; filters apply to events not yet handed out.
-    /// Setting `push` switches to push delivery (a pull subscription gets a new signing
-    /// key) and resumes a push that stopped; clearing it switches to pull.
+    /// Setting `push` switches to push delivery (a pull or sink subscription gets a new
+    /// signing key) and resumes a push that stopped; setting `sink` switches to the
+    /// sink; clearing either switches to pull.
     pub async fn update(
         &self,
         name: &SubscriptionName,
@@ -205,8 +228,21 @@ impl Subscriptions {
         let mut subscription = self.get(name).await?;
         let previous_push = subscription.settings.push.clone();
         let push_named = patch.push.is_some();
+        let sink_named = patch.sink.is_some();
         patch.apply(&mut subscription.settings);
+        // Setting one way of delivery the gateway drains switches from the other.
+        if sink_named && !push_named && subscription.settings.sink.is_some() {
+            subscription.settings.push = None;
+            subscription.push_secrets.clear();
+            subscription.push_stopped = None;
+        }
+        if push_named && !sink_named && subscription.settings.push.is_some() {
+            subscription.settings.sink = None;
+        }
         subscription.settings.validate("subscription")?;
+        if sink_named {
+            self.check_sink(&subscription.settings)?;
+        }
         let mut new_secret = None;
         if push_named {
             self.check_push(&subscription.settings)?;

@@ -3,7 +3,7 @@
 //!
 //! # Layout
 //! - Owns: events, subscriptions and their ids and settings, event-type patterns, push
-//!   configurations and signatures, sources, ack ids and leases, dead-letter selections
+//!   configurations and signatures, sink destinations and their templates, sources, ack ids and leases, dead-letter selections
 //!   and stats, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
 //!   domain refuses an input.
 //! - May depend on: plain data and parsing crates (serde, chrono, uuid, http types, url,
@@ -20,6 +20,7 @@ mod operations;
 mod pattern;
 mod push;
 mod refusal;
+mod sink;
 mod source;
 mod subscription;
 
@@ -45,6 +46,10 @@ pub use push::{
     PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
 };
 pub use refusal::Refusal;
+pub use sink::{
+    DEFAULT_KAFKA_KEY, MAX_SUBJECT_BYTES, MAX_TOPIC_BYTES, SinkConfig, SinkInput, SinkKind,
+    Template,
+};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,

@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::refusal::{Refusal, Result};
 use super::{
-    Event, PatternSet, PushConfig, SourceName, SubscriptionName, SubscriptionSettings, check_text,
-    check_timestamp,
+    Event, PatternSet, PushConfig, SinkConfig, SourceName, SubscriptionName, SubscriptionSettings,
+    check_text, check_timestamp,
 };
 
 /// An event in a subscription's dead-letter queue.
@@ -307,8 +307,8 @@ impl StatusKind {
 /// Where a subscription's consumers stand, for its status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Consumers {
-    /// A push subscription: the gateway itself delivers.
-    Push,
+    /// A push or sink subscription: the gateway itself delivers.
+    Gateway,
     /// A Subscribe stream is attached on some gateway now.
     Attached,
     /// None attached; the last one left (or the subscription was created) then.
@@ -491,6 +491,8 @@ pub struct SubscriptionPatch {
     pub dead_letter_expired: Option<bool>,
     /// `Some(None)` switches to pull.
     pub push: Option<Option<PushConfig>>,
+    /// `Some(None)` switches to pull.
+    pub sink: Option<Option<SinkConfig>>,
 }
 
 impl SubscriptionPatch {
@@ -511,7 +513,8 @@ impl SubscriptionPatch {
             persistent_event_types,
             max_event_age,
             dead_letter_expired,
-            push
+            push,
+            sink
         );
     }
 }
@@ -600,7 +603,7 @@ mod tests {
         );
         assert_eq!(kind(&subscription, &stats, gone), StatusKind::NoConsumer);
         assert_eq!(
-            kind(&subscription, &stats, Consumers::Push),
+            kind(&subscription, &stats, Consumers::Gateway),
             StatusKind::Delivering
         );
         stats.oldest_unacked_at = Some(minutes_ago(2));
@@ -636,7 +639,7 @@ mod tests {
             max_concurrency: 1,
             rate_limit: None,
         });
-        let stopped = SubscriptionStatus::of(&subscription, &stats, Consumers::Push, now);
+        let stopped = SubscriptionStatus::of(&subscription, &stats, Consumers::Gateway, now);
         assert_eq!(stopped.kind(), StatusKind::PushStopped);
         assert!(
             stopped.detail().contains("410 Gone"),
@@ -647,7 +650,7 @@ mod tests {
         subscription.push_stopped = None;
         subscription.pause.as_mut().unwrap().until = Some(minutes_ago(0));
         assert_eq!(
-            kind(&subscription, &stats, Consumers::Push),
+            kind(&subscription, &stats, Consumers::Gateway),
             StatusKind::DeadLetters
         );
     }

@@ -9,6 +9,7 @@ use super::{
     input::{Echo, check_filter_size, check_text, check_texts},
     pattern::PatternSet,
     push::{PushConfig, PushSecret, PushStopped},
+    sink::SinkConfig,
     source::SourceName,
 };
 
@@ -95,6 +96,8 @@ pub struct SubscriptionSettings {
     pub dead_letter_expired: bool,
     /// Push delivery to an HTTP endpoint; `None` for a pull subscription.
     pub push: Option<PushConfig>,
+    /// Publishing into a broker; `None` unless the gateway drains it into a sink.
+    pub sink: Option<SinkConfig>,
 }
 
 impl Default for SubscriptionSettings {
@@ -112,6 +115,7 @@ impl Default for SubscriptionSettings {
             max_event_age: None,
             dead_letter_expired: false,
             push: None,
+            sink: None,
         }
     }
 }
@@ -151,6 +155,12 @@ impl SubscriptionSettings {
     /// the settings (`subscription`).
     pub fn validate(&self, prefix: &str) -> Result<()> {
         let field = |name: &str| format!("{prefix}.{name}");
+        if self.push.is_some() && self.sink.is_some() {
+            return Err(Refusal::invalid(
+                field("sink"),
+                "cannot be set beside push: a subscription is pulled, pushed or drained into a sink",
+            ));
+        }
         if !(MIN_ACK_DEADLINE..=MAX_ACK_DEADLINE).contains(&self.ack_deadline) {
             return Err(Refusal::invalid(
                 field("ack_deadline"),

@@ -20,7 +20,7 @@ macro_rules! subscription_columns {
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
          start_kind, start_time, created_at, paused_at, pause_reason, paused_until, \
          max_event_age_ms, dead_letter_expired, expire_after_idle_ms, push, push_secrets, \
-         push_stopped_at, push_stopped_reason, last_attached_at"
+         push_stopped_at, push_stopped_reason, last_attached_at, sink"
     };
 }
 

@@ -255,7 +255,8 @@ impl Store {
                  retry_backoff_min_ms = $7, retry_backoff_max_ms = $8, \
                  persistent_event_types = $9, max_event_age_ms = $10, \
                  dead_letter_expired = $11, push = $12, push_secrets = $13, \
-                 push_stopped_at = $14, push_stopped_reason = $15, updated_at = now() \
+                 push_stopped_at = $14, push_stopped_reason = $15, sink = $16, \
+                 updated_at = now() \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -281,6 +282,7 @@ impl Store {
                 .as_ref()
                 .map(|stopped| stopped.reason.as_str()),
         )
+        .bind(super::subscriptions::stored_sink(settings.sink.as_ref()))
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()

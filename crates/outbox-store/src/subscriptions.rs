@@ -12,8 +12,8 @@ use super::{
     locks::{LockMode, lock_subscription},
 };
 use outbox_domain::{
-    PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SourceName, StartPosition,
-    Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings,
+    PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SinkConfig, SourceName,
+    StartPosition, Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings, Template,
 };
 
 /// What a new subscription's definition is stored with.
@@ -50,9 +50,9 @@ impl Store {
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
-                 dead_letter_expired, expire_after_idle_ms, push, push_secrets) \
+                 dead_letter_expired, expire_after_idle_ms, push, push_secrets, sink) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-                     $17, $18) \
+                     $17, $18, $19) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -74,6 +74,7 @@ impl Store {
         .bind(expire_after_idle.map(millis))
         .bind(stored_push(settings.push.as_ref()))
         .bind(Json(stored_secrets(secrets)))
+        .bind(stored_sink(settings.sink.as_ref()))
         .fetch_one(&mut *transaction)
         .await?;
             let subscription = subscription_from_row(&row)?;
@@ -175,6 +176,18 @@ impl Store {
             subscription_columns!(),
             " FROM outbox_subscriptions \
              WHERE push IS NOT NULL AND push_stopped_at IS NULL ORDER BY name"
+        ))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(subscription_from_row).collect()
+    }
+
+    /// The sink subscriptions.
+    pub async fn sink_subscriptions(&self) -> Result<Vec<Subscription>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            subscription_columns!(),
+            " FROM outbox_subscriptions WHERE sink IS NOT NULL ORDER BY name"
         ))
         .fetch_all(&self.pool)
         .await?;
@@ -415,6 +428,11 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
                 .map_err(|error| StoreError::Corrupt(format!("push: {error}")))?
                 .map(|stored| stored.0.into_config())
                 .transpose()?,
+            sink: row
+                .try_get::<Option<Json<StoredSink>>, _>("sink")
+                .map_err(|error| StoreError::Corrupt(format!("sink: {error}")))?
+                .map(|stored| stored.0.into_config())
+                .transpose()?,
         },
         sources,
         start,
@@ -533,4 +551,41 @@ pub(super) fn stored_secrets(secrets: &[PushSecret]) -> Vec<StoredSecret> {
 
 pub(super) fn stored_push(config: Option<&PushConfig>) -> Option<Json<StoredPush>> {
     config.map(StoredPush::from).map(Json)
+}
+
+/// Sink settings as stored in the `sink` column: the templates as written.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct StoredSink {
+    name: String,
+    subject: Option<String>,
+    topic: Option<String>,
+    key: Option<String>,
+}
+
+impl StoredSink {
+    fn into_config(self) -> Result<SinkConfig> {
+        let template = |field: &str, text: Option<String>| {
+            text.map(|text| Template::parse(field, &text))
+                .transpose()
+                .map_err(|error| StoreError::Corrupt(error.to_string()))
+        };
+        Ok(SinkConfig {
+            subject: template("sink.subject", self.subject)?,
+            topic: template("sink.topic", self.topic)?,
+            key: template("sink.key", self.key)?,
+            name: self.name,
+        })
+    }
+}
+
+pub(super) fn stored_sink(config: Option<&SinkConfig>) -> Option<Json<StoredSink>> {
+    let text = |template: &Option<Template>| template.as_ref().map(|t| t.as_str().to_owned());
+    config.map(|config| {
+        Json(StoredSink {
+            name: config.name.clone(),
+            subject: text(&config.subject),
+            topic: text(&config.topic),
+            key: text(&config.key),
+        })
+    })
 }

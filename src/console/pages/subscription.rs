@@ -93,6 +93,7 @@ pub async fn subscription(
         sources: &sources,
         outbox: &outbox,
         rates: rates.as_ref(),
+        sink: report.sink.as_ref(),
         streams,
         groups: &groups,
         matching,

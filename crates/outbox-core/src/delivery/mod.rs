@@ -295,8 +295,9 @@ impl Relay {
             .await
     }
 
-    /// The stream a pusher drains: like [`Relay::subscribe`], for a push subscription.
-    pub(crate) async fn subscribe_for_push(
+    /// The stream a pusher or sinker drains: like [`Relay::subscribe`], for a push or
+    /// sink subscription.
+    pub(crate) async fn subscribe_for_drain(
         &self,
         name: &SubscriptionName,
         max_in_flight: u32,
@@ -310,7 +311,7 @@ impl Relay {
         max_in_flight: u32,
         max_in_flight_bytes: u64,
         total: Option<u64>,
-        for_push: bool,
+        for_drain: bool,
     ) -> Result<DeliveryStream> {
         let config = &self.inner.config;
         let limits = StreamLimits {
@@ -354,17 +355,31 @@ impl Relay {
                 ))
             })?;
         let mut subscription = self.find_subscription(name).await?;
-        if subscription.settings.push.is_some() && !for_push {
+        let drained = |subscription: &Subscription| {
+            subscription.settings.push.is_some() || subscription.settings.sink.is_some()
+        };
+        if drained(&subscription) && !for_drain {
             // The dispatcher's copy may predate a switch to pull.
             subscription = (self.inner.sources.default_source().store)
                 .subscription(name)
                 .await?
                 .ok_or_else(|| Error::subscription_not_found(name))?;
         }
-        if subscription.settings.push.is_some() && !for_push {
-            return Err(Error::FailedPrecondition(format!(
-                "subscription {name:?} is a push subscription: the gateway sends its events to its endpoint; clear `push` with UpdateSubscription (`outbox-gateway subscriptions update {name} --pull`) to read it with Subscribe"
-            )));
+        if !for_drain {
+            let refuse = |what: &str| {
+                Err(Error::FailedPrecondition(format!(
+                    "subscription {name:?} is a {what}; clear it with UpdateSubscription (`outbox-gateway subscriptions update {name} --pull`) to read it with Subscribe"
+                )))
+            };
+            if subscription.settings.push.is_some() {
+                return refuse("push subscription: the gateway sends its events to its endpoint");
+            }
+            if let Some(sink) = &subscription.settings.sink {
+                return refuse(&format!(
+                    "sink subscription: the gateway publishes its events into sink {:?}",
+                    sink.name
+                ));
+            }
         }
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
         let permit = match dispatchers.get(&subscription.id) {

@@ -1,11 +1,6 @@
-//! Push delivery: the gateway drains a push subscription itself and sends each event to
-//! the subscription's HTTP endpoint as a signed CloudEvent.
-//!
-//! A pusher is a consumer like any Subscribe stream: it takes deliveries from the relay
-//! with leases (so ordering per aggregate, retries, dead letters and sharing the work
-//! among gateway replicas are the relay's, unchanged) and settles each one by the
-//! endpoint's answer. The [`Pushers`] supervisor runs one pusher per push subscription
-//! in this process and restarts it when the definition changes.
+//! Push delivery: the gateway drains a push subscription itself (see [`crate::drain`])
+//! and sends each event to the subscription's HTTP endpoint as a signed CloudEvent,
+//! settling it by the endpoint's answer.
 
 pub mod request;
 mod sender;
@@ -16,7 +11,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -27,17 +21,16 @@ use crate::{
     delivery::Relay,
     domain::{
         AckId, AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionId, SubscriptionName,
-        SubscriptionSettings,
     },
+    drain::{self, DrainStatus, Drains, StatusBoard, hold_lease, reraise_panic, send_acks},
     error::Error,
     metrics,
+    storage::{Store, StoreError},
     tasks::{RestartDelays, TaskName, keep_running},
 };
 
 /// Longest part of a refusing endpoint's body kept in the dead letter's error.
 const MAX_BODY_IN_ERROR: usize = 1024;
-/// Lease held beyond the request timeout, for settling after the answer.
-const SETTLE_MARGIN: Duration = Duration::from_secs(5);
 /// Deliveries a pusher leases per request it may have in flight.
 const LEASE_AHEAD: u32 = 4;
 /// Wait before retrying to open a pusher's stream after a failure.
@@ -53,77 +46,11 @@ pub struct PushSettings {
     pub poll_interval: Duration,
 }
 
-/// What this process knows of a push subscription's requests.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PushStatus {
-    pub in_flight: u64,
-    /// HTTP status of the last answer (0: none yet, or the last request got no answer).
-    pub last_status: u16,
-    /// The last failure: a refusing status with its body, a timeout, a connection error.
-    pub last_error: Option<String>,
-    pub last_error_at: Option<DateTime<Utc>>,
-    pub requests_total: u64,
-    /// Requests per second of the last [`RATE_WINDOW_SECONDS`], by second.
-    rate_buckets: [u64; RATE_WINDOW_SECONDS],
-    /// The second (since [`RATE_EPOCH`]) of the newest bucket.
-    rate_second: u64,
-}
-
-impl Default for PushStatus {
-    fn default() -> Self {
-        PushStatus {
-            in_flight: 0,
-            last_status: 0,
-            last_error: None,
-            last_error_at: None,
-            requests_total: 0,
-            rate_buckets: [0; RATE_WINDOW_SECONDS],
-            rate_second: rate_now(),
-        }
-    }
-}
-
-const RATE_WINDOW_SECONDS: usize = 60;
-static RATE_EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
-
-fn rate_now() -> u64 {
-    RATE_EPOCH.elapsed().as_secs()
-}
-
-impl PushStatus {
-    /// Moves the window to `second`, emptying the buckets it passes.
-    fn advance(&mut self, second: u64) {
-        let passed = second.saturating_sub(self.rate_second);
-        for step in 1..=passed.min(RATE_WINDOW_SECONDS as u64) {
-            self.rate_buckets[((self.rate_second + step) % RATE_WINDOW_SECONDS as u64) as usize] =
-                0;
-        }
-        self.rate_second = self.rate_second.max(second);
-    }
-
-    fn count_request(&mut self) {
-        let second = rate_now();
-        self.advance(second);
-        self.rate_buckets[(second % RATE_WINDOW_SECONDS as u64) as usize] += 1;
-        self.requests_total += 1;
-    }
-
-    /// Requests per second over the last minute (or since the first request, when that
-    /// is more recent).
-    pub fn rate(&self) -> f64 {
-        let mut current = self.clone();
-        current.advance(rate_now());
-        let total: u64 = current.rate_buckets.iter().sum();
-        let span = (RATE_EPOCH.elapsed().as_secs_f64()).clamp(1.0, RATE_WINDOW_SECONDS as f64);
-        total as f64 / span
-    }
-}
-
 /// What this process knows of its push subscriptions, by subscription id: how their
 /// requests fare, and the signing keys to use. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct PushBoard {
-    inner: Arc<Mutex<HashMap<SubscriptionId, PushStatus>>>,
+    statuses: StatusBoard,
     /// Read for every request, so a rotated key applies at once, without restarting
     /// the pusher; written by the supervisor from the definitions (a rotation on
     /// another replica) and by a rotation here.
@@ -148,33 +75,8 @@ impl PushBoard {
             .unwrap_or_default()
     }
 
-    pub fn get(&self, subscription_id: SubscriptionId) -> Option<PushStatus> {
-        self.inner
-            .lock()
-            .expect("push statuses lock")
-            .get(&subscription_id)
-            .cloned()
-    }
-
-    fn update(&self, subscription_id: SubscriptionId, change: impl FnOnce(&mut PushStatus)) {
-        change(
-            self.inner
-                .lock()
-                .expect("push statuses lock")
-                .entry(subscription_id)
-                .or_default(),
-        );
-    }
-
-    fn forget(&self, subscription_id: SubscriptionId) {
-        self.inner
-            .lock()
-            .expect("push statuses lock")
-            .remove(&subscription_id);
-        self.keys
-            .lock()
-            .expect("push keys lock")
-            .remove(&subscription_id);
+    pub fn get(&self, subscription_id: SubscriptionId) -> Option<DrainStatus> {
+        self.statuses.get(subscription_id)
     }
 }
 
@@ -186,20 +88,20 @@ impl Pushers {
     pub fn start(
         relay: Relay,
         settings: PushSettings,
-        statuses: PushBoard,
+        board: PushBoard,
         client: Arc<dyn PushSender>,
     ) {
         let stop = relay.stopping();
+        let poll_interval = settings.poll_interval;
+        let drains = PushDrains {
+            relay: relay.clone(),
+            client,
+            allowed_hosts: settings.allowed_hosts,
+            board,
+        };
         let start = {
             let relay = relay.clone();
-            move || {
-                supervise(
-                    relay.clone(),
-                    client.clone(),
-                    settings.clone(),
-                    statuses.clone(),
-                )
-            }
+            move || drain::supervise(relay.clone(), drains.clone(), poll_interval)
         };
         relay.track(keep_running(
             TaskName::single("push_supervisor"),
@@ -211,129 +113,47 @@ impl Pushers {
     }
 }
 
-/// A running pusher.
-struct Running {
-    settings: SubscriptionSettings,
-    stop: CancellationToken,
-    /// Tells this pusher from an earlier one of the same subscription when it ends.
-    generation: u64,
-}
-
-/// Keeps one pusher per push subscription that has not stopped.
-async fn supervise(
+/// Push subscriptions as [`Drains`]: one [`Pusher`] each.
+#[derive(Clone)]
+struct PushDrains {
     relay: Relay,
     client: Arc<dyn PushSender>,
-    settings: PushSettings,
-    statuses: PushBoard,
-) {
-    let shutdown = relay.stopping();
-    let mut definitions = relay.watch_definitions();
-    let mut running: HashMap<SubscriptionId, Running> = HashMap::new();
-    let mut pushers = JoinSet::new();
-    let mut generations = 0u64;
-    loop {
-        let store = &relay.sources().default_source().store;
-        match store.active_push_subscriptions().await {
-            Ok(subscriptions) => {
-                let wanted: HashMap<SubscriptionId, Subscription> = subscriptions
-                    .into_iter()
-                    .map(|subscription| (subscription.id, subscription))
-                    .collect();
-                running.retain(|id, pusher| {
-                    let keep = wanted
-                        .get(id)
-                        .is_some_and(|subscription| subscription.settings == pusher.settings);
-                    if !keep {
-                        pusher.stop.cancel();
-                        statuses.forget(*id);
-                    }
-                    keep
-                });
-                for (id, subscription) in wanted {
-                    statuses.set_keys(id, subscription.push_secrets.clone());
-                    if running.contains_key(&id) {
-                        continue;
-                    }
-                    let stop = shutdown.child_token();
-                    generations += 1;
-                    let generation = generations;
-                    running.insert(
-                        id,
-                        Running {
-                            settings: subscription.settings.clone(),
-                            stop: stop.clone(),
-                            generation,
-                        },
-                    );
-                    let subscription = Arc::new(subscription);
-                    let (relay, client, statuses) =
-                        (relay.clone(), client.clone(), statuses.clone());
-                    let allowed_hosts = settings.allowed_hosts.clone();
-                    let start = {
-                        let (subscription, statuses, stop) =
-                            (subscription.clone(), statuses.clone(), stop.clone());
-                        move || {
-                            Pusher {
-                                metrics: metrics::PushRequestMetrics::new(
-                                    subscription.name.as_str(),
-                                ),
-                                relay: relay.clone(),
-                                client: client.clone(),
-                                allowed_hosts: allowed_hosts.clone(),
-                                subscription: subscription.clone(),
-                                statuses: statuses.clone(),
-                                stop: stop.clone(),
-                            }
-                            .run()
-                        }
-                    };
-                    // Shown as the push's last error, where the API and the console
-                    // show why pushing fails.
-                    let on_panic = move |message: &str| {
-                        statuses.update(id, |status| {
-                            status.last_error =
-                                Some(format!("the pusher panicked and restarts: {message}"));
-                            status.last_error_at = Some(Utc::now());
-                        });
-                    };
-                    pushers.spawn(async move {
-                        let name = TaskName {
-                            task: "pusher",
-                            name: subscription.name.as_str(),
-                        };
-                        keep_running(name, RestartDelays::default(), stop, start, on_panic).await;
-                        (id, generation)
-                    });
-                }
-            }
-            Err(error) => tracing::debug!(%error, "cannot read push subscriptions"),
-        }
-        // A pusher that ended by itself (its stream closed, or the push stopped) is
-        // forgotten, so the next round starts a new one if the subscription still wants it.
-        while let Some(ended) = pushers.try_join_next() {
-            match ended {
-                Ok((id, generation)) => {
-                    if running
-                        .get(&id)
-                        .is_some_and(|pusher| pusher.generation == generation)
-                    {
-                        running.remove(&id);
-                    }
-                }
-                // keep_running catches the pusher's panics; this is only for the record.
-                Err(error) => tracing::error!(%error, "a pusher task failed"),
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = definitions.changed() => {}
-            _ = tokio::time::sleep(settings.poll_interval) => {}
-        }
+    allowed_hosts: AllowedHosts,
+    board: PushBoard,
+}
+
+impl Drains for PushDrains {
+    const TASK: &'static str = "pusher";
+
+    async fn wanted(&self, store: &Store) -> Result<Vec<Subscription>, StoreError> {
+        store.active_push_subscriptions().await
     }
-    for pusher in running.values() {
-        pusher.stop.cancel();
+
+    fn board(&self) -> &StatusBoard {
+        &self.board.statuses
     }
-    while pushers.join_next().await.is_some() {}
+
+    fn refresh(&self, subscription: &Subscription) {
+        self.board
+            .set_keys(subscription.id, subscription.push_secrets.clone());
+    }
+
+    fn drain(
+        self,
+        subscription: Arc<Subscription>,
+        stop: CancellationToken,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        Pusher {
+            metrics: metrics::PushRequestMetrics::new(subscription.name.as_str()),
+            relay: self.relay.clone(),
+            client: self.client.clone(),
+            allowed_hosts: self.allowed_hosts.clone(),
+            subscription,
+            board: self.board.clone(),
+            stop,
+        }
+        .run()
+    }
 }
 
 /// Pushes one subscription's deliveries until stopped.
@@ -344,7 +164,7 @@ struct Pusher {
     /// As it was when the pusher started: a change of settings restarts the pusher, and
     /// signing keys come from the board.
     subscription: Arc<Subscription>,
-    statuses: PushBoard,
+    board: PushBoard,
     stop: CancellationToken,
     metrics: metrics::PushRequestMetrics,
 }
@@ -379,17 +199,15 @@ impl Pusher {
         if let Err(error) = self.allowed_hosts.check("push.endpoint", &push) {
             // The operator narrowed allowed_hosts since the subscription was made.
             tracing::warn!(subscription = %name, %error, "not pushing: the endpoint is not allowed");
-            self.statuses.update(subscription.id, |status| {
-                status.last_error = Some(error.to_string());
-                status.last_error_at = Some(Utc::now());
-            });
+            (self.board.statuses)
+                .update(subscription.id, |status| status.failed(error.to_string()));
             self.stop.cancelled().await;
             return;
         }
         let mut stream = loop {
             match self
                 .relay
-                .subscribe_for_push(&name, push.max_concurrency.saturating_mul(LEASE_AHEAD))
+                .subscribe_for_drain(&name, push.max_concurrency.saturating_mul(LEASE_AHEAD))
                 .await
             {
                 Ok(stream) => break stream,
@@ -464,31 +282,21 @@ impl Pusher {
         };
         let name = &subscription.name;
         let id = subscription.id;
-        self.statuses.update(id, |status| status.in_flight += 1);
+        let statuses = &self.board.statuses;
+        statuses.update(id, |status| status.in_flight += 1);
         // The request holds the lease for its whole timeout.
-        let needed = push.timeout + SETTLE_MARGIN;
-        if delivery.ack_deadline < Utc::now() + needed {
-            match self.relay.extend(name, &[delivery.ack_id], needed).await {
-                // The lease ran out while the delivery waited for a request slot: it is
-                // someone else's now (or will be), so sending it would only duplicate.
-                Ok(stale) if !stale.is_empty() => {
-                    self.statuses.update(id, |status| {
-                        status.in_flight = status.in_flight.saturating_sub(1)
-                    });
-                    return;
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::debug!(subscription = %name, %error, "cannot extend a push lease");
-                }
-            }
+        if !hold_lease(&self.relay, name, &delivery, push.timeout).await {
+            statuses.update(id, |status| {
+                status.in_flight = status.in_flight.saturating_sub(1)
+            });
+            return;
         }
-        let now = Utc::now();
+        let now = chrono::Utc::now();
         let built = request::build(
             &delivery.event,
             push.format,
             &push.headers,
-            &self.statuses.keys(id),
+            &self.board.keys(id),
             now,
         );
         let started = Instant::now();
@@ -508,20 +316,16 @@ impl Pusher {
             ),
         };
         self.metrics.request(&code, elapsed);
-        self.statuses.update(id, |status| {
+        statuses.update(id, |status| {
             status.in_flight = status.in_flight.saturating_sub(1);
-            status.count_request();
+            status.count_send(verdict == Verdict::Ack);
             status.last_status = code.parse().unwrap_or(0);
             match &verdict {
                 Verdict::Ack => {}
                 Verdict::Retry { reason, .. } | Verdict::DeadLetter { reason } => {
-                    status.last_error = Some(reason.clone());
-                    status.last_error_at = Some(Utc::now());
+                    status.failed(reason.clone());
                 }
-                Verdict::Gone => {
-                    status.last_error = Some(GONE_REASON.into());
-                    status.last_error_at = Some(Utc::now());
-                }
+                Verdict::Gone => status.failed(GONE_REASON.into()),
             }
         });
         if verdict == Verdict::Ack {
@@ -576,41 +380,6 @@ impl Pusher {
 }
 
 const GONE_REASON: &str = "the endpoint answered 410 Gone";
-/// Most acks applied in one statement.
-const ACK_BATCH: usize = 500;
-
-/// A request task's panic is its pusher's: raised again there, so the pusher restarts
-/// (and says so) instead of losing a request slot and its in-flight count quietly.
-fn reraise_panic(done: Result<(), tokio::task::JoinError>) {
-    if let Err(error) = done
-        && error.is_panic()
-    {
-        std::panic::resume_unwind(error.into_panic());
-    }
-}
-
-/// Acks what the endpoint accepted, as many at a time as have piled up meanwhile, until
-/// the pusher's requests are all done.
-async fn send_acks(
-    relay: Relay,
-    name: SubscriptionName,
-    mut accepted: mpsc::UnboundedReceiver<AckId>,
-) {
-    let mut batch = Vec::with_capacity(ACK_BATCH);
-    while accepted.recv_many(&mut batch, ACK_BATCH).await > 0 {
-        match relay.ack(&name, &batch).await {
-            Ok(outcome) if !outcome.stale.is_empty() || !outcome.unavailable.is_empty() => {
-                tracing::debug!(subscription = %name, stale = outcome.stale.len(), unavailable = outcome.unavailable.len(), "some push acks were not applied; those events are pushed again");
-            }
-            Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(subscription = %name, %error, "cannot ack pushed events; their leases will expire and they are pushed again");
-            }
-        }
-        batch.clear();
-    }
-}
-
 /// The settlement an HTTP answer calls for.
 fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
     let described = || {
@@ -652,20 +421,6 @@ fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_rate_counts_the_last_minute() {
-        let mut status = PushStatus::default();
-        for _ in 0..30 {
-            status.count_request();
-        }
-        assert_eq!(status.requests_total, 30);
-        assert!(status.rate() > 0.0);
-        // A minute later the window is empty again.
-        status.advance(rate_now() + RATE_WINDOW_SECONDS as u64);
-        assert_eq!(status.rate_buckets.iter().sum::<u64>(), 0);
-        assert_eq!(status.requests_total, 30);
-    }
 
     #[test]
     fn answers_map_to_settlements() {

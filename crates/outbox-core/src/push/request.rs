@@ -82,6 +82,41 @@ fn ce_time(time: DateTime<Utc>) -> String {
     time.to_rfc3339_opts(SecondsFormat::AutoSi, true)
 }
 
+/// The event's CloudEvents attributes but `datacontenttype` (the transport's content
+/// type), by name, each value encoded for a header as the HTTP binding asks; the NATS
+/// and Kafka bindings put the same attributes in `ce-` and `ce_` headers.
+pub fn binary_attributes(event: &Event) -> Vec<(String, String)> {
+    let encode = |value: &str| utf8_percent_encode(value, HEADER_VALUE_ESCAPES).to_string();
+    let mut attributes = vec![
+        ("specversion".to_owned(), "1.0".to_owned()),
+        ("id".to_owned(), event.id.to_string()),
+        ("type".to_owned(), encode(&event.event_type)),
+        // Like every attribute: the receiver decodes the header, and must get the same
+        // `source` as structured mode sends, its own escapes intact.
+        ("source".to_owned(), encode(&ce_source(event))),
+        ("subject".to_owned(), encode(&event.aggregate_id)),
+        ("time".to_owned(), ce_time(event.occurred_at)),
+    ];
+    if let Some(version) = event.aggregate_version {
+        attributes.push(("aggregateversion".to_owned(), version.to_string()));
+    }
+    for (key, value) in extensions(&event.metadata) {
+        attributes.push((key.clone(), encode(value)));
+    }
+    attributes
+}
+
+/// The event's `traceparent` and `tracestate`, when they can travel as header values.
+pub fn trace_headers(event: &Event) -> impl Iterator<Item = (&'static str, &String)> {
+    TRACE_CONTEXT_KEYS.into_iter().filter_map(|key| {
+        event
+            .metadata
+            .get(key)
+            .filter(|value| http::HeaderValue::from_str(value).is_ok())
+            .map(|value| (key, value))
+    })
+}
+
 /// Builds the request for `event`, signed at `now` with every live key of `secrets`.
 pub fn build(
     event: &Event,
@@ -97,20 +132,8 @@ pub fn build(
         .collect();
     let body = match format {
         PushFormat::Binary => {
-            let encode = |value: &str| utf8_percent_encode(value, HEADER_VALUE_ESCAPES).to_string();
-            headers.push(("ce-specversion".into(), "1.0".into()));
-            headers.push(("ce-id".into(), id.clone()));
-            headers.push(("ce-type".into(), encode(&event.event_type)));
-            // Like every attribute: the receiver decodes the header, and must get the
-            // same `source` as structured mode sends, its own escapes intact.
-            headers.push(("ce-source".into(), encode(&ce_source(event))));
-            headers.push(("ce-subject".into(), encode(&event.aggregate_id)));
-            headers.push(("ce-time".into(), ce_time(event.occurred_at)));
-            if let Some(version) = event.aggregate_version {
-                headers.push(("ce-aggregateversion".into(), version.to_string()));
-            }
-            for (key, value) in extensions(&event.metadata) {
-                headers.push((format!("ce-{key}"), encode(value)));
+            for (name, value) in binary_attributes(event) {
+                headers.push((format!("ce-{name}"), value));
             }
             headers.push(("content-type".into(), event.content_type.clone()));
             event.payload.clone()
@@ -145,12 +168,8 @@ pub fn build(
                 .expect("a JSON value serializes")
         }
     };
-    for key in TRACE_CONTEXT_KEYS {
-        if let Some(value) = event.metadata.get(key)
-            && http::HeaderValue::from_str(value).is_ok()
-        {
-            headers.push((key.to_owned(), value.clone()));
-        }
+    for (key, value) in trace_headers(event) {
+        headers.push((key.to_owned(), value.clone()));
     }
     let timestamp = now.timestamp();
     headers.push(("webhook-id".into(), id.clone()));

@@ -1,0 +1,183 @@
+//! What one message into a broker carries (also in docs/sinks.md). Pure: no I/O, so it
+//! is tested on its own.
+//!
+//! - NATS: the subject from the subscription's template; `Nats-Msg-Id` = the event id,
+//!   so JetStream's duplicate window drops a re-send; the CloudEvents attributes in
+//!   `ce-` headers (the NATS binding's binary mode) and `content-type`.
+//! - Kafka: the topic and key from their templates; the attributes in `ce_` headers (the
+//!   Kafka binding's binary mode) and `content-type`.
+//! - Both: `traceparent` / `tracestate`, and `outbox-event-id`, `outbox-source`,
+//!   `outbox-aggregate-type`, `outbox-aggregate-id` and `outbox-metadata` (the whole
+//!   metadata as a JSON object: keys that are no CloudEvents attribute name are kept
+//!   too), with the payload as published as the body.
+
+use crate::{
+    domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, Template},
+    push::request::{binary_attributes, trace_headers},
+};
+
+/// One message, before the broker client adds its own framing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SinkMessage {
+    /// The NATS subject or the Kafka topic.
+    pub destination: String,
+    /// The Kafka key; `None` for NATS.
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+}
+
+/// The message for `event`; an error (the event can never be sent) when its subject or
+/// topic would be invalid.
+pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkMessage, String> {
+    let missing = |what: &str| format!("the subscription's sink has no {what}");
+    let (destination, key, prefix) = match kind {
+        SinkKind::Nats => {
+            let subject = config.subject.as_ref().ok_or_else(|| missing("subject"))?;
+            (subject.subject(event)?, None, "ce-")
+        }
+        SinkKind::Kafka => {
+            let topic = config.topic.as_ref().ok_or_else(|| missing("topic"))?;
+            let key = match &config.key {
+                Some(key) => key.key(event),
+                None => Template::parse("key", DEFAULT_KAFKA_KEY)
+                    .expect("the default key is a template")
+                    .key(event),
+            };
+            (topic.topic(event)?, Some(key), "ce_")
+        }
+    };
+    let id = event.id.to_string();
+    let mut headers = Vec::with_capacity(16);
+    if kind == SinkKind::Nats {
+        headers.push(("Nats-Msg-Id".to_owned(), id.clone()));
+    }
+    for (name, value) in binary_attributes(event) {
+        headers.push((format!("{prefix}{name}"), value));
+    }
+    headers.push(("content-type".to_owned(), event.content_type.clone()));
+    for (name, value) in trace_headers(event) {
+        headers.push((name.to_owned(), value.clone()));
+    }
+    headers.push(("outbox-event-id".to_owned(), id));
+    headers.push(("outbox-source".to_owned(), event.source.as_str().to_owned()));
+    headers.push((
+        "outbox-aggregate-type".to_owned(),
+        escape_header(&event.aggregate_type),
+    ));
+    headers.push((
+        "outbox-aggregate-id".to_owned(),
+        escape_header(&event.aggregate_id),
+    ));
+    if !event.metadata.is_empty() {
+        headers.push((
+            "outbox-metadata".to_owned(),
+            serde_json::to_string(&event.metadata).expect("a map of strings serializes"),
+        ));
+    }
+    Ok(SinkMessage {
+        destination,
+        key,
+        headers,
+        payload: event.payload.clone(),
+    })
+}
+
+/// A value as a header can carry it: line breaks and other control characters (which
+/// would end a NATS header line) as JSON escapes them; anything else as it is.
+fn escape_header(value: &str) -> String {
+    if value.chars().any(char::is_control) {
+        let quoted = serde_json::to_string(value).expect("a string serializes");
+        quoted[1..quoted.len() - 1].to_owned()
+    } else {
+        value.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::SourceName;
+
+    fn event() -> Event {
+        Event {
+            source: SourceName::default_source(),
+            id: uuid::Uuid::from_u128(7),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1\nx".into(),
+            aggregate_version: Some(2),
+            event_type: "order.created".into(),
+            payload: br#"{"total":3}"#.to_vec(),
+            content_type: "application/json".into(),
+            deliver_at: None,
+            expires_at: None,
+            metadata: [
+                ("tenant".to_owned(), "acme".to_owned()),
+                ("Not An Attribute".to_owned(), "kept".to_owned()),
+                ("traceparent".to_owned(), "00-abc-def-01".to_owned()),
+            ]
+            .into(),
+            occurred_at: chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            created_at: chrono::DateTime::from_timestamp(1_700_000_001, 0).unwrap(),
+        }
+    }
+
+    fn header<'a>(message: &'a SinkMessage, name: &str) -> Option<&'a str> {
+        message
+            .headers
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    fn config(subject: Option<&str>, topic: Option<&str>) -> SinkConfig {
+        let template = |text: &str| Template::parse("t", text).unwrap();
+        SinkConfig {
+            name: "out".into(),
+            subject: subject.map(template),
+            topic: topic.map(template),
+            key: None,
+        }
+    }
+
+    #[test]
+    fn nats_messages_carry_the_msg_id_and_cloudevents_headers() {
+        let message = build(
+            &event(),
+            &config(Some("orders.{aggregate_type}.{event_type}"), None),
+            SinkKind::Nats,
+        )
+        .unwrap();
+        assert_eq!(message.destination, "orders.order.order%2Ecreated");
+        assert_eq!(message.key, None);
+        let id = uuid::Uuid::from_u128(7).to_string();
+        assert_eq!(header(&message, "Nats-Msg-Id"), Some(id.as_str()));
+        assert_eq!(header(&message, "ce-id"), Some(id.as_str()));
+        assert_eq!(header(&message, "ce-type"), Some("order.created"));
+        assert_eq!(header(&message, "ce-subject"), Some("o-1%0Ax"));
+        assert_eq!(header(&message, "ce-tenant"), Some("acme"));
+        assert_eq!(header(&message, "ce-aggregateversion"), Some("2"));
+        assert_eq!(header(&message, "traceparent"), Some("00-abc-def-01"));
+        assert_eq!(header(&message, "content-type"), Some("application/json"));
+        assert_eq!(header(&message, "outbox-aggregate-id"), Some("o-1\\nx"));
+        let metadata: serde_json::Value =
+            serde_json::from_str(header(&message, "outbox-metadata").unwrap()).unwrap();
+        assert_eq!(metadata["Not An Attribute"], "kept");
+        assert_eq!(message.payload, br#"{"total":3}"#);
+    }
+
+    #[test]
+    fn kafka_messages_take_topic_key_and_underscore_headers() {
+        let message = build(&event(), &config(None, Some("orders")), SinkKind::Kafka).unwrap();
+        assert_eq!(message.destination, "orders");
+        assert_eq!(message.key.as_deref(), Some("order/o-1\nx"));
+        assert_eq!(header(&message, "ce_type"), Some("order.created"));
+        assert_eq!(header(&message, "Nats-Msg-Id"), None);
+        let unfit = build(
+            &event(),
+            &config(None, Some("{aggregate_id}{aggregate_id}")),
+            SinkKind::Kafka,
+        );
+        assert!(unfit.is_ok(), "escaped to underscores: {unfit:?}");
+    }
+}

@@ -1,0 +1,491 @@
+//! Sink subscriptions: the configured broker connection they publish to, and the
+//! templates that name each message's NATS subject, or Kafka topic and key.
+//!
+//! A template is text with placeholders for event fields — `{aggregate_type}`,
+//! `{aggregate_id}`, `{event_type}`, `{source}` — and `{{` / `}}` for literal braces.
+//! A value put into a subject or topic is escaped so it can neither add tokens nor
+//! reach a system subject (docs/sinks.md lists the escapes).
+
+use std::fmt;
+
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
+
+use super::event::Event;
+use super::input::Echo;
+use super::refusal::{Refusal, Result};
+
+/// Longest template accepted.
+const MAX_TEMPLATE_BYTES: usize = 1024;
+/// Longest NATS subject sent: far below the server's control-line limit (4 KiB by
+/// default), which a longer one would break the connection on.
+pub const MAX_SUBJECT_BYTES: usize = 2048;
+/// Longest Kafka topic name the broker accepts.
+pub const MAX_TOPIC_BYTES: usize = 249;
+/// Default Kafka key: one aggregate's events go to one partition, in order.
+pub const DEFAULT_KAFKA_KEY: &str = "{aggregate_type}/{aggregate_id}";
+
+/// Characters a value cannot carry into a NATS subject: token separators and
+/// wildcards, whitespace and control characters, `$` (system subjects begin with it),
+/// `%` (the escape itself) and everything outside ASCII.
+const SUBJECT_VALUE_ESCAPES: &AsciiSet = &CONTROLS
+    .add(b' ')
+    .add(b'.')
+    .add(b'*')
+    .add(b'>')
+    .add(b'$')
+    .add(b'%');
+
+/// The broker protocol of a configured sink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkKind {
+    /// NATS JetStream.
+    Nats,
+    /// Kafka, or a broker speaking its protocol.
+    Kafka,
+}
+
+impl SinkKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SinkKind::Nats => "nats",
+            SinkKind::Kafka => "kafka",
+        }
+    }
+}
+
+impl fmt::Display for SinkKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An event field a template can name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EventField {
+    AggregateType,
+    AggregateId,
+    EventType,
+    Source,
+}
+
+impl EventField {
+    const ALL: [(&'static str, EventField); 4] = [
+        ("aggregate_type", EventField::AggregateType),
+        ("aggregate_id", EventField::AggregateId),
+        ("event_type", EventField::EventType),
+        ("source", EventField::Source),
+    ];
+
+    fn value(self, event: &Event) -> &str {
+        match self {
+            EventField::AggregateType => &event.aggregate_type,
+            EventField::AggregateId => &event.aggregate_id,
+            EventField::EventType => &event.event_type,
+            EventField::Source => event.source.as_str(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Text(String),
+    Field(EventField),
+}
+
+/// A parsed template, kept with the text it was written as.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Template {
+    text: String,
+    parts: Vec<Part>,
+}
+
+impl fmt::Debug for Template {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.text, f)
+    }
+}
+
+impl Template {
+    /// Parses the template given in the request field `field`.
+    pub fn parse(field: &str, text: &str) -> Result<Template> {
+        let refuse = |message: String| Err(Refusal::invalid(field, message));
+        if text.len() > MAX_TEMPLATE_BYTES {
+            return refuse(format!("must be at most {MAX_TEMPLATE_BYTES} bytes"));
+        }
+        if let Some(c) = text.chars().find(|c| c.is_control()) {
+            return refuse(format!("must not contain control characters, found {c:?}"));
+        }
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut rest = text;
+        while let Some(c) = rest.chars().next() {
+            if let Some(after) = rest.strip_prefix("{{") {
+                literal.push('{');
+                rest = after;
+            } else if let Some(after) = rest.strip_prefix("}}") {
+                literal.push('}');
+                rest = after;
+            } else if c == '{' {
+                let Some(end) = rest.find('}') else {
+                    return refuse(format!(
+                        "{} has a `{{` without its `}}` (write `{{{{` for a literal brace)",
+                        Echo(text)
+                    ));
+                };
+                let name = &rest[1..end];
+                let Some((_, field_name)) =
+                    EventField::ALL.iter().find(|(known, _)| *known == name)
+                else {
+                    return refuse(format!(
+                        "{} is not a field a template can name; use {{aggregate_type}}, {{aggregate_id}}, {{event_type}} or {{source}}",
+                        Echo(&rest[..=end])
+                    ));
+                };
+                if !literal.is_empty() {
+                    parts.push(Part::Text(std::mem::take(&mut literal)));
+                }
+                parts.push(Part::Field(*field_name));
+                rest = &rest[end + 1..];
+            } else if c == '}' {
+                return refuse(format!(
+                    "{} has a `}}` without its `{{` (write `}}}}` for a literal brace)",
+                    Echo(text)
+                ));
+            } else {
+                literal.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+        if !literal.is_empty() {
+            parts.push(Part::Text(literal));
+        }
+        Ok(Template {
+            text: text.to_owned(),
+            parts,
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The template filled in from `event`, each value passed through `escape`.
+    fn render(&self, event: &Event, escape: impl Fn(&str, &mut String)) -> String {
+        let mut rendered = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Text(text) => rendered.push_str(text),
+                Part::Field(field) => escape(field.value(event), &mut rendered),
+            }
+        }
+        rendered
+    }
+
+    /// The template with every field standing for `value`, unescaped: what its literal
+    /// parts make of a subject or topic.
+    fn sample(&self, value: &str) -> String {
+        let mut sample = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Text(text) => sample.push_str(text),
+                Part::Field(_) => sample.push_str(value),
+            }
+        }
+        sample
+    }
+
+    /// The NATS subject of `event`; an error when it would be too long.
+    pub fn subject(&self, event: &Event) -> std::result::Result<String, String> {
+        let subject = self.render(event, |value, out| {
+            if value.is_empty() {
+                out.push('_');
+            } else {
+                out.extend(utf8_percent_encode(value, SUBJECT_VALUE_ESCAPES));
+            }
+        });
+        if subject.len() > MAX_SUBJECT_BYTES {
+            return Err(format!(
+                "the subject would be {} bytes, more than the {MAX_SUBJECT_BYTES} a subject may have",
+                subject.len()
+            ));
+        }
+        Ok(subject)
+    }
+
+    /// The Kafka topic of `event`; an error when it would not be a valid topic name.
+    pub fn topic(&self, event: &Event) -> std::result::Result<String, String> {
+        let topic = self.render(event, |value, out| {
+            out.extend(
+                value
+                    .chars()
+                    .map(|c| if is_topic_char(c) { c } else { '_' }),
+            );
+        });
+        if topic.is_empty() || topic == "." || topic == ".." || topic.len() > MAX_TOPIC_BYTES {
+            return Err(format!(
+                "the topic would be {}, not a valid topic name (1 to {MAX_TOPIC_BYTES} of [A-Za-z0-9._-], not . or ..)",
+                Echo(&topic)
+            ));
+        }
+        Ok(topic)
+    }
+
+    /// The Kafka key of `event`: the values as they are.
+    pub fn key(&self, event: &Event) -> String {
+        self.render(event, |value, out| out.push_str(value))
+    }
+
+    /// Refuses a template whose literal parts could not make a subject one publishes
+    /// to: empty tokens, wildcards, whitespace, or a system subject (`$…`, `_INBOX.…`).
+    fn check_subject(&self, field: &str) -> Result<()> {
+        let sample = self.sample("x");
+        let refuse = |message: String| Err(Refusal::invalid(field, message));
+        if sample.is_empty() {
+            return refuse("must not be empty".into());
+        }
+        if let Some(c) = sample
+            .chars()
+            .find(|c| c.is_whitespace() || matches!(c, '*' | '>'))
+        {
+            return refuse(format!(
+                "{} contains {c:?}: a subject published to has no wildcards or whitespace",
+                Echo(&self.text)
+            ));
+        }
+        if sample.split('.').any(str::is_empty) {
+            return refuse(format!(
+                "{} has an empty token: a subject is dot-separated tokens, none empty",
+                Echo(&self.text)
+            ));
+        }
+        if sample.starts_with('$') || sample.starts_with("_INBOX.") {
+            return refuse(format!(
+                "{} is a system subject ($… or _INBOX.…), which a sink must not publish to",
+                Echo(&self.text)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a template whose literal parts hold characters a topic name cannot.
+    fn check_topic(&self, field: &str) -> Result<()> {
+        let sample = self.sample("x");
+        if sample.is_empty() {
+            return Err(Refusal::invalid(field, "must not be empty"));
+        }
+        if let Some(c) = sample.chars().find(|c| !is_topic_char(*c)) {
+            return Err(Refusal::invalid(
+                field,
+                format!(
+                    "{} contains {c:?}: a topic name holds only [A-Za-z0-9._-]",
+                    Echo(&self.text)
+                ),
+            ));
+        }
+        if sample.len() > MAX_TOPIC_BYTES {
+            return Err(Refusal::invalid(
+                field,
+                format!("must make topic names of at most {MAX_TOPIC_BYTES} bytes"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn is_topic_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+/// Where a sink subscription publishes: a sink of the gateway's configuration, and how
+/// each event's subject (NATS) or topic and key (Kafka) are made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkConfig {
+    /// Name of a `[[sinks]]` entry of the gateway's configuration.
+    pub name: String,
+    pub subject: Option<Template>,
+    pub topic: Option<Template>,
+    /// `None`: [`DEFAULT_KAFKA_KEY`].
+    pub key: Option<Template>,
+}
+
+/// Sink settings as a request gives them: empty strings are unset.
+#[derive(Debug, Default)]
+pub struct SinkInput {
+    pub name: String,
+    pub subject: String,
+    pub topic: String,
+    pub key: String,
+}
+
+impl SinkConfig {
+    /// Validates the shape of the sink settings in the request field `prefix`
+    /// (`subscription.sink`); whether they fit the named sink is [`SinkConfig::check_kind`].
+    pub fn parse(prefix: &str, input: SinkInput) -> Result<SinkConfig> {
+        let field = |name: &str| format!("{prefix}.{name}");
+        if input.name.is_empty() {
+            return Err(Refusal::invalid(
+                field("name"),
+                "is required: the name of a sink of the gateway's configuration",
+            ));
+        }
+        let template = |name: &str, text: &str| {
+            (!text.is_empty())
+                .then(|| Template::parse(&field(name), text))
+                .transpose()
+        };
+        Ok(SinkConfig {
+            subject: template("subject", &input.subject)?,
+            topic: template("topic", &input.topic)?,
+            key: template("key", &input.key)?,
+            name: input.name,
+        })
+    }
+
+    /// Checks that the settings are those of a sink of `kind`: a NATS sink needs a
+    /// subject, a Kafka sink a topic, and neither takes the other's.
+    pub fn check_kind(&self, prefix: &str, kind: SinkKind) -> Result<()> {
+        let field = |name: &str| format!("{prefix}.{name}");
+        let foreign = |name: &str, wanted: &str| {
+            Err(Refusal::invalid(
+                field(name),
+                format!(
+                    "does not apply to sink {:?}, a {kind} sink: set {wanted}",
+                    self.name
+                ),
+            ))
+        };
+        match kind {
+            SinkKind::Nats => {
+                if self.topic.is_some() {
+                    return foreign("topic", "subject");
+                }
+                if self.key.is_some() {
+                    return foreign("key", "subject");
+                }
+                match &self.subject {
+                    Some(subject) => subject.check_subject(&field("subject")),
+                    None => Err(Refusal::invalid(
+                        field("subject"),
+                        format!("is required by sink {:?}, a nats sink", self.name),
+                    )),
+                }
+            }
+            SinkKind::Kafka => {
+                if self.subject.is_some() {
+                    return foreign("subject", "topic");
+                }
+                match &self.topic {
+                    Some(topic) => topic.check_topic(&field("topic")),
+                    None => Err(Refusal::invalid(
+                        field("topic"),
+                        format!("is required by sink {:?}, a kafka sink", self.name),
+                    )),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SourceName;
+
+    fn event(aggregate_id: &str, event_type: &str) -> Event {
+        Event {
+            source: SourceName::default_source(),
+            id: uuid::Uuid::nil(),
+            aggregate_type: "order line".into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_version: None,
+            event_type: event_type.into(),
+            payload: Vec::new(),
+            content_type: "application/json".into(),
+            deliver_at: None,
+            expires_at: None,
+            metadata: Default::default(),
+            occurred_at: chrono::Utc::now(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    fn template(text: &str) -> Template {
+        Template::parse("subscription.sink.subject", text).unwrap()
+    }
+
+    #[test]
+    fn subjects_escape_what_would_add_tokens_or_reach_system_subjects() {
+        let subject = template("orders.{aggregate_type}.{event_type}.{aggregate_id}");
+        assert_eq!(
+            subject
+                .subject(&event("a.b*c>d$e%f", "order.created"))
+                .unwrap(),
+            "orders.order%20line.order%2Ecreated.a%2Eb%2Ac%3Ed%24e%25f"
+        );
+        assert_eq!(
+            subject.subject(&event("", "x")).unwrap(),
+            "orders.order%20line.x._"
+        );
+        assert_eq!(template("{source}.{{literal}}").sample("s"), "s.{literal}");
+        let long = "x".repeat(MAX_SUBJECT_BYTES);
+        assert!(subject.subject(&event(&long, "x")).is_err());
+    }
+
+    #[test]
+    fn topics_and_keys() {
+        let topic = template("orders-{aggregate_type}");
+        assert_eq!(topic.topic(&event("1", "x")).unwrap(), "orders-order_line");
+        assert!(template("{aggregate_id}").topic(&event("..", "x")).is_err());
+        assert_eq!(
+            template(DEFAULT_KAFKA_KEY).key(&event("o/1", "x")),
+            "order line/o/1"
+        );
+    }
+
+    #[test]
+    fn bad_templates_are_refused_with_the_reason() {
+        let refused = |text: &str| match Template::parse("f", text) {
+            Err(Refusal::Invalid { field, message }) => {
+                assert_eq!(field, "f");
+                message
+            }
+            other => panic!("{text}: {other:?}"),
+        };
+        assert!(refused("a.{nope}").contains("\"{nope}\" is not a field"));
+        assert!(refused("a.{event_type").contains("without its `}`"));
+        assert!(refused("a}").contains("without its `{`"));
+        assert!(refused("a\nb").contains("control"));
+        let subject_refusal = |text: &str| {
+            let config = SinkConfig {
+                name: "js".into(),
+                subject: Some(template(text)),
+                topic: None,
+                key: None,
+            };
+            match config.check_kind("subscription.sink", SinkKind::Nats) {
+                Err(Refusal::Invalid { field, message }) => {
+                    assert_eq!(field, "subscription.sink.subject");
+                    message
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        };
+        assert!(subject_refusal("orders.*").contains("wildcards"));
+        assert!(subject_refusal("orders..x").contains("empty token"));
+        assert!(subject_refusal("$JS.API.STREAM.DELETE.{aggregate_id}").contains("system"));
+        assert!(subject_refusal("_INBOX.x").contains("system"));
+        let config = SinkConfig {
+            name: "js".into(),
+            subject: None,
+            topic: Some(template("orders")),
+            key: None,
+        };
+        assert!(config.check_kind("s", SinkKind::Nats).is_err());
+        assert!(config.check_kind("s", SinkKind::Kafka).is_ok());
+        let bad_topic = SinkConfig {
+            topic: Some(template("orders/{event_type}")),
+            ..config
+        };
+        assert!(bad_topic.check_kind("s", SinkKind::Kafka).is_err());
+    }
+}

@@ -1,0 +1,758 @@
+//! Sink subscriptions into a real NATS JetStream: the machine's server at
+//! 127.0.0.1:4222 (each test with a stream and subjects of its own), or a `nats-server`
+//! a test starts itself when it must stop the broker.
+
+use std::{collections::HashMap, process::Stdio, sync::Arc, time::Duration};
+
+use async_nats::jetstream::{self, message::StreamMessage, stream};
+use outbox_gateway::{proto, sinks::SinkSettings};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tonic::Code;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+use crate::common::*;
+
+/// Generous: a busy machine slows everything down.
+const WAIT: Duration = Duration::from_secs(30);
+const SHARED_NATS: &str = "nats://127.0.0.1:4222";
+
+fn nats_sink(name: &str, server: &str) -> SinkSettings {
+    SinkSettings {
+        name: name.into(),
+        kind: "nats".into(),
+        servers: vec![server.into()],
+        credentials_file: None,
+        token: None,
+        user: None,
+        password: None,
+        tls_ca_file: None,
+        tls_required: false,
+    }
+}
+
+/// A gateway with the sink `js` on `server`.
+async fn gateway_with_sink(database: &Arc<TestDatabase>, server: &str) -> TestGateway {
+    let mut config = test_config(database.url());
+    config.sinks = vec![nats_sink("js", server)];
+    TestGateway::start_with(database, config).await
+}
+
+/// A JetStream stream of this test's own, taking every subject under `prefix.`.
+#[derive(Clone)]
+struct TestStream {
+    context: jetstream::Context,
+    name: String,
+}
+
+impl TestStream {
+    async fn create(server: &str, prefix: &str) -> TestStream {
+        let stream = TestStream::open(server, prefix).await;
+        let _ = stream.context.delete_stream(&stream.name).await;
+        stream
+            .context
+            .create_stream(stream::Config {
+                name: stream.name.clone(),
+                subjects: vec![format!("{prefix}.>")],
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await
+            .expect("create a stream");
+        stream
+    }
+
+    async fn open(server: &str, prefix: &str) -> TestStream {
+        let client = async_nats::connect(server).await.expect("connect to NATS");
+        TestStream {
+            context: jetstream::new(client),
+            name: prefix.replace(['.', '-'], "_").to_uppercase(),
+        }
+    }
+
+    async fn stored(&self) -> u64 {
+        match self.context.get_stream(&self.name).await {
+            Ok(stream) => stream.cached_info().state.messages,
+            Err(_) => 0,
+        }
+    }
+
+    /// Every message of the stream, in stream order.
+    async fn read(&self) -> Vec<StreamMessage> {
+        let stream = self
+            .context
+            .get_stream(&self.name)
+            .await
+            .expect("the stream");
+        let count = stream.cached_info().state.messages;
+        let mut messages = Vec::new();
+        for sequence in 1..=count {
+            messages.push(
+                stream
+                    .get_raw_message(sequence)
+                    .await
+                    .expect("read a stored message"),
+            );
+        }
+        messages
+    }
+
+    async fn delete(&self) {
+        let _ = self.context.delete_stream(&self.name).await;
+    }
+}
+
+fn header(message: &StreamMessage, name: &str) -> Option<String> {
+    message
+        .headers
+        .get(name)
+        .map(|value| value.as_str().to_owned())
+}
+
+/// What the health service says of `outbox.sink.js`.
+async fn sink_health(gateway: &TestGateway) -> Option<ServingStatus> {
+    let answer = HealthClient::new(gateway.channel().await)
+        .check(HealthCheckRequest {
+            service: "outbox.sink.js".into(),
+        })
+        .await
+        .ok()?;
+    ServingStatus::try_from(answer.into_inner().status).ok()
+}
+
+fn sink_subscription(name: &str, subject: &str) -> proto::Subscription {
+    proto::Subscription {
+        sink: Some(proto::SinkConfig {
+            name: "js".into(),
+            subject: subject.into(),
+            ..Default::default()
+        }),
+        ..subscription(name)
+    }
+}
+
+#[tokio::test]
+async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_headers() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    let created = create_subscription(
+        &gateway,
+        sink_subscription(
+            "orders-out",
+            &format!("{prefix}.{{aggregate_type}}.{{event_type}}"),
+        ),
+    )
+    .await;
+    assert_eq!(created.sink.as_ref().unwrap().name, "js");
+
+    let mut events: Vec<proto::EventInput> = (0..20)
+        .map(|index| event(&format!("o-{}", index % 4), "order.created"))
+        .collect();
+    events[3].metadata = [
+        ("tenant".to_owned(), "acme".to_owned()),
+        (
+            "traceparent".to_owned(),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+        ),
+    ]
+    .into();
+    events[3].aggregate_type = "order line".into();
+    let results = publish(&gateway, events.clone()).await;
+    let ids: Vec<String> = results.iter().map(|result| result.id.clone()).collect();
+
+    eventually("20 messages are stored in the stream", WAIT, || async {
+        stream.stored().await == 20
+    })
+    .await;
+    let messages = stream.read().await;
+    let by_id: HashMap<String, &StreamMessage> = messages
+        .iter()
+        .map(|message| (header(message, "Nats-Msg-Id").unwrap(), message))
+        .collect();
+    assert_eq!(by_id.len(), 20, "each event once");
+    for (index, id) in ids.iter().enumerate() {
+        let message = by_id[id];
+        assert_eq!(header(message, "ce-id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(message, "ce-type").as_deref(), Some("order.created"));
+        assert_eq!(header(message, "ce-specversion").as_deref(), Some("1.0"));
+        assert_eq!(header(message, "outbox-source").as_deref(), Some("default"));
+        assert_eq!(
+            header(message, "content-type").as_deref(),
+            Some("application/json")
+        );
+        assert_eq!(message.payload.as_ref(), events[index].payload.as_slice());
+        let expected_subject = if index == 3 {
+            format!("{prefix}.order%20line.order%2Ecreated")
+        } else {
+            format!("{prefix}.order.order%2Ecreated")
+        };
+        assert_eq!(message.subject.as_str(), expected_subject);
+    }
+    let traced = by_id[&ids[3]];
+    assert_eq!(header(traced, "ce-tenant").as_deref(), Some("acme"));
+    assert_eq!(
+        header(traced, "traceparent").as_deref(),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    );
+    assert_eq!(
+        header(traced, "ce-source").as_deref(),
+        Some("/sources/default/aggregates/order%2520line")
+    );
+
+    // Settled as acked once confirmed, and counted.
+    eventually("the subscription has acked all 20", WAIT, || async {
+        let stats = subscription_stats(&gateway, "orders-out").await;
+        stats.acked_total == 20 && stats.lag_events == 0
+    })
+    .await;
+    let stats = subscription_stats(&gateway, "orders-out").await;
+    assert_eq!(stats.sink_confirmed_total, 20);
+    assert_eq!(stats.sink_sent_total, 20);
+    assert_eq!(stats.sink_in_flight, 0);
+
+    // The gateway drains it: Subscribe is refused, naming the sink.
+    let refused = gateway
+        .subscriber()
+        .await
+        .subscribe(proto::SubscribeRequest {
+            subscription: "orders-out".into(),
+            ..Default::default()
+        })
+        .await;
+    assert_status(refused, Code::FailedPrecondition, "sink subscription");
+
+    // ListSinks names the sink and finds it reachable.
+    let sinks = gateway
+        .admin()
+        .await
+        .list_sinks(proto::ListSinksRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sinks;
+    assert_eq!(sinks.len(), 1);
+    assert_eq!(
+        (sinks[0].name.as_str(), sinks[0].kind.as_str()),
+        ("js", "nats")
+    );
+    assert!(sinks[0].reachable, "{sinks:?}");
+    eventually("health reports the sink SERVING", WAIT, || async {
+        sink_health(&gateway).await == Some(ServingStatus::Serving)
+    })
+    .await;
+    stream.delete().await;
+}
+
+#[tokio::test]
+async fn a_subject_no_stream_takes_is_dead_lettered_with_the_reason() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let subject = format!("{}.nowhere", database.name());
+    create_subscription(&gateway, sink_subscription("lost", &subject)).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually("the event is dead-lettered", WAIT, || async {
+        list_dead_letters(&gateway, "lost").await.len() == 1
+    })
+    .await;
+    let dead = list_dead_letters(&gateway, "lost").await.remove(0);
+    assert!(
+        dead.last_error
+            .contains("no JetStream stream takes subject"),
+        "{}",
+        dead.last_error
+    );
+    assert_eq!(dead.attempts, 1, "a permanent refusal is not retried");
+    let stats = subscription_stats(&gateway, "lost").await;
+    assert!(stats.sink_last_error.contains(&subject), "{stats:?}");
+}
+
+#[tokio::test]
+async fn bad_sink_settings_are_refused_naming_the_field_and_store_nothing() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let mut admin = gateway.admin().await;
+    let cases: Vec<(proto::SinkConfig, Option<proto::PushConfig>, &str, &str)> = vec![
+        (
+            proto::SinkConfig {
+                name: "elsewhere".into(),
+                subject: "a.b".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.name",
+            "its sinks are js",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                subject: "orders.*".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.subject",
+            "wildcards",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                subject: "$JS.API.STREAM.DELETE.{aggregate_id}".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.subject",
+            "system subject",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                subject: "orders.{customer}".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.subject",
+            "is not a field",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.subject",
+            "is required",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                subject: "a.b".into(),
+                topic: "orders".into(),
+                ..Default::default()
+            },
+            None,
+            "subscription.sink.topic",
+            "does not apply",
+        ),
+        (
+            proto::SinkConfig {
+                name: "js".into(),
+                subject: "a.b".into(),
+                ..Default::default()
+            },
+            Some(proto::PushConfig {
+                endpoint: "http://127.0.0.1:9/hook".into(),
+                ..Default::default()
+            }),
+            "subscription.sink",
+            "beside push",
+        ),
+    ];
+    for (sink, push, field, reason) in cases {
+        let result = admin
+            .create_subscription(proto::CreateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    sink: Some(sink.clone()),
+                    push,
+                    ..subscription("refused")
+                }),
+            })
+            .await;
+        let status = result.expect_err(&format!("{sink:?} must be refused"));
+        assert_eq!(status.code(), Code::InvalidArgument, "{sink:?}: {status:?}");
+        assert!(
+            status.message().contains(field) && status.message().contains(reason),
+            "{sink:?}: {}",
+            status.message()
+        );
+        let missing = admin
+            .get_subscription(proto::GetSubscriptionRequest {
+                name: "refused".into(),
+            })
+            .await;
+        assert_status(missing, Code::NotFound, "refused");
+    }
+}
+
+#[tokio::test]
+async fn a_subscription_switches_between_pull_and_sink() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    create_subscription(&gateway, subscription("switching")).await;
+    let mut admin = gateway.admin().await;
+    let update = |sink: Option<proto::SinkConfig>| proto::UpdateSubscriptionRequest {
+        subscription: Some(proto::Subscription {
+            sink,
+            ..subscription("switching")
+        }),
+        update_mask: Some(prost_types::FieldMask {
+            paths: vec!["sink".into()],
+        }),
+    };
+    admin
+        .update_subscription(update(Some(proto::SinkConfig {
+            name: "js".into(),
+            subject: format!("{prefix}.{{aggregate_id}}"),
+            ..Default::default()
+        })))
+        .await
+        .expect("switch to the sink");
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually("the event reaches the stream", WAIT, || async {
+        stream.stored().await == 1
+    })
+    .await;
+
+    admin
+        .update_subscription(update(None))
+        .await
+        .expect("switch back to pull");
+    publish(&gateway, vec![event("o-2", "order.created")]).await;
+    let mut consumer = Consumer::open(&gateway, "switching", 10).await;
+    let delivery = consumer.next(WAIT).await.expect("a delivery");
+    assert_eq!(aggregate_of(&delivery), "o-2");
+    assert_eq!(stream.stored().await, 1, "nothing more went out");
+    stream.delete().await;
+}
+
+/// A `nats-server` with JetStream of this test's own, so the test can stop it.
+struct OwnNats {
+    child: tokio::process::Child,
+    port: u16,
+    store: std::path::PathBuf,
+}
+
+impl OwnNats {
+    /// Listening on `port`, or on a port of its own choosing.
+    async fn start(store: std::path::PathBuf, port: Option<u16>) -> OwnNats {
+        let port_argument = port.map_or_else(|| "-1".to_owned(), |port| port.to_string());
+        let arguments = ["-a", "127.0.0.1", "-p", &port_argument, "-js", "-sd"];
+        let mut arguments: Vec<String> = arguments.iter().map(|a| a.to_string()).collect();
+        arguments.push(store.display().to_string());
+        Self::start_with(store, arguments).await
+    }
+
+    async fn start_with(store: std::path::PathBuf, arguments: Vec<String>) -> OwnNats {
+        // Debian installs it under /usr/sbin, which not every PATH holds.
+        let binary = ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
+            .into_iter()
+            .find(|path| std::path::Path::new(path).exists())
+            .unwrap_or("nats-server");
+        let mut child = tokio::process::Command::new(binary)
+            .args(arguments)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("nats-server must be installed for the sink tests (see README)");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let listening = tokio::time::timeout(WAIT, async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if let Some((_, address)) = line.split_once("Listening for client connections on ")
+                {
+                    return address
+                        .rsplit_once(':')
+                        .unwrap()
+                        .1
+                        .trim()
+                        .parse::<u16>()
+                        .unwrap();
+                }
+            }
+            panic!("nats-server ended before listening");
+        })
+        .await
+        .expect("nats-server listens");
+        // Keep reading its log so it never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        OwnNats {
+            child,
+            port: listening,
+            store,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    async fn stop(mut self) -> (std::path::PathBuf, u16) {
+        self.child.kill().await.expect("stop nats-server");
+        (self.store.clone(), self.port)
+    }
+}
+
+#[tokio::test]
+async fn a_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates_order() {
+    let database = TestDatabase::create().await;
+    let store = std::env::temp_dir().join(format!("{}-nats", database.name()));
+    let _ = std::fs::remove_dir_all(&store);
+    let nats = OwnNats::start(store.clone(), None).await;
+    let gateway = gateway_with_sink(&database, &nats.url()).await;
+    let stream = TestStream::create(&nats.url(), "flow").await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            retry_backoff_min: seconds(1),
+            retry_backoff_max: seconds(2),
+            max_attempts: Some(0),
+            ..sink_subscription("ordered-out", "flow.{aggregate_id}")
+        },
+    )
+    .await;
+    let batch = |from: usize| -> Vec<proto::EventInput> {
+        (from..from + 50)
+            .map(|index| proto::EventInput {
+                aggregate_version: Some(index as i64 / 5 + 1),
+                ..event(&format!("a-{}", index % 5), "order.changed")
+            })
+            .collect()
+    };
+    publish(&gateway, batch(0)).await;
+    eventually("the first events are stored", WAIT, || async {
+        stream.stored().await >= 10
+    })
+    .await;
+    drop(stream);
+
+    // The broker goes away mid-flow; more events are published meanwhile.
+    let (store, port) = nats.stop().await;
+    publish(&gateway, batch(50)).await;
+    eventually("stats say why nothing is confirmed", WAIT, || async {
+        let stats = subscription_stats(&gateway, "ordered-out").await;
+        !stats.sink_last_error.is_empty() && stats.lag_events > 0
+    })
+    .await;
+    eventually("health reports the sink NOT_SERVING", WAIT, || async {
+        sink_health(&gateway).await == Some(ServingStatus::NotServing)
+    })
+    .await;
+
+    let nats = OwnNats::start(store.clone(), Some(port)).await;
+    let stream = TestStream::open(&nats.url(), "flow").await;
+    eventually(
+        "all 100 events are stored after the restart",
+        WAIT * 2,
+        || async { stream.stored().await >= 100 },
+    )
+    .await;
+    let messages = stream.read().await;
+    let mut ids = std::collections::HashSet::new();
+    let mut versions: HashMap<String, Vec<i64>> = HashMap::new();
+    for message in &messages {
+        ids.insert(header(message, "Nats-Msg-Id").unwrap());
+        let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        let aggregate = body["aggregate"].as_str().unwrap().to_owned();
+        let version: i64 = header(message, "ce-aggregateversion")
+            .unwrap()
+            .parse()
+            .unwrap();
+        versions.entry(aggregate).or_default().push(version);
+    }
+    assert_eq!(ids.len(), 100, "every event, none lost");
+    assert_eq!(messages.len(), 100, "re-sends were dropped as duplicates");
+    for (aggregate, versions) in versions {
+        let mut sorted = versions.clone();
+        sorted.sort();
+        assert_eq!(versions, sorted, "{aggregate} stored in order");
+    }
+    eventually("the subscription caught up", WAIT, || async {
+        subscription_stats(&gateway, "ordered-out").await.lag_events == 0
+    })
+    .await;
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+#[tokio::test]
+async fn refusals_of_the_broker_dead_letter_the_event_with_its_reason() {
+    let database = TestDatabase::create().await;
+    let store = std::env::temp_dir().join(format!("{}-nats-refusing", database.name()));
+    let _ = std::fs::remove_dir_all(&store);
+    std::fs::create_dir_all(&store).unwrap();
+    // The gateway may publish under `allowed.` only; messages are at most 4 KiB.
+    let config = store.join("nats.conf");
+    std::fs::write(
+        &config,
+        format!(
+            r#"listen: "127.0.0.1:-1"
+max_payload: 4096
+jetstream {{ store_dir: "{}" }}
+authorization {{
+  users = [
+    {{ user: gateway, password: gateway-secret, permissions: {{
+        publish: {{ allow: ["allowed.>", "$JS.API.>"] }},
+        subscribe: {{ allow: ["_INBOX.>"] }} }} }},
+    {{ user: admin, password: admin-secret }}
+  ]
+}}
+"#,
+            store.display()
+        ),
+    )
+    .unwrap();
+    let nats = OwnNats::start_with(
+        store.clone(),
+        vec!["-c".into(), config.display().to_string()],
+    )
+    .await;
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin-secret".into())
+            .connect(nats.url())
+            .await
+            .expect("connect as admin");
+    jetstream::new(client)
+        .create_stream(stream::Config {
+            name: "REFUSALS".into(),
+            subjects: vec!["allowed.>".into(), "denied.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+    let mut config = test_config(database.url());
+    config.sinks = vec![SinkSettings {
+        user: Some("gateway".into()),
+        password: Some("gateway-secret".into()),
+        ..nats_sink("js", &nats.url())
+    }];
+    let gateway = TestGateway::start_with(&database, config).await;
+    for (name, event_type, subject) in [
+        ("denied-out", "x.denied", "denied.{aggregate_id}"),
+        ("allowed-out", "x.allowed", "allowed.{aggregate_id}"),
+    ] {
+        create_subscription(
+            &gateway,
+            proto::Subscription {
+                event_types: vec![event_type.into()],
+                ..sink_subscription(name, subject)
+            },
+        )
+        .await;
+    }
+    let large = proto::EventInput {
+        payload: vec![b'x'; 8 * 1024],
+        content_type: "application/octet-stream".into(),
+        ..event("big", "x.allowed")
+    };
+    publish(
+        &gateway,
+        vec![event("d-1", "x.denied"), large, event("small", "x.allowed")],
+    )
+    .await;
+
+    eventually("the oversized event is dead-lettered", WAIT, || async {
+        list_dead_letters(&gateway, "allowed-out").await.len() == 1
+    })
+    .await;
+    let oversized = list_dead_letters(&gateway, "allowed-out").await.remove(0);
+    assert!(
+        oversized
+            .last_error
+            .contains("larger than the NATS server accepts"),
+        "{}",
+        oversized.last_error
+    );
+    eventually("the small event is acked", WAIT, || async {
+        subscription_stats(&gateway, "allowed-out")
+            .await
+            .acked_total
+            == 1
+    })
+    .await;
+    // A denied publish is dropped by the server without an answer: it shows once the
+    // confirmation is overdue (10 s).
+    eventually("the denied event is dead-lettered", WAIT * 2, || async {
+        list_dead_letters(&gateway, "denied-out").await.len() == 1
+    })
+    .await;
+    let denied = list_dead_letters(&gateway, "denied-out").await.remove(0);
+    assert!(
+        denied
+            .last_error
+            .to_lowercase()
+            .contains("permissions violation"),
+        "{}",
+        denied.last_error
+    );
+    assert_eq!(denied.attempts, 1);
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+#[tokio::test]
+async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jetstream() {
+    let database = TestDatabase::create().await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    let config_file = std::env::temp_dir().join(format!("{prefix}-sinks.toml"));
+    std::fs::write(
+        &config_file,
+        format!("[[sinks]]\nname = \"js\"\nkind = \"nats\"\nservers = [\"{SHARED_NATS}\"]\n"),
+    )
+    .unwrap();
+    let config_argument = config_file.to_str().expect("a UTF-8 path");
+    let arguments = ["--config", config_argument, "--metrics-listen", "off"];
+    let (mut doomed, _doomed_log, _, doomed_channel) =
+        start_gateway_process(&database, &arguments).await;
+    let (_survivor, _survivor_log, _, survivor_channel) =
+        start_gateway_process(&database, &arguments).await;
+    proto::admin_client::AdminClient::new(doomed_channel.clone())
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                ack_deadline: seconds(2),
+                ..sink_subscription("shared-out", &format!("{prefix}.{{aggregate_id}}"))
+            }),
+        })
+        .await
+        .expect("create the sink subscription");
+    let events: Vec<proto::EventInput> = (0..1000)
+        .map(|index| event(&format!("o-{index}"), "order.created"))
+        .collect();
+    let mut publisher = proto::publisher_client::PublisherClient::new(survivor_channel.clone());
+    for chunk in events.chunks(100) {
+        publisher
+            .publish(proto::PublishRequest {
+                events: chunk.to_vec(),
+                ..Default::default()
+            })
+            .await
+            .expect("publish");
+    }
+    eventually("the stream holds the first events", WAIT, || async {
+        stream.stored().await >= 100
+    })
+    .await;
+    // Killed mid-flow: what it published but had not acked yet goes out again.
+    doomed.start_kill().expect("SIGKILL");
+    doomed.wait().await.unwrap();
+
+    let admin = proto::admin_client::AdminClient::new(survivor_channel);
+    eventually("the survivor settles every event", WAIT * 2, || async {
+        let stats = admin
+            .clone()
+            .get_stats(proto::GetStatsRequest {
+                subscription: "shared-out".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+            .remove(0);
+        stats.lag_events == 0 && stats.acked_total >= 1000
+    })
+    .await;
+    let messages = stream.read().await;
+    let ids: std::collections::HashSet<String> = messages
+        .iter()
+        .map(|message| header(message, "Nats-Msg-Id").unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1000, "every event is in the stream");
+    assert_eq!(messages.len(), 1000, "and none twice");
+    stream.delete().await;
+    let _ = std::fs::remove_file(&config_file);
+}
