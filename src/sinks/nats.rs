@@ -5,6 +5,7 @@
 //! else (the server unreachable or restarting, no answer in time) is transient.
 
 use std::{
+    borrow::Cow,
     str::FromStr,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -29,6 +30,8 @@ use crate::{
 
 /// Publishes awaiting their PubAck at once, over all of this sink's subscriptions.
 const MAX_ACKS_PENDING: usize = 4096;
+/// Longest wait at start for the first connection before carrying on without it.
+const FIRST_CONNECTION_WAIT: Duration = Duration::from_secs(2);
 /// Longest wait for JetStream's answer when checking whether it is reachable.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(3);
 /// JetStream's codes for a message larger than the stream takes (payload, headers).
@@ -59,7 +62,8 @@ pub(super) fn validate(sink: &SinkSettings) -> Result<(), String> {
 
 pub(super) struct NatsSink {
     client: async_nats::Client,
-    jetstream: jetstream::Context,
+    /// Shared by every send: cloning a context copies more than a pointer.
+    jetstream: Arc<jetstream::Context>,
     /// The servers, for messages.
     servers: String,
     /// The newest permissions violation the server reported, and when: it comes apart
@@ -73,6 +77,7 @@ impl NatsSink {
         let violation = Arc::new(Mutex::new(None));
         let name = sink.name.clone();
         let recorded = violation.clone();
+        let (connected, mut first_connection) = tokio::sync::watch::channel(false);
         let mut options = ConnectOptions::new()
             .name(format!("outbox-gateway sink {}", sink.name))
             .retry_on_initial_connect()
@@ -80,6 +85,9 @@ impl NatsSink {
             .connection_timeout(Duration::from_secs(5))
             .event_callback(move |event| {
                 let (name, recorded) = (name.clone(), recorded.clone());
+                if matches!(event, Event::Connected) {
+                    connected.send_replace(true);
+                }
                 async move {
                     match event {
                         Event::Connected => tracing::info!(sink = %name, "connected to NATS"),
@@ -121,6 +129,13 @@ impl NatsSink {
             .connect(servers)
             .await
             .map_err(|error| format!("cannot connect: {error}"))?;
+        // A moment for the first connection, so that a reachable broker is reported
+        // reachable from the start; a broker that is down is connected to later.
+        let _ = tokio::time::timeout(
+            FIRST_CONNECTION_WAIT,
+            first_connection.wait_for(|connected| *connected),
+        )
+        .await;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(crate::sink::SINK_TIMEOUT)
             .max_ack_inflight(MAX_ACKS_PENDING)
@@ -128,7 +143,7 @@ impl NatsSink {
             .build(client.clone());
         Ok(NatsSink {
             client,
-            jetstream,
+            jetstream: Arc::new(jetstream),
             servers: sink.servers.join(", "),
             violation,
         })
@@ -140,43 +155,46 @@ impl SinkClient for NatsSink {
         SinkKind::Nats
     }
 
-    fn send(
-        &self,
-        message: SinkMessage,
-        timeout: Duration,
-    ) -> BoxFuture<'static, Result<(), SinkFailure>> {
-        let jetstream = self.jetstream.clone();
-        let violation = self.violation.clone();
+    fn send(&self, message: SinkMessage) -> BoxFuture<'static, Result<(), SinkFailure>> {
+        let (jetstream, violation) = (self.jetstream.clone(), self.violation.clone());
         async move {
             let mut headers = HeaderMap::new();
-            for (name, value) in &message.headers {
-                let (Ok(name), Ok(value)) =
-                    (HeaderName::from_str(name), HeaderValue::from_str(value))
-                else {
-                    return Err(SinkFailure::Permanent(format!(
-                        "header {name:?} cannot be carried by NATS"
-                    )));
+            for (name, value) in message.headers {
+                let name = match name {
+                    // The gateway's own names, valid as they are.
+                    Cow::Borrowed(name) => Ok(HeaderName::from_static(name)),
+                    Cow::Owned(name) => HeaderName::from_str(&name).map_err(|_| name),
                 };
-                headers.append(name, value);
+                match (name, HeaderValue::try_from(value)) {
+                    (Ok(name), Ok(value)) => headers.append(name, value),
+                    (Err(name), _) => {
+                        return Err(SinkFailure::Permanent(format!(
+                            "header {name:?} cannot be carried by NATS"
+                        )));
+                    }
+                    (Ok(name), Err(_)) => {
+                        return Err(SinkFailure::Permanent(format!(
+                            "the value of header {name} cannot be carried by NATS"
+                        )));
+                    }
+                }
             }
             let subject = message.destination;
             let publish = PublishMessage::build()
                 .payload(message.payload.into())
                 .headers(headers);
-            let sent = tokio::time::timeout(timeout, async {
+            // The context bounds both the send and the wait for the PubAck by
+            // SINK_TIMEOUT.
+            let sent = async {
                 jetstream
                     .send_publish(subject.clone(), publish)
                     .await?
                     .await
-            })
-            .await;
-            let error = match sent {
+            };
+            let error = match sent.await {
                 // A duplicate is confirmed too: the stream holds the message already.
-                Ok(Ok(_ack)) => return Ok(()),
-                Ok(Err(error)) => error,
-                Err(_) => {
-                    async_nats::jetstream::context::PublishError::new(PublishErrorKind::TimedOut)
-                }
+                Ok(_ack) => return Ok(()),
+                Err(error) => error,
             };
             Err(classify(&jetstream, &violation, &subject, error).await)
         }

@@ -13,7 +13,7 @@
 //!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
 //!   extension; `traceparent` / `tracestate` as plain HTTP headers.
 
-use std::collections::BTreeMap;
+use std::{borrow::Cow, collections::BTreeMap};
 
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -82,26 +82,59 @@ fn ce_time(time: DateTime<Utc>) -> String {
     time.to_rfc3339_opts(SecondsFormat::AutoSi, true)
 }
 
+/// How a protocol binding names CloudEvents attributes in its headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderPrefix {
+    /// `ce-`: the HTTP and NATS bindings.
+    Dash,
+    /// `ce_`: the Kafka binding.
+    Underscore,
+}
+
+impl HeaderPrefix {
+    fn name(self, dash: &'static str, underscore: &'static str) -> Cow<'static, str> {
+        Cow::Borrowed(match self {
+            HeaderPrefix::Dash => dash,
+            HeaderPrefix::Underscore => underscore,
+        })
+    }
+
+    fn extension(self, name: &str) -> Cow<'static, str> {
+        Cow::Owned(match self {
+            HeaderPrefix::Dash => format!("ce-{name}"),
+            HeaderPrefix::Underscore => format!("ce_{name}"),
+        })
+    }
+}
+
 /// The event's CloudEvents attributes but `datacontenttype` (the transport's content
-/// type), by name, each value encoded for a header as the HTTP binding asks; the NATS
-/// and Kafka bindings put the same attributes in `ce-` and `ce_` headers.
-pub fn binary_attributes(event: &Event) -> Vec<(String, String)> {
+/// type) as headers of the binding's binary mode, each value encoded as the HTTP binding
+/// asks (the NATS and Kafka bindings carry the same values).
+pub fn binary_attributes(event: &Event, prefix: HeaderPrefix) -> Vec<(Cow<'static, str>, String)> {
     let encode = |value: &str| utf8_percent_encode(value, HEADER_VALUE_ESCAPES).to_string();
-    let mut attributes = vec![
-        ("specversion".to_owned(), "1.0".to_owned()),
-        ("id".to_owned(), event.id.to_string()),
-        ("type".to_owned(), encode(&event.event_type)),
+    let name = |dash, underscore| prefix.name(dash, underscore);
+    let mut attributes = Vec::with_capacity(8 + event.metadata.len());
+    attributes.extend([
+        (name("ce-specversion", "ce_specversion"), "1.0".to_owned()),
+        (name("ce-id", "ce_id"), event.id.to_string()),
+        (name("ce-type", "ce_type"), encode(&event.event_type)),
         // Like every attribute: the receiver decodes the header, and must get the same
         // `source` as structured mode sends, its own escapes intact.
-        ("source".to_owned(), encode(&ce_source(event))),
-        ("subject".to_owned(), encode(&event.aggregate_id)),
-        ("time".to_owned(), ce_time(event.occurred_at)),
-    ];
+        (name("ce-source", "ce_source"), encode(&ce_source(event))),
+        (
+            name("ce-subject", "ce_subject"),
+            encode(&event.aggregate_id),
+        ),
+        (name("ce-time", "ce_time"), ce_time(event.occurred_at)),
+    ]);
     if let Some(version) = event.aggregate_version {
-        attributes.push(("aggregateversion".to_owned(), version.to_string()));
+        attributes.push((
+            name("ce-aggregateversion", "ce_aggregateversion"),
+            version.to_string(),
+        ));
     }
     for (key, value) in extensions(&event.metadata) {
-        attributes.push((key.clone(), encode(value)));
+        attributes.push((prefix.extension(key), encode(value)));
     }
     attributes
 }
@@ -132,8 +165,8 @@ pub fn build(
         .collect();
     let body = match format {
         PushFormat::Binary => {
-            for (name, value) in binary_attributes(event) {
-                headers.push((format!("ce-{name}"), value));
+            for (name, value) in binary_attributes(event, HeaderPrefix::Dash) {
+                headers.push((name.into_owned(), value));
             }
             headers.push(("content-type".into(), event.content_type.clone()));
             event.payload.clone()

@@ -11,9 +11,11 @@
 //!   metadata as a JSON object: keys that are no CloudEvents attribute name are kept
 //!   too), with the payload as published as the body.
 
+use std::borrow::Cow;
+
 use crate::{
     domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, Template},
-    push::request::{binary_attributes, trace_headers},
+    push::request::{HeaderPrefix, binary_attributes, trace_headers},
 };
 
 /// One message, before the broker client adds its own framing.
@@ -23,7 +25,8 @@ pub struct SinkMessage {
     pub destination: String,
     /// The Kafka key; `None` for NATS.
     pub key: Option<String>,
-    pub headers: Vec<(String, String)>,
+    /// Names are mostly fixed: borrowed, so a message allocates only its values.
+    pub headers: Vec<(Cow<'static, str>, String)>,
     pub payload: Vec<u8>,
 }
 
@@ -34,7 +37,7 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
     let (destination, key, prefix) = match kind {
         SinkKind::Nats => {
             let subject = config.subject.as_ref().ok_or_else(|| missing("subject"))?;
-            (subject.subject(event)?, None, "ce-")
+            (subject.subject(event)?, None, HeaderPrefix::Dash)
         }
         SinkKind::Kafka => {
             let topic = config.topic.as_ref().ok_or_else(|| missing("topic"))?;
@@ -44,34 +47,32 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
                     .expect("the default key is a template")
                     .key(event),
             };
-            (topic.topic(event)?, Some(key), "ce_")
+            (topic.topic(event)?, Some(key), HeaderPrefix::Underscore)
         }
     };
-    let id = event.id.to_string();
-    let mut headers = Vec::with_capacity(16);
+    let mut headers = binary_attributes(event, prefix);
+    let id = headers[1].1.clone();
+    let fixed = |name: &'static str, value: String| (Cow::Borrowed(name), value);
     if kind == SinkKind::Nats {
-        headers.push(("Nats-Msg-Id".to_owned(), id.clone()));
+        headers.push(fixed("Nats-Msg-Id", id.clone()));
     }
-    for (name, value) in binary_attributes(event) {
-        headers.push((format!("{prefix}{name}"), value));
-    }
-    headers.push(("content-type".to_owned(), event.content_type.clone()));
+    headers.push(fixed("content-type", event.content_type.clone()));
     for (name, value) in trace_headers(event) {
-        headers.push((name.to_owned(), value.clone()));
+        headers.push(fixed(name, value.clone()));
     }
-    headers.push(("outbox-event-id".to_owned(), id));
-    headers.push(("outbox-source".to_owned(), event.source.as_str().to_owned()));
-    headers.push((
-        "outbox-aggregate-type".to_owned(),
+    headers.push(fixed("outbox-event-id", id));
+    headers.push(fixed("outbox-source", event.source.as_str().to_owned()));
+    headers.push(fixed(
+        "outbox-aggregate-type",
         escape_header(&event.aggregate_type),
     ));
-    headers.push((
-        "outbox-aggregate-id".to_owned(),
+    headers.push(fixed(
+        "outbox-aggregate-id",
         escape_header(&event.aggregate_id),
     ));
     if !event.metadata.is_empty() {
-        headers.push((
-            "outbox-metadata".to_owned(),
+        headers.push(fixed(
+            "outbox-metadata",
             serde_json::to_string(&event.metadata).expect("a map of strings serializes"),
         ));
     }

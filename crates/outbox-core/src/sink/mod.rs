@@ -11,8 +11,8 @@ pub mod message;
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
-use futures_util::{StreamExt, future::BoxFuture};
-use tokio::{sync::mpsc, task::JoinSet};
+use futures_util::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 pub use message::SinkMessage;
@@ -20,7 +20,7 @@ pub use message::SinkMessage;
 use crate::{
     delivery::Relay,
     domain::{AckId, Delivery, SinkConfig, SinkKind, Subscription},
-    drain::{self, Drains, StatusBoard, hold_lease, reraise_panic, send_acks},
+    drain::{self, Drains, StatusBoard, hold_lease, send_acks},
     error::{Error, Result},
     metrics,
     storage::{Store, StoreError},
@@ -54,11 +54,10 @@ pub trait SinkClient: Send + Sync + 'static {
     fn kind(&self) -> SinkKind;
 
     /// Sends one message and waits until the broker confirmed it durably (JetStream's
-    /// PubAck; Kafka's acks=all), within `timeout`.
+    /// PubAck; Kafka's acks=all), within [`SINK_TIMEOUT`].
     fn send(
         &self,
         message: SinkMessage,
-        timeout: Duration,
     ) -> BoxFuture<'static, std::result::Result<(), SinkFailure>>;
 
     /// Whether the broker answers now; why not otherwise.
@@ -259,34 +258,32 @@ impl Sinker {
             }
         };
         tracing::info!(subscription = %name, sink = %config.name, "sending to the sink");
-        let mut sends = JoinSet::new();
+        // The sends run on this task, not one task each: a message costs the broker
+        // client little CPU, and a task per message would cost more than that.
+        let mut sends = FuturesUnordered::new();
         let (acks, acks_to_send) = mpsc::unbounded_channel();
         let acker = tokio::spawn(send_acks(self.relay.clone(), name.clone(), acks_to_send));
         let this = Arc::new(self);
         loop {
-            let delivery = tokio::select! {
+            tokio::select! {
                 _ = this.stop.cancelled() => break,
+                Some(()) = sends.next(), if !sends.is_empty() => {}
                 item = stream.next() => match item {
-                    Some(Ok(delivery)) => delivery,
+                    // The stream holds at most SINK_IN_FLIGHT deliveries unsettled,
+                    // which bounds the sends at once.
+                    Some(Ok(delivery)) => {
+                        sends.push(this.clone().send(client.clone(), delivery, acks.clone()));
+                    }
                     Some(Err(error)) => {
                         tracing::debug!(subscription = %name, %error, "sink stream ended");
                         break;
                     }
                     None => break,
                 },
-            };
-            // The stream holds at most SINK_IN_FLIGHT deliveries unsettled, which
-            // bounds the sends at once.
-            let (sinker, client, acks) = (this.clone(), client.clone(), acks.clone());
-            sends.spawn(async move { sinker.send(client, delivery, acks).await });
-            while let Some(done) = sends.try_join_next() {
-                reraise_panic(done);
             }
         }
         // Settle what is in flight before the stream (and with it the leases) goes.
-        while let Some(done) = sends.join_next().await {
-            reraise_panic(done);
-        }
+        while sends.next().await.is_some() {}
         drop(acks);
         let _ = acker.await;
         drop(stream);
@@ -314,7 +311,7 @@ impl Sinker {
         }
         let started = std::time::Instant::now();
         let outcome = match message::build(&delivery.event, config, client.kind()) {
-            Ok(message) => client.send(message, SINK_TIMEOUT).await,
+            Ok(message) => client.send(message).await,
             Err(reason) => Err(SinkFailure::Permanent(reason)),
         };
         let outcome_label = match &outcome {
