@@ -433,6 +433,12 @@ fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
 /// alive now. Backends that exited meanwhile drop out, so compare snapshots only over
 /// windows in which the connections stay open.
 fn postgres_cpu_seconds() -> f64 {
+    processes_cpu_seconds("postgres")
+}
+
+/// CPU seconds of every process of this name (its `comm`), summed; NaN when /proc
+/// cannot be read.
+pub fn processes_cpu_seconds(name: &str) -> f64 {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return f64::NAN;
     };
@@ -441,7 +447,7 @@ fn postgres_cpu_seconds() -> f64 {
         .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|name| name.trim_end() == "postgres")
+                .is_ok_and(|comm| comm.trim_end() == name)
         })
         .filter_map(|pid| cpu_seconds(pid).ok())
         .sum()

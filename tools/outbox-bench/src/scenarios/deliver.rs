@@ -8,7 +8,7 @@
 
 use serde_json::json;
 
-use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress, yes_no};
 use crate::{
     consume::GroupOutcome,
     gateway::Gateway,
@@ -258,10 +258,6 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         &series,
     )?;
     Ok(report)
-}
-
-fn yes_no(value: bool) -> String {
-    if value { "yes" } else { "no" }.to_owned()
 }
 
 fn cut_off_note(outcome: &GroupOutcome, streams: usize) -> String {

@@ -15,6 +15,7 @@ mod publish;
 mod push;
 mod replicas;
 mod scheduled;
+mod sink;
 mod source_outage;
 mod stalled;
 
@@ -51,10 +52,11 @@ pub enum Scenario {
     Cost,
     DeliveryCost,
     Push,
+    Sink,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 17] = [
+    pub const ALL: [Scenario; 18] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -72,6 +74,7 @@ impl Scenario {
         Scenario::Cost,
         Scenario::DeliveryCost,
         Scenario::Push,
+        Scenario::Sink,
     ];
 
     pub fn name(self) -> &'static str {
@@ -93,6 +96,7 @@ impl Scenario {
             Scenario::Cost => "cost",
             Scenario::DeliveryCost => "delivery-cost",
             Scenario::Push => "push",
+            Scenario::Sink => "sink",
         }
     }
 
@@ -100,6 +104,7 @@ impl Scenario {
     pub fn gateway_config(self) -> Option<&'static str> {
         match self {
             Scenario::Push => Some(push::GATEWAY_CONFIG),
+            Scenario::Sink => Some(sink::GATEWAY_CONFIG),
             Scenario::PublishBatch
             | Scenario::PublishSingle
             | Scenario::Deliver
@@ -139,6 +144,7 @@ impl Scenario {
             Scenario::Cost => cost::run(bench, gateway).await,
             Scenario::DeliveryCost => delivery_cost::run(bench, gateway).await,
             Scenario::Push => push::run(bench, gateway).await,
+            Scenario::Sink => sink::run(bench, gateway).await,
         }
     }
 }
@@ -343,4 +349,8 @@ pub async fn insert_backlog(bench: &Bench, scenario: &str, events: u64) -> anyho
 /// `name-1`, `name-2`, … `name-<count>`.
 fn subscription_names(name: &str, count: usize) -> Vec<String> {
     (1..=count).map(|index| format!("{name}-{index}")).collect()
+}
+
+fn yes_no(value: bool) -> String {
+    if value { "yes" } else { "no" }.to_owned()
 }

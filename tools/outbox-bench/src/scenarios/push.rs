@@ -16,7 +16,7 @@ use anyhow::Context;
 use axum::{Router, http::StatusCode, routing::post};
 use outbox_client::proto;
 
-use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress, yes_no};
 use crate::{
     gateway::Gateway,
     measure::{CpuUse, Sampler, round},
@@ -239,8 +239,4 @@ impl Drop for Receiver {
     fn drop(&mut self) {
         self.task.abort();
     }
-}
-
-fn yes_no(value: bool) -> String {
-    if value { "yes" } else { "no" }.to_owned()
 }
