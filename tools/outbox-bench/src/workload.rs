@@ -95,6 +95,14 @@ pub fn probe_sequence(delivery: &proto::Delivery) -> Option<u64> {
         .ok()
 }
 
+/// Sequence number of a latency probe as a sink published it (its metadata travels
+/// whole in the `outbox-metadata` header), if it is one.
+pub fn sink_probe_sequence(message: &async_nats::Message) -> Option<u64> {
+    let metadata = message.headers.as_ref()?.get("outbox-metadata")?;
+    let metadata: HashMap<String, String> = serde_json::from_str(metadata.as_str()).ok()?;
+    metadata.get(SEQUENCE_KEY)?.parse().ok()
+}
+
 /// Column arrays of one direct-SQL batch, built once per caller; only the ids change
 /// from one batch to the next.
 pub struct RawBatch {

@@ -19,6 +19,7 @@ use std::{
     time::Duration,
 };
 
+use futures_util::StreamExt;
 use hdrhistogram::Histogram;
 use serde_json::json;
 use tokio::{sync::Semaphore, time::Instant};
@@ -232,6 +233,8 @@ impl Probe {
 /// Figures of one open-loop run.
 pub(super) struct LatencyRun {
     writer: Writer,
+    /// Measured at the broker a sink publishes into, not at a consumer.
+    into_sink: bool,
     rate: u64,
     /// Events scheduled in the measured window (after the warm-up).
     scheduled: u64,
@@ -251,10 +254,15 @@ pub(super) struct LatencyRun {
 }
 
 impl LatencyRun {
-    fn label(&self) -> String {
+    pub(super) fn label(&self) -> String {
         format!(
-            "{} at {}/s",
+            "{}{} at {}/s",
             self.writer.name(),
+            if self.into_sink {
+                " into JetStream"
+            } else {
+                ""
+            },
             format_number(self.rate as f64)
         )
     }
@@ -268,9 +276,10 @@ impl LatencyRun {
         &self.commit_to_delivery
     }
 
-    fn to_json(&self) -> serde_json::Value {
+    pub(super) fn to_json(&self) -> serde_json::Value {
         json!({
             "writer": self.writer.name(),
+            "into_sink": self.into_sink,
             "rate_per_s": self.rate,
             "scheduled": self.scheduled,
             "measured": self.measured,
@@ -285,17 +294,66 @@ impl LatencyRun {
     }
 }
 
+/// Where a run's events are seen arriving.
+enum Arrival {
+    /// A Subscribe stream on a subscription of the run's own.
+    Consumer,
+    /// A plain NATS subscriber on the subjects a sink subscription of the run's own
+    /// publishes to (the server routes a message to it as JetStream stores it).
+    Sink(async_nats::Client),
+}
+
+/// What sees a run's events arrive.
+enum Observer {
+    Consumers(ConsumerGroup),
+    Subscriber(tokio::task::JoinHandle<()>),
+}
+
+/// Subjects of the sink latency runs, under the sink scenario's stream.
+pub(super) const SINK_LATENCY_SUBJECTS: &str = "outbox-bench.latency.>";
+
 pub(super) async fn measure_run(
     bench: &Bench,
     gateway: &Gateway,
     writer: Writer,
     rate: u64,
 ) -> anyhow::Result<LatencyRun> {
+    measure(bench, gateway, writer, rate, Arrival::Consumer).await
+}
+
+/// Publishes through the gateway at `rate` into a sink subscription, and measures from
+/// each Publish call's return to the event's arrival at the broker of `client`.
+pub(super) async fn measure_sink_run(
+    bench: &Bench,
+    gateway: &Gateway,
+    rate: u64,
+    client: async_nats::Client,
+) -> anyhow::Result<LatencyRun> {
+    measure(bench, gateway, Writer::Gateway, rate, Arrival::Sink(client)).await
+}
+
+async fn measure(
+    bench: &Bench,
+    gateway: &Gateway,
+    writer: Writer,
+    rate: u64,
+    arrival: Arrival,
+) -> anyhow::Result<LatencyRun> {
     let timing = bench.settings.timing;
     let warmup_events = (rate as f64 * timing.warmup.as_secs_f64()) as u64;
     let total = warmup_events + (rate as f64 * timing.duration.as_secs_f64()).max(1.0) as u64;
-    let subscription = format!("latency-{}-{rate}", writer.name());
-    gateway.create_subscription(&subscription, false).await?;
+    let into_sink = matches!(arrival, Arrival::Sink(_));
+    let subscription = match into_sink {
+        false => format!("latency-{}-{rate}", writer.name()),
+        true => format!("latency-sink-{rate}"),
+    };
+    match into_sink {
+        false => gateway.create_subscription(&subscription, false).await?,
+        true => {
+            let subject = SINK_LATENCY_SUBJECTS.replace('>', "{aggregate_type}");
+            super::sink::create_sink_subscription(gateway, &subscription, &subject, false).await?
+        }
+    }
     let sql_pool = match writer {
         Writer::Sql => Some(bench.database.pool(SQL_CONNECTIONS, Notify::Send).await?),
         Writer::Gateway => None,
@@ -303,22 +361,36 @@ pub(super) async fn measure_run(
 
     let probe = Arc::new(Probe::new(Instant::now() + LEAD, rate, total));
     let receiver = probe.clone();
-    let consumers = ConsumerGroup::start(
-        gateway,
-        &[SubscriptionLoad {
-            name: subscription.clone(),
-            streams: 1,
-            target: u64::MAX,
-        }],
-        ConsumerConfig::default(),
-        timing.sample_interval,
-        move |delivery| {
-            if let Some(sequence) = workload::probe_sequence(delivery) {
-                receiver.received(sequence);
-            }
-        },
-    )
-    .await?;
+    let observer = match arrival {
+        Arrival::Consumer => Observer::Consumers(
+            ConsumerGroup::start(
+                gateway,
+                &[SubscriptionLoad {
+                    name: subscription.clone(),
+                    streams: 1,
+                    target: u64::MAX,
+                }],
+                ConsumerConfig::default(),
+                timing.sample_interval,
+                move |delivery| {
+                    if let Some(sequence) = workload::probe_sequence(delivery) {
+                        receiver.received(sequence);
+                    }
+                },
+            )
+            .await?,
+        ),
+        Arrival::Sink(client) => {
+            let mut messages = client.subscribe(SINK_LATENCY_SUBJECTS).await?;
+            Observer::Subscriber(tokio::spawn(async move {
+                while let Some(message) = messages.next().await {
+                    if let Some(sequence) = workload::sink_probe_sequence(&message) {
+                        receiver.received(sequence);
+                    }
+                }
+            }))
+        }
+    };
 
     let skipped = match &sql_pool {
         None => {
@@ -365,7 +437,16 @@ pub(super) async fn measure_run(
     {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let delivered = consumers.finish().await?;
+    let delivered = match observer {
+        Observer::Consumers(consumers) => consumers.finish().await?.total_samples,
+        Observer::Subscriber(task) => {
+            task.abort();
+            Series {
+                label: String::new(),
+                points: Vec::new(),
+            }
+        }
+    };
     gateway.delete_subscription(&subscription).await?;
     if let Some(pool) = sql_pool {
         pool.close().await;
@@ -373,6 +454,7 @@ pub(super) async fn measure_run(
 
     let mut run = LatencyRun {
         writer,
+        into_sink,
         rate,
         scheduled: total - warmup_events,
         measured: 0,
@@ -384,7 +466,7 @@ pub(super) async fn measure_run(
         commit_to_delivery: measure::new_histogram(),
         end_to_end: measure::new_histogram(),
         call: measure::new_histogram(),
-        delivered: delivered.total_samples,
+        delivered,
     };
     let nanos = |value: u64| Duration::from_nanos(value);
     for sequence in warmup_events..total {

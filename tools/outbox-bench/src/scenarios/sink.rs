@@ -3,7 +3,10 @@
 //! sink subscription publishing every event into a JetStream stream (file storage, one
 //! replica) of the NATS server at 127.0.0.1:4222. An event counts once the stream holds
 //! it. The report gives sink ÷ pull of the same run and the CPU seconds per million
-//! events of the gateway and of the broker (it runs on the same cores).
+//! events of the gateway and of the broker (it runs on the same cores). Then events are
+//! published one per call at 1,000/s into a second sink subscription, and the latency
+//! from each call's return to the message's arrival at the broker (a plain subscriber
+//! on the stream's subjects sees it as the server routes it) is measured.
 
 use std::time::{Duration, Instant};
 
@@ -11,11 +14,11 @@ use anyhow::Context;
 use async_nats::jetstream::{self, stream};
 use outbox_client::proto;
 
-use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress, yes_no};
+use super::{Bench, DELIVER_BACKLOG, insert_backlog, latency, progress, yes_no};
 use crate::{
     gateway::{Gateway, processes_cpu_seconds},
     measure::{CpuUse, round},
-    report::{Report, Table, Target, format_number},
+    report::{LATENCY_HEADERS, Report, Table, Target, format_number, latency_cells},
 };
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -24,6 +27,8 @@ pub const GATEWAY_CONFIG: &str =
     "[[sinks]]\nname = \"bench-js\"\nkind = \"nats\"\nservers = [\"nats://127.0.0.1:4222\"]\n";
 const STREAM: &str = "OUTBOX_BENCH_SINK";
 const PULL_STREAMS: usize = 4;
+/// Publish calls per second of the latency run.
+const LATENCY_RATE: u64 = 1_000;
 /// How often the stream's count is checked for completion.
 const CHECK_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -72,7 +77,13 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let before = gateway.cpu_snapshot();
     let broker_before = processes_cpu_seconds("nats-server");
     let started = Instant::now();
-    create_sink_subscription(gateway, "sink").await?;
+    create_sink_subscription(
+        gateway,
+        "sink",
+        "outbox-bench.backlog.{aggregate_type}",
+        true,
+    )
+    .await?;
     let limit = started + bench.settings.deliver_limit;
     let mut stored = 0;
     while stored < backlog && Instant::now() < limit {
@@ -100,6 +111,16 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         ),
     );
     gateway.delete_subscription("sink").await?;
+
+    let latency = latency::measure_sink_run(bench, gateway, LATENCY_RATE, context.client()).await?;
+    let commit_to_broker = latency.commit_to_delivery();
+    progress(
+        scenario,
+        format!(
+            "at {LATENCY_RATE}/s: commit-to-broker p50 {:.2} ms, p99 {:.2} ms",
+            commit_to_broker.p50, commit_to_broker.p99
+        ),
+    );
     let _ = context.delete_stream(STREAM).await;
 
     let mut report = Report::new(
@@ -144,6 +165,21 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         format!("{:.1}", per_million(broker_cpu, sent)),
     ]);
     report.tables.push(table);
+    let mut headers = vec!["run", "events", "lost"];
+    headers.extend(LATENCY_HEADERS);
+    let mut latency_table = Table::new(
+        "commit-to-broker (from the Publish call's return to the message's arrival at the broker)",
+        &headers,
+    );
+    let mut cells = vec![
+        latency.label(),
+        format_number(latency.measured as f64),
+        latency.lost.to_string(),
+    ];
+    cells.extend(latency_cells(&commit_to_broker));
+    latency_table.row(cells);
+    report.tables.push(latency_table);
+    report.figure("latency", latency.to_json());
     if !drained {
         report.notes.push(format!(
             "the sink run was cut off after {seconds:.0} s with {} events stored; the rate covers that time",
@@ -177,20 +213,29 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn create_sink_subscription(gateway: &Gateway, name: &str) -> anyhow::Result<()> {
+/// A sink subscription into the scenario's sink, from the earliest event or the latest.
+pub(super) async fn create_sink_subscription(
+    gateway: &Gateway,
+    name: &str,
+    subject: &str,
+    earliest: bool,
+) -> anyhow::Result<()> {
+    let boundary = if earliest {
+        proto::Boundary::Earliest
+    } else {
+        proto::Boundary::Latest
+    };
     gateway
         .admin()
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(proto::Subscription {
                 name: name.into(),
                 start: Some(proto::StartPosition {
-                    position: Some(proto::start_position::Position::Boundary(
-                        proto::Boundary::Earliest as i32,
-                    )),
+                    position: Some(proto::start_position::Position::Boundary(boundary as i32)),
                 }),
                 sink: Some(proto::SinkConfig {
                     name: "bench-js".into(),
-                    subject: "outbox-bench.{aggregate_type}".into(),
+                    subject: subject.into(),
                     ..Default::default()
                 }),
                 ..Default::default()
