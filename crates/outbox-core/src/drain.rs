@@ -19,10 +19,11 @@ use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    delivery::Relay,
+    delivery::{DeliveryStream, Relay},
     domain::{
         AckId, Delivery, Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings,
     },
+    error::Error,
     storage::{Store, StoreError},
     tasks::{RestartDelays, TaskName, keep_running},
 };
@@ -31,6 +32,8 @@ use crate::{
 const SETTLE_MARGIN: Duration = Duration::from_secs(5);
 /// Most acks applied in one statement.
 const ACK_BATCH: usize = 500;
+/// Wait before retrying to open a drainer's stream after a failure.
+const REOPEN_DELAY: Duration = Duration::from_secs(1);
 
 /// What this process knows of a drained subscription's sends.
 #[derive(Debug, Clone, PartialEq)]
@@ -279,6 +282,30 @@ pub(crate) async fn supervise<D: Drains>(relay: Relay, drains: D, poll_interval:
         drainer.stop.cancel();
     }
     while drainers.join_next().await.is_some() {}
+}
+
+/// Opens the delivery stream a drainer takes its deliveries from, holding at most
+/// `max_in_flight` unsettled, retrying every [`REOPEN_DELAY`] while it cannot; `None`
+/// when stopped, shutting down, or the subscription is gone.
+pub(crate) async fn open_stream(
+    relay: &Relay,
+    name: &SubscriptionName,
+    max_in_flight: u32,
+    stop: &CancellationToken,
+) -> Option<DeliveryStream> {
+    loop {
+        match relay.subscribe_for_drain(name, max_in_flight).await {
+            Ok(stream) => return Some(stream),
+            Err(Error::NotFound(_) | Error::ShuttingDown) => return None,
+            Err(error) => {
+                tracing::warn!(subscription = %name, %error, "cannot open the delivery stream to drain; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(REOPEN_DELAY) => {}
+                }
+            }
+        }
+    }
 }
 
 /// Makes sure the delivery's lease outlasts a send of up to `timeout` and its

@@ -33,8 +33,6 @@ use crate::{
 const MAX_BODY_IN_ERROR: usize = 1024;
 /// Deliveries a pusher leases per request it may have in flight.
 const LEASE_AHEAD: u32 = 4;
-/// Wait before retrying to open a pusher's stream after a failure.
-const REOPEN_DELAY: Duration = Duration::from_secs(1);
 
 /// Push settings of the gateway (`[push]` in the configuration file).
 #[derive(Debug, Clone, Default)]
@@ -204,22 +202,10 @@ impl Pusher {
             self.stop.cancelled().await;
             return;
         }
-        let mut stream = loop {
-            match self
-                .relay
-                .subscribe_for_drain(&name, push.max_concurrency.saturating_mul(LEASE_AHEAD))
-                .await
-            {
-                Ok(stream) => break stream,
-                Err(Error::NotFound(_) | Error::ShuttingDown) => return,
-                Err(error) => {
-                    tracing::warn!(subscription = %name, %error, "cannot start pushing; retrying");
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = tokio::time::sleep(REOPEN_DELAY) => {}
-                    }
-                }
-            }
+        let in_flight = push.max_concurrency.saturating_mul(LEASE_AHEAD);
+        let Some(mut stream) = drain::open_stream(&self.relay, &name, in_flight, &self.stop).await
+        else {
+            return;
         };
         tracing::info!(subscription = %name, endpoint = %push.endpoint, "pushing");
         let pause = push.request_interval();

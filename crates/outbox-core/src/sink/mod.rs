@@ -32,8 +32,6 @@ pub const SINK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deliveries one sinker holds at once: messages awaiting the broker's confirmation,
 /// and acks awaiting their statement. Pipelining is what makes a broker fast.
 const SINK_IN_FLIGHT: u32 = 1000;
-/// Wait before retrying to open a sinker's stream after a failure.
-const REOPEN_DELAY: Duration = Duration::from_secs(1);
 /// Longest part of a broker's refusal kept as a retry's or dead letter's error.
 const MAX_REASON_CHARS: usize = 1024;
 
@@ -244,18 +242,10 @@ impl Sinker {
             self.stop.cancelled().await;
             return;
         }
-        let mut stream = loop {
-            match self.relay.subscribe_for_drain(&name, SINK_IN_FLIGHT).await {
-                Ok(stream) => break stream,
-                Err(Error::NotFound(_) | Error::ShuttingDown) => return,
-                Err(error) => {
-                    tracing::warn!(subscription = %name, %error, "cannot start sending to the sink; retrying");
-                    tokio::select! {
-                        _ = self.stop.cancelled() => return,
-                        _ = tokio::time::sleep(REOPEN_DELAY) => {}
-                    }
-                }
-            }
+        let Some(mut stream) =
+            drain::open_stream(&self.relay, &name, SINK_IN_FLIGHT, &self.stop).await
+        else {
+            return;
         };
         tracing::info!(subscription = %name, sink = %config.name, "sending to the sink");
         // The sends run on this task, not one task each: a message costs the broker

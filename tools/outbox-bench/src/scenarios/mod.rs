@@ -351,6 +351,42 @@ fn subscription_names(name: &str, count: usize) -> Vec<String> {
     (1..=count).map(|index| format!("{name}-{index}")).collect()
 }
 
+/// Streams of the pull drain the push and sink scenarios compare with.
+const BASELINE_STREAMS: usize = 4;
+
+/// The pull drain a gateway-drained scenario compares with: the deliver backlog inserted,
+/// then drained by one subscription with [`BASELINE_STREAMS`] streams; the backlog, the
+/// outcome and the CPU it took.
+async fn pull_baseline(
+    bench: &Bench,
+    gateway: &Gateway,
+    scenario: &str,
+) -> anyhow::Result<(u64, GroupOutcome, crate::measure::CpuUse)> {
+    let backlog = bench.settings.events(DELIVER_BACKLOG);
+    insert_backlog(bench, scenario, backlog).await?;
+    let before = gateway.cpu_snapshot();
+    let pull = bench
+        .deliver(
+            gateway,
+            &format!("{scenario}-baseline-pull"),
+            1,
+            BASELINE_STREAMS,
+            backlog,
+            bench.settings.deliver_limit,
+        )
+        .await?;
+    let cpu = crate::measure::CpuUse::between(&before, &gateway.cpu_snapshot());
+    bench.database.settle().await?;
+    progress(
+        scenario,
+        format!(
+            "pull with {BASELINE_STREAMS} streams: {} events/s",
+            crate::report::format_number(pull.per_second())
+        ),
+    );
+    Ok((backlog, pull, cpu))
+}
+
 fn yes_no(value: bool) -> String {
     if value { "yes" } else { "no" }.to_owned()
 }

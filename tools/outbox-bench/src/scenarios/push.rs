@@ -16,7 +16,7 @@ use anyhow::Context;
 use axum::{Router, http::StatusCode, routing::post};
 use outbox_client::proto;
 
-use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress, yes_no};
+use super::{BASELINE_STREAMS, Bench, progress, pull_baseline, yes_no};
 use crate::{
     gateway::Gateway,
     measure::{CpuUse, Sampler, round},
@@ -26,35 +26,12 @@ use crate::{
 /// The gateway settings the scenario needs: pushing to this machine.
 pub const GATEWAY_CONFIG: &str = "[push]\nallowed_hosts = [\"127.0.0.1\"]\n";
 const CONCURRENCY: u32 = 64;
-const PULL_STREAMS: usize = 4;
 /// How often the receiver's count is checked for completion.
 const CHECK_INTERVAL: Duration = Duration::from_millis(20);
 
 pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "push";
-    let backlog = bench.settings.events(DELIVER_BACKLOG);
-    insert_backlog(bench, scenario, backlog).await?;
-
-    let before = gateway.cpu_snapshot();
-    let pull = bench
-        .deliver(
-            gateway,
-            "push-baseline-pull",
-            1,
-            PULL_STREAMS,
-            backlog,
-            bench.settings.deliver_limit,
-        )
-        .await?;
-    let pull_cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
-    bench.database.settle().await?;
-    progress(
-        scenario,
-        format!(
-            "pull with {PULL_STREAMS} streams: {} events/s",
-            format_number(pull.per_second())
-        ),
-    );
+    let (backlog, pull, pull_cpu) = pull_baseline(bench, gateway, scenario).await?;
 
     let receiver = Receiver::start().await?;
     let before = gateway.cpu_snapshot();
@@ -103,7 +80,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         ],
     );
     table.row(vec![
-        format!("pull, {PULL_STREAMS} streams"),
+        format!("pull, {BASELINE_STREAMS} streams"),
         format_number(pull.acked() as f64),
         format!("{:.2}", pull.seconds),
         format_number(pull.per_second()),
@@ -154,7 +131,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         .chain(std::iter::once(
             pull.total_samples
                 .clone()
-                .labelled(format!("pull, {PULL_STREAMS} streams")),
+                .labelled(format!("pull, {BASELINE_STREAMS} streams")),
         ))
         .collect();
     bench.time_chart(

@@ -14,7 +14,7 @@ use anyhow::Context;
 use async_nats::jetstream::{self, stream};
 use outbox_client::proto;
 
-use super::{Bench, DELIVER_BACKLOG, insert_backlog, latency, progress, yes_no};
+use super::{BASELINE_STREAMS, Bench, latency, progress, pull_baseline, yes_no};
 use crate::{
     gateway::{Gateway, processes_cpu_seconds},
     measure::{CpuUse, round},
@@ -26,7 +26,6 @@ const NATS_URL: &str = "nats://127.0.0.1:4222";
 pub const GATEWAY_CONFIG: &str =
     "[[sinks]]\nname = \"bench-js\"\nkind = \"nats\"\nservers = [\"nats://127.0.0.1:4222\"]\n";
 const STREAM: &str = "OUTBOX_BENCH_SINK";
-const PULL_STREAMS: usize = 4;
 /// Publish calls per second of the latency run.
 const LATENCY_RATE: u64 = 1_000;
 /// How often the stream's count is checked for completion.
@@ -34,29 +33,7 @@ const CHECK_INTERVAL: Duration = Duration::from_millis(50);
 
 pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "sink";
-    let backlog = bench.settings.events(DELIVER_BACKLOG);
-    insert_backlog(bench, scenario, backlog).await?;
-
-    let before = gateway.cpu_snapshot();
-    let pull = bench
-        .deliver(
-            gateway,
-            "sink-baseline-pull",
-            1,
-            PULL_STREAMS,
-            backlog,
-            bench.settings.deliver_limit,
-        )
-        .await?;
-    let pull_cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
-    bench.database.settle().await?;
-    progress(
-        scenario,
-        format!(
-            "pull with {PULL_STREAMS} streams: {} events/s",
-            format_number(pull.per_second())
-        ),
-    );
+    let (backlog, pull, pull_cpu) = pull_baseline(bench, gateway, scenario).await?;
 
     let client = async_nats::connect(NATS_URL)
         .await
@@ -145,7 +122,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     );
     let per_million = |seconds: f64, events: u64| seconds / events.max(1) as f64 * 1e6;
     table.row(vec![
-        format!("pull, {PULL_STREAMS} streams"),
+        format!("pull, {BASELINE_STREAMS} streams"),
         format_number(pull.acked() as f64),
         format!("{:.2}", pull.seconds),
         format_number(pull.per_second()),
