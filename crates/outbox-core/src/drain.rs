@@ -167,6 +167,11 @@ pub(crate) trait Drains: Clone + Send + Sync + 'static {
     /// Called on every round for each wanted subscription, running or not.
     fn refresh(&self, _subscription: &Subscription) {}
 
+    /// Drops what this process keeps of a subscription it no longer drains.
+    fn forget(&self, subscription_id: SubscriptionId) {
+        self.board().forget(subscription_id);
+    }
+
     /// Drains the subscription until `stop`, or until its stream ends (on a clone).
     fn drain(
         self,
@@ -205,7 +210,7 @@ pub(crate) async fn supervise<D: Drains>(relay: Relay, drains: D, poll_interval:
                         .is_some_and(|subscription| subscription.settings == drainer.settings);
                     if !keep {
                         drainer.stop.cancel();
-                        drains.board().forget(*id);
+                        drains.forget(*id);
                     }
                     keep
                 });

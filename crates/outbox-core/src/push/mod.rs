@@ -136,6 +136,15 @@ impl Drains for PushDrains {
             .set_keys(subscription.id, subscription.push_secrets.clone());
     }
 
+    fn forget(&self, subscription_id: SubscriptionId) {
+        self.board.statuses.forget(subscription_id);
+        self.board
+            .keys
+            .lock()
+            .expect("push keys lock")
+            .remove(&subscription_id);
+    }
+
     fn drain(
         self,
         subscription: Arc<Subscription>,
