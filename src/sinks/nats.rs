@@ -72,7 +72,8 @@ pub(super) struct NatsSink {
 }
 
 impl NatsSink {
-    /// Starts connecting; returns at once, also when the server is down.
+    /// Connects, waiting at most [`FIRST_CONNECTION_WAIT`] for the first connection:
+    /// a server that is down is connected to once it is up.
     pub(super) async fn connect(sink: &SinkSettings) -> Result<NatsSink, String> {
         let violation = Arc::new(Mutex::new(None));
         let name = sink.name.clone();
@@ -126,7 +127,7 @@ impl NatsSink {
             .map(|server| ServerAddr::from_str(server).map_err(|error| error.to_string()))
             .collect::<Result<_, _>>()?;
         let client = options
-            .connect(servers)
+            .connect(servers.clone())
             .await
             .map_err(|error| format!("cannot connect: {error}"))?;
         // A moment for the first connection, so that a reachable broker is reported
@@ -144,7 +145,8 @@ impl NatsSink {
         Ok(NatsSink {
             client,
             jetstream: Arc::new(jetstream),
-            servers: sink.servers.join(", "),
+            // Shown in errors and ListSinks: without credentials a URL may carry.
+            servers: servers_shown(&servers),
             violation,
         })
     }
@@ -226,6 +228,14 @@ impl SinkClient for NatsSink {
         }
         .boxed()
     }
+}
+
+fn servers_shown(servers: &[ServerAddr]) -> String {
+    servers
+        .iter()
+        .map(|server| format!("{}://{}:{}", server.scheme(), server.host(), server.port()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Tells a failure that retrying can cure from one it cannot.
