@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 17] = [
+const SCENARIOS: [&str; 18] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -31,6 +31,7 @@ const SCENARIOS: [&str; 17] = [
     "cost",
     "delivery-cost",
     "push",
+    "sink",
 ];
 
 /// The quick run takes about a minute on an idle machine; past this it is stuck.

@@ -8,7 +8,13 @@
 //! from each call's return to the message's arrival at the broker (a plain subscriber
 //! on the stream's subjects sees it as the server routes it) is measured.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use anyhow::Context;
 use async_nats::jetstream::{self, stream};
@@ -17,7 +23,7 @@ use outbox_client::proto;
 use super::{BASELINE_STREAMS, Bench, latency, progress, pull_baseline, yes_no};
 use crate::{
     gateway::{Gateway, processes_cpu_seconds},
-    measure::{CpuUse, round},
+    measure::{CpuUse, Sampler, round},
     report::{LATENCY_HEADERS, Report, Table, Target, format_number, latency_cells},
 };
 
@@ -53,6 +59,11 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
 
     let before = gateway.cpu_snapshot();
     let broker_before = processes_cpu_seconds("nats-server");
+    let stored_counter = Arc::new(AtomicU64::new(0));
+    let sampler = Sampler::start(
+        vec![stored_counter.clone()],
+        bench.settings.timing.sample_interval,
+    );
     let started = Instant::now();
     create_sink_subscription(
         gateway,
@@ -72,10 +83,12 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             .cached_info()
             .state
             .messages;
+        stored_counter.store(stored, Ordering::Relaxed);
     }
     let seconds = started.elapsed().as_secs_f64();
     let sink_cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
     let broker_cpu = processes_cpu_seconds("nats-server") - broker_before;
+    let series = sampler.finish().await;
     let sent = stored.min(backlog);
     let drained = sent >= backlog;
     let sink_rate = sent as f64 / seconds;
@@ -187,6 +200,28 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         0.8,
         "x",
     ));
+    let series: Vec<_> = series
+        .into_iter()
+        .map(|line| line.labelled("sink into JetStream"))
+        .chain(std::iter::once(
+            pull.total_samples
+                .clone()
+                .labelled(format!("pull, {BASELINE_STREAMS} streams")),
+        ))
+        .collect();
+    bench.time_chart(
+        &mut report,
+        "sink-throughput.svg",
+        "sink: events/s stored in the JetStream stream, beside pull",
+        "events/s",
+        &series,
+    )?;
+    bench.latency_chart(
+        &mut report,
+        "sink-latency.svg",
+        "sink: commit-to-broker at 1,000/s",
+        &[(latency.label(), latency.commit_to_delivery_histogram())],
+    )?;
     Ok(report)
 }
 
