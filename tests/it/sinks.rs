@@ -699,8 +699,19 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
     let arguments = ["--config", config_argument, "--metrics-listen", "off"];
     let (mut doomed, _doomed_log, _, doomed_channel) =
         start_gateway_process(&database, &arguments).await;
-    let (_survivor, _survivor_log, _, survivor_channel) =
-        start_gateway_process(&database, &arguments).await;
+    let (mut survivor, survivor_log, _, survivor_channel) = start_gateway_process(
+        &database,
+        &[
+            "--config",
+            config_argument,
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
+    )
+    .await;
+    let metrics = survivor_log
+        .announced("serving metrics", &mut survivor)
+        .await;
     proto::admin_client::AdminClient::new(doomed_channel.clone())
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(proto::Subscription {
@@ -753,6 +764,37 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
         .collect();
     assert_eq!(ids.len(), 1000, "every event is in the stream");
     assert_eq!(messages.len(), 1000, "and none twice");
+
+    // The survivor counts what it sent by outcome, and how long each took.
+    let scrape_url = format!("http://{metrics}/metrics");
+    let counted = |text: &str, outcome: &str| -> Option<f64> {
+        text.lines()
+            .find(|line| {
+                line.starts_with("outbox_sink_messages_total{")
+                    && line.contains("subscription=\"shared-out\"")
+                    && line.contains("sink=\"js\"")
+                    && line.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .and_then(|line| line.rsplit_once(' '))
+            .and_then(|(_, value)| value.parse().ok())
+    };
+    eventually(
+        "the sink metrics count the survivor's messages",
+        WAIT,
+        || async {
+            let Ok(response) = reqwest::get(&scrape_url).await else {
+                return false;
+            };
+            let text = response.text().await.unwrap_or_default();
+            counted(&text, "confirmed").is_some_and(|confirmed| confirmed >= 1.0)
+                && counted(&text, "refused") == Some(0.0)
+                && text.lines().any(|line| {
+                    line.starts_with("outbox_sink_duration_seconds_count{")
+                        && line.contains("subscription=\"shared-out\"")
+                })
+        },
+    )
+    .await;
     stream.delete().await;
     let _ = std::fs::remove_file(&config_file);
 }
