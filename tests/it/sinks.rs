@@ -250,7 +250,9 @@ async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_header
 #[tokio::test]
 async fn a_subject_no_stream_takes_is_dead_lettered_with_the_reason() {
     let database = TestDatabase::create().await;
-    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let mut config = test_config(database.url());
+    config.sinks = vec![nats_sink("js", SHARED_NATS)];
+    let gateway = TestGateway::start_with_console(&database, config).await;
     let subject = format!("{}.nowhere", database.name());
     create_subscription(&gateway, sink_subscription("lost", &subject)).await;
     publish(&gateway, vec![event("o-1", "order.created")]).await;
@@ -268,6 +270,23 @@ async fn a_subject_no_stream_takes_is_dead_lettered_with_the_reason() {
     assert_eq!(dead.attempts, 1, "a permanent refusal is not retried");
     let stats = subscription_stats(&gateway, "lost").await;
     assert!(stats.sink_last_error.contains(&subject), "{stats:?}");
+
+    // The console's page of the subscription shows the sink and why it fails.
+    let page = reqwest::get(format!(
+        "http://{}/subscriptions/lost",
+        gateway.console.unwrap()
+    ))
+    .await
+    .expect("the console answers")
+    .text()
+    .await
+    .unwrap();
+    assert!(page.contains("into sink"), "{page}");
+    assert!(page.contains(&subject), "the subject: {page}");
+    assert!(
+        page.contains("no JetStream stream takes subject"),
+        "the last error: {page}"
+    );
 }
 
 #[tokio::test]
