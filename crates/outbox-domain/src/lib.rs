@@ -46,10 +46,7 @@ pub use push::{
     PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
 };
 pub use refusal::Refusal;
-pub use sink::{
-    DEFAULT_KAFKA_KEY, MAX_SUBJECT_BYTES, MAX_TOPIC_BYTES, SinkConfig, SinkInput, SinkKind,
-    Template,
-};
+pub use sink::{DEFAULT_KAFKA_KEY, SinkConfig, SinkInput, SinkKind, Template};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,

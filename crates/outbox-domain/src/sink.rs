@@ -18,9 +18,9 @@ use super::refusal::{Refusal, Result};
 const MAX_TEMPLATE_BYTES: usize = 1024;
 /// Longest NATS subject sent: far below the server's control-line limit (4 KiB by
 /// default), which a longer one would break the connection on.
-pub const MAX_SUBJECT_BYTES: usize = 2048;
+const MAX_SUBJECT_BYTES: usize = 2048;
 /// Longest Kafka topic name the broker accepts.
-pub const MAX_TOPIC_BYTES: usize = 249;
+const MAX_TOPIC_BYTES: usize = 249;
 /// Default Kafka key: one aggregate's events go to one partition, in order.
 pub const DEFAULT_KAFKA_KEY: &str = "{aggregate_type}/{aggregate_id}";
 
