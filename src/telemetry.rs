@@ -44,14 +44,16 @@ impl Telemetry {
     /// service is named by `OTEL_SERVICE_NAME`, else `outbox-gateway`. Must be called
     /// inside the Tokio runtime.
     pub fn init(format: LogFormat, level: &str) -> Result<Telemetry, String> {
-        // The driver's own warnings (a failed ping, a server notice per dropped
-        // connection) repeat what the gateway says once in its own words; they show
-        // when the filter names sqlx.
-        let directives = if level.contains("sqlx") {
-            level.to_owned()
-        } else {
-            format!("{level},sqlx=error")
-        };
+        // The drivers' own messages (sqlx: a failed ping, a server notice per dropped
+        // connection; async-nats: every failed reconnect attempt) repeat what the
+        // gateway says once in its own words; they show when the filter names them.
+        let mut directives = level.to_owned();
+        for (driver, quiet) in [("sqlx", "sqlx=error"), ("async_nats", "async_nats=warn")] {
+            if !level.contains(driver) {
+                directives.push(',');
+                directives.push_str(quiet);
+            }
+        }
         let filter =
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(directives));
         // Colours only for a person at a terminal: escape codes in a file or a log
