@@ -652,17 +652,16 @@ impl Operations {
                 }
             }
             let total = total(subscription, &per_source);
-            let consumers =
-                if subscription.settings.push.is_some() || subscription.settings.sink.is_some() {
-                    Consumers::Gateway
-                } else if attached_here.contains(&subscription.id) {
-                    Consumers::Attached
-                } else {
-                    // Streams of other gateways show in the time they last recorded.
-                    Consumers::Absent {
-                        since: subscription.last_attached_at,
-                    }
-                };
+            let consumers = if subscription.settings.drained_by_gateway() {
+                Consumers::Gateway
+            } else if attached_here.contains(&subscription.id) {
+                Consumers::Attached
+            } else {
+                // Streams of other gateways show in the time they last recorded.
+                Consumers::Absent {
+                    since: subscription.last_attached_at,
+                }
+            };
             reports.push(SubscriptionStatsReport {
                 error,
                 status: SubscriptionStatus::of(subscription, &total, consumers, now),

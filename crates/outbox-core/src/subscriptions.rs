@@ -196,7 +196,7 @@ impl Subscriptions {
                 tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
             }
         }
-        if subscription.settings.push.is_some() || subscription.settings.sink.is_some() {
+        if subscription.settings.drained_by_gateway() {
             self.relay.subscription_changed(subscription.id);
         }
         Ok(SubscriptionChange {

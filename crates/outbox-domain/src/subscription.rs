@@ -121,6 +121,12 @@ impl Default for SubscriptionSettings {
 }
 
 impl SubscriptionSettings {
+    /// Whether the gateway itself drains the subscription (push or sink) instead of
+    /// waiting for Subscribe streams.
+    pub fn drained_by_gateway(&self) -> bool {
+        self.push.is_some() || self.sink.is_some()
+    }
+
     /// Whether the filter may select an event of this type, aggregate type and metadata,
     /// as the database's filter would (`queries/claim_new.sql`). It errs only towards
     /// yes: the relay moves a subscription past events this says no to without asking

@@ -355,10 +355,7 @@ impl Relay {
                 ))
             })?;
         let mut subscription = self.find_subscription(name).await?;
-        let drained = |subscription: &Subscription| {
-            subscription.settings.push.is_some() || subscription.settings.sink.is_some()
-        };
-        if drained(&subscription) && !for_drain {
+        if subscription.settings.drained_by_gateway() && !for_drain {
             // The dispatcher's copy may predate a switch to pull.
             subscription = (self.inner.sources.default_source().store)
                 .subscription(name)
