@@ -11,12 +11,17 @@
 //!   metadata as a JSON object: keys that are no CloudEvents attribute name are kept
 //!   too), with the payload as published as the body.
 
-use std::borrow::Cow;
+use std::{borrow::Cow, sync::LazyLock};
 
 use crate::{
     domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, Template},
     push::request::{HeaderPrefix, binary_attributes, trace_headers},
 };
+
+/// The Kafka key when a subscription sets none, parsed once.
+static DEFAULT_KEY: LazyLock<Template> = LazyLock::new(|| {
+    Template::parse("key", DEFAULT_KAFKA_KEY).expect("the default key is a template")
+});
 
 /// One message, before the broker client adds its own framing.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,12 +46,7 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
         }
         SinkKind::Kafka => {
             let topic = config.topic.as_ref().ok_or_else(|| missing("topic"))?;
-            let key = match &config.key {
-                Some(key) => key.key(event),
-                None => Template::parse("key", DEFAULT_KAFKA_KEY)
-                    .expect("the default key is a template")
-                    .key(event),
-            };
+            let key = config.key.as_ref().unwrap_or(&DEFAULT_KEY).key(event);
             (topic.topic(event)?, Some(key), HeaderPrefix::Underscore)
         }
     };
