@@ -1119,8 +1119,24 @@ mod tests {
                 "is not a NATS URL",
             ),
             (
-                "name = \"a\"\nkind = \"kafka\"\nservers = [\"nats://h:4222\"]",
-                "not available in this version",
+                "name = \"a\"\nkind = \"kafka\"\nbrokers = [\"h:9092\"]\nservers = [\"nats://h:4222\"]",
+                "servers is not a setting of a kafka sink",
+            ),
+            (
+                "name = \"a\"\nkind = \"kafka\"\nbrokers = []",
+                "brokers must name",
+            ),
+            (
+                "name = \"a\"\nkind = \"kafka\"\nbrokers = [\"kafka://h:9092\"]",
+                "is not host:port",
+            ),
+            (
+                "name = \"a\"\nkind = \"kafka\"\nbrokers = [\"h:9092\"]\nsasl_mechanism = \"GSSAPI\"\nuser = \"u\"\npassword = \"p\"",
+                "sasl_mechanism \"GSSAPI\" is not one of",
+            ),
+            (
+                "name = \"a\"\nkind = \"nats\"\nservers = [\"nats://h:4222\"]\nbrokers = [\"h:9092\"]",
+                "brokers is not a setting of a nats sink",
             ),
             ("name = \"a\"\nkind = \"amqp\"", "not a sink kind"),
             (
@@ -1154,9 +1170,17 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(
-            toml::from_str::<Settings>("[[sinks]]\nname = \"a\"\nkind = \"nats\"\nbrokers = []\n")
-                .is_err()
+            toml::from_str::<Settings>(
+                "[[sinks]]\nname = \"a\"\nkind = \"nats\"\nbootstrap = []\n"
+            )
+            .is_err()
         );
+        let kafka = sinks(
+            "[[sinks]]\nname = \"events-kafka\"\nkind = \"kafka\"\nbrokers = [\"k1:9092\", \"k2:9092\"]\nuser = \"u\"\npassword = \"kafka-secret\"\nsasl_mechanism = \"SCRAM-SHA-512\"\n",
+        )
+        .unwrap();
+        assert_eq!(kafka[0].brokers, ["k1:9092", "k2:9092"]);
+        assert!(!format!("{:?}", kafka[0]).contains("kafka-secret"));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! file): their settings, checked at start, and the clients the core's sinkers publish
 //! through (a [`SinkClient`] each).
 
+mod kafka;
 mod nats;
 
 use std::{fmt, path::PathBuf, sync::Arc};
@@ -14,31 +15,38 @@ use crate::{
 };
 
 /// One `[[sinks]]` table.
-#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SinkSettings {
     /// `[a-z0-9][a-z0-9_-]{0,62}`: what subscriptions name it by.
     pub name: String,
-    /// `nats` (JetStream).
+    /// `nats` (JetStream) or `kafka`.
     pub kind: String,
     /// NATS server URLs (`nats://host:port`, `tls://host:port`).
     #[serde(default)]
     pub servers: Vec<String>,
+    /// Kafka bootstrap brokers (`host:port`).
+    #[serde(default)]
+    pub brokers: Vec<String>,
     /// A NATS credentials file (JWT and NKey seed).
     #[serde(default)]
     pub credentials_file: Option<PathBuf>,
     /// A NATS token.
     #[serde(default)]
     pub token: Option<String>,
-    /// A NATS user and its password.
+    /// A user and its password: NATS's, or Kafka's SASL credentials.
     #[serde(default)]
     pub user: Option<String>,
     #[serde(default)]
     pub password: Option<String>,
-    /// PEM file of certificate authorities trusted for the broker's TLS certificate.
+    /// Kafka: `PLAIN` (the default with a user), `SCRAM-SHA-256` or `SCRAM-SHA-512`.
+    #[serde(default)]
+    pub sasl_mechanism: Option<String>,
+    /// PEM file of certificate authorities trusted for the broker's TLS certificate
+    /// (for Kafka, setting it also turns TLS on).
     #[serde(default)]
     pub tls_ca_file: Option<PathBuf>,
-    /// Refuse to connect without TLS.
+    /// Refuse to connect without TLS (for Kafka: connect with TLS).
     #[serde(default)]
     pub tls_required: bool,
 }
@@ -51,10 +59,12 @@ impl fmt::Debug for SinkSettings {
             .field("name", &self.name)
             .field("kind", &self.kind)
             .field("servers", &self.servers)
+            .field("brokers", &self.brokers)
             .field("credentials_file", &self.credentials_file)
             .field("token", &hidden(self.token.is_some()))
             .field("user", &self.user)
             .field("password", &hidden(self.password.is_some()))
+            .field("sasl_mechanism", &self.sasl_mechanism)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_required", &self.tls_required)
             .finish()
@@ -88,19 +98,36 @@ pub fn validate(sinks: &[SinkSettings]) -> Result<(), String> {
         if sinks[..index].iter().any(|other| other.name == sink.name) {
             return Err(invalid("the name is used by an earlier sink".into()));
         }
-        match sink.sink_kind() {
-            Some(SinkKind::Nats) => nats::validate(sink).map_err(invalid)?,
-            Some(SinkKind::Kafka) => {
-                return Err(invalid(
-                    "kind \"kafka\": Kafka sinks are not available in this version; kind \"nats\" (JetStream) is".into(),
-                ));
-            }
+        // Each kind's settings, and those of the other kind that it does not take.
+        let (checked, foreign): (_, &[(&str, bool)]) = match sink.sink_kind() {
+            Some(SinkKind::Nats) => (
+                nats::validate(sink),
+                &[
+                    ("brokers", !sink.brokers.is_empty()),
+                    ("sasl_mechanism", sink.sasl_mechanism.is_some()),
+                ],
+            ),
+            Some(SinkKind::Kafka) => (
+                kafka::validate(sink),
+                &[
+                    ("servers", !sink.servers.is_empty()),
+                    ("credentials_file", sink.credentials_file.is_some()),
+                    ("token", sink.token.is_some()),
+                ],
+            ),
             None => {
                 return Err(invalid(format!(
-                    "kind {:?} is not a sink kind; use \"nats\" (JetStream)",
+                    "kind {:?} is not a sink kind; use \"nats\" (JetStream) or \"kafka\"",
                     sink.kind
                 )));
             }
+        };
+        checked.map_err(invalid)?;
+        if let Some((field, _)) = foreign.iter().find(|(_, set)| *set) {
+            return Err(invalid(format!(
+                "{field} is not a setting of a {} sink",
+                sink.kind
+            )));
         }
     }
     Ok(())
@@ -117,7 +144,11 @@ pub async fn connect(sinks: &[SinkSettings]) -> Result<SinkCatalog, String> {
                     .await
                     .map_err(|message| format!("sink {:?}: {message}", sink.name))?,
             ),
-            Some(SinkKind::Kafka) | None => {
+            Some(SinkKind::Kafka) => Arc::new(
+                kafka::KafkaSink::connect(sink)
+                    .map_err(|message| format!("sink {:?}: {message}", sink.name))?,
+            ),
+            None => {
                 return Err(format!(
                     "sink {:?}: unknown kind {:?}",
                     sink.name, sink.kind

@@ -19,6 +19,7 @@ mod faithful;
 mod first_run;
 mod flow_control;
 mod fuzz;
+mod kafka_sinks;
 mod observability;
 mod operations;
 mod publish;

@@ -23,12 +23,7 @@ fn nats_sink(name: &str, server: &str) -> SinkSettings {
         name: name.into(),
         kind: "nats".into(),
         servers: vec![server.into()],
-        credentials_file: None,
-        token: None,
-        user: None,
-        password: None,
-        tls_ca_file: None,
-        tls_required: false,
+        ..Default::default()
     }
 }
 

@@ -1,0 +1,668 @@
+//! Sink subscriptions into a real Kafka-protocol broker: the machine's at 127.0.0.1:9092
+//! (each test with topics of its own), or a broker a test starts itself when it must
+//! stop it. The broker is tansu (`.ci/run` installs it); `OUTBOX_TEST_KAFKA` names
+//! another bootstrap broker.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+    time::Duration,
+};
+
+use outbox_gateway::{proto, sinks::SinkSettings};
+use rdkafka::{
+    ClientConfig, Message, Offset, TopicPartitionList,
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
+    consumer::{BaseConsumer, Consumer as _},
+    message::{Headers, OwnedMessage},
+};
+use tonic::Code;
+
+use crate::common::*;
+
+/// Generous: a busy machine slows everything down.
+const WAIT: Duration = Duration::from_secs(30);
+
+fn shared_kafka() -> String {
+    std::env::var("OUTBOX_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+fn kafka_sink(name: &str, brokers: &str) -> SinkSettings {
+    SinkSettings {
+        name: name.into(),
+        kind: "kafka".into(),
+        brokers: vec![brokers.into()],
+        ..Default::default()
+    }
+}
+
+/// A gateway with the sink `kafka` on `brokers`.
+async fn gateway_with_sink(database: &Arc<TestDatabase>, brokers: &str) -> TestGateway {
+    let mut config = test_config(database.url());
+    config.sinks = vec![kafka_sink("kafka", brokers)];
+    TestGateway::start_with(database, config).await
+}
+
+fn sink_subscription(name: &str, topic: &str) -> proto::Subscription {
+    proto::Subscription {
+        sink: Some(proto::SinkConfig {
+            name: "kafka".into(),
+            topic: topic.into(),
+            ..Default::default()
+        }),
+        ..subscription(name)
+    }
+}
+
+/// A topic of this test's own.
+struct TestTopic {
+    brokers: String,
+    name: String,
+    partitions: i32,
+}
+
+impl TestTopic {
+    async fn create(brokers: &str, name: &str, partitions: i32) -> TestTopic {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()
+            .expect("a Kafka admin client");
+        let created = admin
+            .create_topics(
+                &[NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
+                &AdminOptions::new().operation_timeout(Some(WAIT)),
+            )
+            .await
+            .expect("create the topic");
+        for result in created {
+            result.unwrap_or_else(|(topic, code)| panic!("create topic {topic}: {code}"));
+        }
+        TestTopic {
+            brokers: brokers.into(),
+            name: name.into(),
+            partitions,
+        }
+    }
+
+    /// Every message of the topic once at least `expected` are there, by partition in
+    /// offset order.
+    async fn read(&self, expected: usize) -> Vec<OwnedMessage> {
+        let (brokers, name, partitions) =
+            (self.brokers.clone(), self.name.clone(), self.partitions);
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", format!("{name}-reader"))
+                .set("enable.auto.commit", "false")
+                .create()
+                .expect("a Kafka consumer");
+            let mut assignment = TopicPartitionList::new();
+            for partition in 0..partitions {
+                assignment
+                    .add_partition_offset(&name, partition, Offset::Beginning)
+                    .unwrap();
+            }
+            consumer.assign(&assignment).expect("assign the partitions");
+            let deadline = std::time::Instant::now() + WAIT * 2;
+            let mut messages = Vec::new();
+            while messages.len() < expected {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "only {} of {expected} messages in topic {name}",
+                    messages.len()
+                );
+                match consumer.poll(Duration::from_millis(200)) {
+                    Some(Ok(message)) => messages.push(message.detach()),
+                    Some(Err(error)) => panic!("reading topic {name}: {error}"),
+                    None => {}
+                }
+            }
+            // Anything beyond `expected` (a duplicate) shows up now too.
+            while let Some(Ok(message)) = consumer.poll(Duration::from_millis(500)) {
+                messages.push(message.detach());
+            }
+            messages
+        })
+        .await
+        .expect("the reader")
+    }
+}
+
+fn header(message: &impl Message, name: &str) -> Option<String> {
+    message.headers()?.iter().find_map(|header| {
+        (header.key == name)
+            .then(|| String::from_utf8_lossy(header.value.unwrap_or_default()).into_owned())
+    })
+}
+
+fn key(message: &OwnedMessage) -> String {
+    String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned()
+}
+
+fn event_id(message: &OwnedMessage) -> String {
+    header(message, "outbox-event-id").expect("the event id header")
+}
+
+#[tokio::test]
+async fn events_reach_kafka_with_their_topic_key_and_cloudevents_headers() {
+    let database = TestDatabase::create().await;
+    let brokers = shared_kafka();
+    let gateway = gateway_with_sink(&database, &brokers).await;
+    let prefix = database.name().to_owned();
+    let orders = TestTopic::create(&brokers, &format!("{prefix}-order"), 3).await;
+    let created = create_subscription(
+        &gateway,
+        sink_subscription("orders-out", &format!("{prefix}-{{aggregate_type}}")),
+    )
+    .await;
+    assert_eq!(
+        created.sink.as_ref().unwrap().topic,
+        format!("{prefix}-{{aggregate_type}}")
+    );
+
+    let mut events: Vec<proto::EventInput> = (0..30)
+        .map(|index| proto::EventInput {
+            aggregate_version: Some(index / 6 + 1),
+            ..event(&format!("o-{}", index % 6), "order.created")
+        })
+        .collect();
+    events[3].metadata = [
+        ("tenant".to_owned(), "acme".to_owned()),
+        (
+            "traceparent".to_owned(),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+        ),
+    ]
+    .into();
+    let results = publish(&gateway, events.clone()).await;
+    let ids: Vec<String> = results.iter().map(|result| result.id.clone()).collect();
+
+    let messages = orders.read(30).await;
+    let by_id: HashMap<String, &OwnedMessage> = messages
+        .iter()
+        .map(|message| (event_id(message), message))
+        .collect();
+    assert_eq!(by_id.len(), 30, "each event once");
+    assert_eq!(messages.len(), 30, "and no event twice");
+    let mut partition_of: HashMap<String, i32> = HashMap::new();
+    for (index, id) in ids.iter().enumerate() {
+        let message = by_id[id];
+        let aggregate = format!("o-{}", index % 6);
+        assert_eq!(
+            key(message),
+            format!("order/{aggregate}"),
+            "the default key"
+        );
+        assert_eq!(header(message, "ce_id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(message, "ce_type").as_deref(), Some("order.created"));
+        assert_eq!(header(message, "ce_specversion").as_deref(), Some("1.0"));
+        assert_eq!(
+            header(message, "ce_source").as_deref(),
+            Some("/sources/default/aggregates/order")
+        );
+        assert_eq!(
+            header(message, "ce_subject").as_deref(),
+            Some(aggregate.as_str())
+        );
+        assert_eq!(
+            header(message, "content-type").as_deref(),
+            Some("application/json")
+        );
+        assert_eq!(header(message, "outbox-source").as_deref(), Some("default"));
+        assert_eq!(
+            header(message, "outbox-aggregate-type").as_deref(),
+            Some("order")
+        );
+        assert_eq!(
+            header(message, "outbox-aggregate-id").as_deref(),
+            Some(aggregate.as_str())
+        );
+        assert_eq!(header(message, "Nats-Msg-Id"), None, "NATS's header only");
+        assert_eq!(message.payload(), Some(events[index].payload.as_slice()));
+        // One aggregate, one partition: its order is the partition's.
+        let partition = *partition_of
+            .entry(aggregate.clone())
+            .or_insert(message.partition());
+        assert_eq!(
+            message.partition(),
+            partition,
+            "{aggregate} in one partition"
+        );
+    }
+    let traced = by_id[&ids[3]];
+    assert_eq!(header(traced, "ce_tenant").as_deref(), Some("acme"));
+    assert_eq!(
+        header(traced, "traceparent").as_deref(),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    );
+    assert_eq!(
+        header(traced, "outbox-metadata").as_deref(),
+        Some(
+            r#"{"tenant":"acme","traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}"#
+        )
+    );
+    let versions_in_partition_order = |aggregate: &str| -> Vec<String> {
+        messages
+            .iter()
+            .filter(|message| header(*message, "outbox-aggregate-id").as_deref() == Some(aggregate))
+            .map(|message| header(message, "ce_aggregateversion").unwrap())
+            .collect()
+    };
+    assert_eq!(
+        versions_in_partition_order("o-1"),
+        ["1", "2", "3", "4", "5"]
+    );
+
+    eventually("the subscription has acked all 30", WAIT, || async {
+        let stats = subscription_stats(&gateway, "orders-out").await;
+        stats.acked_total == 30 && stats.lag_events == 0
+    })
+    .await;
+    let stats = subscription_stats(&gateway, "orders-out").await;
+    assert_eq!(
+        (stats.sink_sent_total, stats.sink_confirmed_total),
+        (30, 30)
+    );
+
+    // A key template of the subscription's own.
+    let keyed = TestTopic::create(&brokers, &format!("{prefix}-keyed"), 1).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            sink: Some(proto::SinkConfig {
+                name: "kafka".into(),
+                topic: keyed.name.clone(),
+                key: "{source}:{aggregate_id}".into(),
+                ..Default::default()
+            }),
+            ..subscription("keyed-out")
+        },
+    )
+    .await;
+    let keyed_messages = keyed.read(30).await;
+    assert_eq!(key(&keyed_messages[0]), "default:o-0");
+
+    let sinks = gateway
+        .admin()
+        .await
+        .list_sinks(proto::ListSinksRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sinks;
+    assert_eq!(
+        (
+            sinks[0].name.as_str(),
+            sinks[0].kind.as_str(),
+            sinks[0].reachable
+        ),
+        ("kafka", "kafka", true),
+        "{sinks:?}"
+    );
+}
+
+#[tokio::test]
+async fn refusals_of_kafka_dead_letter_the_event_with_its_reason() {
+    let database = TestDatabase::create().await;
+    let brokers = shared_kafka();
+    let mut config = test_config(database.url());
+    config.sinks = vec![kafka_sink("kafka", &brokers)];
+    config.limits.max_payload_bytes = 2 * 1024 * 1024;
+    let gateway = TestGateway::start_with(&database, config).await;
+    let prefix = database.name().to_owned();
+    let topic = TestTopic::create(&brokers, &format!("{prefix}-present"), 1).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            event_types: vec!["x.lost".into()],
+            ..sink_subscription("lost-out", &format!("{prefix}-absent"))
+        },
+    )
+    .await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            event_types: vec!["x.kept".into()],
+            ..sink_subscription("kept-out", &topic.name)
+        },
+    )
+    .await;
+    let large = proto::EventInput {
+        payload: vec![b'x'; 1536 * 1024],
+        content_type: "application/octet-stream".into(),
+        ..event("big", "x.kept")
+    };
+    publish(
+        &gateway,
+        vec![event("l-1", "x.lost"), large, event("small", "x.kept")],
+    )
+    .await;
+
+    eventually(
+        "the event for a missing topic is dead-lettered",
+        WAIT,
+        || async { list_dead_letters(&gateway, "lost-out").await.len() == 1 },
+    )
+    .await;
+    let lost = list_dead_letters(&gateway, "lost-out").await.remove(0);
+    assert!(
+        lost.last_error.contains("has no topic") && lost.last_error.contains("-absent"),
+        "{}",
+        lost.last_error
+    );
+    assert_eq!(lost.attempts, 1, "a permanent refusal is not retried");
+
+    eventually("the oversized event is dead-lettered", WAIT, || async {
+        list_dead_letters(&gateway, "kept-out").await.len() == 1
+    })
+    .await;
+    let oversized = list_dead_letters(&gateway, "kept-out").await.remove(0);
+    assert!(
+        oversized.last_error.contains("larger than Kafka accepts"),
+        "{}",
+        oversized.last_error
+    );
+    let kept = topic.read(1).await;
+    assert_eq!(kept.len(), 1);
+    assert_eq!(
+        header(&kept[0], "outbox-aggregate-id").as_deref(),
+        Some("small")
+    );
+}
+
+#[tokio::test]
+async fn bad_kafka_sink_settings_are_refused_naming_the_field() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, &shared_kafka()).await;
+    let mut admin = gateway.admin().await;
+    let cases = [
+        (
+            proto::SinkConfig {
+                name: "kafka".into(),
+                ..Default::default()
+            },
+            "subscription.sink.topic",
+            "is required",
+        ),
+        (
+            proto::SinkConfig {
+                name: "kafka".into(),
+                topic: "orders/{aggregate_type}".into(),
+                ..Default::default()
+            },
+            "subscription.sink.topic",
+            "",
+        ),
+        (
+            proto::SinkConfig {
+                name: "kafka".into(),
+                topic: "orders".into(),
+                subject: "orders.created".into(),
+                ..Default::default()
+            },
+            "subscription.sink.subject",
+            "does not apply",
+        ),
+        (
+            proto::SinkConfig {
+                name: "kafka".into(),
+                topic: "orders".into(),
+                key: "{tenant}".into(),
+                ..Default::default()
+            },
+            "subscription.sink.key",
+            "is not a field",
+        ),
+    ];
+    for (sink, field, reason) in cases {
+        let result = admin
+            .create_subscription(proto::CreateSubscriptionRequest {
+                subscription: Some(proto::Subscription {
+                    sink: Some(sink.clone()),
+                    ..subscription("refused")
+                }),
+            })
+            .await;
+        let status = result.expect_err(&format!("{sink:?} must be refused"));
+        assert_eq!(status.code(), Code::InvalidArgument, "{sink:?}: {status:?}");
+        assert!(
+            status.message().contains(field) && status.message().contains(reason),
+            "{sink:?}: {}",
+            status.message()
+        );
+        let missing = admin
+            .get_subscription(proto::GetSubscriptionRequest {
+                name: "refused".into(),
+            })
+            .await;
+        assert_status(missing, Code::NotFound, "refused");
+    }
+}
+
+/// A tansu broker of this test's own, storing in SQLite under `store`, so the test can
+/// stop it and start it again with what it stored.
+struct OwnKafka {
+    child: tokio::process::Child,
+    port: u16,
+}
+
+impl OwnKafka {
+    async fn start(store: &std::path::Path, port: u16) -> OwnKafka {
+        std::fs::create_dir_all(store).unwrap();
+        let listener = format!("tcp://127.0.0.1:{port}");
+        // Its log stays beside its data, for when a test fails.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(store.join("tansu.log"))
+            .unwrap();
+        let child = tokio::process::Command::new(tansu_binary())
+            .args([
+                "broker",
+                "--listener-url",
+                &listener,
+                "--advertised-listener-url",
+                &listener,
+                "--storage-engine",
+                "sqlite://tansu.db",
+            ])
+            .current_dir(store)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("tansu must be installed for the Kafka sink tests (see README)");
+        let broker = OwnKafka { child, port };
+        eventually("the broker listens", WAIT, || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        broker
+    }
+
+    fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    async fn stop(mut self) -> u16 {
+        self.child.kill().await.expect("stop the broker");
+        self.port
+    }
+}
+
+/// `TANSU`, or `tansu` on the PATH, or where `cargo install` puts it.
+fn tansu_binary() -> std::path::PathBuf {
+    if let Ok(path) = std::env::var("TANSU") {
+        return path.into();
+    }
+    let installed = std::env::var("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|_| std::env::var("HOME").map(|home| std::path::Path::new(&home).join(".cargo")))
+        .map(|home| home.join("bin/tansu"));
+    match installed {
+        Ok(path) if path.exists() => path,
+        _ => "tansu".into(),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test]
+async fn a_kafka_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates_order() {
+    let database = TestDatabase::create().await;
+    let store = std::env::temp_dir().join(format!("{}-kafka", database.name()));
+    let _ = std::fs::remove_dir_all(&store);
+    let kafka = OwnKafka::start(&store, free_port()).await;
+    let gateway = gateway_with_sink(&database, &kafka.brokers()).await;
+    let topic = TestTopic::create(&kafka.brokers(), "flow", 2).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            retry_backoff_min: seconds(1),
+            retry_backoff_max: seconds(2),
+            max_attempts: Some(0),
+            ..sink_subscription("ordered-out", "flow")
+        },
+    )
+    .await;
+    let batch = |from: usize| -> Vec<proto::EventInput> {
+        (from..from + 50)
+            .map(|index| proto::EventInput {
+                aggregate_version: Some(index as i64 / 5 + 1),
+                ..event(&format!("a-{}", index % 5), "order.changed")
+            })
+            .collect()
+    };
+    publish(&gateway, batch(0)).await;
+    topic.read(10).await;
+
+    // The broker goes away mid-flow; more events are published meanwhile.
+    let port = kafka.stop().await;
+    publish(&gateway, batch(50)).await;
+    eventually("stats say why nothing is confirmed", WAIT, || async {
+        let stats = subscription_stats(&gateway, "ordered-out").await;
+        !stats.sink_last_error.is_empty() && stats.lag_events > 0
+    })
+    .await;
+    let sinks = gateway
+        .admin()
+        .await
+        .list_sinks(proto::ListSinksRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .sinks;
+    assert!(!sinks[0].reachable, "{sinks:?}");
+    assert!(
+        sinks[0].error.contains(&format!("127.0.0.1:{port}")),
+        "{sinks:?}"
+    );
+
+    let kafka = OwnKafka::start(&store, port).await;
+    eventually(
+        "the subscription caught up after the restart",
+        WAIT * 2,
+        || async { subscription_stats(&gateway, "ordered-out").await.lag_events == 0 },
+    )
+    .await;
+    let messages = topic.read(100).await;
+    let ids: HashSet<String> = messages.iter().map(event_id).collect();
+    assert_eq!(ids.len(), 100, "every event, none lost");
+    // A message whose confirmation the outage swallowed may be stored twice (Kafka
+    // keeps no duplicate window across producer sessions); its first copy is in order.
+    let mut seen = HashSet::new();
+    let mut versions: HashMap<String, Vec<i64>> = HashMap::new();
+    for message in &messages {
+        if !seen.insert(event_id(message)) {
+            continue;
+        }
+        let aggregate = header(message, "outbox-aggregate-id").unwrap();
+        let version = header(message, "ce_aggregateversion")
+            .unwrap()
+            .parse()
+            .unwrap();
+        versions.entry(aggregate).or_default().push(version);
+    }
+    for (aggregate, versions) in versions {
+        let mut sorted = versions.clone();
+        sorted.sort();
+        assert_eq!(versions, sorted, "{aggregate} stored in order");
+    }
+    drop(kafka);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+#[tokio::test]
+async fn two_gateways_share_a_kafka_sink_and_a_killed_ones_events_all_arrive() {
+    let database = TestDatabase::create().await;
+    let brokers = shared_kafka();
+    let prefix = database.name().to_owned();
+    let topic = TestTopic::create(&brokers, &format!("{prefix}-shared"), 3).await;
+    let config_file = std::env::temp_dir().join(format!("{prefix}-kafka-sinks.toml"));
+    std::fs::write(
+        &config_file,
+        format!("[[sinks]]\nname = \"kafka\"\nkind = \"kafka\"\nbrokers = [\"{brokers}\"]\n"),
+    )
+    .unwrap();
+    let config_argument = config_file.to_str().expect("a UTF-8 path");
+    let arguments = ["--config", config_argument, "--metrics-listen", "off"];
+    let (mut doomed, _doomed_log, _, doomed_channel) =
+        start_gateway_process(&database, &arguments).await;
+    let (_survivor, _survivor_log, _, survivor_channel) =
+        start_gateway_process(&database, &arguments).await;
+    proto::admin_client::AdminClient::new(doomed_channel.clone())
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                ack_deadline: seconds(2),
+                ..sink_subscription("shared-out", &topic.name)
+            }),
+        })
+        .await
+        .expect("create the sink subscription");
+    let events: Vec<proto::EventInput> = (0..1000)
+        .map(|index| event(&format!("o-{index}"), "order.created"))
+        .collect();
+    let mut publisher = proto::publisher_client::PublisherClient::new(survivor_channel.clone());
+    for chunk in events.chunks(100) {
+        publisher
+            .publish(proto::PublishRequest {
+                events: chunk.to_vec(),
+                ..Default::default()
+            })
+            .await
+            .expect("publish");
+    }
+    topic.read(100).await;
+    doomed.start_kill().expect("SIGKILL");
+    doomed.wait().await.unwrap();
+
+    let admin = proto::admin_client::AdminClient::new(survivor_channel);
+    eventually("the survivor settles every event", WAIT * 2, || async {
+        let stats = admin
+            .clone()
+            .get_stats(proto::GetStatsRequest {
+                subscription: "shared-out".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+            .remove(0);
+        stats.lag_events == 0 && stats.acked_total >= 1000
+    })
+    .await;
+    let messages = topic.read(1000).await;
+    let ids: HashSet<String> = messages.iter().map(event_id).collect();
+    assert_eq!(ids.len(), 1000, "every event is in the topic");
+    let _ = std::fs::remove_file(&config_file);
+}
