@@ -1719,3 +1719,94 @@ async fn stats_watch_ends_with_a_clear_failure_when_the_gateway_goes_away() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("gateway"), "{stderr}");
 }
+
+#[tokio::test]
+async fn sink_subscriptions_are_created_shown_and_switched_from_the_command_line() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.sinks = vec![outbox_gateway::sinks::SinkSettings {
+        name: "events-kafka".into(),
+        kind: "kafka".into(),
+        brokers: vec![
+            std::env::var("OUTBOX_TEST_KAFKA").unwrap_or_else(|_| "127.0.0.1:9092".into()),
+        ],
+        ..Default::default()
+    }];
+    let gateway = TestGateway::start_with(&database, config).await;
+
+    let sinks = cli(&gateway, &["sinks", "--json"]).await.json();
+    assert_eq!(sinks[0]["name"], "events-kafka");
+    assert_eq!(sinks[0]["kind"], "kafka");
+    assert_eq!(sinks[0]["status"], "reachable", "{sinks}");
+
+    let created = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "orders-kafka",
+            "--sink",
+            "events-kafka",
+            "--topic",
+            "orders-{aggregate_type}",
+            "--sink-key",
+            "{aggregate_id}",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(created["sink"]["name"], "events-kafka");
+    assert_eq!(created["sink"]["topic"], "orders-{aggregate_type}");
+    assert_eq!(created["sink"]["key"], "{aggregate_id}");
+    let shown = cli(&gateway, &["subscriptions", "get", "orders-kafka"]).await;
+    assert!(
+        shown
+            .stdout
+            .contains("sink events-kafka (topic orders-{aggregate_type}, key {aggregate_id})"),
+        "{}",
+        shown.stdout
+    );
+
+    // A subject on a Kafka sink is refused, naming the field; nothing is stored.
+    let refused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "refused",
+            "--sink",
+            "events-kafka",
+            "--topic",
+            "orders",
+            "--subject",
+            "orders.created",
+        ],
+    )
+    .await;
+    assert!(!refused.success);
+    assert!(
+        refused.stderr.contains("subscription.sink.subject"),
+        "{}",
+        refused.stderr
+    );
+    let listed = cli(&gateway, &["subscriptions", "list", "--json"])
+        .await
+        .json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+
+    // Back to pull.
+    let pulled = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "orders-kafka",
+            "--pull",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert!(pulled["sink"].is_null(), "{pulled}");
+}

@@ -167,9 +167,10 @@ pub struct SinkArgs {
     /// Kafka sinks: the topic template, e.g. 'orders' or 'orders-{aggregate_type}'.
     #[arg(long, requires = "sink")]
     topic: Option<String>,
-    /// Kafka sinks: the key template [default: {aggregate_type}/{aggregate_id}].
+    /// Kafka sinks: the key template [default: {aggregate_type}/{aggregate_id}]. (Not
+    /// `--key`: that is the client certificate's key, on every command.)
     #[arg(long, requires = "sink")]
-    key: Option<String>,
+    sink_key: Option<String>,
 }
 
 impl SinkArgs {
@@ -178,7 +179,7 @@ impl SinkArgs {
             name: self.sink?,
             subject: self.subject.unwrap_or_default(),
             topic: self.topic.unwrap_or_default(),
-            key: self.key.unwrap_or_default(),
+            key: self.sink_key.unwrap_or_default(),
         })
     }
 }
