@@ -80,11 +80,13 @@ pub(super) struct KafkaSink {
 
 /// The sink's producer, and its replacement when it cannot go on.
 ///
-/// A producer whose messages timed out (the brokers unreachable or too slow for
-/// [`SINK_TIMEOUT`]) is replaced by a new one, which starts with a new producer id
-/// from the brokers: left alone, the idempotent producer would bump its epoch itself,
-/// which not every Kafka-protocol broker accepts (tansu 0.6 fails on it). A producer
-/// that hit a fatal error can send no more and is replaced too.
+/// A message not confirmed within [`SINK_TIMEOUT`] (the brokers unreachable or too
+/// slow) fails as transient, and its producer is replaced by a new one, which starts
+/// with a new producer id from the brokers; the old one drops what it still holds.
+/// librdkafka's own message timeout is off: an idempotent producer that gives up on a
+/// message bumps its epoch itself, which not every Kafka-protocol broker accepts (tansu
+/// 0.6 stops serving when it sees one). A producer that hit a fatal error can send no
+/// more and is replaced too.
 struct Producers {
     settings: SinkSettings,
     current: Mutex<Generation>,
@@ -120,7 +122,7 @@ impl Producers {
 
     /// Replaces the producer of generation `failed`, unless that was done already (its
     /// other messages fail alike).
-    fn replace(&self, failed: u64, why: &KafkaError) {
+    fn replace(&self, failed: u64, why: &str) {
         let name = &self.settings.name;
         let mut current = self.current.lock().expect("producer lock");
         if current.number != failed {
@@ -157,7 +159,9 @@ fn producer(sink: &SinkSettings) -> Result<FutureProducer<SinkContext>, String> 
         .set("client.id", format!("outbox-gateway-{}", sink.name))
         .set("enable.idempotence", "true")
         .set("acks", "all")
-        .set("message.timeout.ms", SINK_TIMEOUT.as_millis().to_string())
+        // Never: a message the producer gave up on would make it bump its epoch
+        // itself (see `Producers`); the sink's own deadline replaces the producer.
+        .set("message.timeout.ms", "0")
         .set(
             "request.timeout.ms",
             (SINK_TIMEOUT / 2).as_millis().to_string(),
@@ -216,18 +220,22 @@ impl SinkClient for KafkaSink {
             if let Some(key) = &message.key {
                 record = record.key(key);
             }
-            // A full local queue is waited out, within the same bound as the broker.
             let generation = producers.current();
-            let sent = generation.producer.send(record, SINK_TIMEOUT).await;
-            let error = match sent {
-                Ok(_delivery) => return Ok(()),
-                Err((error, _message)) => error,
+            // Both a full local queue and the brokers' answer are waited for within
+            // SINK_TIMEOUT; the producer itself never gives up on a message.
+            let sent = generation.producer.send(record, SINK_TIMEOUT);
+            let error = match tokio::time::timeout(SINK_TIMEOUT, sent).await {
+                Ok(Ok(_delivery)) => return Ok(()),
+                Ok(Err((error, _message))) => error,
+                Err(_elapsed) => {
+                    producers.replace(generation.number, "no confirmation in time");
+                    return Err(SinkFailure::Transient(format!(
+                        "no confirmation from Kafka at {brokers} within {SINK_TIMEOUT:?}"
+                    )));
+                }
             };
-            if matches!(
-                error.rdkafka_error_code(),
-                Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::Fatal)
-            ) {
-                producers.replace(generation.number, &error);
+            if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+                producers.replace(generation.number, &error.to_string());
             }
             Err(classify(&message.destination, &brokers, &error))
         }
@@ -275,9 +283,6 @@ fn classify(topic: &str, brokers: &str, error: &KafkaError) -> SinkFailure {
         | InvalidRecord
         | InvalidMessage => SinkFailure::Permanent(format!(
             "Kafka refused the message for topic {topic:?}: {code}"
-        )),
-        MessageTimedOut => SinkFailure::Transient(format!(
-            "no confirmation from Kafka at {brokers} within {SINK_TIMEOUT:?}"
         )),
         _ => SinkFailure::Transient(format!("Kafka did not confirm the message: {code}")),
     }
