@@ -85,6 +85,28 @@ impl TestTopic {
         }
     }
 
+    /// Messages the topic holds, over all its partitions.
+    async fn count(&self) -> i64 {
+        let (brokers, name, partitions) =
+            (self.brokers.clone(), self.name.clone(), self.partitions);
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()
+                .expect("a Kafka consumer");
+            (0..partitions)
+                .map(|partition| {
+                    let (low, high) = consumer
+                        .fetch_watermarks(&name, partition, WAIT)
+                        .expect("the topic's offsets");
+                    high - low
+                })
+                .sum()
+        })
+        .await
+        .expect("the offsets reader")
+    }
+
     /// Every message of the topic once at least `expected` are there, by partition in
     /// offset order.
     async fn read(&self, expected: usize) -> Vec<OwnedMessage> {
@@ -665,4 +687,54 @@ async fn two_gateways_share_a_kafka_sink_and_a_killed_ones_events_all_arrive() {
     let ids: HashSet<String> = messages.iter().map(event_id).collect();
     assert_eq!(ids.len(), 1000, "every event is in the topic");
     let _ = std::fs::remove_file(&config_file);
+}
+
+#[tokio::test]
+async fn a_paused_kafka_sink_subscription_sends_nothing_until_resumed() {
+    let database = TestDatabase::create().await;
+    let brokers = shared_kafka();
+    let gateway = gateway_with_sink(&database, &brokers).await;
+    let prefix = database.name().to_owned();
+    let paused = TestTopic::create(&brokers, &format!("{prefix}-paused"), 1).await;
+    let running = TestTopic::create(&brokers, &format!("{prefix}-running"), 1).await;
+    create_subscription(&gateway, sink_subscription("paused-out", &paused.name)).await;
+    create_subscription(&gateway, sink_subscription("running-out", &running.name)).await;
+    let mut admin = gateway.admin().await;
+    admin
+        .pause_subscription(proto::PauseSubscriptionRequest {
+            name: "paused-out".into(),
+            reason: "broker maintenance".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("pause");
+    let events: Vec<proto::EventInput> = (0..20)
+        .map(|index| event(&format!("o-{index}"), "order.created"))
+        .collect();
+    publish(&gateway, events).await;
+
+    // The running subscription's topic fills while the paused one's stays empty.
+    running.read(20).await;
+    eventually("the running subscription settled all 20", WAIT, || async {
+        subscription_stats(&gateway, "running-out").await.lag_events == 0
+    })
+    .await;
+    assert_eq!(
+        paused.count().await,
+        0,
+        "a paused subscription sends nothing"
+    );
+    assert_eq!(
+        subscription_stats(&gateway, "paused-out").await.lag_events,
+        20
+    );
+
+    admin
+        .resume_subscription(proto::ResumeSubscriptionRequest {
+            name: "paused-out".into(),
+        })
+        .await
+        .expect("resume");
+    let messages = paused.read(20).await;
+    assert_eq!(messages.len(), 20);
 }
