@@ -95,11 +95,10 @@ pub fn probe_sequence(delivery: &proto::Delivery) -> Option<u64> {
         .ok()
 }
 
-/// Sequence number of a latency probe as a sink published it (its metadata travels
-/// whole in the `outbox-metadata` header), if it is one.
-pub fn sink_probe_sequence(message: &async_nats::Message) -> Option<u64> {
-    let metadata = message.headers.as_ref()?.get("outbox-metadata")?;
-    let metadata: HashMap<String, String> = serde_json::from_str(metadata.as_str()).ok()?;
+/// Sequence number of a latency probe as a sink published it, from its
+/// `outbox-metadata` header (the metadata travels whole in it), if it is one.
+pub fn sink_probe_sequence(metadata_header: &str) -> Option<u64> {
+    let metadata: HashMap<String, String> = serde_json::from_str(metadata_header).ok()?;
     metadata.get(SEQUENCE_KEY)?.parse().ok()
 }
 

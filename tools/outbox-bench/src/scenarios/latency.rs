@@ -19,12 +19,14 @@ use std::{
     time::Duration,
 };
 
-use futures_util::StreamExt;
 use hdrhistogram::Histogram;
 use serde_json::json;
 use tokio::{sync::Semaphore, time::Instant};
 
-use super::{Bench, progress};
+use super::{
+    Bench, progress,
+    sink::{ArrivalWatch, Broker, create_sink_subscription},
+};
 use crate::{
     consume::{ConsumerConfig, ConsumerGroup, SubscriptionLoad},
     database::Notify,
@@ -233,8 +235,9 @@ impl Probe {
 /// Figures of one open-loop run.
 pub(super) struct LatencyRun {
     writer: Writer,
-    /// Measured at the broker a sink publishes into, not at a consumer.
-    into_sink: bool,
+    /// The broker a sink published into, where it was measured; `None`: measured at a
+    /// consumer.
+    into_sink: Option<&'static str>,
     rate: u64,
     /// Events scheduled in the measured window (after the warm-up).
     scheduled: u64,
@@ -258,11 +261,9 @@ impl LatencyRun {
         format!(
             "{}{} at {}/s",
             self.writer.name(),
-            if self.into_sink {
-                " into JetStream"
-            } else {
-                ""
-            },
+            self.into_sink
+                .map(|broker| format!(" into {broker}"))
+                .unwrap_or_default(),
             format_number(self.rate as f64)
         )
     }
@@ -295,22 +296,18 @@ impl LatencyRun {
 }
 
 /// Where a run's events are seen arriving.
-enum Arrival {
+enum Arrival<'a> {
     /// A Subscribe stream on a subscription of the run's own.
     Consumer,
-    /// A plain NATS subscriber on the subjects a sink subscription of the run's own
-    /// publishes to (the server routes a message to it as JetStream stores it).
-    Sink(async_nats::Client),
+    /// The broker a sink subscription of the run's own publishes into.
+    Sink(&'a Broker),
 }
 
 /// What sees a run's events arrive.
 enum Observer {
     Consumers(ConsumerGroup),
-    Subscriber(tokio::task::JoinHandle<()>),
+    Broker(ArrivalWatch),
 }
-
-/// Subjects of the sink latency runs, under the sink scenario's stream.
-pub(super) const SINK_LATENCY_SUBJECTS: &str = "outbox-bench.latency.>";
 
 pub(super) async fn measure_run(
     bench: &Bench,
@@ -322,14 +319,14 @@ pub(super) async fn measure_run(
 }
 
 /// Publishes through the gateway at `rate` into a sink subscription, and measures from
-/// each Publish call's return to the event's arrival at the broker of `client`.
+/// each Publish call's return to the event's arrival at `broker`.
 pub(super) async fn measure_sink_run(
     bench: &Bench,
     gateway: &Gateway,
     rate: u64,
-    client: async_nats::Client,
+    broker: &Broker,
 ) -> anyhow::Result<LatencyRun> {
-    measure(bench, gateway, Writer::Gateway, rate, Arrival::Sink(client)).await
+    measure(bench, gateway, Writer::Gateway, rate, Arrival::Sink(broker)).await
 }
 
 async fn measure(
@@ -337,21 +334,23 @@ async fn measure(
     gateway: &Gateway,
     writer: Writer,
     rate: u64,
-    arrival: Arrival,
+    arrival: Arrival<'_>,
 ) -> anyhow::Result<LatencyRun> {
     let timing = bench.settings.timing;
     let warmup_events = (rate as f64 * timing.warmup.as_secs_f64()) as u64;
     let total = warmup_events + (rate as f64 * timing.duration.as_secs_f64()).max(1.0) as u64;
-    let into_sink = matches!(arrival, Arrival::Sink(_));
-    let subscription = match into_sink {
-        false => format!("latency-{}-{rate}", writer.name()),
-        true => format!("latency-sink-{rate}"),
+    let into_sink = match arrival {
+        Arrival::Consumer => None,
+        Arrival::Sink(broker) => Some(broker.label()),
     };
-    match into_sink {
-        false => gateway.create_subscription(&subscription, false).await?,
-        true => {
-            let subject = SINK_LATENCY_SUBJECTS.replace('>', "{aggregate_type}");
-            super::sink::create_sink_subscription(gateway, &subscription, &subject, false).await?
+    let subscription = match into_sink {
+        None => format!("latency-{}-{rate}", writer.name()),
+        Some(broker) => format!("latency-{}-{rate}", broker.to_lowercase()),
+    };
+    match arrival {
+        Arrival::Consumer => gateway.create_subscription(&subscription, false).await?,
+        Arrival::Sink(broker) => {
+            create_sink_subscription(gateway, &subscription, broker.sink(true), false).await?
         }
     }
     let sql_pool = match writer {
@@ -380,16 +379,11 @@ async fn measure(
             )
             .await?,
         ),
-        Arrival::Sink(client) => {
-            let mut messages = client.subscribe(SINK_LATENCY_SUBJECTS).await?;
-            Observer::Subscriber(tokio::spawn(async move {
-                while let Some(message) = messages.next().await {
-                    if let Some(sequence) = workload::sink_probe_sequence(&message) {
-                        receiver.received(sequence);
-                    }
-                }
-            }))
-        }
+        Arrival::Sink(broker) => Observer::Broker(
+            broker
+                .watch_arrivals(move |sequence| receiver.received(sequence))
+                .await?,
+        ),
     };
 
     let skipped = match &sql_pool {
@@ -439,8 +433,8 @@ async fn measure(
     }
     let delivered = match observer {
         Observer::Consumers(consumers) => consumers.finish().await?.total_samples,
-        Observer::Subscriber(task) => {
-            task.abort();
+        Observer::Broker(watch) => {
+            watch.stop().await;
             Series {
                 label: String::new(),
                 points: Vec::new(),
