@@ -19,7 +19,10 @@ use rdkafka::{
 };
 use tonic::Code;
 
-use crate::common::*;
+use crate::{
+    common::*,
+    sinks::{assert_in_order_per_aggregate, through_outages, versioned_batch},
+};
 
 /// Generous: a busy machine slows everything down.
 const WAIT: Duration = Duration::from_secs(30);
@@ -548,29 +551,15 @@ async fn a_kafka_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates
     let topic = TestTopic::create(&kafka.brokers(), "flow", 2).await;
     create_subscription(
         &gateway,
-        proto::Subscription {
-            ordered: true,
-            retry_backoff_min: seconds(1),
-            retry_backoff_max: seconds(2),
-            max_attempts: Some(0),
-            ..sink_subscription("ordered-out", "flow")
-        },
+        through_outages(sink_subscription("ordered-out", "flow")),
     )
     .await;
-    let batch = |from: usize| -> Vec<proto::EventInput> {
-        (from..from + 50)
-            .map(|index| proto::EventInput {
-                aggregate_version: Some(index as i64 / 5 + 1),
-                ..event(&format!("a-{}", index % 5), "order.changed")
-            })
-            .collect()
-    };
-    publish(&gateway, batch(0)).await;
+    publish(&gateway, versioned_batch(0)).await;
     topic.read(10).await;
 
     // The broker goes away mid-flow; more events are published meanwhile.
     let port = kafka.stop().await;
-    publish(&gateway, batch(50)).await;
+    publish(&gateway, versioned_batch(50)).await;
     eventually("stats say why nothing is confirmed", WAIT, || async {
         let stats = subscription_stats(&gateway, "ordered-out").await;
         !stats.sink_last_error.is_empty() && stats.lag_events > 0
@@ -603,23 +592,17 @@ async fn a_kafka_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates
     // A message whose confirmation the outage swallowed may be stored twice (Kafka
     // keeps no duplicate window across producer sessions); its first copy is in order.
     let mut seen = HashSet::new();
-    let mut versions: HashMap<String, Vec<i64>> = HashMap::new();
-    for message in &messages {
-        if !seen.insert(event_id(message)) {
-            continue;
-        }
-        let aggregate = header(message, "outbox-aggregate-id").unwrap();
-        let version = header(message, "ce_aggregateversion")
-            .unwrap()
-            .parse()
-            .unwrap();
-        versions.entry(aggregate).or_default().push(version);
-    }
-    for (aggregate, versions) in versions {
-        let mut sorted = versions.clone();
-        sorted.sort();
-        assert_eq!(versions, sorted, "{aggregate} stored in order");
-    }
+    assert_in_order_per_aggregate(
+        messages
+            .iter()
+            .filter(|message| seen.insert(event_id(message)))
+            .map(|message| {
+                (
+                    header(message, "outbox-aggregate-id").unwrap(),
+                    header(message, "ce_aggregateversion").unwrap(),
+                )
+            }),
+    );
     drop(kafka);
     let _ = std::fs::remove_dir_all(&store);
 }

@@ -128,6 +128,46 @@ fn sink_subscription(name: &str, subject: &str) -> proto::Subscription {
     }
 }
 
+/// `subscription`, ordered and retrying for ever, quickly: what a sink subscription
+/// that must outlast a broker outage looks like.
+pub(crate) fn through_outages(subscription: proto::Subscription) -> proto::Subscription {
+    proto::Subscription {
+        ordered: true,
+        retry_backoff_min: seconds(1),
+        retry_backoff_max: seconds(2),
+        max_attempts: Some(0),
+        ..subscription
+    }
+}
+
+/// Fifty events from `from` on, over five aggregates, each with its version.
+pub(crate) fn versioned_batch(from: usize) -> Vec<proto::EventInput> {
+    (from..from + 50)
+        .map(|index| proto::EventInput {
+            aggregate_version: Some(index as i64 / 5 + 1),
+            ..event(&format!("a-{}", index % 5), "order.changed")
+        })
+        .collect()
+}
+
+/// Checks that the (aggregate id, version) pairs, in the order the broker stored them,
+/// hold each aggregate's versions in ascending order.
+pub(crate) fn assert_in_order_per_aggregate(stored: impl Iterator<Item = (String, String)>) {
+    let mut versions: HashMap<String, Vec<i64>> = HashMap::new();
+    for (aggregate, version) in stored {
+        versions
+            .entry(aggregate)
+            .or_default()
+            .push(version.parse().expect("a version"));
+    }
+    for (aggregate, versions) in versions {
+        assert!(
+            versions.is_sorted(),
+            "{aggregate} stored out of order: {versions:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_headers() {
     let database = TestDatabase::create().await;
@@ -510,24 +550,10 @@ async fn a_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates_order
     let stream = TestStream::create(&nats.url(), "flow").await;
     create_subscription(
         &gateway,
-        proto::Subscription {
-            ordered: true,
-            retry_backoff_min: seconds(1),
-            retry_backoff_max: seconds(2),
-            max_attempts: Some(0),
-            ..sink_subscription("ordered-out", "flow.{aggregate_id}")
-        },
+        through_outages(sink_subscription("ordered-out", "flow.{aggregate_id}")),
     )
     .await;
-    let batch = |from: usize| -> Vec<proto::EventInput> {
-        (from..from + 50)
-            .map(|index| proto::EventInput {
-                aggregate_version: Some(index as i64 / 5 + 1),
-                ..event(&format!("a-{}", index % 5), "order.changed")
-            })
-            .collect()
-    };
-    publish(&gateway, batch(0)).await;
+    publish(&gateway, versioned_batch(0)).await;
     eventually("the first events are stored", WAIT, || async {
         stream.stored().await >= 10
     })
@@ -536,7 +562,7 @@ async fn a_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates_order
 
     // The broker goes away mid-flow; more events are published meanwhile.
     let (store, port) = nats.stop().await;
-    publish(&gateway, batch(50)).await;
+    publish(&gateway, versioned_batch(50)).await;
     eventually("stats say why nothing is confirmed", WAIT, || async {
         let stats = subscription_stats(&gateway, "ordered-out").await;
         !stats.sink_last_error.is_empty() && stats.lag_events > 0
@@ -557,24 +583,17 @@ async fn a_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates_order
     .await;
     let messages = stream.read().await;
     let mut ids = std::collections::HashSet::new();
-    let mut versions: HashMap<String, Vec<i64>> = HashMap::new();
     for message in &messages {
         ids.insert(header(message, "Nats-Msg-Id").unwrap());
-        let body: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
-        let aggregate = body["aggregate"].as_str().unwrap().to_owned();
-        let version: i64 = header(message, "ce-aggregateversion")
-            .unwrap()
-            .parse()
-            .unwrap();
-        versions.entry(aggregate).or_default().push(version);
     }
     assert_eq!(ids.len(), 100, "every event, none lost");
     assert_eq!(messages.len(), 100, "re-sends were dropped as duplicates");
-    for (aggregate, versions) in versions {
-        let mut sorted = versions.clone();
-        sorted.sort();
-        assert_eq!(versions, sorted, "{aggregate} stored in order");
-    }
+    assert_in_order_per_aggregate(messages.iter().map(|message| {
+        (
+            header(message, "outbox-aggregate-id").unwrap(),
+            header(message, "ce-aggregateversion").unwrap(),
+        )
+    }));
     eventually("the subscription caught up", WAIT, || async {
         subscription_stats(&gateway, "ordered-out").await.lag_events == 0
     })
