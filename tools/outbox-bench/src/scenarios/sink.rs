@@ -75,7 +75,6 @@ impl Broker {
         Ok(Broker::JetStream(Box::new(jetstream::new(client))))
     }
 
-
     pub(super) fn label(&self) -> &'static str {
         match self {
             Broker::JetStream(_) => "JetStream",
@@ -137,7 +136,8 @@ impl Broker {
                 let admin = kafka_admin()?;
                 let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
                 let _ = admin.delete_topics(&TOPICS, &options).await;
-                let topics = TOPICS.map(|name| NewTopic::new(name, PARTITIONS, TopicReplication::Fixed(1)));
+                let topics =
+                    TOPICS.map(|name| NewTopic::new(name, PARTITIONS, TopicReplication::Fixed(1)));
                 for result in admin
                     .create_topics(&topics, &options)
                     .await
@@ -178,9 +178,7 @@ impl Broker {
             }
             Broker::Kafka => {
                 if let Ok(admin) = kafka_admin() {
-                    let _ = admin
-                        .delete_topics(&TOPICS, &AdminOptions::new())
-                        .await;
+                    let _ = admin.delete_topics(&TOPICS, &AdminOptions::new()).await;
                 }
             }
         }
@@ -329,12 +327,15 @@ async fn raw_kafka_producer(backlog: u64) -> anyhow::Result<f64> {
                 ("outbox-metadata", workload::METADATA_JSON),
             ]
             .into_iter()
-            .fold(OwnedHeaders::new_with_capacity(13), |headers, (key, value)| {
-                headers.insert(Header {
-                    key,
-                    value: Some(value),
-                })
-            });
+            .fold(
+                OwnedHeaders::new_with_capacity(13),
+                |headers, (key, value)| {
+                    headers.insert(Header {
+                        key,
+                        value: Some(value),
+                    })
+                },
+            );
             let key = format!("{}/{aggregate_id}", workload::AGGREGATE_TYPE);
             let mut record = BaseRecord::to(RAW_TOPIC)
                 .key(&key)
@@ -357,7 +358,12 @@ async fn raw_kafka_producer(backlog: u64) -> anyhow::Result<f64> {
         anyhow::ensure!(
             confirmed == backlog,
             "the broker confirmed {confirmed} of the raw producer's {backlog} messages: {}",
-            context.first_error.lock().expect("error lock").clone().unwrap_or_default()
+            context
+                .first_error
+                .lock()
+                .expect("error lock")
+                .clone()
+                .unwrap_or_default()
         );
         Ok(())
     })
