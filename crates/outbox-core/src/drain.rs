@@ -326,7 +326,9 @@ pub(crate) async fn hold_lease(
     if delivery.ack_deadline >= Utc::now() + needed {
         return true;
     }
-    match relay.extend(name, &[delivery.ack_id], needed).await {
+    // Boxed: the store's future is large, and rarely needed; inline, it would be
+    // copied with every send future a drainer starts.
+    match Box::pin(relay.extend(name, &[delivery.ack_id], needed)).await {
         Ok(stale) => stale.is_empty(),
         Err(error) => {
             tracing::debug!(subscription = %name, %error, "cannot extend a drained delivery's lease");

@@ -333,10 +333,12 @@ impl Sinker {
             .collect();
         // A refusal dead-letters by the subscription's rules: a persistent event type
         // keeps retrying at the capped backoff instead.
-        if let Err(error) = (self.relay)
-            .nack(name, delivery.ack_id, &reason, None, dead_letter)
-            .await
-        {
+        // Boxed like `hold_lease`'s extension: a large future, needed only on failure.
+        let nacked = Box::pin(
+            self.relay
+                .nack(name, delivery.ack_id, &reason, None, dead_letter),
+        );
+        if let Err(error) = nacked.await {
             tracing::warn!(subscription = %name, %error, "cannot settle a sink delivery; its lease will expire and it is sent again");
         }
     }
