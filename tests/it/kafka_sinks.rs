@@ -474,8 +474,15 @@ struct OwnKafka {
 
 impl OwnKafka {
     async fn start(store: &std::path::Path, port: u16) -> OwnKafka {
+        OwnKafka::start_advertising(store, port, port).await
+    }
+
+    /// Listening on `port`, and telling clients to connect to `advertised` (where a
+    /// proxy may stand in front of it).
+    async fn start_advertising(store: &std::path::Path, port: u16, advertised: u16) -> OwnKafka {
         std::fs::create_dir_all(store).unwrap();
         let listener = format!("tcp://127.0.0.1:{port}");
+        let advertised = format!("tcp://127.0.0.1:{advertised}");
         // Its log stays beside its data, for when a test fails.
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -488,7 +495,7 @@ impl OwnKafka {
                 "--listener-url",
                 &listener,
                 "--advertised-listener-url",
-                &listener,
+                &advertised,
                 "--storage-engine",
                 "sqlite://tansu.db",
             ])
@@ -603,6 +610,89 @@ async fn a_kafka_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates
                 )
             }),
     );
+    drop(kafka);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
+/// A TCP proxy that holds every chunk of bytes, each way, for a random time up to
+/// `max_delay` (in order, as TCP keeps it): a broker answering at random latencies.
+async fn delaying_proxy(
+    listen: u16,
+    upstream: u16,
+    max_delay: Duration,
+) -> tokio::task::JoinHandle<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        max_delay: Duration,
+    ) {
+        let mut buffer = vec![0; 64 * 1024];
+        while let Ok(read) = from.read(&mut buffer).await {
+            if read == 0 {
+                break;
+            }
+            let delay = rand::random_range(0..=max_delay.as_millis() as u64);
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            if to.write_all(&buffer[..read]).await.is_err() {
+                break;
+            }
+        }
+    }
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", listen))
+        .await
+        .expect("bind the proxy");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+                continue;
+            };
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            tokio::spawn(pump(client_read, server_write, max_delay));
+            tokio::spawn(pump(server_read, client_write, max_delay));
+        }
+    })
+}
+
+#[tokio::test]
+async fn each_aggregate_keeps_its_order_when_the_broker_answers_at_random_delays() {
+    let database = TestDatabase::create().await;
+    let store = std::env::temp_dir().join(format!("{}-kafka-slow", database.name()));
+    let _ = std::fs::remove_dir_all(&store);
+    let (port, proxied) = (free_port(), free_port());
+    let kafka = OwnKafka::start_advertising(&store, port, proxied).await;
+    let proxy = delaying_proxy(proxied, port, Duration::from_millis(40)).await;
+    let brokers = format!("127.0.0.1:{proxied}");
+    let gateway = gateway_with_sink(&database, &brokers).await;
+    let topic = TestTopic::create(&brokers, "slow", 3).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ordered: true,
+            ..sink_subscription("ordered-out", "slow")
+        },
+    )
+    .await;
+    for from in [0, 50, 100, 150] {
+        publish(&gateway, versioned_batch(from)).await;
+    }
+    let messages = topic.read(200).await;
+    let ids: HashSet<String> = messages.iter().map(event_id).collect();
+    assert_eq!(ids.len(), 200, "every event");
+    let mut seen = HashSet::new();
+    assert_in_order_per_aggregate(
+        messages
+            .iter()
+            .filter(|message| seen.insert(event_id(message)))
+            .map(|message| {
+                (
+                    header(message, "outbox-aggregate-id").unwrap(),
+                    header(message, "ce_aggregateversion").unwrap(),
+                )
+            }),
+    );
+    proxy.abort();
     drop(kafka);
     let _ = std::fs::remove_dir_all(&store);
 }
