@@ -169,6 +169,26 @@ fn event_id(message: &OwnedMessage) -> String {
     header(message, "outbox-event-id").expect("the event id header")
 }
 
+/// Checks that `messages` hold `expected` distinct events, the first copy of each in
+/// its aggregate's version order. A message whose confirmation an outage swallowed may
+/// be stored twice: Kafka keeps no duplicate window across producer sessions.
+fn assert_each_event_arrived_in_order(messages: &[OwnedMessage], expected: usize) {
+    let ids: HashSet<String> = messages.iter().map(event_id).collect();
+    assert_eq!(ids.len(), expected, "every event, none lost");
+    let mut seen = HashSet::new();
+    assert_in_order_per_aggregate(
+        messages
+            .iter()
+            .filter(|message| seen.insert(event_id(message)))
+            .map(|message| {
+                (
+                    header(message, "outbox-aggregate-id").unwrap(),
+                    header(message, "ce_aggregateversion").unwrap(),
+                )
+            }),
+    );
+}
+
 #[tokio::test]
 async fn events_reach_kafka_with_their_topic_key_and_cloudevents_headers() {
     let database = TestDatabase::create().await;
@@ -593,23 +613,7 @@ async fn a_kafka_broker_stopped_mid_flow_loses_nothing_and_keeps_each_aggregates
         || async { subscription_stats(&gateway, "ordered-out").await.lag_events == 0 },
     )
     .await;
-    let messages = topic.read(100).await;
-    let ids: HashSet<String> = messages.iter().map(event_id).collect();
-    assert_eq!(ids.len(), 100, "every event, none lost");
-    // A message whose confirmation the outage swallowed may be stored twice (Kafka
-    // keeps no duplicate window across producer sessions); its first copy is in order.
-    let mut seen = HashSet::new();
-    assert_in_order_per_aggregate(
-        messages
-            .iter()
-            .filter(|message| seen.insert(event_id(message)))
-            .map(|message| {
-                (
-                    header(message, "outbox-aggregate-id").unwrap(),
-                    header(message, "ce_aggregateversion").unwrap(),
-                )
-            }),
-    );
+    assert_each_event_arrived_in_order(&topic.read(100).await, 100);
     drop(kafka);
     let _ = std::fs::remove_dir_all(&store);
 }
@@ -677,21 +681,7 @@ async fn each_aggregate_keeps_its_order_when_the_broker_answers_at_random_delays
     for from in [0, 50, 100, 150] {
         publish(&gateway, versioned_batch(from)).await;
     }
-    let messages = topic.read(200).await;
-    let ids: HashSet<String> = messages.iter().map(event_id).collect();
-    assert_eq!(ids.len(), 200, "every event");
-    let mut seen = HashSet::new();
-    assert_in_order_per_aggregate(
-        messages
-            .iter()
-            .filter(|message| seen.insert(event_id(message)))
-            .map(|message| {
-                (
-                    header(message, "outbox-aggregate-id").unwrap(),
-                    header(message, "ce_aggregateversion").unwrap(),
-                )
-            }),
-    );
+    assert_each_event_arrived_in_order(&topic.read(200).await, 200);
     proxy.abort();
     drop(kafka);
     let _ = std::fs::remove_dir_all(&store);
