@@ -31,7 +31,7 @@ use rdkafka::{
     client::DefaultClientContext,
     consumer::{BaseConsumer, Consumer},
     error::{KafkaError, RDKafkaErrorCode},
-    message::{Header, OwnedHeaders},
+    message::{BorrowedMessage, Header, OwnedHeaders},
     producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext},
 };
 
@@ -209,33 +209,21 @@ impl Broker {
                 })
             }
             Broker::Kafka => {
-                let consumer = kafka_consumer()?;
-                let mut assignment = TopicPartitionList::new();
-                for partition in 0..PARTITIONS {
-                    assignment.add_partition_offset(LATENCY_TOPIC, partition, Offset::End)?;
-                }
-                consumer.assign(&assignment)?;
-                let stopped = stop.clone();
-                tokio::task::spawn_blocking(move || {
-                    while !stopped.load(Ordering::Relaxed) {
-                        let Some(Ok(message)) = consumer.poll(Duration::from_millis(100)) else {
-                            continue;
-                        };
-                        let metadata = message.headers().and_then(|headers| {
-                            use rdkafka::message::Headers;
-                            headers
-                                .iter()
-                                .find(|header| header.key == "outbox-metadata")?
-                                .value
-                        });
-                        if let Some(sequence) = metadata
-                            .and_then(|value| std::str::from_utf8(value).ok())
-                            .and_then(workload::sink_probe_sequence)
-                        {
-                            arrived(sequence);
-                        }
+                return watch_kafka_topic(LATENCY_TOPIC, Offset::End, move |message| {
+                    let metadata = message.headers().and_then(|headers| {
+                        use rdkafka::message::Headers;
+                        headers
+                            .iter()
+                            .find(|header| header.key == "outbox-metadata")?
+                            .value
+                    });
+                    if let Some(sequence) = metadata
+                        .and_then(|value| std::str::from_utf8(value).ok())
+                        .and_then(workload::sink_probe_sequence)
+                    {
+                        arrived(sequence);
                     }
-                })
+                });
             }
         };
         Ok(ArrivalWatch { stop, task })
@@ -245,18 +233,30 @@ impl Broker {
 /// Counts the messages of the backlog topic into `counted` as a consumer reads them,
 /// until stopped.
 fn count_kafka_backlog(counted: Arc<AtomicU64>) -> anyhow::Result<ArrivalWatch> {
+    watch_kafka_topic(BACKLOG_TOPIC, Offset::Beginning, move |_| {
+        counted.fetch_add(1, Ordering::Relaxed);
+    })
+}
+
+/// Calls `seen` with every message of `topic` from `start` on, as a consumer reads
+/// them, until the watch is stopped.
+fn watch_kafka_topic(
+    topic: &str,
+    start: Offset,
+    mut seen: impl FnMut(&BorrowedMessage<'_>) + Send + 'static,
+) -> anyhow::Result<ArrivalWatch> {
     let consumer = kafka_consumer()?;
     let mut assignment = TopicPartitionList::new();
     for partition in 0..PARTITIONS {
-        assignment.add_partition_offset(BACKLOG_TOPIC, partition, Offset::Beginning)?;
+        assignment.add_partition_offset(topic, partition, start)?;
     }
     consumer.assign(&assignment)?;
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
     let task = tokio::task::spawn_blocking(move || {
         while !stopped.load(Ordering::Relaxed) {
-            if let Some(Ok(_)) = consumer.poll(Duration::from_millis(100)) {
-                counted.fetch_add(1, Ordering::Relaxed);
+            if let Some(Ok(message)) = consumer.poll(Duration::from_millis(100)) {
+                seen(&message);
             }
         }
     });
