@@ -393,6 +393,23 @@ pub async fn publish(
         .results
 }
 
+/// Publishes `events` through `publisher`, `per_call` events to a call.
+pub async fn publish_in_calls(
+    publisher: &mut PublisherClient<Channel>,
+    events: &[proto::EventInput],
+    per_call: usize,
+) {
+    for chunk in events.chunks(per_call) {
+        publisher
+            .publish(proto::PublishRequest {
+                events: chunk.to_vec(),
+                ..Default::default()
+            })
+            .await
+            .expect("publish");
+    }
+}
+
 /// A subscription with defaults but the given name, starting at the earliest event.
 pub fn subscription(name: &str) -> proto::Subscription {
     proto::Subscription {
@@ -439,9 +456,16 @@ pub async fn subscription_stats(
     gateway: &TestGateway,
     subscription: &str,
 ) -> proto::SubscriptionStats {
-    gateway
-        .admin()
-        .await
+    stats_through(gateway.admin().await, subscription).await
+}
+
+/// The stats of one subscription as the gateway behind `admin` reports them (another
+/// gateway process, say), which must answer.
+pub async fn stats_through(
+    mut admin: AdminClient<Channel>,
+    subscription: &str,
+) -> proto::SubscriptionStats {
+    admin
         .get_stats(proto::GetStatsRequest {
             subscription: subscription.into(),
         })

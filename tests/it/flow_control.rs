@@ -202,16 +202,7 @@ async fn many_streams_ending_at_once_give_their_leases_back_on_a_busy_pool() {
     let events: Vec<_> = (0..STREAMS)
         .map(|index| event(&format!("a-{index}"), "order.created"))
         .collect();
-    let publisher = &mut gateway.publisher().await;
-    for chunk in events.chunks(100) {
-        publisher
-            .publish(proto::PublishRequest {
-                events: chunk.to_vec(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-    }
+    publish_in_calls(&mut gateway.publisher().await, &events, 100).await;
     for consumer in &mut consumers {
         assert!(consumer.next(WAIT).await.is_some(), "every stream gets one");
     }

@@ -239,30 +239,19 @@ async fn events_reach_kafka_with_their_topic_key_and_cloudevents_headers() {
             format!("order/{aggregate}"),
             "the default key"
         );
-        assert_eq!(header(message, "ce_id").as_deref(), Some(id.as_str()));
-        assert_eq!(header(message, "ce_type").as_deref(), Some("order.created"));
-        assert_eq!(header(message, "ce_specversion").as_deref(), Some("1.0"));
-        assert_eq!(
-            header(message, "ce_source").as_deref(),
-            Some("/sources/default/aggregates/order")
-        );
-        assert_eq!(
-            header(message, "ce_subject").as_deref(),
-            Some(aggregate.as_str())
-        );
-        assert_eq!(
-            header(message, "content-type").as_deref(),
-            Some("application/json")
-        );
-        assert_eq!(header(message, "outbox-source").as_deref(), Some("default"));
-        assert_eq!(
-            header(message, "outbox-aggregate-type").as_deref(),
-            Some("order")
-        );
-        assert_eq!(
-            header(message, "outbox-aggregate-id").as_deref(),
-            Some(aggregate.as_str())
-        );
+        for (name, expected) in [
+            ("ce_id", id.as_str()),
+            ("ce_type", "order.created"),
+            ("ce_specversion", "1.0"),
+            ("ce_source", "/sources/default/aggregates/order"),
+            ("ce_subject", aggregate.as_str()),
+            ("content-type", "application/json"),
+            ("outbox-source", "default"),
+            ("outbox-aggregate-type", "order"),
+            ("outbox-aggregate-id", aggregate.as_str()),
+        ] {
+            assert_eq!(header(message, name).as_deref(), Some(expected), "{name}");
+        }
         assert_eq!(header(message, "Nats-Msg-Id"), None, "NATS's header only");
         assert_eq!(message.payload(), Some(events[index].payload.as_slice()));
         // One aggregate, one partition: its order is the partition's.
@@ -718,31 +707,14 @@ async fn two_gateways_share_a_kafka_sink_and_a_killed_ones_events_all_arrive() {
         .map(|index| event(&format!("o-{index}"), "order.created"))
         .collect();
     let mut publisher = proto::publisher_client::PublisherClient::new(survivor_channel.clone());
-    for chunk in events.chunks(100) {
-        publisher
-            .publish(proto::PublishRequest {
-                events: chunk.to_vec(),
-                ..Default::default()
-            })
-            .await
-            .expect("publish");
-    }
+    publish_in_calls(&mut publisher, &events, 100).await;
     topic.read(100).await;
     doomed.start_kill().expect("SIGKILL");
     doomed.wait().await.unwrap();
 
     let admin = proto::admin_client::AdminClient::new(survivor_channel);
     eventually("the survivor settles every event", WAIT * 2, || async {
-        let stats = admin
-            .clone()
-            .get_stats(proto::GetStatsRequest {
-                subscription: "shared-out".into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .subscriptions
-            .remove(0);
+        let stats = stats_through(admin.clone(), "shared-out").await;
         stats.lag_events == 0 && stats.acked_total >= 1000
     })
     .await;

@@ -758,15 +758,7 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
         .map(|index| event(&format!("o-{index}"), "order.created"))
         .collect();
     let mut publisher = proto::publisher_client::PublisherClient::new(survivor_channel.clone());
-    for chunk in events.chunks(100) {
-        publisher
-            .publish(proto::PublishRequest {
-                events: chunk.to_vec(),
-                ..Default::default()
-            })
-            .await
-            .expect("publish");
-    }
+    publish_in_calls(&mut publisher, &events, 100).await;
     eventually("the stream holds the first events", WAIT, || async {
         stream.stored().await >= 100
     })
@@ -777,16 +769,7 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
 
     let admin = proto::admin_client::AdminClient::new(survivor_channel);
     eventually("the survivor settles every event", WAIT * 2, || async {
-        let stats = admin
-            .clone()
-            .get_stats(proto::GetStatsRequest {
-                subscription: "shared-out".into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .subscriptions
-            .remove(0);
+        let stats = stats_through(admin.clone(), "shared-out").await;
         stats.lag_events == 0 && stats.acked_total >= 1000
     })
     .await;
