@@ -1,5 +1,6 @@
 -- A least-privilege role for services that write events directly: they may add events
--- (a plain INSERT, or the outbox_publish functions) and nothing else — no reading of
+-- (a plain INSERT, or the outbox_publish functions) and record what they consumed
+-- (outbox_consume, inside their own transactions), and nothing else — no reading of
 -- other services' events or of delivery state.
 --
 --   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f deploy/writer-role.sql
@@ -29,3 +30,4 @@ GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, jsonb, jsonb, uuid, b
 GRANT EXECUTE ON FUNCTION outbox_publish_bytes(text, text, text, bytea, text, jsonb, uuid, bigint,
                                                timestamptz, timestamptz, timestamptz)
     TO outbox_writer;
+GRANT EXECUTE ON FUNCTION outbox_consume(text, text) TO outbox_writer;

@@ -209,10 +209,18 @@ impl AdminService for AdminApi {
         let source = convert::optional_source("source", &request.source).map_err(status_from)?;
         let requeued_count = self
             .operations
-            .requeue_event(id, subscription.as_ref(), source.as_ref())
+            .requeue_event(
+                id,
+                subscription.as_ref(),
+                source.as_ref(),
+                request.forget_consumption,
+            )
             .await
             .map_err(status_from)?;
-        let selector = Selector::none().event(id, source.as_ref());
+        let mut selector = Selector::none().event(id, source.as_ref());
+        if request.forget_consumption {
+            selector = selector.with("forget_consumption", "true");
+        }
         let target = subscription.as_ref().into();
         record(&who, "RequeueEvent", target, &selector, requeued_count);
         Ok(Response::new(proto::RequeueResponse { requeued_count }))
@@ -237,6 +245,7 @@ impl AdminService for AdminApi {
                 &request.event_type,
                 subscription.as_ref(),
                 source.as_ref(),
+                request.forget_consumption,
             )
             .await
             .map_err(status_from)?;
@@ -246,7 +255,10 @@ impl AdminService for AdminApi {
         if !request.event_type.is_empty() {
             selector = selector.with("event_type", &request.event_type);
         }
-        let selector = selector.with_some("source", source.as_ref());
+        let mut selector = selector.with_some("source", source.as_ref());
+        if request.forget_consumption {
+            selector = selector.with("forget_consumption", "true");
+        }
         let target = subscription.as_ref().into();
         record(&who, "RequeueLatest", target, &selector, requeued_count);
         Ok(Response::new(proto::RequeueResponse { requeued_count }))

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::{
+    delivery::AckWriter,
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
         DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
@@ -69,9 +70,9 @@ pub(super) fn event(event: Event) -> proto::Event {
     }
 }
 
-pub(super) fn delivery(delivery: Delivery) -> proto::Delivery {
+pub(super) fn delivery(delivery: Delivery, ack_writer: &AckWriter) -> proto::Delivery {
     proto::Delivery {
-        ack_id: delivery.ack_id.to_text(&delivery.event.source),
+        ack_id: ack_writer.text(&delivery),
         attempt: delivery.attempt,
         event: Some(event(delivery.event)),
         ack_deadline: Some(datetime_to_timestamp(delivery.ack_deadline)),
@@ -102,14 +103,18 @@ pub(super) fn ack_id(field: &str, text: &str, sources: &Sources) -> Result<AckId
     })
 }
 
-/// Ack ids as text, with their sources' names.
-pub(super) fn ack_id_texts(ack_ids: &[AckId], sources: &Sources) -> Vec<String> {
-    ack_ids
+/// The ack ids of a request (`texts`, parsed as `parsed`) that are among `chosen`, as
+/// the caller wrote them and in its order.
+pub(super) fn as_requested(texts: &[String], parsed: &[AckId], chosen: &[AckId]) -> Vec<String> {
+    if chosen.is_empty() {
+        return Vec::new();
+    }
+    let chosen: std::collections::HashSet<&AckId> = chosen.iter().collect();
+    texts
         .iter()
-        .filter_map(|ack| {
-            let source = sources.get(ack.source)?;
-            Some(ack.to_text(&source.name))
-        })
+        .zip(parsed)
+        .filter(|(_, ack)| chosen.contains(ack))
+        .map(|(text, _)| text.clone())
         .collect()
 }
 
@@ -681,6 +686,7 @@ pub(super) fn stats(
                     sink_sent_total: sink.requests_total,
                     sink_confirmed_total: sink.confirmed_total,
                     sink_rate: sink.rate(),
+                    consumption_records: report.consumption_records,
                     error: report.error.unwrap_or_default(),
                     status: subscription_status(report.status.kind()) as i32,
                     status_detail: report.status.detail(),

@@ -52,7 +52,11 @@ impl SubscriberService for SubscriberApi {
             )
             .await
             .map_err(status_from)?;
-        let stream = stream.map(|item| item.map(convert::delivery).map_err(status_from));
+        let ack_writer = stream.ack_writer();
+        let stream = stream.map(move |item| {
+            item.map(|delivery| convert::delivery(delivery, &ack_writer))
+                .map_err(status_from)
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -71,8 +75,12 @@ impl SubscriberService for SubscriberApi {
         let acks = convert::ack_ids("ack_ids", &request.ack_ids, sources).map_err(status_from)?;
         let outcome = self.relay.ack(&name, &acks).await.map_err(status_from)?;
         Ok(Response::new(proto::AckResponse {
-            stale_ack_ids: convert::ack_id_texts(&outcome.stale, sources),
-            unavailable_ack_ids: convert::ack_id_texts(&outcome.unavailable, sources),
+            stale_ack_ids: convert::as_requested(&request.ack_ids, &acks, &outcome.stale),
+            unavailable_ack_ids: convert::as_requested(
+                &request.ack_ids,
+                &acks,
+                &outcome.unavailable,
+            ),
         }))
     }
 
@@ -147,7 +155,7 @@ impl SubscriberService for SubscriberApi {
             .await
             .map_err(status_from)?;
         Ok(Response::new(proto::ExtendAckDeadlineResponse {
-            stale_ack_ids: convert::ack_id_texts(&stale, self.relay.sources()),
+            stale_ack_ids: convert::as_requested(&request.ack_ids, &acks, &stale),
         }))
     }
 }

@@ -29,6 +29,10 @@ pub struct RequeueArgs {
     /// Only in this source database (default: the event is looked up in every source).
     #[arg(long, default_value = "")]
     source: String,
+    /// Also forget that the subscriptions consumed the event with `outbox_consume`, so
+    /// their consumers run it again (by default a redelivery is reported as consumed).
+    #[arg(long)]
+    forget_consumption: bool,
 }
 
 pub(crate) async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), String> {
@@ -40,6 +44,7 @@ pub(crate) async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), St
                     id,
                     subscription: args.subscription,
                     source: args.source,
+                    forget_consumption: args.forget_consumption,
                 })
                 .await
         }
@@ -51,6 +56,7 @@ pub(crate) async fn requeue(target: &Target, args: RequeueArgs) -> Result<(), St
                     event_type: args.event_type.unwrap_or_default(),
                     subscription: args.subscription,
                     source: args.source,
+                    forget_consumption: args.forget_consumption,
                 })
                 .await
         }

@@ -1,6 +1,7 @@
 //! Background maintenance of every source: brings read positions up to date with the
 //! subscription definitions, deletes subscriptions unused past their `expire_after_idle`,
-//! reclaims expired leases and enforces retention on a timer, and vacuums the delivery
+//! reclaims expired leases and enforces retention (of events, and of the consumption
+//! records of events gone) on a timer, and vacuums the delivery
 //! tables as soon as enough settlements have left dead rows in them. Safe with several
 //! gateways: no step waits for another gateway doing the same.
 
@@ -214,6 +215,42 @@ pub async fn pass(
                 "deleted events past the maximum retention"
             );
         }
+    }
+    forget_consumptions_of_deleted_events(source, relay, config).await
+}
+
+/// Deletes this source's `outbox_consume` records of events that are gone from their
+/// outbox (in any source): such an event can never be delivered again, so its record
+/// has nothing left to deduplicate.
+async fn forget_consumptions_of_deleted_events(
+    source: &Source,
+    relay: &Relay,
+    config: &MaintenanceConfig,
+) -> Result<(), Error> {
+    let mut deleted = 0;
+    for events in relay
+        .sources()
+        .iter()
+        .filter(|events| events.is_connected())
+    {
+        let first = events
+            .store
+            .first_retained_position()
+            .await
+            .map_err(|error| events.error(error))?;
+        for _ in 0..MAX_BATCHES_PER_PASS {
+            let batch = source
+                .store
+                .delete_consumptions_before(&events.name, first, config.batch_size)
+                .await?;
+            deleted += batch;
+            if batch < config.batch_size as u64 {
+                break;
+            }
+        }
+    }
+    if deleted > 0 {
+        tracing::info!(source = %source.name, deleted, "deleted consumption records of events no longer retained");
     }
     Ok(())
 }

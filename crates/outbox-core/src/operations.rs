@@ -1,7 +1,7 @@
 //! Operator actions on delivered events: requeues, dead-letter triage and stats, over
 //! every source (or the one named).
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -10,8 +10,8 @@ use crate::{
     delivery::Relay,
     domain::{
         Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState, Event,
-        EventDeliveries, OutboxStats, PushStopped, SourceName, Subscription, SubscriptionName,
-        SubscriptionStats, SubscriptionStatus, check_event_key, check_text,
+        EventDeliveries, OutboxStats, PushStopped, SourceName, Subscription, SubscriptionId,
+        SubscriptionName, SubscriptionStats, SubscriptionStatus, check_event_key, check_text,
     },
     drain::{DrainStatus, StatusBoard},
     error::{Error, Result},
@@ -107,6 +107,8 @@ pub struct SubscriptionStatsReport {
     /// A sink subscription's messages, as this gateway process sent them (other
     /// replicas keep their own).
     pub sink: Option<DrainStatus>,
+    /// Events recorded as consumed with `outbox_consume`, in every source reachable.
+    pub consumption_records: u64,
     /// Why some of its stats could not be computed (logged in full): shown for this
     /// subscription alone, so one failing query does not fail every shared view.
     pub error: Option<String>,
@@ -170,12 +172,15 @@ impl Operations {
 
     /// Makes one event deliverable again for the named subscription, or for every
     /// subscription it matches; returns how many delivery records were requeued. The
-    /// event is looked up in the named source, or in every source.
+    /// event is looked up in the named source, or in every source. With
+    /// `forget_consumption`, what `outbox_consume` recorded of the event for those
+    /// subscriptions goes too, so their consumers run it again.
     pub async fn requeue_event(
         &self,
         id: Uuid,
         subscription: Option<&SubscriptionName>,
         source: Option<&SourceName>,
+        forget_consumption: bool,
     ) -> Result<u64> {
         for candidate in self.sources(source)? {
             if let Some((position, event)) = candidate
@@ -185,7 +190,13 @@ impl Operations {
                 .map_err(|error| candidate.error(error))?
             {
                 return self
-                    .requeue(&candidate, position, &event, subscription)
+                    .requeue(
+                        &candidate,
+                        position,
+                        &event,
+                        subscription,
+                        forget_consumption,
+                    )
                     .await;
             }
         }
@@ -201,6 +212,7 @@ impl Operations {
         event_type: &str,
         subscription: Option<&SubscriptionName>,
         source: Option<&SourceName>,
+        forget_consumption: bool,
     ) -> Result<u64> {
         check_event_key(aggregate_type, aggregate_id, event_type)?;
         let mut latest: Option<(Arc<Source>, i64, Event)> = None;
@@ -223,7 +235,8 @@ impl Operations {
                 "no {event_type} event of aggregate {aggregate_type}/{aggregate_id}"
             ))
         })?;
-        self.requeue(&source, position, &event, subscription).await
+        self.requeue(&source, position, &event, subscription, forget_consumption)
+            .await
     }
 
     async fn requeue(
@@ -232,6 +245,7 @@ impl Operations {
         position: i64,
         event: &Event,
         only: Option<&SubscriptionName>,
+        forget_consumption: bool,
     ) -> Result<u64> {
         let targets = match only {
             Some(name) => {
@@ -263,10 +277,16 @@ impl Operations {
                 for name in &requeued_on {
                     metrics::requeued(name.as_str(), source.name.as_str(), 1);
                 }
-                for subscription in targets
+                let requeued: Vec<&Subscription> = targets
                     .iter()
                     .filter(|target| requeued_on.contains(&&target.name))
-                {
+                    .collect();
+                if forget_consumption && !requeued.is_empty() {
+                    // Before the redelivery is announced, so it is consumed afresh.
+                    let ids: Vec<SubscriptionId> = requeued.iter().map(|s| s.id).collect();
+                    self.forget_consumption(&ids, source, position).await?;
+                }
+                for subscription in requeued {
                     self.relay.due(subscription.id, source.id);
                 }
                 Ok(requeued_on.len() as u64)
@@ -278,6 +298,28 @@ impl Operations {
                 )))
             }
         }
+    }
+
+    /// Deletes what `outbox_consume` recorded of the event at `position` in `source` for
+    /// the subscriptions, in every source (a consumer's database can be any of them).
+    /// Refused, having forgotten what it could, when a source cannot be reached.
+    async fn forget_consumption(
+        &self,
+        subscriptions: &[SubscriptionId],
+        source: &Source,
+        position: i64,
+    ) -> Result<()> {
+        for consumers in self.relay.sources().iter() {
+            let forgotten = consumers
+                .store
+                .forget_consumption(subscriptions, &source.name, position)
+                .await
+                .map_err(|error| consumers.error(error))?;
+            if forgotten > 0 {
+                tracing::info!(source = %consumers.name, event_source = %source.name, position, forgotten, "forgot consumption records of a requeued event");
+            }
+        }
+        Ok(())
     }
 
     /// One page of a subscription's selected dead letters over its sources, oldest
@@ -622,6 +664,23 @@ impl Operations {
             None => self.subscriptions().await?,
         };
         let mut reports = Vec::with_capacity(subscriptions.len());
+        let mut consumption_records: HashMap<SubscriptionId, u64> = HashMap::new();
+        let only_id = only
+            .and(subscriptions.first())
+            .map(|subscription| subscription.id);
+        for source in self.relay.sources().iter().filter(|s| s.is_connected()) {
+            let counts = match source.store.count_consumptions(only_id).await {
+                Ok(counts) => counts,
+                Err(error) => {
+                    // Only this count is missing then; the figures are still shown.
+                    tracing::warn!(source = %source.name, %error, "cannot count consumption records");
+                    continue;
+                }
+            };
+            for (id, count) in counts {
+                *consumption_records.entry(id).or_default() += count;
+            }
+        }
         let attached_here = self.relay.attached_subscriptions();
         let now = Utc::now();
         for subscription in &subscriptions {
@@ -676,6 +735,10 @@ impl Operations {
                     .sink
                     .as_ref()
                     .map(|_| self.sink_board.get(subscription.id).unwrap_or_default()),
+                consumption_records: consumption_records
+                    .get(&subscription.id)
+                    .copied()
+                    .unwrap_or_default(),
             });
         }
         let mut outboxes = Vec::new();

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    domain::{DEFAULT_SOURCE, SourceId, SourceName, Subscription},
+    domain::{AckSeal, DEFAULT_SOURCE, SourceId, SourceName, Subscription},
     error::Error,
     storage::{Store, StoreConfig, StoreError},
 };
@@ -114,6 +114,9 @@ impl Source {
 #[derive(Clone)]
 pub struct Sources {
     list: Arc<Vec<Arc<Source>>>,
+    /// The key ack ids are sealed with for `outbox_consume`, read from `default` by
+    /// [`Sources::prepare`] and installed in every other source as it is prepared.
+    seal: Arc<std::sync::OnceLock<AckSeal>>,
 }
 
 /// How to reach the databases, as the configuration resolved it.
@@ -202,6 +205,7 @@ impl Sources {
         }
         Ok(Sources {
             list: Arc::new(list),
+            seal: Arc::default(),
         })
     }
 
@@ -209,7 +213,13 @@ impl Sources {
     pub fn single(default: Store) -> Sources {
         Sources {
             list: Arc::new(vec![Arc::new(Source::new(default, true))]),
+            seal: Arc::default(),
         }
+    }
+
+    /// The key that seals ack ids for `outbox_consume`; `None` before [`Sources::prepare`].
+    pub fn ack_seal(&self) -> Option<&AckSeal> {
+        self.seal.get()
     }
 
     pub fn default_source(&self) -> &Arc<Source> {
@@ -255,8 +265,20 @@ impl Sources {
     /// [`Sources::watch`]; one whose schema is missing while migrate = false stops the
     /// start.
     pub async fn prepare(&self) -> Result<(), SourcesError> {
+        let candidate = AckSeal::generate();
+        let pads = candidate.pads();
+        let key = self
+            .default_source()
+            .store
+            .ack_key(candidate.key(), (&pads.0, &pads.1))
+            .await
+            .map_err(|error| SourcesError::Invalid {
+                name: DEFAULT_SOURCE.to_owned(),
+                message: format!("cannot read the ack key: {error}"),
+            })?;
+        let _ = self.seal.set(AckSeal::new(key));
         for source in self.list.iter().skip(1) {
-            match source.prepare().await {
+            match source.prepare(self.ack_seal()).await {
                 Ok(()) => {
                     source.record(Ok(()));
                 }
@@ -278,9 +300,10 @@ impl Sources {
     /// sources are checked side by side, so one that takes its whole connect timeout to
     /// fail does not delay noticing that another is back.
     pub async fn watch(self, interval: Duration, stop: CancellationToken) {
+        let seal = self.ack_seal().cloned();
         loop {
-            futures_util::future::join_all(self.list.iter().skip(1).map(|source| async move {
-                let outcome = match source.prepare().await {
+            futures_util::future::join_all(self.list.iter().skip(1).map(|source| async {
+                let outcome = match source.prepare(seal.as_ref()).await {
                     Ok(()) => Ok(()),
                     Err(PrepareError::NotMigrated) => Err(
                         "its outbox schema is missing or older than this gateway's; run `outbox-gateway migrate`".to_owned(),
@@ -396,9 +419,9 @@ impl Source {
         }
     }
 
-    /// Migrates the schema, or checks it is current; once done, only checks that the
-    /// source answers.
-    async fn prepare(&self) -> Result<(), PrepareError> {
+    /// Migrates the schema, or checks it is current, and installs the ack key; once done,
+    /// only checks that the source answers.
+    async fn prepare(&self, seal: Option<&AckSeal>) -> Result<(), PrepareError> {
         use std::sync::atomic::Ordering;
         if self.prepared.load(Ordering::Relaxed) {
             return self.store.ping().await.map_err(PrepareError::Store);
@@ -411,6 +434,13 @@ impl Source {
                 Ok(false) => return Err(PrepareError::NotMigrated),
                 Err(error) => return Err(PrepareError::Store(error)),
             }
+        }
+        if let Some(seal) = seal {
+            let (inner, outer) = seal.pads();
+            self.store
+                .install_ack_key(seal.key(), (&inner, &outer))
+                .await
+                .map_err(PrepareError::Store)?;
         }
         self.prepared.store(true, Ordering::Relaxed);
         Ok(())

@@ -196,6 +196,17 @@ impl Subscriptions {
                 tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
             }
         }
+        // Consumers may record its ack ids in any source at once; one that is down
+        // learns of it when it is back (see `reconcile`).
+        for source in self.relay.sources().iter() {
+            if let Err(error) = source
+                .store
+                .add_consumer_subscription(subscription.id, subscription.name.as_str())
+                .await
+            {
+                tracing::info!(subscription = %subscription.name, source = %source.name, %error, "consumers there can record the subscription's ack ids once the source is reachable");
+            }
+        }
         if subscription.settings.drained_by_gateway() {
             self.relay.subscription_changed(subscription.id);
         }
@@ -318,8 +329,12 @@ impl Subscriptions {
         let Some(id) = self.definitions().delete_subscription(name).await? else {
             return Err(Error::subscription_not_found(name));
         };
-        for source in self.relay.sources().iter().skip(1) {
-            if let Err(error) = source.store.delete_cursor(id).await {
+        for source in self.relay.sources().iter() {
+            let forgotten = match source.store.remove_consumer_subscription(id).await {
+                Ok(()) if !source.name.is_default() => source.store.delete_cursor(id).await,
+                outcome => outcome,
+            };
+            if let Err(error) = forgotten {
                 tracing::info!(subscription = %name, source = %source.name, %error, "the subscription's records there go once the source is reachable");
             }
         }
@@ -328,10 +343,19 @@ impl Subscriptions {
     }
 
     /// Brings a source up to date with the definitions: forgets subscriptions deleted
-    /// while it was down (or that do not read it), and starts the ones that read it but
-    /// have no read position there yet.
+    /// while it was down (or that do not read it), starts the ones that read it but
+    /// have no read position there yet, and makes its consumers know exactly the
+    /// subscriptions there are.
     pub async fn reconcile(&self, source: &Source) -> Result<()> {
         let subscriptions = self.list().await?;
+        let consumable: Vec<(SubscriptionId, &str)> = subscriptions
+            .iter()
+            .map(|subscription| (subscription.id, subscription.name.as_str()))
+            .collect();
+        source
+            .store
+            .sync_consumer_subscriptions(&consumable)
+            .await?;
         let reading: HashSet<SubscriptionId> = subscriptions
             .iter()
             .filter(|subscription| subscription.reads(&source.name))

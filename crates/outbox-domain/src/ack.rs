@@ -4,11 +4,14 @@
 //!
 //! Text form: `position-attempt-token` (decimal, decimal, 16 hex digits) for the
 //! `default` source, `source/position-attempt-token` for any other; ack ids issued before
-//! there were several sources stay valid.
+//! there were several sources stay valid. Ack ids handed to Subscribe consumers end in
+//! `-seal` (16 hex digits, see [`AckSeal`]), which the gateway's own settlement ignores and
+//! `outbox_consume` checks.
 
 use super::{
     lease::{LeaseId, LeaseKey},
     source::{SourceId, SourceName},
+    subscription::SubscriptionId,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -40,14 +43,15 @@ impl AckId {
             Some((name, lease)) => (source_id(name)?, lease),
             None => (source_id(super::source::DEFAULT_SOURCE)?, text),
         };
-        let mut parts = lease.splitn(3, '-');
+        let mut parts = lease.splitn(4, '-');
         let position = parts.next()?.parse::<i64>().ok().filter(|p| *p > 0)?;
         let attempt = parts.next()?.parse::<i32>().ok().filter(|a| *a > 0)?;
-        let token = parts.next()?;
-        if token.len() != 16 {
-            return None;
+        let lease_token = hex_u64(parts.next()?)? as i64;
+        // The seal proves where the ack id came from to `outbox_consume`; a lease is
+        // settled by compare-and-set, which needs no proof.
+        if let Some(seal) = parts.next() {
+            hex_u64(seal)?;
         }
-        let lease_token = u64::from_str_radix(token, 16).ok()? as i64;
         Some(AckId {
             source,
             position,
@@ -67,6 +71,73 @@ impl AckId {
         } else {
             format!("{source}/{lease}")
         }
+    }
+}
+
+/// Exactly 16 hex digits.
+fn hex_u64(text: &str) -> Option<u64> {
+    if text.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(text, 16).ok()
+}
+
+/// Seals ack ids for `outbox_consume`: HMAC-SHA256, under a key shared by every source of
+/// the gateway, of `subscription_id:ack_id`, cut to 64 bits. A consumer's database can
+/// then tell an ack id the gateway handed out for a subscription from a forged one, or
+/// one of another subscription, without asking the gateway.
+#[derive(Clone)]
+pub struct AckSeal {
+    key: Vec<u8>,
+    hmac: ring::hmac::Key,
+}
+
+impl std::fmt::Debug for AckSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AckSeal(..)")
+    }
+}
+
+impl AckSeal {
+    /// Bytes of a newly generated key.
+    pub const KEY_BYTES: usize = 32;
+
+    pub fn new(key: Vec<u8>) -> AckSeal {
+        let hmac = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key);
+        AckSeal { key, hmac }
+    }
+
+    /// A new random key.
+    pub fn generate() -> AckSeal {
+        AckSeal::new((0..Self::KEY_BYTES).map(|_| rand::random::<u8>()).collect())
+    }
+
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// HMAC's inner and outer pads of the key (a key of at most one SHA-256 block), with
+    /// which `outbox_consume` computes the HMAC from `sha256()` alone.
+    pub fn pads(&self) -> (Vec<u8>, Vec<u8>) {
+        let mut block = [0u8; 64];
+        block[..self.key.len().min(64)].copy_from_slice(&self.key[..self.key.len().min(64)]);
+        (
+            block.iter().map(|byte| byte ^ 0x36).collect(),
+            block.iter().map(|byte| byte ^ 0x5c).collect(),
+        )
+    }
+
+    /// The text form of `ack` with its seal for `subscription`.
+    pub fn seal(&self, subscription: SubscriptionId, ack: &AckId, source: &SourceName) -> String {
+        let mut text = ack.to_text(source);
+        let mut context = ring::hmac::Context::with_key(&self.hmac);
+        context.update(subscription.0.to_string().as_bytes());
+        context.update(b":");
+        context.update(text.as_bytes());
+        let tag = context.sign();
+        text.push('-');
+        text.push_str(&hex::encode(&tag.as_ref()[..8]));
+        text
     }
 }
 
@@ -103,6 +174,50 @@ mod tests {
     }
 
     #[test]
+    fn sealed_text_parses_as_the_same_lease() {
+        let ack = AckId {
+            source: SourceId(1),
+            position: 7,
+            attempt: 1,
+            lease_token: 99,
+        };
+        let seal = AckSeal::new(b"key".to_vec());
+        let billing = SourceName::parse("source", "billing").unwrap();
+        let sealed = seal.seal(SubscriptionId(5), &ack, &billing);
+        assert_eq!(sealed.len(), ack.to_text(&billing).len() + 17);
+        assert_eq!(AckId::parse(&sealed, sources), Some(ack));
+        assert_ne!(sealed, seal.seal(SubscriptionId(6), &ack, &billing));
+        assert_ne!(
+            sealed,
+            AckSeal::new(b"other".to_vec()).seal(SubscriptionId(5), &ack, &billing)
+        );
+    }
+
+    #[test]
+    fn the_pads_give_the_same_hmac_from_plain_sha256() {
+        use sha2::{Digest, Sha256};
+        let seal = AckSeal::new(b"a key".to_vec());
+        let ack = AckId {
+            source: SourceId(0),
+            position: 3,
+            attempt: 2,
+            lease_token: -1,
+        };
+        let sealed = seal.seal(SubscriptionId(11), &ack, &SourceName::default_source());
+        let (inner, outer) = seal.pads();
+        let message = format!("11:{}", ack.to_text(&SourceName::default_source()));
+        let inner_hash = Sha256::new()
+            .chain_update(&inner)
+            .chain_update(message.as_bytes())
+            .finalize();
+        let hmac = Sha256::new()
+            .chain_update(&outer)
+            .chain_update(inner_hash)
+            .finalize();
+        assert!(sealed.ends_with(&format!("-{}", hex::encode(&hmac[..8]))));
+    }
+
+    #[test]
     fn rejects_malformed_text() {
         for bad in [
             "",
@@ -115,6 +230,9 @@ mod tests {
             "unknown/1-1-0000000000000001",
             "billing/",
             "/1-1-0000000000000001",
+            "1-1-0000000000000001-",
+            "1-1-0000000000000001-00000000000000zz",
+            "1-1-0000000000000001-0000000000000000-0000000000000000",
         ] {
             assert_eq!(AckId::parse(bad, sources), None, "{bad:?}");
         }

@@ -24,7 +24,7 @@ mod sink;
 mod source;
 mod subscription;
 
-pub use ack::AckId;
+pub use ack::{AckId, AckSeal};
 pub use delivery::{DELIVERY_OVERHEAD_BYTES, Delivery};
 pub use event::{
     DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, check_event_key,

@@ -234,6 +234,59 @@ impl Store {
         Ok(acked)
     }
 
+    /// Settles the subscription's deliveries of the events at `positions` whatever their
+    /// lease, as acked: a consumer recorded them consumed (`outbox_consume`) with an ack
+    /// id that went stale meanwhile (its stream closed, or its lease expired, before the
+    /// gateway saw the commit). Deliveries leased or awaiting a retry are settled; dead
+    /// letters are left to operators. The positions settled.
+    pub async fn settle_consumed(
+        &self,
+        subscription: &Subscription,
+        positions: &[i64],
+    ) -> Result<Vec<i64>> {
+        self.split_batches(subscription.id, Moved::Positions(positions))
+            .await?;
+        let statement = || {
+            sqlx::query(
+                "WITH settled AS ( \
+                     DELETE FROM outbox_deliveries \
+                     WHERE subscription_id = $1 AND position = ANY ($2) \
+                       AND state IN ('in_flight', 'retry') \
+                     RETURNING position, ordering_key), \
+                 counted AS ( \
+                     INSERT INTO outbox_subscription_counters (subscription_id, shard, acked) \
+                     SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) FROM settled \
+                     HAVING count(*) > 0 \
+                     ON CONFLICT (subscription_id, shard) \
+                     DO UPDATE SET acked = outbox_subscription_counters.acked + EXCLUDED.acked) \
+                 SELECT position, ordering_key FROM settled",
+            )
+            .bind(subscription.id.0)
+            .bind(positions)
+        };
+        let positions_of = |rows: &[sqlx::postgres::PgRow]| -> Result<Vec<i64>> {
+            rows.iter()
+                .map(|row| Ok(row.try_get("position")?))
+                .collect()
+        };
+        if !subscription.settings.ordered {
+            let rows = run_again_on_conflict(|| statement().fetch_all(&self.pool)).await?;
+            return positions_of(&rows);
+        }
+        run_in_transaction!(self.pool, |transaction| {
+            lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
+            let rows = statement().fetch_all(&mut *transaction).await?;
+            let mut freed_keys = Vec::new();
+            for row in &rows {
+                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
+                    freed_keys.push(key);
+                }
+            }
+            promote_waiting(transaction, subscription.id, &freed_keys).await?;
+            positions_of(&rows)
+        })
+    }
+
     /// Acks deliveries that have records of their own.
     async fn ack_records(&self, subscription: &Subscription, acks: &[AckId]) -> Result<Vec<AckId>> {
         let (positions, attempts, tokens) = split_ack_ids(acks);

@@ -134,6 +134,7 @@ where
 
 mod ack_groups;
 mod columns;
+mod consumption;
 mod deliveries;
 mod events;
 mod inspection;
@@ -150,6 +151,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode},
 };
 
+pub use consumption::{Consumption, UnsettledConsumptions};
 pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
@@ -473,12 +475,16 @@ impl Store {
         Ok(())
     }
 
-    /// A connection that receives the commit-time notifications of event writers and the
-    /// settlement notices of other gateways.
+    /// A connection that receives the commit-time notifications of event writers and
+    /// consumers, and the settlement notices of other gateways.
     pub async fn listen(&self) -> Result<EventListener> {
         let mut listener = sqlx::postgres::PgListener::connect_with(&self.pool).await?;
         listener
-            .listen_all([EVENTS_CHANNEL, SETTLED_CHANNEL])
+            .listen_all([
+                EVENTS_CHANNEL,
+                SETTLED_CHANNEL,
+                consumption::CONSUMED_CHANNEL,
+            ])
             .await?;
         Ok(EventListener { listener })
     }
@@ -568,6 +574,8 @@ pub enum Notice {
     Events,
     /// Leases were settled on another gateway.
     Settled(Settled),
+    /// A consumer committed `outbox_consume` records.
+    Consumed,
     /// The connection was lost and re-established: notifications may have been missed.
     Reconnected,
 }
@@ -588,6 +596,7 @@ impl EventListener {
             SETTLED_CHANNEL => {
                 Settled::parse(notification.payload()).map_or(Notice::Events, Notice::Settled)
             }
+            consumption::CONSUMED_CHANNEL => Notice::Consumed,
             _ => Notice::Events,
         })
     }

@@ -88,7 +88,7 @@ pub async fn requeue_event(
     let requeued = console
         .inner
         .operations
-        .requeue_event(id, subscription.as_ref(), source.as_ref())
+        .requeue_event(id, subscription.as_ref(), source.as_ref(), false)
         .await?;
     let selector = Selector::none().event(id, source.as_ref());
     let target = subscription.as_ref().into();

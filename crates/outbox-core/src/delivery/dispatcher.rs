@@ -186,6 +186,13 @@ impl Dispatcher {
         self.subscription_id
     }
 
+    pub(super) fn ack_writer(&self) -> super::AckWriter {
+        super::AckWriter {
+            seal: self.sources.ack_seal().cloned(),
+            subscription: self.subscription_id,
+        }
+    }
+
     pub(super) fn stream_count(&self) -> usize {
         self.state.lock().expect("dispatcher lock").streams.len()
     }

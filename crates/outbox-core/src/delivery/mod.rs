@@ -8,6 +8,7 @@
 //! concerns; it reads when this process publishes, on PostgreSQL NOTIFY (direct writers
 //! and other gateways, see [`wake`]) and on a periodic poll, the safety net.
 
+mod consumed;
 mod dispatcher;
 mod flow;
 mod scout;
@@ -32,7 +33,7 @@ use crate::tasks::SubsystemTasks;
 use dispatcher::{Dispatcher, Settlement};
 use flow::{BufferBudget, StreamLimits, UnprovenClaims};
 use futures_util::future::join_all;
-pub use stream::DeliveryStream;
+pub use stream::{AckWriter, DeliveryStream};
 
 use crate::{
     domain::{
@@ -110,6 +111,8 @@ struct RelayInner {
     tasks: SubsystemTasks,
     /// Per source (by id): tells the other gateways on that database of news here.
     peer_notifiers: Vec<wake::PeerNotifier>,
+    /// Per source (by id): wakes its settler of `outbox_consume` records.
+    consumption_settlers: Vec<Arc<tokio::sync::Notify>>,
     /// One permit per open Subscribe stream.
     stream_permits: Arc<tokio::sync::Semaphore>,
     /// Deliveries waiting in memory for their streams, across all subscriptions.
@@ -155,6 +158,7 @@ impl Relay {
             .iter()
             .map(|source| wake::PeerNotifier::start(source.store.clone(), &tasks, shutdown.clone()))
             .collect();
+        let consumption_settlers = (0..sources.len()).map(|_| Arc::default()).collect();
         let relay = Relay {
             inner: Arc::new(RelayInner {
                 scouts: sources.iter().map(|_| Arc::default()).collect(),
@@ -165,12 +169,25 @@ impl Relay {
                 shutdown,
                 tasks,
                 peer_notifiers,
+                consumption_settlers,
                 stream_permits: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
                 buffer_budget: Arc::new(BufferBudget::new(config.max_buffered_bytes)),
                 unproven_claims: UnprovenClaims::default(),
                 config,
             }),
         };
+        for (source, settler) in relay
+            .inner
+            .sources
+            .iter()
+            .zip(&relay.inner.consumption_settlers)
+        {
+            relay.inner.tasks.spawn(consumed::run(
+                relay.clone(),
+                source.clone(),
+                settler.clone(),
+            ));
+        }
         for (source, scout) in relay.inner.sources.iter().zip(&relay.inner.scouts) {
             wake::spawn_listener(
                 relay.clone(),
@@ -212,6 +229,13 @@ impl Relay {
         }
     }
 
+    /// A consumer committed `outbox_consume` records in `source`: settle them.
+    fn consumed(&self, source: SourceId) {
+        if let Some(settler) = self.inner.consumption_settlers.get(usize::from(source.0)) {
+            settler.notify_one();
+        }
+    }
+
     /// Changes whenever the dispatchers of this process, or what they select, changed.
     fn audience_generation(&self) -> u64 {
         self.inner.audience.load(Ordering::Relaxed)
@@ -232,6 +256,7 @@ impl Relay {
             dispatcher.settled_elsewhere(source, true, None);
         }
         self.wake(source);
+        self.consumed(source);
     }
 
     /// Tells the other gateways on `source` that deliveries of the subscription may have
@@ -409,22 +434,27 @@ impl Relay {
     /// cannot be reached come back as unavailable, the others are applied.
     pub async fn ack(&self, name: &SubscriptionName, acks: &[AckId]) -> Result<AckOutcome> {
         let subscription = self.find_subscription(name).await?;
+        self.ack_subscription(&subscription, acks).await
+    }
+
+    async fn ack_subscription(
+        &self,
+        subscription: &Subscription,
+        acks: &[AckId],
+    ) -> Result<AckOutcome> {
         let mut by_source: HashMap<SourceId, Vec<AckId>> = HashMap::new();
         for ack in acks {
             by_source.entry(ack.source).or_default().push(*ack);
         }
-        let applied = join_all(by_source.into_iter().map(|(source_id, acks)| {
-            let subscription = &subscription;
-            async move {
-                let outcome = match self.inner.sources.get(source_id) {
-                    // Known to be down: answer at once rather than wait for a connection
-                    // attempt to time out; the health probe notices when it is back.
-                    Some(source) if !source.is_connected() => Err(None),
-                    Some(source) => source.store.ack(subscription, &acks).await.map_err(Some),
-                    None => Ok(Vec::new()),
-                };
-                (source_id, acks, outcome)
-            }
+        let applied = join_all(by_source.into_iter().map(|(source_id, acks)| async move {
+            let outcome = match self.inner.sources.get(source_id) {
+                // Known to be down: answer at once rather than wait for a connection
+                // attempt to time out; the health probe notices when it is back.
+                Some(source) if !source.is_connected() => Err(None),
+                Some(source) => source.store.ack(subscription, &acks).await.map_err(Some),
+                None => Ok(Vec::new()),
+            };
+            (source_id, acks, outcome)
         }))
         .await;
         let mut outcome = AckOutcome::default();
@@ -650,6 +680,60 @@ impl Relay {
     }
 
     /// The subscription as this process's dispatcher last saw it, or from the database.
+    /// Settles the subscription's deliveries of the events at `positions` in `source`
+    /// whatever their lease: they were consumed (see [`consumed`]). Whoever holds their
+    /// leases re-reads them; how many were settled.
+    async fn settle_consumed(
+        &self,
+        subscription: &Subscription,
+        source: &Source,
+        positions: &[i64],
+    ) -> Result<usize> {
+        let settled = source
+            .store
+            .settle_consumed(subscription, positions)
+            .await
+            .map_err(|error| source.error(error))?;
+        if settled.is_empty() {
+            return Ok(0);
+        }
+        metrics::acked(
+            subscription.name.as_str(),
+            source.name.as_str(),
+            settled.len() as u64,
+        );
+        if subscription.settings.ordered {
+            self.due(subscription.id, source.id);
+        }
+        self.settled_elsewhere(
+            source.id,
+            Settled {
+                subscription_id: subscription.id,
+                made_due: false,
+                leases: None,
+            },
+        );
+        if let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.id.0)) {
+            notifier.settled(Settled {
+                subscription_id: subscription.id,
+                made_due: false,
+                leases: None,
+            });
+        }
+        Ok(settled.len())
+    }
+
+    /// The subscription with this id (`None`: deleted), from a dispatcher of this
+    /// process if there is one.
+    async fn subscription_by_id(&self, id: SubscriptionId) -> Result<Option<Subscription>> {
+        if let Some(dispatcher) = self.dispatcher(id) {
+            return Ok(Some(Subscription::clone(&dispatcher.subscription())));
+        }
+        Ok((self.inner.sources.default_source().store)
+            .subscription_by_id(id)
+            .await?)
+    }
+
     async fn find_subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
         let cached = self
             .all_dispatchers()

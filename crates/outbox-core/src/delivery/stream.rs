@@ -13,7 +13,27 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_stream::Stream;
 
 use super::{dispatcher::Dispatcher, flow::BufferBudget};
-use crate::{domain::Delivery, error::Error};
+use crate::{
+    domain::{AckSeal, Delivery, SubscriptionId},
+    error::Error,
+};
+
+/// Writes the ack ids of one subscription's deliveries for its consumers, sealed so that
+/// `outbox_consume` accepts them for that subscription alone.
+#[derive(Debug, Clone)]
+pub struct AckWriter {
+    pub(super) seal: Option<AckSeal>,
+    pub(super) subscription: SubscriptionId,
+}
+
+impl AckWriter {
+    pub fn text(&self, delivery: &Delivery) -> String {
+        match &self.seal {
+            Some(seal) => seal.seal(self.subscription, &delivery.ack_id, &delivery.event.source),
+            None => delivery.ack_id.to_text(&delivery.event.source),
+        }
+    }
+}
 
 /// Deliveries for one consumer. A delivery leaves the gateway's memory budget once the
 /// transport asks for the next one (until then it may still sit in the transport's send
@@ -51,6 +71,11 @@ impl DeliveryStream {
             budget,
             _permit: permit,
         }
+    }
+
+    /// How this stream's ack ids are written for its consumer.
+    pub fn ack_writer(&self) -> AckWriter {
+        self.dispatcher.ack_writer()
     }
 
     /// The transport is done with the delivery handed to it last: its bytes leave the

@@ -153,6 +153,7 @@ pub(super) fn spawn_listener(
                         relay.wake(source.id);
                     }
                     Ok(Notice::Settled(settled)) => relay.settled_elsewhere(source.id, settled),
+                    Ok(Notice::Consumed) => relay.consumed(source.id),
                     Ok(Notice::Reconnected) => relay.missed_notifications(source.id),
                     Err(error) => {
                         tracing::debug!(source = %source.name, %error, "outbox notification connection lost");
