@@ -13,6 +13,7 @@ mod client;
 mod configuration;
 mod console;
 mod console_browser;
+mod consumption;
 mod delivery;
 mod examples;
 mod faithful;

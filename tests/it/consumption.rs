@@ -1,0 +1,562 @@
+//! Exactly-once consumption: a consumer records what it consumed with `outbox_consume`
+//! in its own transaction, in a database that is one of the gateway's sources, and the
+//! gateway settles the delivery when that transaction commits.
+
+use std::{sync::Arc, time::Duration};
+
+use sqlx::{Connection, Executor, PgConnection, PgPool, Row};
+
+use crate::common::*;
+use outbox_gateway::{Config, config::SourceConfig, proto};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn source(name: &str, database: &TestDatabase) -> SourceConfig {
+    SourceConfig {
+        name: name.into(),
+        database_url: database.url(),
+        max_connections: None,
+        migrate: None,
+    }
+}
+
+/// The gateway's database, `orders` (a service publishing events) and `shipping` (the
+/// consuming service's own database), all sources of one gateway.
+struct Services {
+    _default: Arc<TestDatabase>,
+    orders: Arc<TestDatabase>,
+    shipping: Arc<TestDatabase>,
+    gateway: TestGateway,
+}
+
+impl Services {
+    async fn start() -> Services {
+        Self::start_with(|_| {}).await
+    }
+
+    async fn start_with(adjust: impl FnOnce(&mut Config)) -> Services {
+        let (default, orders, shipping) = (
+            TestDatabase::create().await,
+            TestDatabase::create().await,
+            TestDatabase::create().await,
+        );
+        let mut config = test_config(default.url());
+        config.sources = vec![source("orders", &orders), source("shipping", &shipping)];
+        adjust(&mut config);
+        let gateway = TestGateway::start_with(&default, config).await;
+        let shipping_pool = shipping.pool().await;
+        shipping_pool
+            .execute("CREATE TABLE shipments (order_id text NOT NULL, event_id text NOT NULL)")
+            .await
+            .unwrap();
+        Services {
+            _default: default,
+            orders,
+            shipping,
+            gateway,
+        }
+    }
+
+    /// A subscription to the orders' events, with a long ack deadline: a delivery that
+    /// settles did so because its consumption committed, not because its lease ran out.
+    async fn subscribe_to_orders(&self, name: &str) {
+        create_subscription(
+            &self.gateway,
+            proto::Subscription {
+                sources: vec!["orders".into()],
+                ack_deadline: seconds(120),
+                ..subscription(name)
+            },
+        )
+        .await;
+    }
+
+    async fn publish_orders(&self, ids: &[&str]) {
+        self.gateway
+            .publisher()
+            .await
+            .publish(proto::PublishRequest {
+                events: ids.iter().map(|id| event(id, "order.created")).collect(),
+                source: "orders".into(),
+            })
+            .await
+            .expect("publish into orders");
+    }
+}
+
+/// One consuming transaction in `connection`: records the delivery, and on the first
+/// time inserts a shipment; commits. Whether it was the first time.
+async fn consume_and_ship(
+    connection: &mut PgConnection,
+    subscription: &str,
+    delivery: &proto::Delivery,
+) -> Result<bool, sqlx::Error> {
+    let mut transaction = connection.begin().await?;
+    let first = consume(&mut transaction, subscription, &delivery.ack_id).await?;
+    if first {
+        let event = delivery.event.as_ref().unwrap();
+        sqlx::query("INSERT INTO shipments (order_id, event_id) VALUES ($1, $2)")
+            .bind(&event.aggregate_id)
+            .bind(&event.id)
+            .execute(&mut *transaction)
+            .await?;
+    }
+    transaction.commit().await?;
+    Ok(first)
+}
+
+async fn consume(
+    connection: &mut PgConnection,
+    subscription: &str,
+    ack_id: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT outbox_consume(subscription => $1, ack_id => $2)")
+        .bind(subscription)
+        .bind(ack_id)
+        .fetch_one(connection)
+        .await
+}
+
+async fn shipments(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT order_id FROM shipments ORDER BY order_id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until nothing of the subscription is pending, in flight or awaiting retry,
+/// and `acked` deliveries were acked in all; its stats then.
+async fn settled(
+    gateway: &TestGateway,
+    subscription: &str,
+    acked: u64,
+) -> proto::SubscriptionStats {
+    eventually("the consumed deliveries are settled", WAIT, || async {
+        let stats = subscription_stats(gateway, subscription).await;
+        stats.pending == 0
+            && stats.in_flight == 0
+            && stats.awaiting_retry == 0
+            && stats.acked_total == acked
+    })
+    .await;
+    subscription_stats(gateway, subscription).await
+}
+
+#[tokio::test]
+async fn a_committed_consumption_settles_its_delivery_without_an_ack() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1", "o-2", "o-3"]).await;
+
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let deliveries = consumer.take(3, WAIT).await;
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    for delivery in &deliveries {
+        assert!(
+            consume_and_ship(&mut connection, "shipping", delivery)
+                .await
+                .unwrap()
+        );
+        // The same delivery again, as after a crash between commit and anything else.
+        assert!(
+            !consume_and_ship(&mut connection, "shipping", delivery)
+                .await
+                .unwrap()
+        );
+    }
+
+    let stats = settled(&services.gateway, "shipping", 3).await;
+    assert_eq!(stats.consumption_records, 3);
+    assert_eq!(
+        shipments(&services.shipping.pool().await).await,
+        ["o-1", "o-2", "o-3"]
+    );
+    // Nothing comes again, and acking as well is harmless: the leases are settled.
+    assert!(consumer.next(Duration::from_millis(500)).await.is_none());
+    let stale = ack_deliveries(&services.gateway, "shipping", &deliveries).await;
+    assert_eq!(stale.len(), 3);
+}
+
+#[tokio::test]
+async fn a_rolled_back_consumption_records_nothing_and_the_lease_runs_on() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let first = consumer.take(1, WAIT).await.remove(0);
+
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    let mut transaction = connection.begin().await.unwrap();
+    assert!(
+        consume(&mut transaction, "shipping", &first.ack_id)
+            .await
+            .unwrap()
+    );
+    transaction.rollback().await.unwrap();
+    drop(connection);
+
+    // Still in flight, on its lease: the consumer can nack it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stats = subscription_stats(&services.gateway, "shipping").await;
+    assert_eq!((stats.in_flight, stats.acked_total), (1, 0));
+    assert_eq!(stats.consumption_records, 0);
+    nack(
+        &services.gateway,
+        proto::NackRequest {
+            subscription: "shipping".into(),
+            ack_id: first.ack_id.clone(),
+            ..Default::default()
+        },
+    )
+    .await;
+
+    let again = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(again.attempt, 2);
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    assert!(
+        consume_and_ship(&mut connection, "shipping", &again)
+            .await
+            .unwrap()
+    );
+    settled(&services.gateway, "shipping", 1).await;
+    assert_eq!(shipments(&services.shipping.pool().await).await, ["o-1"]);
+}
+
+#[tokio::test]
+async fn of_two_racing_consumers_exactly_one_gets_true() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1", "o-2"]).await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let deliveries = consumer.take(2, WAIT).await;
+    let url = services.shipping.url();
+
+    // The first commits: the second, blocked meanwhile, then gets false.
+    let mut first = PgConnection::connect(&url).await.unwrap();
+    let mut first_transaction = first.begin().await.unwrap();
+    assert!(
+        consume(&mut first_transaction, "shipping", &deliveries[0].ack_id)
+            .await
+            .unwrap()
+    );
+    let ack_id = deliveries[0].ack_id.clone();
+    let url_again = url.clone();
+    let second = tokio::spawn(async move {
+        let mut second = PgConnection::connect(&url_again).await.unwrap();
+        consume(&mut second, "shipping", &ack_id).await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second call waits for the first");
+    first_transaction.commit().await.unwrap();
+    assert!(!second.await.unwrap());
+
+    // The first rolls back: the second then records it.
+    let mut first_transaction = first.begin().await.unwrap();
+    assert!(
+        consume(&mut first_transaction, "shipping", &deliveries[1].ack_id)
+            .await
+            .unwrap()
+    );
+    let ack_id = deliveries[1].ack_id.clone();
+    let url_again = url.clone();
+    let second = tokio::spawn(async move {
+        let mut second = PgConnection::connect(&url_again).await.unwrap();
+        consume(&mut second, "shipping", &ack_id).await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first_transaction.rollback().await.unwrap();
+    assert!(second.await.unwrap());
+    settled(&services.gateway, "shipping", 2).await;
+}
+
+#[tokio::test]
+async fn under_repeatable_read_the_loser_of_a_race_gets_a_serialization_failure() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let delivery = consumer.take(1, WAIT).await.remove(0);
+    let url = services.shipping.url();
+
+    let mut loser = PgConnection::connect(&url).await.unwrap();
+    loser
+        .execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        .await
+        .unwrap();
+    // The snapshot is taken before the winner commits.
+    loser.execute("SELECT 1").await.unwrap();
+    let mut winner = PgConnection::connect(&url).await.unwrap();
+    assert!(
+        consume(&mut winner, "shipping", &delivery.ack_id)
+            .await
+            .unwrap()
+    );
+    let error = consume(&mut loser, "shipping", &delivery.ack_id)
+        .await
+        .expect_err("a serialization failure");
+    assert_eq!(
+        error.as_database_error().and_then(|e| e.code()).as_deref(),
+        Some("40001"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_requeued_or_replayed_event_is_reported_consumed_until_forgotten() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    let delivery = consumer.take(1, WAIT).await.remove(0);
+    let event_id = delivery.event.as_ref().unwrap().id.clone();
+    assert!(
+        consume_and_ship(&mut connection, "shipping", &delivery)
+            .await
+            .unwrap()
+    );
+    settled(&services.gateway, "shipping", 1).await;
+
+    let requeue = |forget_consumption: bool| proto::RequeueEventRequest {
+        id: event_id.clone(),
+        subscription: "shipping".into(),
+        forget_consumption,
+        ..Default::default()
+    };
+    // Requeued: delivered again, found consumed, and settled all the same.
+    let mut admin = services.gateway.admin().await;
+    admin.requeue_event(requeue(false)).await.unwrap();
+    let again = consumer.take(1, WAIT).await.remove(0);
+    assert!(
+        !consume_and_ship(&mut connection, "shipping", &again)
+            .await
+            .unwrap()
+    );
+    settled(&services.gateway, "shipping", 2).await;
+
+    // Replayed from the start: the same.
+    admin
+        .seek_subscription(proto::SeekSubscriptionRequest {
+            subscription: "shipping".into(),
+            to: subscription("x").start,
+        })
+        .await
+        .unwrap();
+    let replayed = consumer.take(1, WAIT).await.remove(0);
+    assert!(
+        !consume_and_ship(&mut connection, "shipping", &replayed)
+            .await
+            .unwrap()
+    );
+    settled(&services.gateway, "shipping", 3).await;
+    assert_eq!(shipments(&services.shipping.pool().await).await, ["o-1"]);
+
+    // Requeued forgetting the record: consumed again, on purpose.
+    admin.requeue_event(requeue(true)).await.unwrap();
+    let rerun = consumer.take(1, WAIT).await.remove(0);
+    assert!(
+        consume_and_ship(&mut connection, "shipping", &rerun)
+            .await
+            .unwrap()
+    );
+    settled(&services.gateway, "shipping", 4).await;
+    assert_eq!(
+        shipments(&services.shipping.pool().await).await,
+        ["o-1", "o-1"]
+    );
+}
+
+#[tokio::test]
+async fn bad_arguments_raise_errors_naming_them_and_record_nothing() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.subscribe_to_orders("billing").await;
+    services.publish_orders(&["o-1"]).await;
+    let delivery = Consumer::open(&services.gateway, "shipping", 10)
+        .await
+        .take(1, WAIT)
+        .await
+        .remove(0);
+    let ack_id = delivery.ack_id.as_str();
+    let (unsealed, seal) = ack_id.rsplit_once('-').unwrap();
+    let forged = format!("{unsealed}-{}", "0".repeat(seal.len()));
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+
+    let cases: [(Option<&str>, Option<&str>, &str); 7] = [
+        (Some("nobody"), Some(ack_id), "subscription 'nobody'"),
+        (None, Some(ack_id), "subscription must not be null"),
+        (
+            Some("shipping"),
+            Some("not-an-ack-id"),
+            "ack_id 'not-an-ack-id'",
+        ),
+        (Some("shipping"), None, "ack_id NULL"),
+        (Some("shipping"), Some(unsealed), "ack_id"),
+        (
+            Some("shipping"),
+            Some(&forged),
+            "not issued for subscription 'shipping'",
+        ),
+        (
+            Some("billing"),
+            Some(ack_id),
+            "not issued for subscription 'billing'",
+        ),
+    ];
+    for (subscription, ack_id, expected) in cases {
+        let error = sqlx::query_scalar::<_, bool>("SELECT outbox_consume($1, $2)")
+            .bind(subscription)
+            .bind(ack_id)
+            .fetch_one(&mut connection)
+            .await
+            .expect_err(expected);
+        let database_error = error.as_database_error().expect("a database error");
+        assert_eq!(database_error.code().as_deref(), Some("22023"), "{error}");
+        assert!(
+            database_error.message().starts_with("outbox_consume: ")
+                && database_error.message().contains(expected),
+            "{expected:?} in {error}"
+        );
+    }
+
+    // An ack id of a subscription deleted since.
+    services
+        .gateway
+        .admin()
+        .await
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "shipping".into(),
+        })
+        .await
+        .unwrap();
+    let error = consume(&mut connection, "shipping", ack_id)
+        .await
+        .expect_err("deleted");
+    assert!(
+        error.to_string().contains("no such subscription"),
+        "{error}"
+    );
+
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumptions")
+        .fetch_one(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(records, 0);
+}
+
+#[tokio::test]
+async fn the_writer_role_consumes_without_rights_on_the_tables() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let delivery = Consumer::open(&services.gateway, "shipping", 10)
+        .await
+        .take(1, WAIT)
+        .await
+        .remove(0);
+
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let (writer_role, login) = (
+        format!("outbox_writer_{suffix}"),
+        format!("outbox_consumer_{suffix}"),
+    );
+    let script =
+        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
+    let mut owner = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    owner
+        .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))
+        .await
+        .unwrap();
+    owner
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {login} LOGIN IN ROLE {writer_role}"
+        )))
+        .await
+        .unwrap();
+    let url = format!(
+        "postgres://{login}@127.0.0.1:5432/{}",
+        services.shipping.name()
+    );
+    let ack_id = delivery.ack_id.clone();
+    let outcome = tokio::spawn(async move {
+        let mut service = PgConnection::connect(&url).await.unwrap();
+        assert!(consume(&mut service, "shipping", &ack_id).await.unwrap());
+        for forbidden in [
+            "SELECT * FROM outbox_consumptions",
+            "SELECT * FROM outbox_consume_key",
+            "SELECT * FROM outbox_consumer_subscriptions",
+            "DELETE FROM outbox_consumptions",
+        ] {
+            let error = service.execute(forbidden).await.expect_err(forbidden);
+            assert_eq!(
+                error.as_database_error().and_then(|e| e.code()).as_deref(),
+                Some("42501"),
+                "{forbidden}: {error}"
+            );
+        }
+    })
+    .await;
+    for role in [&login, &writer_role] {
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
+            .await
+            .unwrap();
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+            .await
+            .unwrap();
+    }
+    outcome.unwrap();
+    settled(&services.gateway, "shipping", 1).await;
+}
+
+#[tokio::test]
+async fn consumption_records_go_once_their_events_are_gone() {
+    let services = Services::start_with(|config| {
+        config.maintenance.interval = Duration::from_millis(200);
+        config.maintenance.retention = Duration::from_secs(1);
+    })
+    .await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1", "o-2"]).await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    for delivery in consumer.take(2, WAIT).await {
+        assert!(
+            consume_and_ship(&mut connection, "shipping", &delivery)
+                .await
+                .unwrap()
+        );
+    }
+    settled(&services.gateway, "shipping", 2).await;
+
+    let orders = services.orders.pool().await;
+    eventually("the events and their records are gone", WAIT, || async {
+        count_events(&orders).await == 0
+            && subscription_stats(&services.gateway, "shipping")
+                .await
+                .consumption_records
+                == 0
+    })
+    .await;
+    let left: i64 = sqlx::query("SELECT count(*) AS n FROM outbox_consumptions")
+        .fetch_one(&mut connection)
+        .await
+        .unwrap()
+        .get("n");
+    assert_eq!(left, 0);
+}
