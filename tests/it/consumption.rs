@@ -560,3 +560,266 @@ async fn consumption_records_go_once_their_events_are_gone() {
         .get("n");
     assert_eq!(left, 0);
 }
+
+/// What a consumer does with one delivery, chosen at random: a crash leaves its
+/// transaction uncommitted or its stream closed before anything else happened.
+#[derive(Clone, Copy)]
+enum Fate {
+    CrashBeforeCommit,
+    CrashAfterCommit,
+    Consume,
+}
+
+/// One consuming transaction of the chaos test: the record, a shipment row (no unique
+/// constraint) and, for every third order, a reaction event published in the same
+/// transaction; committed unless the fate is a crash before the commit.
+async fn consume_with_reaction(
+    connection: &mut PgConnection,
+    delivery: &proto::Delivery,
+    fate: Fate,
+) -> Result<(), sqlx::Error> {
+    let event = delivery.event.as_ref().unwrap();
+    let mut transaction = connection.begin().await?;
+    if consume(&mut transaction, "shipping", &delivery.ack_id).await? {
+        sqlx::query("INSERT INTO shipments (order_id, event_id) VALUES ($1, $2)")
+            .bind(&event.aggregate_id)
+            .bind(&event.id)
+            .execute(&mut *transaction)
+            .await?;
+        let number: u32 = event.aggregate_id[2..].parse().unwrap();
+        if number.is_multiple_of(3) {
+            sqlx::query("SELECT outbox_publish('shipment', $1, 'shipment.requested', '{}'::jsonb)")
+                .bind(&event.aggregate_id)
+                .execute(&mut *transaction)
+                .await?;
+        }
+    }
+    if matches!(fate, Fate::CrashBeforeCommit) {
+        // Dropped with the connection: the server rolls it back.
+        return Ok(());
+    }
+    transaction.commit().await
+}
+
+/// A consumer that crashes now and then: it reads the subscription from whichever
+/// gateway process is current, consumes every delivery in a transaction and never acks.
+/// Stops when `stop` is set.
+async fn crashing_consumer(
+    gateway: Arc<std::sync::Mutex<String>>,
+    shipping_url: String,
+    seed: u64,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use rand::{Rng, SeedableRng};
+    let mut random = rand::rngs::StdRng::seed_from_u64(seed);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let endpoint = gateway.lock().unwrap().clone();
+        let Ok(mut subscriber) =
+            outbox_gateway::proto::subscriber_client::SubscriberClient::connect(endpoint).await
+        else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(mut connection) = PgConnection::connect(&shipping_url).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(stream) = subscriber
+            .subscribe(proto::SubscribeRequest {
+                subscription: "shipping".into(),
+                max_in_flight: 5,
+                ..Default::default()
+            })
+            .await
+        else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let mut stream = stream.into_inner();
+        // Reads until a crash, a failure or the end of the gateway, then starts over.
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let delivery =
+                match tokio::time::timeout(Duration::from_millis(500), stream.message()).await {
+                    Err(_) => continue,
+                    Ok(Ok(Some(delivery))) => delivery,
+                    Ok(_) => break,
+                };
+            let fate = match random.random_range(0..20) {
+                0 => Fate::CrashBeforeCommit,
+                1 => Fate::CrashAfterCommit,
+                _ => Fate::Consume,
+            };
+            let consumed = consume_with_reaction(&mut connection, &delivery, fate).await;
+            if consumed.is_err() || !matches!(fate, Fate::Consume) {
+                break;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn side_effects_happen_once_through_consumer_gateway_and_database_crashes() {
+    const ORDERS: u32 = 300;
+    let server = tokio::task::spawn_blocking(outbox_testkit::PostgresServer::start)
+        .await
+        .unwrap()
+        .expect("a PostgreSQL server of its own");
+    let default = TestDatabase::create_on(&server.url()).await;
+    let orders = TestDatabase::create_on(&server.url()).await;
+    let shipping = TestDatabase::create_on(&server.url()).await;
+    let config_file = std::env::temp_dir().join(format!("{}-consumption.toml", default.name()));
+    std::fs::write(
+        &config_file,
+        format!(
+            "poll_interval = \"500ms\"\nmaintenance_interval = \"1s\"\n\
+             [[sources]]\nname = \"orders\"\ndatabase_url = \"{}\"\n\
+             [[sources]]\nname = \"shipping\"\ndatabase_url = \"{}\"\n",
+            orders.url(),
+            shipping.url()
+        ),
+    )
+    .unwrap();
+    let config_argument = config_file.to_str().unwrap().to_owned();
+    let arguments = [
+        "--config",
+        config_argument.as_str(),
+        "--metrics-listen",
+        "off",
+    ];
+    let (mut first, _log, address, channel) = start_gateway_process(&default, &arguments).await;
+    let mut admin = proto::admin_client::AdminClient::new(channel);
+    admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(proto::Subscription {
+                sources: vec!["orders".into()],
+                ack_deadline: seconds(3),
+                ..subscription("shipping")
+            }),
+        })
+        .await
+        .unwrap();
+    let shipping_pool = shipping.pool().await;
+    shipping_pool
+        .execute("CREATE TABLE shipments (order_id text NOT NULL, event_id text NOT NULL)")
+        .await
+        .unwrap();
+
+    let endpoint = Arc::new(std::sync::Mutex::new(format!("http://{address}")));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let consumers: Vec<_> = (0..2)
+        .map(|seed| {
+            tokio::spawn(crashing_consumer(
+                endpoint.clone(),
+                shipping.url(),
+                seed,
+                stop.clone(),
+            ))
+        })
+        .collect();
+
+    let orders_pool = orders.pool().await;
+    let publish = |from: u32, to: u32| {
+        let orders_pool = orders_pool.clone();
+        async move {
+            for number in from..to {
+                sqlx::query("SELECT outbox_publish('order', $1, 'order.created', '{}'::jsonb)")
+                    .bind(format!("o-{number:04}"))
+                    .execute(&orders_pool)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let shipped = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT event_id) FROM shipments")
+            .fetch_one(&shipping_pool)
+            .await
+            .unwrap_or_default()
+    };
+
+    // A third, then the gateway is killed mid-flow and another one takes over.
+    publish(0, ORDERS / 3).await;
+    eventually("a few orders are shipped", WAIT, || async {
+        shipped().await >= 20
+    })
+    .await;
+    first.kill().await.unwrap();
+    let (_second, _log, address, _) = start_gateway_process(&default, &arguments).await;
+    *endpoint.lock().unwrap() = format!("http://{address}");
+    publish(ORDERS / 3, 2 * ORDERS / 3).await;
+
+    // Then PostgreSQL restarts under everyone.
+    eventually("more orders are shipped", WAIT * 3, || async {
+        shipped().await >= i64::from(ORDERS / 3) + 20
+    })
+    .await;
+    server.stop().expect("stop PostgreSQL");
+    server.resume().expect("start PostgreSQL again");
+    let orders_pool = orders.pool().await;
+    for number in 2 * ORDERS / 3..ORDERS {
+        sqlx::query("SELECT outbox_publish('order', $1, 'order.created', '{}'::jsonb)")
+            .bind(format!("o-{number:04}"))
+            .execute(&orders_pool)
+            .await
+            .unwrap();
+    }
+
+    let shipping_pool = shipping.pool().await;
+    let current = endpoint.lock().unwrap().clone();
+    let admin = proto::admin_client::AdminClient::connect(current)
+        .await
+        .unwrap();
+    eventually("every order is consumed and settled", WAIT * 6, || {
+        let (shipping_pool, mut admin) = (&shipping_pool, admin.clone());
+        async move {
+            let shipped: i64 = sqlx::query_scalar("SELECT count(DISTINCT event_id) FROM shipments")
+                .fetch_one(shipping_pool)
+                .await
+                .unwrap_or_default();
+            let Ok(stats) = admin
+                .get_stats(proto::GetStatsRequest {
+                    subscription: "shipping".into(),
+                })
+                .await
+            else {
+                return false;
+            };
+            let stats = &stats.get_ref().subscriptions[0];
+            shipped == i64::from(ORDERS)
+                && stats.pending == 0
+                && stats.in_flight == 0
+                && stats.awaiting_retry == 0
+        }
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for consumer in consumers {
+        consumer.await.unwrap();
+    }
+
+    // Exactly one shipment per order, and one reaction event per third order.
+    let duplicated: Vec<String> =
+        sqlx::query_scalar("SELECT order_id FROM shipments GROUP BY order_id HAVING count(*) > 1")
+            .fetch_all(&shipping_pool)
+            .await
+            .unwrap();
+    assert_eq!(duplicated, Vec::<String>::new(), "shipped more than once");
+    let shipments: i64 = sqlx::query_scalar("SELECT count(*) FROM shipments")
+        .fetch_one(&shipping_pool)
+        .await
+        .unwrap();
+    assert_eq!(shipments, i64::from(ORDERS));
+    let reactions: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT aggregate_id, count(*) FROM outbox_events \
+         WHERE event_type = 'shipment.requested' GROUP BY aggregate_id ORDER BY 1",
+    )
+    .fetch_all(&shipping_pool)
+    .await
+    .unwrap();
+    let expected: Vec<(String, i64)> = (0..ORDERS)
+        .filter(|number| number.is_multiple_of(3))
+        .map(|number| (format!("o-{number:04}"), 1))
+        .collect();
+    assert_eq!(reactions, expected);
+    let _ = std::fs::remove_file(&config_file);
+}
