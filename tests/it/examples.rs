@@ -210,6 +210,50 @@ async fn python_and_node_examples_publish_and_consume_through_the_gateway() {
         }
     }
 
+    // Exactly once: each language consumes every event in its own transactions, never
+    // acks, and the gateway settles every delivery all the same.
+    for examples in &languages {
+        let output = examples
+            .run(
+                &gateway,
+                "exactly_once",
+                &["--max-deliveries", &count, "--timeout", "30"],
+            )
+            .await;
+        let consumed: BTreeSet<String> = json_lines(&output)
+            .iter()
+            .filter(|line| line["consumed"] == true)
+            .map(|line| text(&line["event_id"]))
+            .collect();
+        assert_eq!(
+            consumed, delivered,
+            "{} exactly_once:\n{output}",
+            examples.language
+        );
+        let subscription = format!("orders-exactly-once-{}", examples.language);
+        eventually("the consumed deliveries are settled", RUN_TIME, || async {
+            let stats = subscription_stats(&gateway, &subscription).await;
+            (
+                stats.lag_events,
+                stats.acked_total,
+                stats.consumption_records,
+            ) == (0, 8, 8)
+        })
+        .await;
+    }
+    let shipped: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM shipments), \
+                (SELECT count(*) FROM outbox_events WHERE event_type = 'shipment.requested')",
+    )
+    .fetch_one(&database.pool().await)
+    .await
+    .expect("count shipments");
+    assert_eq!(
+        shipped,
+        (16, 16),
+        "a shipment and its event per event and language"
+    );
+
     let mut admin = gateway.admin().await;
     for examples in &languages {
         let subscription = examples.subscription.to_owned();
