@@ -337,3 +337,71 @@ async fn bind_again(address: std::net::SocketAddr) -> tokio::net::TcpListener {
     .await
     .unwrap_or_else(|| panic!("cannot bind {address} again"))
 }
+
+#[tokio::test]
+async fn an_exactly_once_handler_writes_each_event_once_and_needs_no_ack() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    create_subscription(&gateway, subscription("shipping")).await;
+    let pool = database.pool().await;
+    sqlx::query("CREATE TABLE shipments (order_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let orders: Vec<String> = (0..20).map(|n| format!("o-{n:02}")).collect();
+    publish(
+        &gateway,
+        orders.iter().map(|id| event(id, "order.created")).collect(),
+    )
+    .await;
+
+    // One handler fails after writing: its transaction rolls back and the event comes
+    // again.
+    let failed_once = Arc::new(Mutex::new(false));
+    let shutdown = CancellationToken::new();
+    let subscriber = Subscriber::new(Connection::new(gateway.endpoint()), "shipping");
+    let running = tokio::spawn({
+        let (pool, shutdown, failed_once) = (pool.clone(), shutdown.clone(), failed_once.clone());
+        async move {
+            subscriber
+                .run_exactly_once(
+                    pool,
+                    move |delivery, connection| {
+                        let failed_once = failed_once.clone();
+                        Box::pin(async move {
+                            let event = delivery.event.unwrap_or_default();
+                            sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+                                .bind(&event.aggregate_id)
+                                .execute(&mut *connection)
+                                .await
+                                .map_err(|error| HandlerError::transient(error.to_string()))?;
+                            if event.aggregate_id == "o-07"
+                                && !std::mem::replace(&mut *failed_once.lock().unwrap(), true)
+                            {
+                                return Err(HandlerError::transient("the carrier is down"));
+                            }
+                            Ok(())
+                        })
+                    },
+                    shutdown,
+                )
+                .await
+        }
+    });
+
+    eventually("every delivery is settled", WAIT, || async {
+        let stats = subscription_stats(&gateway, "shipping").await;
+        stats.lag_events == 0 && stats.acked_total == 20
+    })
+    .await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    let shipped: Vec<String> = sqlx::query_scalar("SELECT order_id FROM shipments ORDER BY 1")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(shipped, orders);
+    assert!(*failed_once.lock().unwrap());
+    let stats = subscription_stats(&gateway, "shipping").await;
+    assert_eq!((stats.delivered_total, stats.consumption_records), (21, 20));
+}

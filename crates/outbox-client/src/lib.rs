@@ -58,6 +58,9 @@
 //! # Features
 //! - `server`: also compiles the gRPC server traits (`proto::*_server`); the gateway
 //!   uses them, clients do not need them.
+//! - `sqlx`: [`Subscriber::run_exactly_once`], handlers that run inside a transaction of
+//!   the consumer's own database, recorded with `outbox_consume` (exactly-once
+//!   consumption, see the gateway's README).
 
 #![warn(missing_docs)]
 
@@ -70,6 +73,8 @@ mod subscriber;
 pub use connection::{AuthenticatedChannel, BearerToken, Connection, GatewayChannel};
 pub use error::ClientError;
 pub use publisher::Publisher;
+#[cfg(feature = "sqlx")]
+pub use subscriber::TransactionFuture;
 pub use subscriber::{HandlerError, Subscriber};
 /// The tonic the stubs are built on, for its `Status` and `Code` without a second
 /// dependency to keep in step.

@@ -18,6 +18,38 @@ use crate::{
 const ACK_BATCH: usize = 500;
 const ACK_FLUSH_INTERVAL: Duration = Duration::from_millis(10);
 
+/// How a delivery whose handler succeeded is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settle {
+    /// The subscriber acks it.
+    ByAck,
+    /// The handler's transaction recorded it with `outbox_consume`; the gateway settles it
+    /// when that commits.
+    ByCommit,
+}
+
+/// The future a [`Subscriber::run_exactly_once`] handler returns: it may borrow the
+/// connection of the consuming transaction.
+#[cfg(feature = "sqlx")]
+pub type TransactionFuture<'c> =
+    std::pin::Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'c>>;
+
+/// A database failure of the consuming transaction. `outbox_consume` refusing the
+/// arguments (SQLSTATE 22023: an ack id of a deleted subscription, say) cannot pass;
+/// anything else (a lost connection, a serialization failure) may.
+#[cfg(feature = "sqlx")]
+fn database_error(error: sqlx::Error) -> HandlerError {
+    let refused = error
+        .as_database_error()
+        .and_then(|error| error.code())
+        .is_some_and(|code| code == "22023");
+    if refused {
+        HandlerError::permanent(error.to_string())
+    } else {
+        HandlerError::transient(error.to_string())
+    }
+}
+
 /// Why a handler failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandlerError {
@@ -113,6 +145,89 @@ impl Subscriber {
         H: Fn(proto::Delivery) -> F + Send + Sync + 'static,
         F: Future<Output = Result<(), HandlerError>> + Send + 'static,
     {
+        self.run_settling(handler, Settle::ByAck, shutdown).await
+    }
+
+    /// Runs `handler` for each delivery inside a transaction of `pool`'s database, which
+    /// must be one of the gateway's sources: the transaction first records the delivery
+    /// with `outbox_consume`, then runs the handler (unless a committed transaction
+    /// consumed the event before: then the handler is skipped) and commits. What the
+    /// handler writes with the connection it is given — its side effects, events it
+    /// publishes with `outbox_publish` — therefore happens exactly once per event, and
+    /// the gateway settles the delivery when the transaction commits: no ack is sent.
+    /// A handler error rolls the transaction back and nacks, as with [`Subscriber::run`].
+    ///
+    /// ```no_run
+    /// use outbox_client::{Connection, HandlerError, Subscriber};
+    /// use tokio_util::sync::CancellationToken;
+    ///
+    /// # async fn example(pool: sqlx::PgPool) -> Result<(), outbox_client::ClientError> {
+    /// Subscriber::new(Connection::new("http://127.0.0.1:50051"), "shipping")
+    ///     .run_exactly_once(
+    ///         pool,
+    ///         |delivery, connection| {
+    ///             Box::pin(async move {
+    ///                 let event = delivery.event.unwrap_or_default();
+    ///                 sqlx::query("INSERT INTO shipments (order_id) VALUES ($1)")
+    ///                     .bind(&event.aggregate_id)
+    ///                     .execute(&mut *connection)
+    ///                     .await
+    ///                     .map_err(|error| HandlerError::transient(error.to_string()))?;
+    ///                 Ok(())
+    ///             })
+    ///         },
+    ///         CancellationToken::new(),
+    ///     )
+    ///     .await
+    /// # }
+    /// ```
+    #[cfg(feature = "sqlx")]
+    pub async fn run_exactly_once<H>(
+        &self,
+        pool: sqlx::PgPool,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), ClientError>
+    where
+        H: for<'c> Fn(proto::Delivery, &'c mut sqlx::PgConnection) -> TransactionFuture<'c>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let handler = Arc::new(handler);
+        let subscription = self.subscription.clone();
+        let in_transaction = move |delivery: proto::Delivery| {
+            let (pool, handler, subscription) =
+                (pool.clone(), handler.clone(), subscription.clone());
+            async move {
+                let mut transaction = pool.begin().await.map_err(database_error)?;
+                let first: bool = sqlx::query_scalar("SELECT outbox_consume($1, $2)")
+                    .bind(&subscription)
+                    .bind(&delivery.ack_id)
+                    .fetch_one(&mut *transaction)
+                    .await
+                    .map_err(database_error)?;
+                if first {
+                    // An error drops the transaction: rolled back.
+                    handler(delivery, &mut transaction).await?;
+                }
+                transaction.commit().await.map_err(database_error)
+            }
+        };
+        self.run_settling(in_transaction, Settle::ByCommit, shutdown)
+            .await
+    }
+
+    async fn run_settling<H, F>(
+        &self,
+        handler: H,
+        settle: Settle,
+        shutdown: CancellationToken,
+    ) -> Result<(), ClientError>
+    where
+        H: Fn(proto::Delivery) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
         let channel = self.connection.connect_lazy()?;
         let handler = Arc::new(handler);
         let permits = Arc::new(Semaphore::new(self.concurrency));
@@ -170,7 +285,7 @@ impl Subscriber {
                             delivery,
                             channel.clone(),
                             self.subscription.clone(),
-                            acks.clone(),
+                            (settle == Settle::ByAck).then(|| acks.clone()),
                             permit,
                         ));
                         // Reap finished handlers so the set stays small.
@@ -205,7 +320,8 @@ async fn handle<H, F>(
     delivery: proto::Delivery,
     channel: GatewayChannel,
     subscription: String,
-    acks: mpsc::Sender<String>,
+    // `None`: a success is settled by the handler's commit, not by an ack.
+    acks: Option<mpsc::Sender<String>>,
     _permit: OwnedSemaphorePermit,
 ) where
     H: Fn(proto::Delivery) -> F + Send + Sync + 'static,
@@ -235,7 +351,9 @@ async fn handle<H, F>(
     };
     match outcome {
         Ok(()) => {
-            let _ = acks.send(ack_id).await;
+            if let Some(acks) = acks {
+                let _ = acks.send(ack_id).await;
+            }
         }
         Err(error) => {
             let request = proto::NackRequest {
