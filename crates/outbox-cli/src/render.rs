@@ -251,6 +251,12 @@ pub fn status_text(stats: &proto::SubscriptionStats) {
     if let Some(sink) = sink_text(stats) {
         println!("{:<23} {sink}", "sink messages:");
     }
+    if stats.consumption_records > 0 {
+        println!(
+            "{:<23} {} (outbox_consume)",
+            "consumed records:", stats.consumption_records
+        );
+    }
 }
 
 /// Whether a subscription's stats count sink messages (a sink subscription that sent
@@ -415,7 +421,8 @@ pub fn push_text(stats: &proto::SubscriptionStats) -> Option<String> {
     Some(text)
 }
 
-/// Adds a push subscription's request stats and a sink subscription's messages.
+/// Adds a push subscription's request stats, a sink subscription's messages and the
+/// records of `outbox_consume`.
 fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value {
     let pushes = stats.push_requests_total > 0
         || stats.push_in_flight > 0
@@ -431,6 +438,9 @@ fn with_push_stats(stats: &proto::SubscriptionStats, mut value: Value) -> Value 
             "rate": stats.push_rate,
             "stopped_reason": stats.push_stopped_reason,
         });
+    }
+    if stats.consumption_records > 0 {
+        value["consumption_records"] = json!(stats.consumption_records);
     }
     if sends_to_sink(stats) {
         value["sink"] = json!({
