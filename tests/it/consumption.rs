@@ -447,11 +447,14 @@ async fn bad_arguments_raise_errors_naming_them_and_record_nothing() {
         "{error}"
     );
 
-    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_consumptions")
-        .fetch_one(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(records, 0);
+    let records: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM outbox_consumptions), \
+                (SELECT count(*) FROM outbox_consumed_acks)",
+    )
+    .fetch_one(&mut connection)
+    .await
+    .unwrap();
+    assert_eq!(records, (0, 0));
 }
 
 #[tokio::test]
@@ -495,6 +498,7 @@ async fn the_writer_role_consumes_without_rights_on_the_tables() {
         assert!(consume(&mut service, "shipping", &ack_id).await.unwrap());
         for forbidden in [
             "SELECT * FROM outbox_consumptions",
+            "SELECT * FROM outbox_consumed_acks",
             "SELECT * FROM outbox_consume_key",
             "SELECT * FROM outbox_consumer_subscriptions",
             "DELETE FROM outbox_consumptions",

@@ -25,6 +25,7 @@ enum Settle {
     ByAck,
     /// The handler's transaction recorded it with `outbox_consume`; the gateway settles it
     /// when that commits.
+    #[cfg(feature = "sqlx")]
     ByCommit,
 }
 

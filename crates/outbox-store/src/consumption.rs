@@ -1,9 +1,9 @@
 //! Consumption records: what `outbox_consume` (migration 0013) wrote in a consumer's
 //! database, which is one of the gateway's sources. The gateway keeps there the key ack
-//! ids are sealed with and the names of the subscriptions, reads the records whose
-//! delivery it has not settled yet, and deletes records once their event is gone.
+//! ids are sealed with and the names of the subscriptions, takes the consumed acks off
+//! the queue to settle them, and deletes records once their event is gone.
 
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::{Postgres, Transaction};
 
 use super::{Result, Store};
 use outbox_domain::{SourceName, SubscriptionId};
@@ -11,41 +11,37 @@ use outbox_domain::{SourceName, SubscriptionId};
 /// The channel `outbox_consume` notifies on when its transaction commits.
 pub(crate) const CONSUMED_CHANNEL: &str = "outbox_consumed";
 
-/// A committed consumption whose delivery the gateway has yet to settle.
+/// A delivery a consumer recorded with `outbox_consume` (consumed then, or found
+/// consumed before) whose lease the gateway has yet to settle.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Consumption {
+pub struct ConsumedAck {
     pub subscription_id: SubscriptionId,
-    /// The event's source, by name (it may be another database than this one).
-    pub source: String,
-    pub position: i64,
-    /// The ack id the consumer recorded, as it gave it.
+    /// As the consumer gave it (its event may be in another database than this one).
     pub ack_id: String,
 }
 
-/// Consumptions read for settling, locked against other gateways until
-/// [`UnsettledConsumptions::settled`] or [`UnsettledConsumptions::abandon`].
-pub struct UnsettledConsumptions {
+/// Consumed acks taken off this database's queue for settling, in a transaction that
+/// keeps other gateways from taking them too: [`ConsumedAcks::settled`] commits,
+/// putting back those that could not be settled yet; dropping it puts back all.
+pub struct ConsumedAcks {
     transaction: Transaction<'static, Postgres>,
-    pub consumptions: Vec<Consumption>,
+    pub acks: Vec<ConsumedAck>,
 }
 
-impl UnsettledConsumptions {
-    /// Marks the given consumptions settled (their leases acked, or stale) and lets
-    /// the others go to be tried again.
-    pub async fn settled(mut self, done: &[Consumption]) -> Result<()> {
-        if !done.is_empty() {
-            let (subscriptions, (sources, positions)): (Vec<i64>, (Vec<&str>, Vec<i64>)) = done
+impl ConsumedAcks {
+    /// Done: the acks are off the queue, but for `retry`, put back for a later round.
+    pub async fn settled(mut self, retry: &[ConsumedAck]) -> Result<()> {
+        if !retry.is_empty() {
+            let (subscriptions, ack_ids): (Vec<i64>, Vec<&str>) = retry
                 .iter()
-                .map(|c| (c.subscription_id.0, (c.source.as_str(), c.position)))
+                .map(|ack| (ack.subscription_id.0, ack.ack_id.as_str()))
                 .unzip();
             sqlx::query(
-                "UPDATE outbox_consumptions c SET unsettled_ack_id = NULL \
-                 FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS d(s, source, position) \
-                 WHERE c.subscription_id = d.s AND c.source = d.source AND c.position = d.position",
+                "INSERT INTO outbox_consumed_acks (subscription_id, ack_id) \
+                 SELECT * FROM unnest($1::bigint[], $2::text[])",
             )
             .bind(subscriptions)
-            .bind(sources)
-            .bind(positions)
+            .bind(ack_ids)
             .execute(&mut *self.transaction)
             .await?;
         }
@@ -53,7 +49,7 @@ impl UnsettledConsumptions {
         Ok(())
     }
 
-    /// Lets every consumption go unsettled, for this or another gateway to try again.
+    /// Puts every ack back, for this or another gateway to try again.
     pub async fn abandon(self) -> Result<()> {
         self.transaction.rollback().await?;
         Ok(())
@@ -124,7 +120,11 @@ impl Store {
              forgotten AS ( \
                  DELETE FROM outbox_consumptions c \
                  WHERE c.subscription_id IN (SELECT id FROM gone) \
-                   AND c.subscription_id NOT IN (SELECT id FROM listed)) \
+                   AND c.subscription_id NOT IN (SELECT id FROM listed)), \
+             unqueued AS ( \
+                 DELETE FROM outbox_consumed_acks a \
+                 WHERE a.subscription_id IN (SELECT id FROM gone) \
+                   AND a.subscription_id NOT IN (SELECT id FROM listed)) \
              INSERT INTO outbox_consumer_subscriptions (id, name) \
              SELECT l.id, l.name FROM listed l \
              WHERE NOT EXISTS (SELECT FROM outbox_consumer_subscriptions s \
@@ -142,7 +142,8 @@ impl Store {
     /// its consumption records go.
     pub async fn remove_consumer_subscription(&self, id: SubscriptionId) -> Result<()> {
         sqlx::query(
-            "WITH gone AS (DELETE FROM outbox_consumer_subscriptions WHERE id = $1) \
+            "WITH gone AS (DELETE FROM outbox_consumer_subscriptions WHERE id = $1), \
+                  unqueued AS (DELETE FROM outbox_consumed_acks WHERE subscription_id = $1) \
              DELETE FROM outbox_consumptions WHERE subscription_id = $1",
         )
         .bind(id.0)
@@ -151,26 +152,27 @@ impl Store {
         Ok(())
     }
 
-    /// Up to `limit` committed consumptions not settled yet, locked so that other
-    /// gateways skip them meanwhile; `None` when there are none.
-    pub async fn unsettled_consumptions(
+    /// Takes up to `limit` consumed acks off this database's queue; `None` when it is
+    /// empty. With `probe`, first checks outside a transaction whether there are any
+    /// (a poll mostly finds none).
+    pub async fn take_consumed_acks(
         &self,
         limit: usize,
-    ) -> Result<Option<UnsettledConsumptions>> {
-        // Most polls find nothing: they need no transaction.
-        let any: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT FROM outbox_consumptions WHERE unsettled_ack_id IS NOT NULL)",
-        )
-        .fetch_one(&self.pool)
-        .await?;
-        if !any {
-            return Ok(None);
+        probe: bool,
+    ) -> Result<Option<ConsumedAcks>> {
+        if probe {
+            let any: bool = sqlx::query_scalar("SELECT EXISTS (SELECT FROM outbox_consumed_acks)")
+                .fetch_one(&self.pool)
+                .await?;
+            if !any {
+                return Ok(None);
+            }
         }
         let mut transaction = self.pool.begin().await?;
-        let rows = sqlx::query(
-            "SELECT subscription_id, source, position, unsettled_ack_id FROM outbox_consumptions \
-             WHERE unsettled_ack_id IS NOT NULL \
-             LIMIT $1 FOR UPDATE SKIP LOCKED",
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "DELETE FROM outbox_consumed_acks WHERE ctid = ANY (ARRAY( \
+                 SELECT ctid FROM outbox_consumed_acks LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+             RETURNING subscription_id, ack_id",
         )
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .fetch_all(&mut *transaction)
@@ -179,21 +181,29 @@ impl Store {
             transaction.rollback().await?;
             return Ok(None);
         }
-        let consumptions = rows
-            .iter()
-            .map(|row| {
-                Ok(Consumption {
-                    subscription_id: SubscriptionId(row.try_get("subscription_id")?),
-                    source: row.try_get("source")?,
-                    position: row.try_get("position")?,
-                    ack_id: row.try_get("unsettled_ack_id")?,
-                })
-            })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
-        Ok(Some(UnsettledConsumptions {
+        Ok(Some(ConsumedAcks {
             transaction,
-            consumptions,
+            acks: rows
+                .into_iter()
+                .map(|(subscription_id, ack_id)| ConsumedAck {
+                    subscription_id: SubscriptionId(subscription_id),
+                    ack_id,
+                })
+                .collect(),
         }))
+    }
+
+    /// Tells consumers of this database that a settler polls it until `for_how_long`
+    /// from now, so they need not notify (`None`: it stops polling, they must).
+    pub async fn settler_awake(&self, for_how_long: Option<std::time::Duration>) -> Result<()> {
+        sqlx::query(
+            "UPDATE outbox_consume_key \
+             SET settler_awake_until = now() + make_interval(secs => $1::float8)",
+        )
+        .bind(for_how_long.map(|duration| duration.as_secs_f64()))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// The first position still in this database's outbox (or the next to be given when
@@ -219,7 +229,7 @@ impl Store {
         Ok(sqlx::query(
             "DELETE FROM outbox_consumptions WHERE ctid = ANY (ARRAY( \
                  SELECT ctid FROM outbox_consumptions \
-                 WHERE source = $1 AND position < $2 AND unsettled_ack_id IS NULL LIMIT $3))",
+                 WHERE source = $1 AND position < $2 LIMIT $3))",
         )
         .bind(source.as_str())
         .bind(before)

@@ -151,7 +151,7 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode},
 };
 
-pub use consumption::{Consumption, UnsettledConsumptions};
+pub use consumption::{ConsumedAck, ConsumedAcks};
 pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};

@@ -40,12 +40,14 @@ impl Store {
     /// `min_dead_rows` dead rows have piled up; returns how many there were, or `None` when
     /// it was not yet due. Every ack deletes a record and every claim inserts one, and
     /// autovacuum, when it runs at all, visits this table too rarely for that rate: its
-    /// indexes fill with dead entries that claims and acks must step over. With several
-    /// gateways, a vacuum already running is skipped rather than waited for.
+    /// indexes fill with dead entries that claims and acks must step over. The queue of
+    /// consumed acks (`outbox_consume`), read whole at every settling round, goes with it.
+    /// With several gateways, a vacuum already running is skipped rather than waited for.
     pub async fn vacuum_deliveries(&self, min_dead_rows: i64) -> Result<Option<i64>> {
         let dead_rows: i64 = sqlx::query_scalar(
             "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables \
-             WHERE relid IN ('outbox_deliveries'::regclass, 'outbox_delivery_batches'::regclass)",
+             WHERE relid IN ('outbox_deliveries'::regclass, 'outbox_delivery_batches'::regclass, \
+                             'outbox_consumed_acks'::regclass)",
         )
         .fetch_one(&self.pool)
         .await?;
@@ -54,7 +56,7 @@ impl Store {
         }
         sqlx::raw_sql(
             "VACUUM (SKIP_LOCKED) outbox_deliveries, outbox_delivery_batches, \
-             outbox_subscription_counters",
+             outbox_subscription_counters, outbox_consumed_acks",
         )
         .execute(&self.pool)
         .await?;

@@ -679,23 +679,22 @@ impl Relay {
         Ok(source)
     }
 
-    /// The subscription as this process's dispatcher last saw it, or from the database.
     /// Settles the subscription's deliveries of the events at `positions` in `source`
     /// whatever their lease: they were consumed (see [`consumed`]). Whoever holds their
-    /// leases re-reads them; how many were settled.
+    /// leases re-reads them.
     async fn settle_consumed(
         &self,
         subscription: &Subscription,
         source: &Source,
         positions: &[i64],
-    ) -> Result<usize> {
+    ) -> Result<()> {
         let settled = source
             .store
             .settle_consumed(subscription, positions)
             .await
             .map_err(|error| source.error(error))?;
         if settled.is_empty() {
-            return Ok(0);
+            return Ok(());
         }
         metrics::acked(
             subscription.name.as_str(),
@@ -720,7 +719,7 @@ impl Relay {
                 leases: None,
             });
         }
-        Ok(settled.len())
+        Ok(())
     }
 
     /// The subscription with this id (`None`: deleted), from a dispatcher of this
@@ -734,6 +733,7 @@ impl Relay {
             .await?)
     }
 
+    /// The subscription as this process's dispatcher last saw it, or from the database.
     async fn find_subscription(&self, name: &SubscriptionName) -> Result<Subscription> {
         let cached = self
             .all_dispatchers()
