@@ -3,6 +3,7 @@
 //! and an empty database, so its figures do not depend on what ran before it.
 
 mod backlog;
+mod consume_in_transaction;
 mod cost;
 mod deliver;
 mod delivery_cost;
@@ -53,10 +54,11 @@ pub enum Scenario {
     DeliveryCost,
     Push,
     Sink,
+    ConsumeInTransaction,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 18] = [
+    pub const ALL: [Scenario; 19] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -75,6 +77,7 @@ impl Scenario {
         Scenario::DeliveryCost,
         Scenario::Push,
         Scenario::Sink,
+        Scenario::ConsumeInTransaction,
     ];
 
     pub fn name(self) -> &'static str {
@@ -97,6 +100,7 @@ impl Scenario {
             Scenario::DeliveryCost => "delivery-cost",
             Scenario::Push => "push",
             Scenario::Sink => "sink",
+            Scenario::ConsumeInTransaction => "consume-in-transaction",
         }
     }
 
@@ -120,7 +124,8 @@ impl Scenario {
             | Scenario::BacklogScaling
             | Scenario::Memory
             | Scenario::Cost
-            | Scenario::DeliveryCost => None,
+            | Scenario::DeliveryCost
+            | Scenario::ConsumeInTransaction => None,
         }
     }
 
@@ -145,6 +150,7 @@ impl Scenario {
             Scenario::DeliveryCost => delivery_cost::run(bench, gateway).await,
             Scenario::Push => push::run(bench, gateway).await,
             Scenario::Sink => sink::run(bench, gateway).await,
+            Scenario::ConsumeInTransaction => consume_in_transaction::run(bench, gateway).await,
         }
     }
 }
