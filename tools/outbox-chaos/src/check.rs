@@ -25,6 +25,7 @@ use crate::{
         is_poison, is_settled,
     },
     database::Snapshot,
+    exactly_once::reacts,
     ledger::{Ledger, Published},
     operator::{AdminView, OperationsLog},
 };
@@ -117,6 +118,7 @@ pub fn run(
     checker.requeued_delivered_again();
     checker.seek_replays();
     checker.nothing_while_paused();
+    checker.exactly_once();
     checker.violations.extend(state.violations.iter().cloned());
     checker.violations
 }
@@ -593,6 +595,7 @@ impl<'a> Checker<'a> {
                         .dead_letters
                         .get(&(spec.name.to_owned(), event.id))
                         .is_some_and(|dead| dead.last_error == "expired"),
+                    Role::ExactlyOnce => !self.snapshot.effects.rows.contains_key(&event.id),
                     _ => {
                         let pair = (index, event.id);
                         !self.state.acked.contains(&pair) && !self.state.ack_failed.contains(&pair)
@@ -800,6 +803,157 @@ impl<'a> Checker<'a> {
             }
         }
         self.violations.extend(found);
+    }
+
+    /// On the exactly-once subscription, by what its consumers left in the database:
+    /// every committed event it selects has exactly one side-effect row (or none, when it
+    /// expires: it may have been dropped as expired before a transaction consumed it, as
+    /// on every subscription that drops expired events), and one reaction event when
+    /// [`reacts`] chooses it, none otherwise; no other event has a row or a reaction. At
+    /// the end GetStats shows nothing of it pending, in flight or awaiting retry, and one
+    /// consumption record per consumed event. Every consumed event the operator requeued
+    /// was delivered again (and, by the counts, not consumed again).
+    fn exactly_once(&mut self) {
+        let Some(index) = self.spec_index(Role::ExactlyOnce) else {
+            return;
+        };
+        let spec = &self.journal.specs[index];
+        let effects = &self.snapshot.effects;
+        let mut found = Vec::new();
+        let mut selected = HashSet::new();
+        for event in self.committed.values() {
+            if !spec.matches(&event.event_type) {
+                continue;
+            }
+            selected.insert(event.id);
+            let rows = effects.rows.get(&event.id).copied().unwrap_or(0);
+            let reactions = effects.reactions.get(&event.id).copied().unwrap_or(0);
+            let detail = |what: String| {
+                format!(
+                    "{}: {} ({} v{}, {:?}) {what}; its consuming transactions: {}",
+                    spec.name,
+                    event.id,
+                    event.aggregate,
+                    event.version,
+                    event.route,
+                    self.consumptions(event.id)
+                )
+            };
+            match rows {
+                0 if event.expires_at.is_some() => {}
+                0 => found.push(Violation::new(
+                    "side effect missing",
+                    detail("has no side-effect row".into()),
+                )),
+                1 => {}
+                _ => found.push(Violation::new(
+                    "side effect duplicated",
+                    detail(format!("has {rows} side-effect rows")),
+                )),
+            }
+            let expected = u64::from(rows > 0 && reacts(event.id));
+            if reactions != expected {
+                let kind = if reactions > expected {
+                    "reaction duplicated"
+                } else {
+                    "reaction missing"
+                };
+                found.push(Violation::new(
+                    kind,
+                    detail(format!(
+                        "has {reactions} reaction events, {expected} expected"
+                    )),
+                ));
+            }
+        }
+        for (id, rows) in &effects.rows {
+            if !selected.contains(id) {
+                found.push(Violation::new(
+                    "side effect of another event",
+                    format!(
+                        "{}: {rows} side-effect rows of {id}, not a committed event it selects",
+                        spec.name
+                    ),
+                ));
+            }
+        }
+        for (id, reactions) in &effects.reactions {
+            if !selected.contains(id) {
+                found.push(Violation::new(
+                    "reaction to another event",
+                    format!(
+                        "{}: {reactions} reaction events to {id}, not a committed event it \
+                         selects",
+                        spec.name
+                    ),
+                ));
+            }
+        }
+        // Without figures (a violation of its own, see `expiry_counters`) there is nothing
+        // to compare.
+        if let Some(stats) = self.operated.view.stats.get(spec.name) {
+            if stats.pending > 0 || stats.in_flight > 0 || stats.awaiting_retry > 0 {
+                found.push(Violation::new(
+                    "consumption unsettled",
+                    format!(
+                        "{}: at the end {} pending, {} in flight, {} awaiting retry",
+                        spec.name, stats.pending, stats.in_flight, stats.awaiting_retry
+                    ),
+                ));
+            }
+            if stats.consumption_records != effects.rows.len() as u64 {
+                found.push(Violation::new(
+                    "consumption records",
+                    format!(
+                        "{}: {} consumption records, {} events with a side effect",
+                        spec.name,
+                        stats.consumption_records,
+                        effects.rows.len()
+                    ),
+                ));
+            }
+        }
+        for requeue in &self.operated.log.consumed_requeues {
+            let again = (self.state.received.iter()).any(|r| {
+                r.subscription == index && r.event == requeue.event && r.at > requeue.sent
+            });
+            if !again {
+                found.push(Violation::new(
+                    "requeue",
+                    format!(
+                        "{}: {}, consumed and requeued at {}, was never delivered again",
+                        spec.name,
+                        requeue.event,
+                        self.at(requeue.sent)
+                    ),
+                ));
+            }
+        }
+        found.sort_by(|a, b| (a.kind, &a.detail).cmp(&(b.kind, &b.detail)));
+        self.violations.extend(found);
+    }
+
+    /// An event's consuming transactions on the exactly-once subscription, for a
+    /// violation's detail.
+    fn consumptions(&self, event: Uuid) -> String {
+        let consumptions: Vec<String> = (self.state.consumptions.iter())
+            .filter(|consumption| consumption.event == event)
+            .map(|consumption| {
+                format!(
+                    "attempt {} arrived {}, ended {}: outbox_consume {:?}, {:?}, committed {:?}",
+                    consumption.attempt,
+                    self.at(consumption.arrived),
+                    self.at(consumption.ended),
+                    consumption.first,
+                    consumption.fate,
+                    consumption.committed
+                )
+            })
+            .collect();
+        if consumptions.is_empty() {
+            return "none".to_owned();
+        }
+        consumptions.join("; ")
     }
 
     /// When the ack that settled an event was sent: the applied one, or else the first

@@ -4,7 +4,9 @@
 //! (the lease runs out); on the dead-letter subscription they nack the poison events
 //! every time and ack the others. They use the raw gRPC stubs so that the [`Journal`]
 //! records exactly when each delivery arrived and how each ack and nack was answered.
-//! The push subscription has no streams: the push receiver journals its requests.
+//! The push subscription has no streams: the push receiver journals its requests. The
+//! exactly-once subscription's streams are read by the consumers of [`exactly_once`],
+//! which consume in transactions instead of acking.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -30,12 +32,13 @@ use uuid::Uuid;
 use crate::{
     check::Violation,
     cluster::Cluster,
-    database::Unsettled,
+    database::{ChaosDatabase, Unsettled},
+    exactly_once::{self, Consumption},
     ledger::{Ledger, Published},
 };
 
 /// Longest an Ack or Nack call may take before it counts as failed.
-const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deliveries a stream may hold at once.
 const MAX_IN_FLIGHT: u32 = 16;
 /// Acks are sent in batches of at most this many, at least every `ACK_FLUSH`.
@@ -72,6 +75,9 @@ pub enum Role {
     Pause,
     /// Pushed by the gateways to the run's HTTP receiver; no streams.
     Push,
+    /// Consumed with `outbox_consume` in transactions of the run's database, with a side
+    /// effect and some reaction events, and never acked ([`exactly_once`]).
+    ExactlyOnce,
 }
 
 /// `max_attempts` of the dead-letter subscription.
@@ -150,6 +156,16 @@ impl SubscriptionSpec {
                 0,
                 false,
                 Role::Push,
+            ),
+            // Two event types (and no reactions, which only the unfiltered subscriptions
+            // take): enough events to crash on, fewer than every event.
+            spec(
+                "chaos-exactly-once",
+                &["order.created", "invoice.issued"],
+                false,
+                3,
+                false,
+                Role::ExactlyOnce,
             ),
         ]
     }
@@ -246,6 +262,35 @@ pub struct Received {
     pub gateway: usize,
 }
 
+impl Received {
+    /// A delivery of `subscription` as it arrives on stream `stream` of `gateway`.
+    pub fn arrived(
+        subscription: usize,
+        delivery: proto::Delivery,
+        stream: u64,
+        gateway: usize,
+    ) -> Received {
+        let at = Instant::now();
+        let wall = Utc::now();
+        let event = delivery.event.unwrap_or_default();
+        Received {
+            subscription,
+            event: event.id.parse().unwrap_or_default(),
+            aggregate: format!("{}/{}", event.aggregate_type, event.aggregate_id),
+            event_type: event.event_type,
+            version: event.aggregate_version,
+            attempt: delivery.attempt,
+            ack_id: delivery.ack_id,
+            at,
+            wall,
+            created_at: event.created_at.and_then(date_time),
+            expires_at: event.expires_at.and_then(date_time),
+            stream,
+            gateway,
+        }
+    }
+}
+
 /// One request of a push subscription as the run's HTTP receiver got it.
 #[derive(Debug, Clone)]
 pub struct Pushed {
@@ -321,6 +366,11 @@ pub struct JournalState {
     pub replay_expected: HashMap<(usize, Uuid), Instant>,
     /// Nacks applied on the dead-letter subscription, poison or not.
     pub poison_nacks: u64,
+    /// The consuming transactions of the exactly-once subscription, in order.
+    pub consumptions: Vec<Consumption>,
+    /// Events of the exactly-once subscription that a committed transaction consumed:
+    /// its `outbox_consume` returned true, or false (an earlier one had).
+    pub consumed: HashSet<Uuid>,
     /// Answers that broke a promise of the API as they came in.
     pub violations: Vec<Violation>,
 }
@@ -336,6 +386,19 @@ impl Journal {
 
     pub fn state(&self) -> MutexGuard<'_, JournalState> {
         self.state.lock().expect("journal lock")
+    }
+
+    /// Counts a stream opened and gives it its id.
+    pub fn stream_opened(&self) -> u64 {
+        self.state().streams_opened += 1;
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Records how and when stream `stream` ended.
+    pub fn stream_ended(&self, stream: u64, end: String) {
+        let mut state = self.state();
+        *state.stream_ends.entry(end).or_default() += 1;
+        state.stream_ended_at.insert(stream, Instant::now());
     }
 
     fn record_settlement(&self, received: &Received, settlement: Settlement) {
@@ -449,7 +512,9 @@ impl Journal {
 /// - dead-lettered, on the subscription that dead-letters;
 /// - expired with no record left, on the subscriptions that drop expired events;
 /// - on the push subscription: answered 2xx by the receiver (or expired) and no record
-///   left, so the gateway took the answer.
+///   left, so the gateway took the answer;
+/// - on the exactly-once subscription: consumed by a committed transaction (or expired)
+///   and no record left, so the gateway settled the delivery on the commit.
 pub fn is_settled(
     state: &JournalState,
     unsettled: &Unsettled,
@@ -462,8 +527,16 @@ pub fn is_settled(
     let record = unsettled
         .get(&(spec.name.to_owned(), event.id))
         .map(String::as_str);
-    if spec.role == Role::Push {
-        return record.is_none() && (state.pushed_ok.contains(&event.id) || event.expired_by(now));
+    match spec.role {
+        Role::Push => {
+            return record.is_none()
+                && (state.pushed_ok.contains(&event.id) || event.expired_by(now));
+        }
+        Role::ExactlyOnce => {
+            return record.is_none()
+                && (state.consumed.contains(&event.id) || event.expired_by(now));
+        }
+        Role::Plain | Role::DeadLetters | Role::Seek | Role::Pause => {}
     }
     if state.acked.contains(&pair) {
         return true;
@@ -491,16 +564,33 @@ impl Consumers {
 }
 
 /// Starts every consumer stream. `calm` makes them ack everything from then on (the
-/// drain); `stop` ends them.
+/// drain); `stop` ends them. The exactly-once subscription's consumers consume in
+/// `database` and tell `ledger` of the reaction events they publish.
 pub fn spawn_all(
     cluster: Arc<Cluster>,
     journal: Arc<Journal>,
+    database: &ChaosDatabase,
+    ledger: Arc<Ledger>,
     stop: CancellationToken,
     calm: CancellationToken,
 ) -> Consumers {
     let mut tasks = JoinSet::new();
     for (subscription, spec) in journal.specs.iter().enumerate() {
         for stream in 0..spec.streams {
+            if spec.role == Role::ExactlyOnce {
+                let consumer = exactly_once::Consumer {
+                    cluster: cluster.clone(),
+                    database: database.clone(),
+                    ledger: ledger.clone(),
+                    journal: journal.clone(),
+                    subscription,
+                    home: stream % cluster.len(),
+                    stop: stop.clone(),
+                    calm: calm.clone(),
+                };
+                tasks.spawn(consumer.run());
+                continue;
+            }
             let consumer = Consumer {
                 cluster: cluster.clone(),
                 journal: journal.clone(),
@@ -587,9 +677,8 @@ impl Consumer {
                 return;
             }
         };
-        self.journal.state().streams_opened += 1;
+        let stream_id = self.journal.stream_opened();
         self.current.store(gateway, Ordering::Relaxed);
-        let stream_id = self.journal.next_stream.fetch_add(1, Ordering::Relaxed);
         let end = loop {
             let message = tokio::select! {
                 message = stream.message() => message,
@@ -600,30 +689,11 @@ impl Consumer {
                 Ok(None) => break "closed".to_owned(),
                 Err(status) => break format!("{:?}", status.code()),
             };
-            let at = Instant::now();
-            let wall = Utc::now();
-            let event = delivery.event.unwrap_or_default();
-            let received = Received {
-                subscription: self.subscription,
-                event: event.id.parse().unwrap_or_default(),
-                aggregate: format!("{}/{}", event.aggregate_type, event.aggregate_id),
-                event_type: event.event_type,
-                version: event.aggregate_version,
-                attempt: delivery.attempt,
-                ack_id: delivery.ack_id,
-                at,
-                wall,
-                created_at: event.created_at.and_then(date_time),
-                expires_at: event.expires_at.and_then(date_time),
-                stream: stream_id,
-                gateway,
-            };
+            let received = Received::arrived(self.subscription, delivery, stream_id, gateway);
             self.journal.state().received.push(received.clone());
             handlers.spawn(self.clone().handle(received, acks.clone()));
         };
-        let mut state = self.journal.state();
-        *state.stream_ends.entry(end).or_default() += 1;
-        state.stream_ended_at.insert(stream_id, Instant::now());
+        self.journal.stream_ended(stream_id, end);
     }
 
     /// Settles one delivery after a short random delay.

@@ -9,8 +9,10 @@ use std::{
 
 use anyhow::Context;
 use outbox_testkit::ThrowawayDatabase;
-use sqlx::{PgPool, postgres::PgPoolOptions};
+use sqlx::{ConnectOptions, PgConnection, PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
+
+use crate::exactly_once::Effects;
 
 /// `application_name` of the gateways' connections, which the fault injector cuts.
 const GATEWAY_APPLICATION: &str = "outbox-gateway";
@@ -30,6 +32,8 @@ pub struct Snapshot {
     /// Ids of every stored event.
     pub stored: HashSet<Uuid>,
     pub unsettled: Unsettled,
+    /// What the exactly-once consumers wrote in the gateway's database.
+    pub effects: Effects,
 }
 
 impl ChaosDatabase {
@@ -57,6 +61,17 @@ impl ChaosDatabase {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// A connection of its own, outside the pool, named `application_name`: dropping it
+    /// ends its session, as a crashed client's ends.
+    pub async fn connect(&self, application_name: &str) -> anyhow::Result<PgConnection> {
+        self.database
+            .connect_options()
+            .application_name(application_name)
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", self.name()))
     }
 
     /// Terminates every connection a gateway holds to this database; returns how many.
@@ -157,6 +172,7 @@ impl Databases {
         Ok(Snapshot {
             stored,
             unsettled: self.unsettled_records().await?,
+            effects: Effects::read(&self.gateway().pool).await?,
         })
     }
 

@@ -17,6 +17,9 @@ use crate::check::Violation;
 pub enum Route {
     Rpc,
     Sql,
+    /// Published with `outbox_publish` by the exactly-once consumers, in the transaction
+    /// that consumed another event.
+    Reaction,
 }
 
 /// One event a producer tried to publish.

@@ -1,10 +1,11 @@
 //! `outbox-chaos`: runs three gateway processes on a throw-away database, publishes
 //! through them (gRPC and direct SQL, with rollbacks; some events scheduled, some
 //! expiring) and consumes from several subscriptions (one of them pushed to an HTTP
-//! receiver, one dead-lettering poison events) while gateways are killed, restarted and
-//! cut off from PostgreSQL and an operator pauses, seeks and requeues dead letters; then
-//! lets the consumers drain and checks every delivery guarantee against what the
-//! producers know they committed.
+//! receiver, one dead-lettering poison events, one consumed exactly once in database
+//! transactions by consumers that crash) while gateways are killed, restarted and cut
+//! off from PostgreSQL and an operator pauses, seeks and requeues dead letters and
+//! consumed events; then lets the consumers drain and checks every delivery guarantee
+//! against what the producers know they committed.
 //!
 //! Exits 0 when no guarantee was violated, 1 on a violation, 2 when the run itself could
 //! not be carried out (no database, no gateway binary).
@@ -15,6 +16,7 @@ mod check;
 mod cluster;
 mod consumers;
 mod database;
+mod exactly_once;
 mod held;
 mod ledger;
 mod operator;
@@ -211,12 +213,17 @@ async fn run_on(
     for spec in &specs {
         spec.create(&cluster, &push_endpoint).await?;
     }
+    exactly_once::create_table(database)
+        .await
+        .context("cannot create the exactly-once consumers' table")?;
 
     let stop_consumers = CancellationToken::new();
     let calm = CancellationToken::new();
     let consumers = consumers::spawn_all(
         cluster.clone(),
         journal.clone(),
+        database,
+        ledger.clone(),
         stop_consumers.clone(),
         calm.clone(),
     );
@@ -316,6 +323,7 @@ async fn run_on(
     let mut totals = Totals::gather(
         &ledger,
         &journal,
+        &snapshot,
         &counters,
         check::Operated {
             log: &operations_log,

@@ -1,11 +1,11 @@
 //! The operator: during the chaos phase it pauses a subscription and resumes it, pauses
-//! it again until a time, seeks another back in time, and requeues dead letters, each
-//! through the Admin API of whichever gateway answers; it logs what it did and when, for
-//! the checks. At the end it reads the dead-letter queues and the expiry counters the
-//! same way.
+//! it again until a time, seeks another back in time, requeues dead letters, and
+//! requeues events the exactly-once subscription consumed, each through the Admin API of
+//! whichever gateway answers; it logs what it did and when, for the checks. At the end
+//! it reads the dead-letter queues and every subscription's figures the same way.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     future::Future,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
@@ -39,6 +39,10 @@ const SEEK_BACK: Duration = Duration::from_secs(15);
 /// Time between requeues of dead letters, and most dead letters requeued at once.
 const REQUEUE_EVERY: Duration = Duration::from_secs(4);
 const REQUEUE_AT_MOST: usize = 20;
+/// Consumed events requeued at once, and how long before their consuming transaction
+/// must have committed (so that the gateway has most likely settled their delivery).
+const REQUEUE_CONSUMED: usize = 5;
+const CONSUMED_AGO: Duration = Duration::from_secs(3);
 
 /// One pause and its end.
 #[derive(Debug, Clone)]
@@ -76,12 +80,23 @@ pub struct Requeue {
     pub requeued: u64,
 }
 
+/// One event of the exactly-once subscription requeued after it was consumed.
+#[derive(Debug, Clone)]
+pub struct ConsumedRequeue {
+    /// When the first RequeueEvent call was sent.
+    pub sent: Instant,
+    pub event: Uuid,
+}
+
 /// What the operator did.
 #[derive(Debug, Default)]
 pub struct OperationsLog {
     pub pauses: Vec<Pause>,
     pub seeks: Vec<Seek>,
     pub requeues: Vec<Requeue>,
+    /// Consumed events requeued with a call answered OK that requeued them: each must be
+    /// delivered again (and be found consumed).
+    pub consumed_requeues: Vec<ConsumedRequeue>,
     /// Admin calls that failed on a gateway and were tried again on another.
     pub retried_calls: u64,
     pub violations: Vec<Violation>,
@@ -109,6 +124,8 @@ pub struct AdminView {
     pub dead_letters: HashMap<(String, Uuid), proto::DeadLetter>,
     /// `expired_total` of every subscription, by name.
     pub expired_total: HashMap<String, u64>,
+    /// Every subscription's figures, by name.
+    pub stats: HashMap<String, proto::SubscriptionStats>,
 }
 
 /// The operations planned over the chaos phase.
@@ -119,6 +136,7 @@ enum Action {
     PauseUntil,
     Seek,
     Requeue,
+    RequeueConsumed,
 }
 
 pub struct Operator {
@@ -159,6 +177,8 @@ impl Operator {
             (at(0.2), Action::Pause),
             (at(0.2) + PAUSE_FOR, Action::Resume),
             (at(0.45), Action::Seek),
+            (at(0.4), Action::RequeueConsumed),
+            (at(0.7), Action::RequeueConsumed),
         ];
         // In a run too short for both, the resume would end the second pause early.
         if at(0.65) > at(0.2) + PAUSE_FOR + Duration::from_secs(1) {
@@ -178,6 +198,7 @@ impl Operator {
                 Action::PauseUntil => self.pause(Some(PAUSE_UNTIL)).await,
                 Action::Seek => self.seek().await,
                 Action::Requeue => self.requeue().await,
+                Action::RequeueConsumed => self.requeue_consumed().await,
             }
         }
     }
@@ -390,6 +411,73 @@ impl Operator {
             requeued,
         });
     }
+
+    /// Requeues a few events the exactly-once subscription consumed a while ago, with a
+    /// RequeueEvent call each that keeps their consumption records: each must be
+    /// delivered again, and its consumers must find it consumed. Events that expire are
+    /// left out (one may expire before it is delivered again).
+    async fn requeue_consumed(&mut self) {
+        let (index, name) = self.subscription(Role::ExactlyOnce);
+        let Some(committed_before) = Instant::now().checked_sub(CONSUMED_AGO) else {
+            return;
+        };
+        let mut candidates: Vec<Uuid> = {
+            let state = self.journal.state();
+            let expiring: HashSet<Uuid> = (state.received.iter())
+                .filter(|received| received.subscription == index)
+                .filter(|received| received.expires_at.is_some())
+                .map(|received| received.event)
+                .collect();
+            (state.consumptions.iter())
+                .filter(|consumption| consumption.committed == Some(true))
+                .filter(|consumption| consumption.ended < committed_before)
+                .filter(|consumption| !expiring.contains(&consumption.event))
+                .map(|consumption| consumption.event)
+                .collect()
+        };
+        candidates.sort();
+        candidates.dedup();
+        let chosen: Vec<Uuid> = (candidates.choose_multiple(&mut self.rng, REQUEUE_CONSUMED))
+            .copied()
+            .collect();
+        let mut requeued = 0;
+        for event in chosen {
+            let request = proto::RequeueEventRequest {
+                id: event.to_string(),
+                subscription: name.into(),
+                ..Default::default()
+            };
+            let Some((sent, _, answer)) = admin(
+                &self.cluster,
+                &self.operations,
+                "RequeueEvent",
+                |mut client| {
+                    let request = request.clone();
+                    async move { client.requeue_event(request).await }
+                },
+            )
+            .await
+            else {
+                continue;
+            };
+            match answer {
+                Ok(response) if response.requeued_count > 0 => {
+                    requeued += 1;
+                    (self.operations.log().consumed_requeues).push(ConsumedRequeue { sent, event });
+                }
+                // Nothing requeued, or refused while in flight: its delivery is not settled
+                // yet, or an earlier call whose answer was lost requeued it and it is out
+                // again. Either way nothing more to expect.
+                Ok(_) => {}
+                Err(status) if status.code() == Code::FailedPrecondition => {}
+                Err(status) => self.operations.violation(
+                    "requeue",
+                    format!("RequeueEvent of {event}, consumed on {name}, refused: {status}"),
+                ),
+            }
+        }
+        eprintln!("outbox-chaos: requeued {requeued} consumed events of {name}");
+    }
 }
 
 /// Calls `call` on one gateway after another until one answers, or `GIVE_UP_AFTER`
@@ -519,7 +607,8 @@ pub async fn final_view(
                     );
                 }
                 view.expired_total
-                    .insert(subscription.name, subscription.expired_total);
+                    .insert(subscription.name.clone(), subscription.expired_total);
+                view.stats.insert(subscription.name.clone(), subscription);
             }
         }
         Some((_, _, Err(status))) => {

@@ -131,7 +131,7 @@ impl Aggregate {
         // the plain columns the other tests cover.
         let (deliver_at, expires_at) = match route {
             Route::Rpc => timing(rng),
-            Route::Sql => (None, None),
+            Route::Sql | Route::Reaction => (None, None),
         };
         let published = Published {
             id,

@@ -14,6 +14,8 @@ use crate::{
     chaos::ChaosCounters,
     check::{LOST_KINDS, Operated, Violation},
     consumers::{Answer, Journal, JournalState, Role, SettleKind, is_poison},
+    database::Snapshot,
+    exactly_once::{Fate, reacts},
     ledger::{Ledger, LedgerState, Published, Route},
     operator::Pause,
 };
@@ -114,6 +116,80 @@ pub struct SubscriptionTotals {
     pub delivered: usize,
     pub redelivered: usize,
     pub acked: usize,
+    /// The figures of the exactly-once subscription.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exactly_once: Option<ExactlyOnceTotals>,
+}
+
+/// What the exactly-once consumers did and left behind.
+#[derive(Debug, Default, Serialize)]
+pub struct ExactlyOnceTotals {
+    /// Side-effect rows, and the events they are of.
+    pub side_effects: u64,
+    pub consumed_events: usize,
+    /// Reaction events stored, and the consumed events that publish one.
+    pub reactions: u64,
+    pub reactions_expected: usize,
+    /// Committed consuming transactions whose `outbox_consume` returned true, and those
+    /// where it returned false (a redelivery of an event consumed before).
+    pub consumed_first: usize,
+    pub consumed_again: usize,
+    /// Crashes before the commit and right after it, and transactions held open past the
+    /// lease.
+    pub crashes_before_commit: usize,
+    pub crashes_after_commit: usize,
+    pub stalls: usize,
+    /// Consumed events the operator requeued, and those of them delivered again.
+    pub requeued: usize,
+    pub requeued_redelivered: usize,
+    /// `consumption_records` in GetStats at the end.
+    pub consumption_records: u64,
+}
+
+impl ExactlyOnceTotals {
+    fn gather(
+        index: usize,
+        name: &str,
+        state: &JournalState,
+        snapshot: &Snapshot,
+        operated: &Operated,
+    ) -> ExactlyOnceTotals {
+        let effects = &snapshot.effects;
+        let committed = |first: bool| {
+            (state.consumptions.iter())
+                .filter(|c| c.committed == Some(true) && c.first == Some(first))
+                .count()
+        };
+        let fated = |fate: Fate| {
+            (state.consumptions.iter())
+                .filter(|c| c.fate == fate)
+                .count()
+        };
+        let requeues = &operated.log.consumed_requeues;
+        ExactlyOnceTotals {
+            side_effects: effects.rows.values().sum(),
+            consumed_events: effects.rows.len(),
+            reactions: effects.reactions.values().sum(),
+            reactions_expected: effects.rows.keys().filter(|id| reacts(**id)).count(),
+            consumed_first: committed(true),
+            consumed_again: committed(false),
+            crashes_before_commit: fated(Fate::CrashBeforeCommit),
+            crashes_after_commit: (state.consumptions.iter())
+                .filter(|c| c.fate == Fate::CrashAfterCommit && c.committed == Some(true))
+                .count(),
+            stalls: fated(Fate::Stall),
+            requeued: requeues.len(),
+            requeued_redelivered: (requeues.iter())
+                .filter(|requeue| {
+                    (state.received.iter()).any(|r| {
+                        r.subscription == index && r.event == requeue.event && r.at > requeue.sent
+                    })
+                })
+                .count(),
+            consumption_records: (operated.view.stats.get(name))
+                .map_or(0, |stats| stats.consumption_records),
+        }
+    }
 }
 
 /// Median, 90th percentile and maximum of some delays, in milliseconds.
@@ -298,6 +374,7 @@ impl Totals {
     pub fn gather(
         ledger: &Ledger,
         journal: &Journal,
+        snapshot: &Snapshot,
         counters: &ChaosCounters,
         operated: Operated,
         violations: &[Violation],
@@ -324,14 +401,18 @@ impl Totals {
         let subscriptions: Vec<SubscriptionTotals> = (journal.specs.iter().enumerate())
             .map(|(index, spec)| {
                 // A push subscription's deliveries are the receiver's requests, and its
-                // acks the events answered 2xx.
+                // acks the events answered 2xx. The exactly-once subscription is never
+                // acked: its acks are the events a committed transaction consumed.
                 let (delivered, distinct, acked) = if spec.role == Role::Push {
                     let distinct: HashSet<Uuid> = state.pushed.iter().map(|p| p.event).collect();
                     (state.pushed.len(), distinct.len(), state.pushed_ok.len())
                 } else {
                     let received = state.received.iter().filter(|r| r.subscription == index);
                     let distinct: HashSet<Uuid> = received.clone().map(|r| r.event).collect();
-                    let acked = state.acked.iter().filter(|(s, _)| *s == index).count();
+                    let acked = match spec.role {
+                        Role::ExactlyOnce => state.consumed.len(),
+                        _ => state.acked.iter().filter(|(s, _)| *s == index).count(),
+                    };
                     (received.count(), distinct.len(), acked)
                 };
                 SubscriptionTotals {
@@ -342,6 +423,9 @@ impl Totals {
                     delivered,
                     redelivered: delivered - distinct,
                     acked,
+                    exactly_once: (spec.role == Role::ExactlyOnce).then(|| {
+                        ExactlyOnceTotals::gather(index, spec.name, &state, snapshot, &operated)
+                    }),
                 }
             })
             .collect();
@@ -580,6 +664,28 @@ pub fn print(totals: &Totals, violations: &[Violation]) {
             "  {:<24} {:>8} {:>10} {:>12} {:>8}",
             s.name, s.expected, s.delivered, s.redelivered, s.acked
         );
+        if let Some(e) = &s.exactly_once {
+            println!(
+                "    side-effect rows / events {} / {}, reactions / expected {} / {}, \
+                 consumption records {}",
+                e.side_effects,
+                e.consumed_events,
+                e.reactions,
+                e.reactions_expected,
+                e.consumption_records
+            );
+            println!(
+                "    consumed first / again {} / {}, crashes before / after commit {} / {}, \
+                 stalled past the lease {}, requeued / delivered again {} / {}",
+                e.consumed_first,
+                e.consumed_again,
+                e.crashes_before_commit,
+                e.crashes_after_commit,
+                e.stalls,
+                e.requeued,
+                e.requeued_redelivered
+            );
+        }
     }
     for violation in violations.iter().take(SHOWN_VIOLATIONS) {
         eprintln!("VIOLATION {violation}");

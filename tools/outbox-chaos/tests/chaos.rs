@@ -1,7 +1,8 @@
 //! Runs the `outbox-chaos` program for a short chaos phase: three gateway processes are
 //! killed, restarted and cut off from PostgreSQL while events (some scheduled, some
-//! expiring) are published, consumed and pushed, and subscriptions are paused, sought
-//! and dead-lettered; no delivery guarantee may break.
+//! expiring) are published, consumed and pushed, consumed exactly once in transactions
+//! by consumers that crash, and subscriptions are paused, sought and dead-lettered; no
+//! delivery guarantee may break.
 
 use std::{
     io::Read,
@@ -80,6 +81,24 @@ fn no_event_is_lost_duplicated_after_ack_or_reordered_under_chaos() {
         "pushed_events",
     ] {
         assert!(totals[key].as_u64() > Some(0), "{key} is 0\n{report}");
+    }
+    // The exactly-once consumers crashed on both sides of the commit, found events that
+    // came again consumed, published reactions, and saw requeued events again.
+    let exactly_once = (totals["subscriptions"].as_array().into_iter().flatten())
+        .find_map(|subscription| subscription.get("exactly_once"))
+        .unwrap_or_else(|| panic!("no exactly-once figures\n{report}"));
+    for key in [
+        "side_effects",
+        "reactions",
+        "consumed_again",
+        "crashes_before_commit",
+        "crashes_after_commit",
+        "requeued_redelivered",
+    ] {
+        assert!(
+            exactly_once[key].as_u64() > Some(0),
+            "exactly_once.{key} is 0\n{report}"
+        );
     }
     assert_eq!(totals["graceful_restarts"], 1, "{report}");
     assert_eq!(totals["pauses"], 2, "{report}");
