@@ -667,3 +667,45 @@ pub async fn delivery_records(pool: &PgPool, subscription: &str) -> Vec<(String,
     .await
     .expect("delivery records")
 }
+
+/// Runs `body` with the URL of a new login role of `database` that has the rights of
+/// deploy/writer-role.sql (under a role name of its own: roles are cluster-wide), then
+/// drops both roles whatever happened, and fails if `body` did.
+pub async fn as_writer<F, Fut>(database: &TestDatabase, body: F)
+where
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    use sqlx::{Connection, Executor};
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let (writer_role, login) = (
+        format!("outbox_writer_{suffix}"),
+        format!("outbox_service_{suffix}"),
+    );
+    let script =
+        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
+    let mut owner = sqlx::PgConnection::connect(&database.url()).await.unwrap();
+    owner
+        .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))
+        .await
+        .unwrap();
+    owner
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {login} LOGIN IN ROLE {writer_role}"
+        )))
+        .await
+        .unwrap();
+    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name());
+    let outcome = tokio::spawn(body(url)).await;
+    for role in [&login, &writer_role] {
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
+            .await
+            .unwrap();
+        owner
+            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+            .await
+            .unwrap();
+    }
+    outcome.unwrap();
+}

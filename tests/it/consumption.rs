@@ -468,32 +468,8 @@ async fn the_writer_role_consumes_without_rights_on_the_tables() {
         .await
         .remove(0);
 
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    let (writer_role, login) = (
-        format!("outbox_writer_{suffix}"),
-        format!("outbox_consumer_{suffix}"),
-    );
-    let script =
-        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
-    let mut owner = PgConnection::connect(&services.shipping.url())
-        .await
-        .unwrap();
-    owner
-        .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))
-        .await
-        .unwrap();
-    owner
-        .execute(sqlx::AssertSqlSafe(format!(
-            "CREATE ROLE {login} LOGIN IN ROLE {writer_role}"
-        )))
-        .await
-        .unwrap();
-    let url = format!(
-        "postgres://{login}@127.0.0.1:5432/{}",
-        services.shipping.name()
-    );
     let ack_id = delivery.ack_id.clone();
-    let outcome = tokio::spawn(async move {
+    as_writer(&services.shipping, |url| async move {
         let mut service = PgConnection::connect(&url).await.unwrap();
         assert!(consume(&mut service, "shipping", &ack_id).await.unwrap());
         for forbidden in [
@@ -512,17 +488,6 @@ async fn the_writer_role_consumes_without_rights_on_the_tables() {
         }
     })
     .await;
-    for role in [&login, &writer_role] {
-        owner
-            .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
-            .await
-            .unwrap();
-        owner
-            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
-            .await
-            .unwrap();
-    }
-    outcome.unwrap();
     settled(&services.gateway, "shipping", 1).await;
 }
 

@@ -686,27 +686,7 @@ async fn a_quiet_subscribe_stream_outlives_many_idle_timeouts() {
 async fn the_writer_role_may_only_add_events() {
     let database = TestDatabase::create().await;
     let _gateway = TestGateway::start(&database).await;
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    let (writer_role, login) = (
-        format!("outbox_writer_{suffix}"),
-        format!("outbox_service_{suffix}"),
-    );
-    let script =
-        include_str!("../../deploy/writer-role.sql").replace("outbox_writer", &writer_role);
-    let mut owner = PgConnection::connect(&database.url()).await.unwrap();
-    owner
-        .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(script)))
-        .await
-        .unwrap();
-    owner
-        .execute(sqlx::AssertSqlSafe(format!(
-            "CREATE ROLE {login} LOGIN IN ROLE {writer_role}"
-        )))
-        .await
-        .unwrap();
-
-    let url = format!("postgres://{login}@127.0.0.1:5432/{}", database.name());
-    let result = async move {
+    as_writer(&database, |url| async move {
         let mut service = PgConnection::connect(&url).await.unwrap();
         service
             .execute("INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'o-1', 'order.created', '{}')")
@@ -734,20 +714,8 @@ async fn the_writer_role_may_only_add_events() {
             );
         }
         service.close().await.unwrap();
-    };
-    // Roles are cluster-wide: remove them whatever happened.
-    let outcome = tokio::spawn(result).await;
-    for role in [&login, &writer_role] {
-        owner
-            .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}")))
-            .await
-            .unwrap();
-        owner
-            .execute(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
-            .await
-            .unwrap();
-    }
-    outcome.unwrap();
+    })
+    .await;
     assert_eq!(count_events(&database.pool().await).await, 2);
 }
 
