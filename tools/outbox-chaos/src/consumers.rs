@@ -38,7 +38,7 @@ use crate::{
 };
 
 /// Longest an Ack or Nack call may take before it counts as failed.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deliveries a stream may hold at once.
 const MAX_IN_FLIGHT: u32 = 16;
 /// Acks are sent in batches of at most this many, at least every `ACK_FLUSH`.
@@ -260,6 +260,35 @@ pub struct Received {
     pub expires_at: Option<DateTime<Utc>>,
     pub stream: u64,
     pub gateway: usize,
+}
+
+/// Opens a Subscribe stream of `subscription` on `gateway` and journals it: the stream
+/// and its id, or `None` when the call failed (counted) or the run stopped first.
+pub async fn open_stream(
+    cluster: &Cluster,
+    gateway: usize,
+    subscription: &str,
+    max_in_flight: u32,
+    journal: &Journal,
+    stop: &CancellationToken,
+) -> Option<(tonic::Streaming<proto::Delivery>, u64)> {
+    let mut client = SubscriberClient::new(cluster.channel(gateway));
+    let request = proto::SubscribeRequest {
+        subscription: subscription.into(),
+        max_in_flight,
+        ..Default::default()
+    };
+    let opened = tokio::select! {
+        opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
+        _ = stop.cancelled() => return None,
+    };
+    match opened {
+        Ok(Ok(response)) => Some((response.into_inner(), journal.stream_opened())),
+        _ => {
+            journal.state().subscribe_failures += 1;
+            None
+        }
+    }
 }
 
 impl Received {
@@ -660,24 +689,18 @@ impl Consumer {
         acks: &mpsc::Sender<Received>,
         handlers: &mut JoinSet<()>,
     ) {
-        let mut client = SubscriberClient::new(self.cluster.channel(gateway));
-        let request = proto::SubscribeRequest {
-            subscription: self.spec().name.into(),
-            max_in_flight: MAX_IN_FLIGHT,
-            ..Default::default()
+        let Some((mut stream, stream_id)) = open_stream(
+            &self.cluster,
+            gateway,
+            self.spec().name,
+            MAX_IN_FLIGHT,
+            &self.journal,
+            &self.stop,
+        )
+        .await
+        else {
+            return;
         };
-        let opened = tokio::select! {
-            opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
-            _ = self.stop.cancelled() => return,
-        };
-        let mut stream = match opened {
-            Ok(Ok(response)) => response.into_inner(),
-            _ => {
-                self.journal.state().subscribe_failures += 1;
-                return;
-            }
-        };
-        let stream_id = self.journal.stream_opened();
         self.current.store(gateway, Ordering::Relaxed);
         let end = loop {
             let message = tokio::select! {

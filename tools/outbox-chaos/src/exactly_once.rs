@@ -17,17 +17,16 @@
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
-use outbox_client::proto::{self, subscriber_client::SubscriberClient};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use sqlx::{Connection, PgConnection, PgPool};
-use tokio::time::{Instant, timeout};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::{
     check::Violation,
     cluster::Cluster,
-    consumers::{CALL_TIMEOUT, Journal, Received, SubscriptionSpec},
+    consumers::{Journal, Received, SubscriptionSpec, open_stream},
     database::ChaosDatabase,
     ledger::{Ledger, Published, Route},
 };
@@ -187,24 +186,18 @@ impl Consumer {
                 return;
             }
         };
-        let mut client = SubscriberClient::new(self.cluster.channel(gateway));
-        let request = proto::SubscribeRequest {
-            subscription: self.spec().name.into(),
-            max_in_flight: MAX_IN_FLIGHT,
-            ..Default::default()
+        let Some((mut stream, stream_id)) = open_stream(
+            &self.cluster,
+            gateway,
+            self.spec().name,
+            MAX_IN_FLIGHT,
+            &self.journal,
+            &self.stop,
+        )
+        .await
+        else {
+            return;
         };
-        let opened = tokio::select! {
-            opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
-            _ = self.stop.cancelled() => return,
-        };
-        let mut stream = match opened {
-            Ok(Ok(response)) => response.into_inner(),
-            _ => {
-                self.journal.state().subscribe_failures += 1;
-                return;
-            }
-        };
-        let stream_id = self.journal.stream_opened();
         let end = loop {
             let message = tokio::select! {
                 message = stream.message() => message,
