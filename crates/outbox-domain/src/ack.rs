@@ -62,17 +62,26 @@ impl AckId {
 
     /// The text form, given the name of this ack id's source.
     pub fn to_text(&self, source: &SourceName) -> String {
-        let lease = format!(
+        let mut text = String::with_capacity(TEXT_CAPACITY);
+        self.write_text(source, &mut text);
+        text
+    }
+
+    fn write_text(&self, source: &SourceName, out: &mut String) {
+        use std::fmt::Write;
+        if !source.is_default() {
+            let _ = write!(out, "{source}/");
+        }
+        let _ = write!(
+            out,
             "{}-{}-{:016x}",
             self.position, self.attempt, self.lease_token as u64
         );
-        if source.is_default() {
-            lease
-        } else {
-            format!("{source}/{lease}")
-        }
     }
 }
+
+/// Room for the text form of most ack ids, seal included, so writing one allocates once.
+const TEXT_CAPACITY: usize = 64;
 
 /// Exactly 16 hex digits.
 fn hex_u64(text: &str) -> Option<u64> {
@@ -129,14 +138,17 @@ impl AckSeal {
 
     /// The text form of `ack` with its seal for `subscription`.
     pub fn seal(&self, subscription: SubscriptionId, ack: &AckId, source: &SourceName) -> String {
-        let mut text = ack.to_text(source);
-        let mut context = ring::hmac::Context::with_key(&self.hmac);
-        context.update(subscription.0.to_string().as_bytes());
-        context.update(b":");
-        context.update(text.as_bytes());
-        let tag = context.sign();
-        text.push('-');
-        text.push_str(&hex::encode(&tag.as_ref()[..8]));
+        use std::fmt::Write;
+        // `subscription_id:` then the ack id, in one buffer: the MAC's input is its
+        // prefix, and the seal is appended to the ack id after it.
+        let mut text = String::with_capacity(TEXT_CAPACITY);
+        let _ = write!(text, "{}:", subscription.0);
+        let ack_starts = text.len();
+        ack.write_text(source, &mut text);
+        let tag = ring::hmac::sign(&self.hmac, text.as_bytes());
+        let seal = u64::from_be_bytes(tag.as_ref()[..8].try_into().expect("8 bytes"));
+        let _ = write!(text, "-{seal:016x}");
+        text.drain(..ack_starts);
         text
     }
 }
