@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 18] = [
+const SCENARIOS: [&str; 19] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -32,6 +32,7 @@ const SCENARIOS: [&str; 18] = [
     "delivery-cost",
     "push",
     "sink",
+    "consume-in-transaction",
 ];
 
 /// The quick run takes about a minute on an idle machine; past this it is stuck.

@@ -29,7 +29,7 @@ use super::{Bench, insert_backlog, progress};
 use crate::{
     database::Notify,
     gateway::Gateway,
-    measure::{CpuUse, round},
+    measure::{CpuUse, Series, round},
     report::{Report, Table, Target, format_number},
 };
 
@@ -61,6 +61,8 @@ struct Run {
     events: u64,
     seconds: f64,
     cpu: CpuUse,
+    /// Events settled so far, over the run's seconds.
+    settled: Series,
 }
 
 impl Run {
@@ -86,7 +88,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             let name = format!("consume-{}-{round}", settling.label());
             gateway.create_subscription(&name, true).await?;
             let before = gateway.cpu_snapshot();
-            let seconds = drain(gateway, &pool, &name, settling, backlog, bench).await?;
+            let (seconds, settled) = drain(gateway, &pool, &name, settling, backlog, bench).await?;
             let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
             gateway.delete_subscription(&name).await?;
             let run = Run {
@@ -94,6 +96,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
                 events: backlog,
                 seconds,
                 cpu,
+                settled: settled.labelled(format!("{} {}", settling.label(), round + 1)),
             };
             progress(
                 scenario,
@@ -160,6 +163,14 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     }
     report.tables.push(table);
     report.figure("runs", figures);
+    let series: Vec<Series> = runs.iter().map(|run| run.settled.clone()).collect();
+    bench.time_chart(
+        &mut report,
+        "consume-in-transaction-settled.svg",
+        "consume-in-transaction: deliveries settled since the start of each run",
+        "events settled",
+        &series,
+    )?;
     report.targets.push(Target::at_least(
         "outbox_consume ÷ gRPC ack after commit (best of each)",
         ratio,
@@ -176,7 +187,8 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
 }
 
 /// Drains `events` from subscription `name` with [`CONSUMERS`] consumers settling the
-/// `settling` way; the seconds until the subscription's stats count them all acked.
+/// `settling` way; the seconds until the subscription's stats count them all acked, and
+/// the count they showed as it went.
 async fn drain(
     gateway: &Gateway,
     pool: &PgPool,
@@ -184,7 +196,7 @@ async fn drain(
     settling: Settling,
     events: u64,
     bench: &Bench,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, Series)> {
     let stop = CancellationToken::new();
     let consumed = Arc::new(AtomicU64::new(0));
     let mut consumers = JoinSet::new();
@@ -212,6 +224,10 @@ async fn drain(
     }
     let limit = started + bench.settings.deliver_limit;
     let mut admin = gateway.admin();
+    let mut settled = Series {
+        label: String::new(),
+        points: vec![(0.0, 0.0)],
+    };
     let outcome = loop {
         if let Some(result) = consumers.try_join_next() {
             // A consumer only ends early on a failure.
@@ -226,8 +242,11 @@ async fn drain(
             })
             .await?
             .into_inner();
-        if stats.subscriptions.first().map(|s| s.acked_total) >= Some(events) {
-            break Ok(started.elapsed().as_secs_f64());
+        let acked = stats.subscriptions.first().map_or(0, |s| s.acked_total);
+        let elapsed = started.elapsed().as_secs_f64();
+        settled.points.push((elapsed, acked as f64));
+        if acked >= events {
+            break Ok((elapsed, settled));
         }
         if Instant::now() > limit {
             break Err(anyhow::anyhow!(
