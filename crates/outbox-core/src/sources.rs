@@ -43,6 +43,8 @@ pub struct Source {
     migrate: bool,
     /// The schema was migrated or checked: from then on a check only pings.
     prepared: std::sync::atomic::AtomicBool,
+    /// The ack key is installed here (`default` keeps the original).
+    key_installed: std::sync::atomic::AtomicBool,
     health: Mutex<SourceHealth>,
     /// Bumped whenever the source's health changes; dispatchers resume on it.
     changed: watch::Sender<u64>,
@@ -217,9 +219,31 @@ impl Sources {
         }
     }
 
-    /// The key that seals ack ids for `outbox_consume`; `None` before [`Sources::prepare`].
+    /// The key that seals ack ids for `outbox_consume`; `None` until it could be read
+    /// from `default` (by [`Sources::prepare`], or once its schema is migrated, by
+    /// [`Sources::watch`]).
     pub fn ack_seal(&self) -> Option<&AckSeal> {
         self.seal.get()
+    }
+
+    /// Reads the key from `default`, storing a new one there when it has none, unless it
+    /// was read already; `None` while that fails (say, the schema is not migrated yet).
+    async fn load_ack_seal(&self) -> Option<&AckSeal> {
+        if let Some(seal) = self.seal.get() {
+            return Some(seal);
+        }
+        let candidate = AckSeal::generate();
+        let pads = candidate.pads();
+        match (self.default_source().store)
+            .ack_key(candidate.key(), (&pads.0, &pads.1))
+            .await
+        {
+            Ok(key) => Some(self.seal.get_or_init(|| AckSeal::new(key))),
+            Err(error) => {
+                tracing::debug!(%error, "cannot read the ack key yet");
+                None
+            }
+        }
     }
 
     pub fn default_source(&self) -> &Arc<Source> {
@@ -265,18 +289,7 @@ impl Sources {
     /// [`Sources::watch`]; one whose schema is missing while migrate = false stops the
     /// start.
     pub async fn prepare(&self) -> Result<(), SourcesError> {
-        let candidate = AckSeal::generate();
-        let pads = candidate.pads();
-        let key = self
-            .default_source()
-            .store
-            .ack_key(candidate.key(), (&pads.0, &pads.1))
-            .await
-            .map_err(|error| SourcesError::Invalid {
-                name: DEFAULT_SOURCE.to_owned(),
-                message: format!("cannot read the ack key: {error}"),
-            })?;
-        let _ = self.seal.set(AckSeal::new(key));
+        self.load_ack_seal().await;
         for source in self.list.iter().skip(1) {
             match source.prepare(self.ack_seal()).await {
                 Ok(()) => {
@@ -300,9 +313,10 @@ impl Sources {
     /// sources are checked side by side, so one that takes its whole connect timeout to
     /// fail does not delay noticing that another is back.
     pub async fn watch(self, interval: Duration, stop: CancellationToken) {
-        let seal = self.ack_seal().cloned();
         loop {
-            futures_util::future::join_all(self.list.iter().skip(1).map(|source| async {
+            let seal = self.load_ack_seal().await.cloned();
+            let seal = &seal;
+            futures_util::future::join_all(self.list.iter().skip(1).map(|source| async move {
                 let outcome = match source.prepare(seal.as_ref()).await {
                     Ok(()) => Ok(()),
                     Err(PrepareError::NotMigrated) => Err(
@@ -407,6 +421,7 @@ impl Source {
             store,
             migrate,
             prepared: std::sync::atomic::AtomicBool::new(is_default),
+            key_installed: std::sync::atomic::AtomicBool::new(is_default),
             health: Mutex::new(SourceHealth {
                 // `default` is connected by the time it is registered; the others are
                 // known once first checked.
@@ -419,14 +434,16 @@ impl Source {
         }
     }
 
-    /// Migrates the schema, or checks it is current, and installs the ack key; once done,
-    /// only checks that the source answers.
+    /// Migrates the schema, or checks it is current, and installs the ack key; once
+    /// both are done, only checks that the source answers.
     async fn prepare(&self, seal: Option<&AckSeal>) -> Result<(), PrepareError> {
         use std::sync::atomic::Ordering;
+        let key_missing = !self.key_installed.load(Ordering::Relaxed);
         if self.prepared.load(Ordering::Relaxed) {
-            return self.store.ping().await.map_err(PrepareError::Store);
-        }
-        if self.migrate {
+            if !(key_missing && seal.is_some()) {
+                return self.store.ping().await.map_err(PrepareError::Store);
+            }
+        } else if self.migrate {
             self.store.migrate().await.map_err(PrepareError::Store)?;
         } else {
             match self.store.is_migrated().await {
@@ -435,14 +452,15 @@ impl Source {
                 Err(error) => return Err(PrepareError::Store(error)),
             }
         }
-        if let Some(seal) = seal {
+        self.prepared.store(true, Ordering::Relaxed);
+        if let Some(seal) = seal.filter(|_| key_missing) {
             let (inner, outer) = seal.pads();
             self.store
                 .install_ack_key(seal.key(), (&inner, &outer))
                 .await
                 .map_err(PrepareError::Store)?;
+            self.key_installed.store(true, Ordering::Relaxed);
         }
-        self.prepared.store(true, Ordering::Relaxed);
         Ok(())
     }
 }
