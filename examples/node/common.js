@@ -54,3 +54,20 @@ export function unary(client, method, request, timeoutSeconds = 10) {
     ),
   );
 }
+
+/**
+ * Creates the subscription `name` unless it exists. A new one starts at the earliest
+ * retained event, so it also sees events published before the consumer first ran.
+ */
+export async function ensureSubscription(admin, name) {
+  const settings = {
+    name,
+    event_types: ['order.*'],
+    start: { boundary: 'BOUNDARY_EARLIEST' },
+  };
+  try {
+    await unary(admin, 'CreateSubscription', { subscription: settings });
+  } catch (error) {
+    if (error.code !== grpc.status.ALREADY_EXISTS) throw error;
+  }
+}

@@ -3,7 +3,7 @@
 // Creates the subscription when it is missing, acks each delivery, and sends a poison
 // message (a payload with "poison": true) to the dead-letter queue at once. Prints one
 // JSON line per delivery; stops after --max-deliveries deliveries or --timeout seconds.
-import { args, client, grpc, unary } from './common.js';
+import { args, client, ensureSubscription, grpc, unary } from './common.js';
 
 const options = args({
   subscription: { type: 'string', default: 'orders-node' },
@@ -13,23 +13,6 @@ const options = args({
 const { endpoint, subscription } = options;
 const maxDeliveries = Number(options['max-deliveries']);
 const timeout = Number(options.timeout);
-
-/**
- * Creates the subscription unless it exists. A new one starts at the earliest retained
- * event, so it also sees events published before the consumer first ran.
- */
-async function ensureSubscription(admin) {
-  const settings = {
-    name: subscription,
-    event_types: ['order.*'],
-    start: { boundary: 'BOUNDARY_EARLIEST' },
-  };
-  try {
-    await unary(admin, 'CreateSubscription', { subscription: settings });
-  } catch (error) {
-    if (error.code !== grpc.status.ALREADY_EXISTS) throw error;
-  }
-}
 
 /** The payload as JSON when its content type says so, otherwise base64. */
 function decode(event) {
@@ -58,7 +41,7 @@ async function settle(subscriber, delivery, payload) {
 
 const admin = client('Admin', endpoint);
 const subscriber = client('Subscriber', endpoint);
-await ensureSubscription(admin);
+await ensureSubscription(admin, subscription);
 
 // The deadline bounds the whole stream: it ends the loop after --timeout seconds.
 const stream = subscriber.Subscribe({ subscription }, { deadline: Date.now() + timeout * 1000 });

@@ -7,7 +7,7 @@
 // the transaction commits: there is no Ack call. Prints one JSON line per delivery; stops
 // after --max-deliveries deliveries or --timeout seconds.
 import pg from 'pg';
-import { args, client, grpc, unary } from './common.js';
+import { args, client, ensureSubscription, grpc } from './common.js';
 
 const options = args({
   subscription: { type: 'string', default: 'orders-exactly-once-node' },
@@ -17,23 +17,6 @@ const options = args({
 const { endpoint, subscription, 'database-url': databaseUrl } = options;
 const maxDeliveries = Number(options['max-deliveries']);
 const timeout = Number(options.timeout);
-
-/**
- * Creates the subscription unless it exists. A new one starts at the earliest retained
- * event, so it also sees events published before the consumer first ran.
- */
-async function ensureSubscription(admin) {
-  const settings = {
-    name: subscription,
-    event_types: ['order.*'],
-    start: { boundary: 'BOUNDARY_EARLIEST' },
-  };
-  try {
-    await unary(admin, 'CreateSubscription', { subscription: settings });
-  } catch (error) {
-    if (error.code !== grpc.status.ALREADY_EXISTS) throw error;
-  }
-}
 
 /** Handles a delivery in one transaction; false when it was consumed before. */
 async function consume(db, delivery) {
@@ -74,7 +57,7 @@ await db.query(`CREATE TABLE IF NOT EXISTS shipments (
 )`);
 const admin = client('Admin', endpoint);
 const subscriber = client('Subscriber', endpoint);
-await ensureSubscription(admin);
+await ensureSubscription(admin, subscription);
 
 // The deadline bounds the whole stream: it ends the loop after --timeout seconds.
 const stream = subscriber.Subscribe({ subscription }, { deadline: Date.now() + timeout * 1000 });

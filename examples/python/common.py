@@ -20,7 +20,7 @@ sys.path.insert(0, str(GENERATED))
 from outbox.v1 import outbox_pb2 as pb  # noqa: E402
 from outbox.v1 import outbox_pb2_grpc as rpc  # noqa: E402
 
-__all__ = ["channel", "parser", "pb", "rpc"]
+__all__ = ["channel", "ensure_subscription", "parser", "pb", "rpc"]
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:50051"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/outbox"
@@ -47,3 +47,18 @@ def parser(description, endpoint=False, database=False):
 def channel(endpoint):
     """A plaintext channel; grpcio wants host:port, so an http:// prefix is dropped."""
     return grpc.insecure_channel(endpoint.removeprefix("http://"))
+
+
+def ensure_subscription(admin, name):
+    """Creates the subscription unless it exists. A new one starts at the earliest
+    retained event, so it also sees events published before the consumer first ran."""
+    subscription = pb.Subscription(
+        name=name,
+        event_types=["order.*"],
+        start=pb.StartPosition(boundary=pb.BOUNDARY_EARLIEST),
+    )
+    try:
+        admin.CreateSubscription(pb.CreateSubscriptionRequest(subscription=subscription))
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise

@@ -12,24 +12,9 @@ import sys
 
 import grpc
 
-from common import channel, parser, pb, rpc
+from common import channel, ensure_subscription, parser, pb, rpc
 
 JSON_CONTENT_TYPE = re.compile(r"^application/([a-z0-9.+_-]+\+)?json$")
-
-
-def ensure_subscription(admin, name):
-    """Creates the subscription unless it exists. A new one starts at the earliest
-    retained event, so it also sees events published before the consumer first ran."""
-    subscription = pb.Subscription(
-        name=name,
-        event_types=["order.*"],
-        start=pb.StartPosition(boundary=pb.BOUNDARY_EARLIEST),
-    )
-    try:
-        admin.CreateSubscription(pb.CreateSubscriptionRequest(subscription=subscription))
-    except grpc.RpcError as error:
-        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
-            raise
 
 
 def decode(event):

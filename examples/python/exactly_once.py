@@ -14,28 +14,13 @@ import sys
 import grpc
 import psycopg
 
-from common import channel, parser, pb, rpc
+from common import channel, ensure_subscription, parser, pb, rpc
 
 # No unique constraint: outbox_consume, not the table, keeps a shipment from being
 # written twice.
 SHIPMENTS = """CREATE TABLE IF NOT EXISTS shipments (
     id bigserial PRIMARY KEY, order_id text, event_id text, created_at timestamptz DEFAULT now()
 )"""
-
-
-def ensure_subscription(admin, name):
-    """Creates the subscription unless it exists. A new one starts at the earliest
-    retained event, so it also sees events published before the consumer first ran."""
-    subscription = pb.Subscription(
-        name=name,
-        event_types=["order.*"],
-        start=pb.StartPosition(boundary=pb.BOUNDARY_EARLIEST),
-    )
-    try:
-        admin.CreateSubscription(pb.CreateSubscriptionRequest(subscription=subscription))
-    except grpc.RpcError as error:
-        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
-            raise
 
 
 def consume(conn, subscription, delivery):
