@@ -204,6 +204,16 @@ impl Drop for TestDatabase {
     }
 }
 
+/// A `[[sources]]` entry named `name` for `database`, with default settings.
+pub fn source_config(name: &str, database: &TestDatabase) -> outbox_gateway::config::SourceConfig {
+    outbox_gateway::config::SourceConfig {
+        name: name.into(),
+        database_url: database.url(),
+        max_connections: None,
+        migrate: None,
+    }
+}
+
 /// Configuration for a test gateway on `database_url`: quick health checks, and a poll
 /// interval long enough that a test passing by polling alone would stand out.
 pub fn test_config(database_url: String) -> Config {
@@ -708,4 +718,18 @@ where
             .unwrap();
     }
     outcome.unwrap();
+}
+
+/// Asserts that `connection` may run none of `statements`: each is refused for lack of
+/// privilege (SQLSTATE 42501).
+pub async fn assert_forbidden(connection: &mut sqlx::PgConnection, statements: &[&'static str]) {
+    use sqlx::Executor;
+    for &forbidden in statements {
+        let error = connection.execute(forbidden).await.expect_err(forbidden);
+        assert_eq!(
+            error.as_database_error().and_then(|e| e.code()).as_deref(),
+            Some("42501"),
+            "{forbidden}: {error}"
+        );
+    }
 }

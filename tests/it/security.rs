@@ -696,23 +696,20 @@ async fn the_writer_role_may_only_add_events() {
             .execute("SELECT outbox_publish('order', 'o-2', 'order.created', '{}')")
             .await
             .expect("a writer may call the publish function");
-        for forbidden in [
-            "SELECT * FROM outbox_events",
-            "SELECT * FROM outbox_deliveries",
-            "SELECT * FROM outbox_delivery_batches",
-            "SELECT * FROM outbox_delivery_records",
-            "SELECT * FROM outbox_subscriptions",
-            "UPDATE outbox_events SET payload = '{}'",
-            "DELETE FROM outbox_events",
-            "INSERT INTO outbox_events (xact_id, aggregate_type, aggregate_id, event_type, payload) VALUES (1, 'a', 'b', 'c', '{}')",
-        ] {
-            let error = service.execute(forbidden).await.expect_err(forbidden);
-            assert_eq!(
-                error.as_database_error().and_then(|e| e.code()).as_deref(),
-                Some("42501"),
-                "{forbidden}: {error}"
-            );
-        }
+        assert_forbidden(
+            &mut service,
+            &[
+                "SELECT * FROM outbox_events",
+                "SELECT * FROM outbox_deliveries",
+                "SELECT * FROM outbox_delivery_batches",
+                "SELECT * FROM outbox_delivery_records",
+                "SELECT * FROM outbox_subscriptions",
+                "UPDATE outbox_events SET payload = '{}'",
+                "DELETE FROM outbox_events",
+                "INSERT INTO outbox_events (xact_id, aggregate_type, aggregate_id, event_type, payload) VALUES (1, 'a', 'b', 'c', '{}')",
+            ],
+        )
+        .await;
         service.close().await.unwrap();
     })
     .await;

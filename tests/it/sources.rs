@@ -12,15 +12,6 @@ use tonic::Code;
 const WAIT: Duration = Duration::from_secs(15);
 const QUIET: Duration = Duration::from_millis(500);
 
-fn source(name: &str, database: &TestDatabase) -> SourceConfig {
-    SourceConfig {
-        name: name.into(),
-        database_url: database.url(),
-        max_connections: None,
-        migrate: None,
-    }
-}
-
 fn config_with(default: &TestDatabase, sources: Vec<SourceConfig>) -> Config {
     let mut config = test_config(default.url());
     config.sources = sources;
@@ -44,7 +35,10 @@ impl ThreeSources {
         );
         let config = config_with(
             &default,
-            vec![source("orders", &orders), source("billing", &billing)],
+            vec![
+                source_config("orders", &orders),
+                source_config("billing", &billing),
+            ],
         );
         let gateway = TestGateway::start_with(&default, config).await;
         ThreeSources {
@@ -74,7 +68,7 @@ impl RemoteSource {
             .expect("a second PostgreSQL server");
         let default = TestDatabase::create().await;
         let remote = TestDatabase::create_on(&server.url()).await;
-        let mut config = config_with(&default, vec![source("remote", &remote)]);
+        let mut config = config_with(&default, vec![source_config("remote", &remote)]);
         config.db_acquire_timeout = acquire_timeout;
         let gateway = TestGateway::start_with(&default, config).await;
         RemoteSource {
@@ -506,7 +500,7 @@ fn a_configuration_with_clashing_sources_is_refused_naming_the_source() {
 async fn a_source_not_migrated_with_migrate_off_stops_the_start_naming_it() {
     let default = TestDatabase::create().await;
     let service = TestDatabase::create().await;
-    let mut not_migrated = source("orders", &service);
+    let mut not_migrated = source_config("orders", &service);
     not_migrated.migrate = Some(false);
     let config = config_with(&default, vec![not_migrated]);
     config
@@ -701,7 +695,10 @@ async fn migrate_installs_the_schema_in_one_source_or_in_every_one() {
     // With every schema installed, a gateway that may not migrate them starts.
     let mut config = config_with(
         &default,
-        vec![source("orders", &orders), source("billing", &billing)],
+        vec![
+            source_config("orders", &orders),
+            source_config("billing", &billing),
+        ],
     );
     for source in &mut config.sources {
         source.migrate = Some(false);
@@ -970,7 +967,7 @@ async fn a_down_source_neither_holds_acks_back_nor_slows_the_others() {
 async fn an_ack_for_a_source_whose_database_is_gone_is_unavailable_and_says_why() {
     let default = TestDatabase::create().await;
     let gone = TestDatabase::create().await;
-    let config = config_with(&default, vec![source("gone", &gone)]);
+    let config = config_with(&default, vec![source_config("gone", &gone)]);
     let gateway = TestGateway::start_with(&default, config).await;
     create_subscription(&gateway, subscription("all")).await;
     let mut consumer = Consumer::open(&gateway, "all", 10).await;
