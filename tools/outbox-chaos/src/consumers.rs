@@ -262,32 +262,69 @@ pub struct Received {
     pub gateway: usize,
 }
 
-/// Opens a Subscribe stream of `subscription` on `gateway` and journals it: the stream
-/// and its id, or `None` when the call failed (counted) or the run stopped first.
-pub async fn open_stream(
-    cluster: &Cluster,
+/// A Subscribe stream a consumer reads, journaled.
+pub struct JournaledStream {
+    stream: tonic::Streaming<proto::Delivery>,
+    pub id: u64,
     gateway: usize,
-    subscription: &str,
-    max_in_flight: u32,
-    journal: &Journal,
-    stop: &CancellationToken,
-) -> Option<(tonic::Streaming<proto::Delivery>, u64)> {
-    let mut client = SubscriberClient::new(cluster.channel(gateway));
-    let request = proto::SubscribeRequest {
-        subscription: subscription.into(),
-        max_in_flight,
-        ..Default::default()
-    };
-    let opened = tokio::select! {
-        opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
-        _ = stop.cancelled() => return None,
-    };
-    match opened {
-        Ok(Ok(response)) => Some((response.into_inner(), journal.stream_opened())),
-        _ => {
-            journal.state().subscribe_failures += 1;
-            None
+    /// The subscription's index in the run's list.
+    subscription: usize,
+}
+
+impl JournaledStream {
+    /// Opens a stream of `subscription` (its index and name) on `gateway` and journals
+    /// it; `None` when the call failed (counted) or the run stopped first.
+    pub async fn open(
+        cluster: &Cluster,
+        gateway: usize,
+        subscription: (usize, &str),
+        max_in_flight: u32,
+        journal: &Journal,
+        stop: &CancellationToken,
+    ) -> Option<JournaledStream> {
+        let mut client = SubscriberClient::new(cluster.channel(gateway));
+        let request = proto::SubscribeRequest {
+            subscription: subscription.1.into(),
+            max_in_flight,
+            ..Default::default()
+        };
+        let opened = tokio::select! {
+            opened = timeout(CALL_TIMEOUT, client.subscribe(request)) => opened,
+            _ = stop.cancelled() => return None,
+        };
+        match opened {
+            Ok(Ok(response)) => Some(JournaledStream {
+                stream: response.into_inner(),
+                id: journal.stream_opened(),
+                gateway,
+                subscription: subscription.0,
+            }),
+            _ => {
+                journal.state().subscribe_failures += 1;
+                None
+            }
         }
+    }
+
+    /// The next delivery, journaled as it arrives; or how the stream ended (`stopped`
+    /// when the run stops first).
+    pub async fn next(
+        &mut self,
+        journal: &Journal,
+        stop: &CancellationToken,
+    ) -> Result<Received, String> {
+        let message = tokio::select! {
+            message = self.stream.message() => message,
+            _ = stop.cancelled() => return Err("stopped".to_owned()),
+        };
+        let delivery = match message {
+            Ok(Some(delivery)) => delivery,
+            Ok(None) => return Err("closed".to_owned()),
+            Err(status) => return Err(format!("{:?}", status.code())),
+        };
+        let received = Received::arrived(self.subscription, delivery, self.id, self.gateway);
+        journal.state().received.push(received.clone());
+        Ok(received)
     }
 }
 
@@ -689,10 +726,10 @@ impl Consumer {
         acks: &mpsc::Sender<Received>,
         handlers: &mut JoinSet<()>,
     ) {
-        let Some((mut stream, stream_id)) = open_stream(
+        let Some(mut stream) = JournaledStream::open(
             &self.cluster,
             gateway,
-            self.spec().name,
+            (self.subscription, self.spec().name),
             MAX_IN_FLIGHT,
             &self.journal,
             &self.stop,
@@ -703,20 +740,12 @@ impl Consumer {
         };
         self.current.store(gateway, Ordering::Relaxed);
         let end = loop {
-            let message = tokio::select! {
-                message = stream.message() => message,
-                _ = self.stop.cancelled() => break "stopped".to_owned(),
+            match stream.next(&self.journal, &self.stop).await {
+                Ok(received) => handlers.spawn(self.clone().handle(received, acks.clone())),
+                Err(end) => break end,
             };
-            let delivery = match message {
-                Ok(Some(delivery)) => delivery,
-                Ok(None) => break "closed".to_owned(),
-                Err(status) => break format!("{:?}", status.code()),
-            };
-            let received = Received::arrived(self.subscription, delivery, stream_id, gateway);
-            self.journal.state().received.push(received.clone());
-            handlers.spawn(self.clone().handle(received, acks.clone()));
         };
-        self.journal.stream_ended(stream_id, end);
+        self.journal.stream_ended(stream.id, end);
     }
 
     /// Settles one delivery after a short random delay.

@@ -26,7 +26,7 @@ use uuid::Uuid;
 use crate::{
     check::Violation,
     cluster::Cluster,
-    consumers::{Journal, Received, SubscriptionSpec, open_stream},
+    consumers::{Journal, JournaledStream, Received, SubscriptionSpec},
     database::ChaosDatabase,
     ledger::{Ledger, Published, Route},
 };
@@ -186,10 +186,10 @@ impl Consumer {
                 return;
             }
         };
-        let Some((mut stream, stream_id)) = open_stream(
+        let Some(mut stream) = JournaledStream::open(
             &self.cluster,
             gateway,
-            self.spec().name,
+            (self.subscription, self.spec().name),
             MAX_IN_FLIGHT,
             &self.journal,
             &self.stop,
@@ -199,22 +199,16 @@ impl Consumer {
             return;
         };
         let end = loop {
-            let message = tokio::select! {
-                message = stream.message() => message,
-                _ = self.stop.cancelled() => break "stopped".to_owned(),
+            let received = match stream.next(&self.journal, &self.stop).await {
+                Ok(received) => received,
+                Err(end) => break end,
             };
-            let delivery = match message {
-                Ok(Some(delivery)) => delivery,
-                Ok(None) => break "closed".to_owned(),
-                Err(status) => break format!("{:?}", status.code()),
-            };
-            let received = Received::arrived(self.subscription, delivery, stream_id, gateway);
-            self.journal.state().received.push(received.clone());
             let fate = self.fate(rng);
             if let Err(end) = self.consume(&mut connection, &received, fate).await {
                 break end.to_owned();
             }
         };
+        let stream_id = stream.id;
         drop(connection);
         drop(stream);
         self.journal.stream_ended(stream_id, end);
