@@ -219,38 +219,35 @@ pub async fn pass(
     forget_consumptions_of_deleted_events(source, relay, config).await
 }
 
-/// Deletes this source's `outbox_consume` records of events that are gone from their
-/// outbox (in any source): such an event can never be delivered again, so its record
-/// has nothing left to deduplicate.
+/// Deletes the `outbox_consume` records, in every source (a consumer's database can be
+/// any of them), of this source's events that are gone from its outbox: such an event
+/// can never be delivered again, so its record has nothing left to deduplicate.
 async fn forget_consumptions_of_deleted_events(
     source: &Source,
     relay: &Relay,
     config: &MaintenanceConfig,
 ) -> Result<(), Error> {
-    let mut deleted = 0;
-    for events in relay
-        .sources()
-        .iter()
-        .filter(|events| events.is_connected())
-    {
-        let first = events
-            .store
-            .first_retained_position()
-            .await
-            .map_err(|error| events.error(error))?;
+    let first = source
+        .store
+        .first_retained_position()
+        .await
+        .map_err(|error| source.error(error))?;
+    for consumers in relay.sources().iter().filter(|s| s.is_connected()) {
+        let mut deleted = 0;
         for _ in 0..MAX_BATCHES_PER_PASS {
-            let batch = source
+            let batch = consumers
                 .store
-                .delete_consumptions_before(&events.name, first, config.batch_size)
-                .await?;
+                .delete_consumptions_before(&source.name, first, config.batch_size)
+                .await
+                .map_err(|error| consumers.error(error))?;
             deleted += batch;
             if batch < config.batch_size as u64 {
                 break;
             }
         }
-    }
-    if deleted > 0 {
-        tracing::info!(source = %source.name, deleted, "deleted consumption records of events no longer retained");
+        if deleted > 0 {
+            tracing::info!(source = %consumers.name, event_source = %source.name, deleted, "deleted consumption records of events no longer retained");
+        }
     }
     Ok(())
 }
