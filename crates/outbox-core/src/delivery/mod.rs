@@ -704,21 +704,16 @@ impl Relay {
         if subscription.settings.ordered {
             self.due(subscription.id, source.id);
         }
-        self.settled_elsewhere(
-            source.id,
-            Settled {
-                subscription_id: subscription.id,
-                made_due: false,
-                leases: None,
-            },
-        );
+        // Their leases are not named: whoever holds them re-reads its leases there.
+        let settled = Settled {
+            subscription_id: subscription.id,
+            made_due: false,
+            leases: None,
+        };
         if let Some(notifier) = self.inner.peer_notifiers.get(usize::from(source.id.0)) {
-            notifier.settled(Settled {
-                subscription_id: subscription.id,
-                made_due: false,
-                leases: None,
-            });
+            notifier.settled(settled.clone());
         }
+        self.settled_elsewhere(source.id, settled);
         Ok(())
     }
 
