@@ -264,14 +264,23 @@ impl Store {
             .bind(subscription.id.0)
             .bind(positions)
         };
-        let positions_of = |rows: &[sqlx::postgres::PgRow]| -> Result<Vec<i64>> {
-            rows.iter()
-                .map(|row| Ok(row.try_get("position")?))
-                .collect()
-        };
+        let rows = self.settle_records(subscription, statement).await?;
+        rows.iter()
+            .map(|row| Ok(row.try_get("position")?))
+            .collect()
+    }
+
+    /// Runs `statement`, which deletes settled delivery records of the subscription and
+    /// returns them with their `ordering_key`. On an ordered subscription that frees their
+    /// aggregates for the next event: it runs in a transaction under the subscription
+    /// lock that also promotes those events.
+    async fn settle_records<'q>(
+        &self,
+        subscription: &Subscription,
+        statement: impl Fn() -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<PgRow>> {
         if !subscription.settings.ordered {
-            let rows = run_again_on_conflict(|| statement().fetch_all(&self.pool)).await?;
-            return positions_of(&rows);
+            return run_again_on_conflict(|| statement().fetch_all(&self.pool)).await;
         }
         run_in_transaction!(self.pool, |transaction| {
             lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
@@ -283,7 +292,7 @@ impl Store {
                 }
             }
             promote_waiting(transaction, subscription.id, &freed_keys).await?;
-            positions_of(&rows)
+            Ok(rows)
         })
     }
 
@@ -300,30 +309,11 @@ impl Store {
             .bind(&attempts)
             .bind(&tokens)
         };
-        if !subscription.settings.ordered {
-            let rows = run_again_on_conflict(|| statement().fetch_all(&self.pool)).await?;
-            return Ok(named_leases(acks, &rows)?
-                .into_iter()
-                .map(|(ack, _)| ack)
-                .collect());
-        }
-        // An ack on an ordered subscription frees its aggregate for the next event.
-        run_in_transaction!(self.pool, |transaction| {
-            lock_subscription(transaction, subscription.id, LockMode::Shared).await?;
-            let rows = statement().fetch_all(&mut *transaction).await?;
-            let acked = named_leases(acks, &rows)?
-                .into_iter()
-                .map(|(ack, _)| ack)
-                .collect();
-            let mut freed_keys = Vec::new();
-            for row in &rows {
-                if let Some(key) = row.try_get::<Option<i64>, _>("ordering_key")? {
-                    freed_keys.push(key);
-                }
-            }
-            promote_waiting(transaction, subscription.id, &freed_keys).await?;
-            Ok(acked)
-        })
+        let rows = self.settle_records(subscription, statement).await?;
+        Ok(named_leases(acks, &rows)?
+            .into_iter()
+            .map(|(ack, _)| ack)
+            .collect())
     }
 
     /// Nacks one delivery; `None` when its lease is stale.
