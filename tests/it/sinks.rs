@@ -214,6 +214,11 @@ async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_header
         assert_eq!(header(message, "ce-id").as_deref(), Some(id.as_str()));
         assert_eq!(header(message, "ce-type").as_deref(), Some("order.created"));
         assert_eq!(header(message, "ce-specversion").as_deref(), Some("1.0"));
+        assert!(
+            header(message, "ce-transactionid")
+                .and_then(|id| id.parse::<u64>().ok())
+                .is_some_and(|id| id > 0)
+        );
         assert_eq!(header(message, "outbox-source").as_deref(), Some("default"));
         assert_eq!(
             header(message, "content-type").as_deref(),

@@ -271,6 +271,9 @@ pub struct Event {
     pub created_at: DateTime<Utc>,
     pub deliver_at: Option<DateTime<Utc>>,
     pub expires_at: Option<DateTime<Utc>>,
+    /// The id of the database transaction that wrote it (with its epoch, as
+    /// `pg_current_xact_id()`): equal for the events of one transaction.
+    pub transaction_id: i64,
 }
 
 /// `application/json` and `application/*+json`, parameters ignored; the same rule as the

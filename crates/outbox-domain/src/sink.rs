@@ -403,6 +403,7 @@ mod tests {
             content_type: "application/json".into(),
             deliver_at: None,
             expires_at: None,
+            transaction_id: 1,
             metadata: Default::default(),
             occurred_at: chrono::Utc::now(),
             created_at: chrono::Utc::now(),

@@ -254,5 +254,6 @@ pub(super) fn event_from_row(row: &PgRow, source: &SourceName) -> Result<Event> 
         created_at: row.try_get("created_at")?,
         deliver_at: row.try_get("deliver_at")?,
         expires_at: row.try_get("expires_at")?,
+        transaction_id: row.try_get("xact_id")?,
     })
 }

@@ -20,7 +20,7 @@ macro_rules! subscription_columns {
          retry_backoff_min_ms, retry_backoff_max_ms, ordered, persistent_event_types, sources, \
          start_kind, start_time, created_at, paused_at, pause_reason, paused_until, \
          max_event_age_ms, dead_letter_expired, expire_after_idle_ms, push, push_secrets, \
-         push_stopped_at, push_stopped_reason, last_attached_at, sink"
+         push_stopped_at, push_stopped_reason, last_attached_at, sink, filter, transform"
     };
 }
 
@@ -54,7 +54,7 @@ macro_rules! start_position_sql {
 macro_rules! event_columns {
     () => {
         "id, aggregate_type, aggregate_id, aggregate_version, event_type, payload, content_type, \
-         metadata, occurred_at, created_at, deliver_at, expires_at"
+         metadata, occurred_at, created_at, deliver_at, expires_at, xact_id"
     };
 }
 
@@ -63,7 +63,8 @@ macro_rules! event_columns {
 macro_rules! qualified_event_columns {
     () => {
         "e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload, \
-         e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at"
+         e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at, \
+         e.xact_id"
     };
 }
 

@@ -618,6 +618,7 @@ mod tests {
                 created_at: Utc::now(),
                 deliver_at: None,
                 expires_at: None,
+                transaction_id: 1,
             },
         }
     }

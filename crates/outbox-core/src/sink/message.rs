@@ -112,6 +112,7 @@ mod tests {
             content_type: "application/json".into(),
             deliver_at: None,
             expires_at: None,
+            transaction_id: 1,
             metadata: [
                 ("tenant".to_owned(), "acme".to_owned()),
                 ("Not An Attribute".to_owned(), "kept".to_owned()),
@@ -158,6 +159,7 @@ mod tests {
         assert_eq!(header(&message, "ce-subject"), Some("o-1%0Ax"));
         assert_eq!(header(&message, "ce-tenant"), Some("acme"));
         assert_eq!(header(&message, "ce-aggregateversion"), Some("2"));
+        assert_eq!(header(&message, "ce-transactionid"), Some("1"));
         assert_eq!(header(&message, "traceparent"), Some("00-abc-def-01"));
         assert_eq!(header(&message, "content-type"), Some("application/json"));
         assert_eq!(header(&message, "outbox-aggregate-id"), Some("o-1\\nx"));

@@ -72,7 +72,8 @@ settled AS (
 )
 SELECT s.position, s.attempt, s.due_at, s.state, s.ordering_key, s.expired,
        e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-       e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
+       e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at,
+       e.xact_id
 FROM settled s
 LEFT JOIN outbox_events e ON e.position = s.position AND s.state = 'in_flight'
 ORDER BY e.xact_id, e.position
