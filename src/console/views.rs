@@ -522,6 +522,22 @@ fn subscription_cards(view: &SubscriptionView) -> Markup {
                 }
             }
             div.card { dt { "Expired" } dd { (figure(name, "expired_total", stats.expired_total)) } }
+            @if view.subscription.settings.filter.is_some() || stats.filtered_total > 0 {
+                div.card {
+                    dt { "Passed over by the filter" }
+                    dd { (figure(name, "filtered_total", stats.filtered_total)) }
+                }
+                div.card.warn[stats.filter_errors_total > 0] {
+                    dt { "Filter errors" }
+                    dd { (figure(name, "filter_errors_total", stats.filter_errors_total)) }
+                }
+            }
+            @if let Some((error, at)) = &stats.last_filter_error {
+                div.card.wide.warn {
+                    dt { "Last filter error" }
+                    dd { code { (error) } span.sub { " " (time(*at)) } }
+                }
+            }
             div.card { dt { "Delivered in total" } dd { (figure(name, "delivered_total", stats.delivered_total)) } }
             div.card { dt { "Acked in total" } dd { (figure(name, "acked_total", stats.acked_total)) } }
             div.card { dt { "Streams on this gateway" } dd { (view.streams) } }
@@ -614,6 +630,20 @@ fn settings(subscription: &Subscription, sink_status: Option<&DrainStatus>) -> M
                 @if settings.metadata_match.is_empty() { span.sub { "none" } }
                 @for (key, value) in &settings.metadata_match { code { (key) "=" (value) } " " }
             }
+            dt { "Filter" }
+            dd {
+                @match &settings.filter {
+                    Some(filter) => { code { (filter.as_str()) } }
+                    None => { span.sub { "none" } }
+                }
+            }
+            dt { "Transform" }
+            dd {
+                @match &settings.transform {
+                    Some(transform) => { code { (transform.as_str()) } }
+                    None => { span.sub { "payload as published" } }
+                }
+            }
             dt { "Ack deadline" } dd { (duration(settings.ack_deadline)) }
             dt { "Max attempts" } dd { @if settings.max_attempts == 0 { "unlimited" } @else { (settings.max_attempts) } }
             dt { "Retry backoff" } dd { (duration(settings.retry_backoff_min)) " doubling to " (duration(settings.retry_backoff_max)) }
@@ -668,6 +698,10 @@ fn settings(subscription: &Subscription, sink_status: Option<&DrainStatus>) -> M
                             crate::domain::PushFormat::Structured => "structured",
                         }) " CloudEvents, " (push.max_concurrency) " in flight, timeout "
                         (duration(push.timeout))
+                        @if push.batched() {
+                            ", in batches of up to " (push.max_batch_events) " events (wait "
+                            (duration(push.max_batch_wait)) ")"
+                        }
                         @if let Some(stopped) = &subscription.push_stopped {
                             br; strong { "stopped " } (time(stopped.at)) ": " (stopped.reason)
                         }

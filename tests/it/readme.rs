@@ -336,7 +336,9 @@ fn files_the_readme_writes() -> BTreeSet<String> {
                 }
             }
             "sh" => {
-                let words: Vec<&str> = body.split_whitespace().collect();
+                // A `>` inside single quotes (a CEL filter, say) is no redirection.
+                let unquoted: String = body.split('\'').step_by(2).collect::<Vec<_>>().join(" ");
+                let words: Vec<&str> = unquoted.split_whitespace().collect();
                 for pair in words.windows(2) {
                     if pair[0] == ">" || pair[0] == ">>" {
                         files.insert(pair[1].trim_end_matches([';', '&']).to_owned());

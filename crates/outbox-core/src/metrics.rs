@@ -148,6 +148,18 @@ pub fn describe() {
         "events a subscription let expire (by their expires_at or its max_event_age) instead of delivering them"
     );
     describe_counter!(
+        "outbox_events_filtered_total",
+        "events a subscription's filter passed over (those it failed on included)"
+    );
+    describe_counter!(
+        "outbox_filter_errors_total",
+        "events a subscription's filter could not be evaluated on (passed over)"
+    );
+    describe_counter!(
+        "outbox_transform_errors_total",
+        "deliveries a subscription's transform failed on (dead-lettered)"
+    );
+    describe_counter!(
         "outbox_push_requests_total",
         "requests of push subscriptions to their endpoints, by HTTP status or failure"
     );
@@ -311,6 +323,20 @@ pub fn expired(subscription: &str, count: u64) {
         .increment(count);
 }
 
+/// Events a subscription's filter passed over, `errors` of them because it failed on
+/// them.
+pub fn filtered(subscription: &str, count: u64, errors: u64) {
+    let label = || ("subscription", subscription.to_owned());
+    counter!("outbox_events_filtered_total", &[label()]).increment(count);
+    counter!("outbox_filter_errors_total", &[label()]).increment(errors);
+}
+
+/// Deliveries a subscription's transform failed on.
+pub fn transform_failed(subscription: &str) {
+    counter!("outbox_transform_errors_total", "subscription" => subscription.to_owned())
+        .increment(1);
+}
+
 pub fn requeued(subscription: &str, source: &str, count: u64) {
     counter!("outbox_requeued_total", &per_source(subscription, source)).increment(count);
 }
@@ -348,7 +374,14 @@ pub fn subscription_counters(subscription: &str, source: &str) {
     ] {
         counter!(name, &labels).increment(0);
     }
-    counter!("outbox_events_expired_total", "subscription" => subscription.to_owned()).increment(0);
+    for name in [
+        "outbox_events_expired_total",
+        "outbox_events_filtered_total",
+        "outbox_filter_errors_total",
+        "outbox_transform_errors_total",
+    ] {
+        counter!(name, "subscription" => subscription.to_owned()).increment(0);
+    }
 }
 
 /// The build and the process's own usage. Gauges are set again on every refresh, since

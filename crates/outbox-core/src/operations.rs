@@ -886,6 +886,12 @@ fn total(subscription: &Subscription, per_source: &[SubscriptionStats]) -> Subsc
         expired_total: sum(|s| s.expired_total),
         scheduled: sum(|s| s.scheduled),
         next_scheduled_at: per_source.iter().filter_map(|s| s.next_scheduled_at).min(),
+        filtered_total: sum(|s| s.filtered_total),
+        filter_errors_total: sum(|s| s.filter_errors_total),
+        last_filter_error: per_source
+            .iter()
+            .filter_map(|s| s.last_filter_error.clone())
+            .max_by_key(|(_, at)| *at),
     }
 }
 

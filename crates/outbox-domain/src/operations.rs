@@ -8,8 +8,8 @@ use uuid::Uuid;
 
 use super::refusal::{Refusal, Result};
 use super::{
-    Event, PatternSet, PushConfig, SinkConfig, SourceName, SubscriptionName, SubscriptionSettings,
-    check_text, check_timestamp,
+    Event, EventFilter, PatternSet, PayloadTransform, PushConfig, SinkConfig, SourceName,
+    SubscriptionName, SubscriptionSettings, check_text, check_timestamp,
 };
 
 /// An event in a subscription's dead-letter queue.
@@ -204,6 +204,12 @@ pub struct SubscriptionStats {
     pub scheduled: u64,
     /// When the next of them is due.
     pub next_scheduled_at: Option<DateTime<Utc>>,
+    /// Events its `filter` passed over (errors included) since it began.
+    pub filtered_total: u64,
+    /// Events its `filter` could not be evaluated on (passed over too).
+    pub filter_errors_total: u64,
+    /// The last of those errors, and when.
+    pub last_filter_error: Option<(String, DateTime<Utc>)>,
 }
 
 impl SubscriptionStats {
@@ -481,6 +487,10 @@ pub struct SubscriptionPatch {
     pub event_types: Option<PatternSet>,
     pub aggregate_types: Option<Vec<String>>,
     pub metadata_match: Option<BTreeMap<String, String>>,
+    /// `Some(None)` removes the filter.
+    pub filter: Option<Option<EventFilter>>,
+    /// `Some(None)` removes the transform.
+    pub transform: Option<Option<PayloadTransform>>,
     pub ack_deadline: Option<Duration>,
     pub max_attempts: Option<u32>,
     pub retry_backoff_min: Option<Duration>,
@@ -506,6 +516,8 @@ impl SubscriptionPatch {
             event_types,
             aggregate_types,
             metadata_match,
+            filter,
+            transform,
             ack_deadline,
             max_attempts,
             retry_backoff_min,
@@ -520,7 +532,8 @@ impl SubscriptionPatch {
 }
 
 impl SubscriptionSettings {
-    /// True when the subscription's filters select the event.
+    /// True when the subscription's filters select the event (a filter that cannot be
+    /// evaluated on it does not).
     pub fn matches(&self, event: &Event) -> bool {
         (self.event_types.is_empty() || self.event_types.matches(&event.event_type))
             && (self.aggregate_types.is_empty()
@@ -529,6 +542,10 @@ impl SubscriptionSettings {
                 .metadata_match
                 .iter()
                 .all(|(key, value)| event.metadata.get(key) == Some(value))
+            && self
+                .filter
+                .as_ref()
+                .is_none_or(|filter| filter.matches(event) == Ok(true))
     }
 }
 
@@ -566,6 +583,9 @@ mod tests {
             acked_total: 0,
             late_transactions: 0,
             expired_total: 0,
+            filtered_total: 0,
+            filter_errors_total: 0,
+            last_filter_error: None,
             scheduled: 0,
             next_scheduled_at: None,
         }
@@ -638,6 +658,9 @@ mod tests {
             timeout: Duration::from_secs(10),
             max_concurrency: 1,
             rate_limit: None,
+            max_batch_events: 1,
+            max_batch_bytes: crate::DEFAULT_PUSH_BATCH_BYTES,
+            max_batch_wait: Duration::ZERO,
         });
         let stopped = SubscriptionStatus::of(&subscription, &stats, Consumers::Gateway, now);
         assert_eq!(stopped.kind(), StatusKind::PushStopped);

@@ -6,6 +6,7 @@ use chrono::{DateTime, Utc};
 
 use super::refusal::{Refusal, Result};
 use super::{
+    expression::{EventFilter, PayloadTransform},
     input::{Echo, check_filter_size, check_text, check_texts},
     pattern::PatternSet,
     push::{PushConfig, PushSecret, PushStopped},
@@ -82,6 +83,10 @@ pub struct SubscriptionSettings {
     pub event_types: PatternSet,
     pub aggregate_types: Vec<String>,
     pub metadata_match: BTreeMap<String, String>,
+    /// A CEL expression over the event, ANDed with the filters above.
+    pub filter: Option<EventFilter>,
+    /// A CEL expression whose value, as JSON, is the payload delivered.
+    pub transform: Option<PayloadTransform>,
     pub ack_deadline: Duration,
     /// 0 retries forever.
     pub max_attempts: u32,
@@ -106,6 +111,8 @@ impl Default for SubscriptionSettings {
             event_types: PatternSet::default(),
             aggregate_types: Vec::new(),
             metadata_match: BTreeMap::new(),
+            filter: None,
+            transform: None,
             ack_deadline: Duration::from_secs(30),
             max_attempts: 10,
             retry_backoff_min: Duration::from_secs(1),

@@ -18,12 +18,12 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
     Result, Store, StoreError,
-    columns::{cursor, metadata_filter, millis},
+    columns::{Cursor, cursor, metadata_filter, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
     run_again_on_conflict,
 };
-use outbox_domain::{AckId, Delivery, LeaseId, Subscription, SubscriptionId};
+use outbox_domain::{AckId, Delivery, EventFilter, LeaseId, Subscription, SubscriptionId};
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -35,6 +35,10 @@ pub struct Claim {
     pub dead_lettered: u64,
     /// Events that expired instead of going out (dead-lettered or dropped).
     pub expired: u64,
+    /// Events the subscription's filter passed over, and how many of those because it
+    /// failed on them.
+    pub filtered: u64,
+    pub filter_errors: u64,
     /// The earliest deliver_at of the scheduled events this claim recorded.
     pub next_scheduled: Option<DateTime<Utc>>,
     /// The claim read as many new events as it could (some of them scheduled or expired,
@@ -53,6 +57,18 @@ pub struct ClaimLimits {
     /// Most bytes of events (approximately: payloads plus a fixed allowance per event);
     /// the first delivery is leased whatever its size.
     pub bytes: u64,
+}
+
+/// What a subscription's filter made of the events a claim considers.
+#[derive(Debug, Default)]
+struct FilterVerdicts {
+    /// The snapshot they were read in.
+    snapshot: Option<String>,
+    /// Positions of the events it passes over.
+    passed: Vec<i64>,
+    /// Of those, the ones it failed on, and why.
+    failed: Vec<i64>,
+    errors: HashMap<i64, String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,7 +145,16 @@ impl Store {
                 byte_budget.saturating_sub(i64::try_from(due_bytes).unwrap_or(i64::MAX));
             let mut next_scheduled = None;
             let mut read_full_batch = false;
+            let mut filtered = 0;
+            let mut filter_errors = 0;
             if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
+                let verdicts = match &settings.filter {
+                    Some(filter) => {
+                        self.filter_next(transaction, subscription, &cursor, remaining, filter)
+                            .await?
+                    }
+                    None => FilterVerdicts::default(),
+                };
                 let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
                     .bind(subscription_id.0)
                     .bind(cursor.xact_id)
@@ -148,6 +173,9 @@ impl Store {
                     .bind(due_count)
                     .bind(max_event_age)
                     .bind(settings.dead_letter_expired)
+                    .bind(&verdicts.passed)
+                    .bind(&verdicts.snapshot)
+                    .bind(&verdicts.failed)
                     .fetch_all(&mut *transaction)
                     .await?;
                 // Every row carries the batch's summary; a lone summary row has no position.
@@ -157,6 +185,20 @@ impl Store {
                     expired += expired_dead_lettered + count(summary, "expired_dropped")?;
                     next_scheduled = summary.try_get("next_scheduled")?;
                     read_full_batch = summary.try_get("batch_full")?;
+                    filtered = count(summary, "filtered")?;
+                    filter_errors = count(summary, "filter_errors")?;
+                    if filtered > 0 {
+                        let last_error = summary
+                            .try_get::<Option<i64>, _>("last_filter_error_position")?
+                            .and_then(|position| verdicts.errors.get(&position));
+                        sqlx::query(include_str!("queries/count_filtered.sql"))
+                            .bind(subscription_id.0)
+                            .bind(i64::try_from(filtered).unwrap_or(i64::MAX))
+                            .bind(i64::try_from(filter_errors).unwrap_or(i64::MAX))
+                            .bind(last_error)
+                            .execute(&mut *transaction)
+                            .await?;
+                    }
                 }
                 for row in &new_rows {
                     if row.try_get::<Option<i64>, _>("position")?.is_some() {
@@ -181,11 +223,55 @@ impl Store {
                 deliveries,
                 dead_lettered,
                 expired,
+                filtered,
+                filter_errors,
                 next_scheduled,
                 read_full_batch,
                 made_due,
             }))
         })
+    }
+
+    /// Evaluates the subscription's filter on the events its next claim considers (see
+    /// `queries/peek_new.sql`).
+    async fn filter_next(
+        &self,
+        transaction: &mut PgConnection,
+        subscription: &Subscription,
+        cursor: &Cursor,
+        limit: i64,
+        filter: &EventFilter,
+    ) -> Result<FilterVerdicts> {
+        let settings = &subscription.settings;
+        let rows = sqlx::query(include_str!("queries/peek_new.sql"))
+            .bind(cursor.xact_id)
+            .bind(cursor.position)
+            .bind(limit)
+            .bind(settings.event_types.to_regex())
+            .bind(&settings.aggregate_types)
+            .bind(metadata_filter(settings))
+            .bind(cursor.not_before)
+            .bind(&cursor.pending_xact_ids)
+            .bind(&cursor.pending_positions)
+            .fetch_all(&mut *transaction)
+            .await?;
+        let mut verdicts = FilterVerdicts::default();
+        for row in &rows {
+            verdicts.snapshot = Some(row.try_get("snapshot")?);
+            let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
+                continue;
+            };
+            match filter.matches(&event_from_row(row, &self.source)?) {
+                Ok(true) => {}
+                Ok(false) => verdicts.passed.push(position),
+                Err(error) => {
+                    verdicts.passed.push(position);
+                    verdicts.failed.push(position);
+                    verdicts.errors.insert(position, error.to_string());
+                }
+            }
+        }
+        Ok(verdicts)
     }
 
     /// Acks deliveries in one go (see `ack_groups.rs`); returns the ack ids that settled

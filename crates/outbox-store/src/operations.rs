@@ -15,8 +15,8 @@ use super::{
     subscriptions::subscription_from_row,
 };
 use outbox_domain::{
-    DeadLetter, DeadLetterSelection, Event, OutboxStats, StartPosition, Subscription,
-    SubscriptionId, SubscriptionName, SubscriptionStats,
+    DeadLetter, DeadLetterSelection, Event, EventFilter, OutboxStats, PayloadTransform,
+    StartPosition, Subscription, SubscriptionId, SubscriptionName, SubscriptionStats,
 };
 
 /// Why a requeue changed nothing.
@@ -256,7 +256,7 @@ impl Store {
                  persistent_event_types = $9, max_event_age_ms = $10, \
                  dead_letter_expired = $11, push = $12, push_secrets = $13, \
                  push_stopped_at = $14, push_stopped_reason = $15, sink = $16, \
-                 updated_at = now() \
+                 filter = $17, transform = $18, updated_at = now() \
              WHERE name = $1 RETURNING ",
             subscription_columns!()
         ))
@@ -283,6 +283,8 @@ impl Store {
                 .map(|stopped| stopped.reason.as_str()),
         )
         .bind(super::subscriptions::stored_sink(settings.sink.as_ref()))
+        .bind(settings.filter.as_ref().map(EventFilter::as_str))
+        .bind(settings.transform.as_ref().map(PayloadTransform::as_str))
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(subscription_from_row).transpose()
@@ -325,6 +327,11 @@ impl Store {
             expired_total: count("expired")?,
             scheduled: count("scheduled")?,
             next_scheduled_at: row.try_get("next_scheduled")?,
+            filtered_total: count("filtered")?,
+            filter_errors_total: count("filter_errors")?,
+            last_filter_error: row
+                .try_get::<Option<String>, _>("last_filter_error")?
+                .zip(row.try_get::<Option<DateTime<Utc>>, _>("last_filter_error_at")?),
         }))
     }
 

@@ -28,7 +28,10 @@ use super::{
     stream::DeliveryStream,
 };
 use crate::{
-    domain::{AckId, Delivery, LeaseId, LeaseKey, SourceId, Subscription, SubscriptionId},
+    domain::{
+        AckId, DEFAULT_CONTENT_TYPE, Delivery, LeaseId, LeaseKey, SourceId, Subscription,
+        SubscriptionId,
+    },
     error::Error,
     metrics,
     sources::{Source, Sources},
@@ -872,7 +875,15 @@ async fn claim(
     if claim.expired > 0 {
         metrics::expired(subscription.name.as_str(), claim.expired);
     }
-    let undelivered = dispatcher.distribute(claim.deliveries);
+    if claim.filtered > 0 {
+        metrics::filtered(
+            subscription.name.as_str(),
+            claim.filtered,
+            claim.filter_errors,
+        );
+    }
+    let deliveries = transformed(dispatcher, subscription, source, claim.deliveries);
+    let undelivered = dispatcher.distribute(deliveries);
     if !undelivered.is_empty() {
         dispatcher.release_in_background(undelivered);
     }
@@ -881,6 +892,66 @@ async fn claim(
         bytes,
         again: claim.read_full_batch || claim.made_due,
     }
+}
+
+/// The deliveries with the subscription's transform applied to their payloads. Those it
+/// fails on are dead-lettered with the error, in the background: it would fail on every
+/// attempt.
+fn transformed(
+    dispatcher: &Arc<Dispatcher>,
+    subscription: &Subscription,
+    source: &Source,
+    deliveries: Vec<Delivery>,
+) -> Vec<Delivery> {
+    let Some(transform) = &subscription.settings.transform else {
+        return deliveries;
+    };
+    let mut failed = Vec::new();
+    let deliveries = deliveries
+        .into_iter()
+        .filter_map(|mut delivery| match transform.apply(&delivery.event) {
+            Ok(payload) => {
+                delivery.event.payload = payload;
+                delivery.event.content_type = DEFAULT_CONTENT_TYPE.to_owned();
+                Some(delivery)
+            }
+            Err(error) => {
+                let reason: String = format!("transform: {error}")
+                    .replace('\0', " ")
+                    .chars()
+                    .take(1000)
+                    .collect();
+                failed.push((delivery.ack_id, reason));
+                None
+            }
+        })
+        .collect();
+    if !failed.is_empty() {
+        let subscription = subscription.clone();
+        let (store, source_name) = (source.store.clone(), source.name.clone());
+        dispatcher.tasks.spawn(async move {
+            for (ack, reason) in failed {
+                metrics::transform_failed(subscription.name.as_str());
+                match store
+                    .nack(&subscription, ack, &reason, Duration::ZERO, true)
+                    .await
+                {
+                    Ok(Some(_)) => metrics::dead_lettered(
+                        subscription.name.as_str(),
+                        source_name.as_str(),
+                        1,
+                    ),
+                    // Stale: someone else settled it meanwhile.
+                    Ok(None) => {}
+                    // Its lease expires, and the next attempt fails the same way.
+                    Err(error) => {
+                        tracing::warn!(subscription = %subscription.name, %error, "cannot dead-letter an event the transform failed on");
+                    }
+                }
+            }
+        });
+    }
+    deliveries
 }
 
 /// The subscription reads a source it has no read position in yet (the source was added

@@ -18,7 +18,14 @@
 -- $11 ordered, $12 pending transaction ids, $13 the position up to which each pending
 -- transaction's rows were already taken (0: none), $14 byte budget (the first event is
 -- always taken), $15 deliveries already leased by this claim (for the counter),
--- $16 max event age in ms (NULL: none), $17 dead-letter expired events.
+-- $16 max event age in ms (NULL: none), $17 dead-letter expired events, $18 positions
+-- the subscription's CEL filter passes over, $19 the snapshot they were read in
+-- (peek_new.sql; NULL without a filter: the current one), $20 those of $18 the filter
+-- failed on.
+--
+-- With a snapshot given, only rows visible in it are considered, so the claim decides on
+-- exactly the rows the filter was evaluated on. Rows the filter passes over are passed
+-- like rows of other types: no record, no bytes, no hold on their aggregate.
 --
 -- Time controls: an event past its expires_at or the subscription's max event age gets
 -- no delivery (a dead letter "expired" with $17, else nothing: it is counted and
@@ -28,7 +35,7 @@
 -- room or bytes of the batch, but both count against its LIMIT: a batch full of them
 -- reports `batch_full` so the caller claims again at once.
 WITH snapshot AS MATERIALIZED (
-    SELECT pg_current_snapshot() AS s
+    SELECT coalesce($19::text::pg_snapshot, pg_current_snapshot()) AS s
 ),
 pending AS (
     SELECT p.xact_id, p.taken,
@@ -67,6 +74,8 @@ fresh AS (
            octet_length(e.payload) AS size, e.created_at, e.deliver_at, e.expires_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
+      AND ($19::text IS NULL
+           OR pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)))
       AND ($5::text IS NULL OR e.event_type ~ $5)
       AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
       AND ($7::jsonb IS NULL OR e.metadata @> $7)
@@ -76,7 +85,7 @@ fresh AS (
 ),
 -- Age counts from when the event became deliverable: its creation, or its deliver_at.
 expiring AS (
-    SELECT c.*,
+    SELECT c.*, c.position = ANY ($18) AS filtered,
            coalesce(c.expires_at <= now(), false)
            OR coalesce(greatest(c.created_at, c.deliver_at)
                        + $16::bigint * interval '1 millisecond' <= now(), false) AS expired
@@ -85,12 +94,14 @@ expiring AS (
           SELECT *, false AS is_late FROM fresh) c
 ),
 flagged AS (
-    SELECT x.*, NOT x.expired AND coalesce(x.deliver_at > now(), false) AS scheduled
+    SELECT x.*, NOT x.expired AND NOT x.filtered AND coalesce(x.deliver_at > now(), false)
+               AS scheduled
     FROM expiring x
 ),
 candidates AS (
     SELECT c.*, row_number() OVER w AS n,
-           coalesce(sum(CASE WHEN c.expired OR c.scheduled THEN 0 ELSE c.size + 256 END)
+           coalesce(sum(CASE WHEN c.expired OR c.scheduled OR c.filtered THEN 0
+                             ELSE c.size + 256 END)
                         OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
                AS bytes_before
     FROM flagged c
@@ -100,7 +111,7 @@ batch AS (
     SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
 ),
 keyed AS (
-    SELECT b.position, b.xact_id, b.expired, b.scheduled, b.deliver_at,
+    SELECT b.position, b.xact_id, b.expired, b.filtered, b.scheduled, b.deliver_at,
            CASE WHEN $11 THEN hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) END
                AS ordering_key
     FROM batch b
@@ -109,11 +120,12 @@ decided AS (
     -- On ordered subscriptions an event goes out (or, when scheduled, waits for its time)
     -- only when it is the first unexpired one of its aggregate in this batch and its
     -- aggregate has nothing unfinished; dead letters do not hold an aggregate back.
-    -- State NULL: expired and dropped, no record.
-    SELECT k.position, k.xact_id, k.ordering_key, k.deliver_at, k.expired,
-           CASE WHEN k.expired THEN CASE WHEN $17 THEN 'dead' END
+    -- State NULL: passed over by the filter, or expired and dropped; no record.
+    SELECT k.position, k.xact_id, k.ordering_key, k.deliver_at, k.expired, k.filtered,
+           CASE WHEN k.filtered THEN NULL
+                WHEN k.expired THEN CASE WHEN $17 THEN 'dead' END
                 WHEN k.ordering_key IS NOT NULL
-                     AND (row_number() OVER (PARTITION BY k.ordering_key, k.expired
+                     AND (row_number() OVER (PARTITION BY k.ordering_key, k.expired OR k.filtered
                                              ORDER BY k.xact_id, k.position) > 1
                           OR EXISTS (SELECT 1 FROM outbox_deliveries d
                                      WHERE d.subscription_id = $1
@@ -184,6 +196,8 @@ visible_end AS (
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND (SELECT took_all AND late_complete AND fresh_complete FROM outcome)
+      AND ($19::text IS NULL
+           OR pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)))
     ORDER BY e.xact_id DESC, e.position DESC
     LIMIT 1
 ),
@@ -252,19 +266,25 @@ counted AS (
 summary AS (
     SELECT (SELECT count(*) FROM inserted WHERE state = 'dead') AS expired_dead_lettered,
            (SELECT count(*) FROM decided d
-            WHERE d.expired AND d.state IS NULL
+            WHERE d.expired AND NOT d.filtered AND d.state IS NULL
               AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
                               WHERE x.subscription_id = $1 AND x.position = d.position))
                AS expired_dropped,
            (SELECT min(due_at) FROM inserted WHERE state = 'retry') AS next_scheduled,
-           (SELECT count(*) FROM batch) >= $4 AS batch_full
+           (SELECT count(*) FROM batch) >= $4 AS batch_full,
+           (SELECT count(*) FROM decided WHERE filtered) AS filtered,
+           (SELECT count(*) FROM decided WHERE filtered AND position = ANY ($20)) AS filter_errors,
+           (SELECT max(position) FROM decided WHERE filtered AND position = ANY ($20))
+               AS last_filter_error_position
 )
 -- The events are read back by position rather than joined with `batch`: the batch's
 -- row estimate is often 1, and a nested loop over two CTEs compares every pair.
 SELECT s.expired_dead_lettered, s.expired_dropped, s.next_scheduled, s.batch_full,
+       s.filtered, s.filter_errors, s.last_filter_error_position,
        r.position, r.attempt, r.due_at,
        r.id, r.aggregate_type, r.aggregate_id, r.aggregate_version, r.event_type, r.payload,
-       r.content_type, r.metadata, r.occurred_at, r.created_at, r.deliver_at, r.expires_at
+       r.content_type, r.metadata, r.occurred_at, r.created_at, r.deliver_at, r.expires_at,
+       r.xact_id
 FROM summary s
 LEFT JOIN LATERAL (
     SELECT i.position, i.attempt, i.due_at, e.xact_id,

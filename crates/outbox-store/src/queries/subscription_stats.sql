@@ -1,4 +1,6 @@
--- Delivery figures of one subscription. The pending scans use the same index ranges and
+-- Delivery figures of one subscription. Its CEL filter, if any, is not applied here:
+-- events it will pass over count as pending until the relay reads past them.
+-- The pending scans use the same index ranges and
 -- filters as a claim. $1 subscription id, $2/$3 cursor, $4 event-type regex,
 -- $5 aggregate types, $6 metadata match (NULL: all), $7 not_before, $8 pending
 -- transaction ids, $9 the position up to which each one's rows were taken.
@@ -56,7 +58,9 @@ totals AS (
             -- Acks of batch rows still held are counted when the row goes.
             + (SELECT coalesce(sum(b.acked), 0) FROM outbox_delivery_batches b
                WHERE b.subscription_id = $1))::bigint AS acked,
-           coalesce(sum(expired), 0)::bigint AS expired
+           coalesce(sum(expired), 0)::bigint AS expired,
+           coalesce(sum(filtered), 0)::bigint AS filtered,
+           coalesce(sum(filter_errors), 0)::bigint AS filter_errors
     FROM outbox_subscription_counters
     WHERE subscription_id = $1
 )
@@ -71,5 +75,7 @@ SELECT (SELECT count(*) FROM not_handed_out
        r.scheduled + (SELECT count(*) FROM not_handed_out WHERE deliver_at > now()) AS scheduled,
        LEAST(r.next_scheduled,
              (SELECT min(deliver_at) FROM not_handed_out WHERE deliver_at > now()))
-           AS next_scheduled
+           AS next_scheduled,
+       t.filtered, t.filter_errors, c.last_filter_error, c.last_filter_error_at
 FROM records r, totals t
+LEFT JOIN outbox_cursors c ON c.subscription_id = $1
