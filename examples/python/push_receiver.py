@@ -45,13 +45,12 @@ def main():
                 self.end_headers()
                 self.wfile.write(str(error).encode())
                 return
-            event = cloudevent(self.headers, body)
             with lock:
-                # The webhook-id is the same on every retry: deduplicate on it.
-                first = event["id"] not in {e["id"] for e in received}
-                if first:
-                    received.append(event)
-                    print(json.dumps(event), flush=True)
+                for event in cloudevents(self.headers, body):
+                    # A retry sends the same events again: deduplicate on their ids.
+                    if event["id"] not in {e["id"] for e in received}:
+                        received.append(event)
+                        print(json.dumps(event), flush=True)
                 if options.max_events and len(received) >= options.max_events:
                     done.set()
             self.send_response(204)
@@ -66,26 +65,36 @@ def main():
     server.shutdown()
 
 
-def cloudevent(headers, body):
-    """The event's CloudEvents attributes, from headers (binary mode) or the body
-    (structured mode)."""
-    if headers.get("content-type", "").startswith("application/cloudevents+json"):
-        document = json.loads(body)
-        return {
-            "id": document["id"],
-            "type": document["type"],
-            "source": document["source"],
-            "subject": document.get("subject"),
-            "data": document.get("data", document.get("data_base64")),
-            "mode": "structured",
+def cloudevents(headers, body):
+    """The CloudEvents attributes of the request's events: from headers (binary mode),
+    or the body (structured mode: one document; batched push: an array of them)."""
+    content_type = headers.get("content-type", "")
+    if content_type.startswith("application/cloudevents-batch+json"):
+        return [structured(document, "batch") for document in json.loads(body)]
+    if content_type.startswith("application/cloudevents+json"):
+        return [structured(json.loads(body), "structured")]
+    return [
+        {
+            "id": headers["ce-id"],
+            "type": headers["ce-type"],
+            "source": headers["ce-source"],
+            "subject": headers.get("ce-subject"),
+            "transactionid": headers.get("ce-transactionid"),
+            "data": json.loads(body) if "json" in content_type else None,
+            "mode": "binary",
         }
+    ]
+
+
+def structured(document, mode):
     return {
-        "id": headers["ce-id"],
-        "type": headers["ce-type"],
-        "source": headers["ce-source"],
-        "subject": headers.get("ce-subject"),
-        "data": json.loads(body) if "json" in headers.get("content-type", "") else None,
-        "mode": "binary",
+        "id": document["id"],
+        "type": document["type"],
+        "source": document["source"],
+        "subject": document.get("subject"),
+        "transactionid": document.get("transactionid"),
+        "data": document.get("data", document.get("data_base64")),
+        "mode": mode,
     }
 
 

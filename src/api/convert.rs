@@ -10,10 +10,11 @@ use crate::{
     delivery::AckWriter,
     domain::{
         AckId, DEFAULT_CONTENT_TYPE, DeadLetter, DeadLetterGroup, DeadLetterSelection, Delivery,
-        DeliveryState, Echo, Event, EventDeliveries, NewEvent, OutboxStats, PatternSet, PushConfig,
-        PushFormat, PushInput, SinkConfig, SinkInput, SourceName, StartPosition, StatusKind,
-        Subscription, SubscriptionName, SubscriptionPatch, SubscriptionSettings, SubscriptionStats,
-        Template, check_timestamp, fingerprint, parse_event_id,
+        DeliveryState, Echo, Event, EventDeliveries, EventFilter, NewEvent, OutboxStats,
+        PatternSet, PayloadTransform, PushConfig, PushFormat, PushInput, Refusal, SinkConfig,
+        SinkInput, SourceName, StartPosition, StatusKind, Subscription, SubscriptionName,
+        SubscriptionPatch, SubscriptionSettings, SubscriptionStats, Template, check_timestamp,
+        fingerprint, parse_event_id,
     },
     error::{Error, Result},
     operations::{SourceStatus, SubscriptionStatsReport},
@@ -67,6 +68,8 @@ pub(super) fn event(event: Event) -> proto::Event {
         created_at: Some(datetime_to_timestamp(event.created_at)),
         deliver_at: event.deliver_at.map(datetime_to_timestamp),
         expires_at: event.expires_at.map(datetime_to_timestamp),
+        // Transaction ids are never negative (`pg_current_xact_id()`).
+        transaction_id: u64::try_from(event.transaction_id).unwrap_or_default(),
     }
 }
 
@@ -118,6 +121,18 @@ pub(super) fn as_requested(texts: &[String], parsed: &[AckId], chosen: &[AckId])
         .collect()
 }
 
+/// An optional CEL expression: empty means none.
+fn optional_expression<T>(
+    field: &str,
+    text: &str,
+    parse: fn(&str, &str) -> std::result::Result<T, Refusal>,
+) -> Result<Option<T>> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    Ok(parse(field, text).map(Some)?)
+}
+
 /// An optional source name: empty means none.
 pub(super) fn optional_source(field: &str, name: &str) -> Result<Option<SourceName>> {
     if name.is_empty() {
@@ -148,6 +163,12 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
             .metadata_match
             .into_iter()
             .collect::<BTreeMap<_, _>>(),
+        filter: optional_expression("subscription.filter", &message.filter, EventFilter::parse)?,
+        transform: optional_expression(
+            "subscription.transform",
+            &message.transform,
+            PayloadTransform::parse,
+        )?,
         ack_deadline: optional_duration("subscription.ack_deadline", message.ack_deadline)?
             .unwrap_or(defaults.ack_deadline),
         max_attempts: message.max_attempts.unwrap_or(defaults.max_attempts),
@@ -218,6 +239,16 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
         event_types: settings.event_types.to_strings(),
         aggregate_types: settings.aggregate_types,
         metadata_match: settings.metadata_match.into_iter().collect(),
+        filter: settings
+            .filter
+            .as_ref()
+            .map(|filter| filter.as_str().to_owned())
+            .unwrap_or_default(),
+        transform: settings
+            .transform
+            .as_ref()
+            .map(|transform| transform.as_str().to_owned())
+            .unwrap_or_default(),
         start: None,
         ack_deadline: Some(duration_to_proto(settings.ack_deadline)),
         max_attempts: Some(settings.max_attempts),
@@ -248,6 +279,15 @@ pub(super) fn subscription(subscription: Subscription) -> proto::Subscription {
             timeout: Some(duration_to_proto(push.timeout)),
             max_concurrency: push.max_concurrency,
             rate_limit: push.rate_limit,
+            max_batch_events: push.max_batch_events,
+            max_batch_bytes: if push.batched() {
+                push.max_batch_bytes
+            } else {
+                0
+            },
+            max_batch_wait: push
+                .batched()
+                .then(|| duration_to_proto(push.max_batch_wait)),
             signing_secret: String::new(),
         }),
         push_stopped: subscription.push_stopped.map(|stopped| proto::PushStopped {
@@ -312,6 +352,12 @@ fn push_config(field: &str, message: proto::PushConfig) -> Result<PushConfig> {
             timeout: optional_duration(&format!("{field}.timeout"), message.timeout)?,
             max_concurrency: message.max_concurrency,
             rate_limit: message.rate_limit,
+            max_batch_events: message.max_batch_events,
+            max_batch_bytes: message.max_batch_bytes,
+            max_batch_wait: optional_duration(
+                &format!("{field}.max_batch_wait"),
+                message.max_batch_wait,
+            )?,
         },
     )
     .map_err(Error::from)
@@ -476,6 +522,21 @@ pub(super) fn subscription_patch(
                 patch.max_event_age = Some(optional_duration(&field(path), message.max_event_age)?);
             }
             "dead_letter_expired" => patch.dead_letter_expired = Some(message.dead_letter_expired),
+            // Empty removes it.
+            "filter" => {
+                patch.filter = Some(optional_expression(
+                    &field(path),
+                    &message.filter,
+                    EventFilter::parse,
+                )?);
+            }
+            "transform" => {
+                patch.transform = Some(optional_expression(
+                    &field(path),
+                    &message.transform,
+                    PayloadTransform::parse,
+                )?);
+            }
             "push" => {
                 patch.push = Some(
                     message
@@ -751,6 +812,17 @@ fn subscription_stats(
         expired_total: stats.expired_total,
         scheduled: stats.scheduled,
         next_scheduled_at: stats.next_scheduled_at.map(datetime_to_timestamp),
+        filtered_total: stats.filtered_total,
+        filter_errors_total: stats.filter_errors_total,
+        last_filter_error: stats
+            .last_filter_error
+            .as_ref()
+            .map(|(error, _)| error.clone())
+            .unwrap_or_default(),
+        last_filter_error_at: stats
+            .last_filter_error
+            .as_ref()
+            .map(|(_, at)| datetime_to_timestamp(*at)),
         ..Default::default()
     }
 }

@@ -1810,3 +1810,86 @@ async fn sink_subscriptions_are_created_shown_and_switched_from_the_command_line
     .json();
     assert!(pulled["sink"].is_null(), "{pulled}");
 }
+
+#[tokio::test]
+async fn filters_transforms_and_push_batches_are_set_from_the_command_line() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.push.allowed_hosts =
+        outbox_gateway::domain::AllowedHosts::parse(&["127.0.0.1".to_owned()]).unwrap();
+    let gateway = TestGateway::start_with(&database, config).await;
+    let filter = r#"payload.total > 1000.0 && metadata.tenant == "acme""#;
+    let transform = r#"{"id": payload.id}"#;
+    let created = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "create",
+            "big-orders",
+            "--filter",
+            filter,
+            "--transform",
+            transform,
+            "--push-endpoint",
+            "http://127.0.0.1:9/hook",
+            "--push-batch",
+            "100",
+            "--push-batch-wait",
+            "50ms",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(created["filter"], filter);
+    assert_eq!(created["transform"], transform);
+    assert_eq!(created["push"]["max_batch_events"], 100);
+    assert_eq!(created["push"]["max_batch_wait"], "50ms");
+
+    let shown = cli(&gateway, &["subscriptions", "get", "big-orders"]).await;
+    assert!(shown.success, "{}", shown.stderr);
+    assert!(shown.stdout.contains(filter), "{}", shown.stdout);
+    assert!(
+        shown.stdout.contains("in batches of up to 100 events"),
+        "{}",
+        shown.stdout
+    );
+
+    let refused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "big-orders",
+            "--filter",
+            "payload.total >",
+        ],
+    )
+    .await;
+    assert!(!refused.success);
+    assert!(
+        refused
+            .stderr
+            .contains("subscription.filter: syntax error at 1:16"),
+        "{}",
+        refused.stderr
+    );
+
+    let cleared = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "update",
+            "big-orders",
+            "--clear-filter",
+            "--clear-transform",
+            "--json",
+        ],
+    )
+    .await
+    .json();
+    assert_eq!(
+        (&cleared["filter"], &cleared["transform"]),
+        (&Value::from(""), &Value::from(""))
+    );
+}

@@ -337,6 +337,18 @@ async fn api_reference_matches_the_proto_comments() {
 
 #[tokio::test]
 async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
+    python_push_receiver(None).await;
+}
+
+#[tokio::test]
+async fn python_push_receiver_verifies_batches_with_standardwebhooks() {
+    python_push_receiver(Some(10)).await;
+}
+
+/// The example receiver verifies and reads every event pushed to it, one per request or
+/// in batches of `batch` events.
+async fn python_push_receiver(batch: Option<u32>) {
+    const EVENTS: usize = 6;
     let python = python_env().await;
     let database = TestDatabase::create().await;
     let mut config = test_config(database.url());
@@ -353,6 +365,11 @@ async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
         outbox_gateway::proto::Subscription {
             push: Some(outbox_gateway::proto::PushConfig {
                 endpoint: format!("http://127.0.0.1:{port}/events"),
+                max_batch_events: batch.unwrap_or(0),
+                max_batch_wait: batch.map(|_| prost_types::Duration {
+                    seconds: 0,
+                    nanos: 300_000_000,
+                }),
                 ..Default::default()
             }),
             // Until the receiver listens the gateway's requests are refused: retry soon.
@@ -378,7 +395,7 @@ async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
             "--port",
             &port,
             "--max-events",
-            "3",
+            &EVENTS.to_string(),
             "--timeout",
             "60",
         ])
@@ -415,7 +432,7 @@ async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
 
     let published: BTreeSet<String> = publish(
         &gateway,
-        (0..3)
+        (0..EVENTS)
             .map(|i| event(&format!("o-{i}"), "order.created"))
             .collect(),
     )
@@ -427,10 +444,15 @@ async fn python_push_receiver_verifies_signatures_with_standardwebhooks() {
     let events = json_lines(&output);
     let received: BTreeSet<String> = events.iter().map(|e| text(&e["id"])).collect();
     assert_eq!(received, published, "receiver output:\n{output}");
+    let transactions: BTreeSet<String> = events.iter().map(|e| text(&e["transactionid"])).collect();
+    assert_eq!(transactions.len(), 1, "one Publish call: {transactions:?}");
     for event in &events {
         assert_eq!(event["type"], "order.created");
         assert_eq!(event["source"], "/sources/default/aggregates/order");
-        assert_eq!(event["mode"], "binary");
+        assert_eq!(
+            event["mode"],
+            if batch.is_some() { "batch" } else { "binary" }
+        );
         assert_eq!(event["data"]["aggregate"], event["subject"]);
     }
 }

@@ -30,6 +30,7 @@ mod refusals;
 mod relay;
 mod replicas;
 mod security;
+mod shaping;
 mod sinks;
 mod sources;
 mod time_controls;

@@ -337,6 +337,18 @@ async fn pushes_every_event_once_as_signed_binary_cloudevents() {
             format!(r#"{{"aggregate":"o-{index}"}}"#).as_bytes()
         );
     }
+    // One Publish call: one transaction.
+    let transactions: std::collections::HashSet<&str> = received
+        .iter()
+        .map(|r| r.header("ce-transactionid"))
+        .collect();
+    assert_eq!(transactions.len(), 1, "{transactions:?}");
+    assert!(
+        transactions
+            .iter()
+            .all(|id| id.parse::<u64>().is_ok_and(|id| id > 0)),
+        "{transactions:?}"
+    );
     let first = by_id[published[0].id.as_str()];
     assert_eq!(first.header("ce-aggregateversion"), "7");
     assert_eq!(first.header("ce-tenant"), "acme");
@@ -1773,4 +1785,246 @@ async fn events_of_every_source_are_pushed_naming_their_source() {
     })
     .await;
     assert_eq!(receiver.received().len(), 3, "each event once");
+}
+
+/// The events of a batched request, as the CloudEvents JSON batch format carries them.
+fn batch_events(request: &Received) -> Vec<serde_json::Value> {
+    assert_eq!(
+        request.header("content-type"),
+        "application/cloudevents-batch+json"
+    );
+    serde_json::from_slice(&request.body).expect("a JSON array of CloudEvents")
+}
+
+fn batched(name: &str, endpoint: &str, events: u32, wait_ms: u64) -> proto::Subscription {
+    let mut subscription = push_subscription(name, endpoint);
+    let push = subscription.push.as_mut().unwrap();
+    push.max_batch_events = events;
+    push.max_batch_wait = millis(wait_ms);
+    subscription
+}
+
+#[tokio::test]
+async fn batched_push_sends_signed_cloudevents_batches() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let created =
+        create_subscription(&gateway, batched("batches", &receiver.endpoint(), 10, 300)).await;
+    let push = created.push.expect("push");
+    assert_eq!(push.max_batch_events, 10);
+    assert_eq!(push.max_batch_wait, millis(300));
+    receiver.expect_keys(&[&push.signing_secret]);
+
+    let published: Vec<String> = publish(
+        &gateway,
+        (0..25)
+            .map(|i| event(&format!("o-{i}"), "order.created"))
+            .collect(),
+    )
+    .await
+    .into_iter()
+    .map(|result| result.id)
+    .collect();
+    eventually("every event is acked", WAIT, || async {
+        subscription_stats(&gateway, "batches").await.acked_total == 25
+    })
+    .await;
+    let received = receiver.received();
+    assert!(
+        received.len() >= 3 && received.len() < 25,
+        "{} requests",
+        received.len()
+    );
+    let mut ids = Vec::new();
+    for request in &received {
+        assert!(request.signed, "one signature over each batch verifies");
+        assert!(request.header("webhook-id").starts_with("batch_"));
+        let events = batch_events(request);
+        assert!((1..=10).contains(&events.len()), "{} events", events.len());
+        for event in events {
+            assert_eq!(event["specversion"], "1.0");
+            assert_eq!(event["type"], "order.created");
+            assert_eq!(event["data"]["aggregate"], event["subject"]);
+            assert!(!event["transactionid"].as_str().unwrap().is_empty());
+            ids.push(event["id"].as_str().unwrap().to_owned());
+        }
+    }
+    ids.sort();
+    let mut expected = published.clone();
+    expected.sort();
+    assert_eq!(ids, expected, "each event once");
+}
+
+#[tokio::test]
+async fn an_answer_applies_to_every_event_of_its_batch() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    // The first batch holding "o-3" is refused for now (Retry-After), the first holding
+    // "o-7" for good; everything else is taken.
+    let refused = Arc::new(Mutex::new(false));
+    receiver.answer(move |request, _| {
+        let body = String::from_utf8_lossy(&request.body);
+        if body.contains("\"o-7\"") {
+            return Reply::status(400);
+        }
+        if body.contains("\"o-3\"") && !std::mem::replace(&mut *refused.lock().unwrap(), true) {
+            return Reply {
+                headers: vec![("retry-after", "1".to_owned())],
+                ..Reply::status(503)
+            };
+        }
+        Reply::status(204)
+    });
+    // One event per aggregate and batches of two: o-7 shares its batch with one other.
+    create_subscription(&gateway, batched("partial", &receiver.endpoint(), 2, 0)).await;
+    let events: Vec<proto::EventInput> = (0..10)
+        .map(|i| event(&format!("o-{i}"), "order.created"))
+        .collect();
+    publish(&gateway, events).await;
+
+    eventually("every event is settled", WAIT, || async {
+        let stats = subscription_stats(&gateway, "partial").await;
+        stats.dead_lettered >= 1 && stats.acked_total + stats.dead_lettered == 10
+    })
+    .await;
+    let dead = list_dead_letters(&gateway, "partial").await;
+    let stats = subscription_stats(&gateway, "partial").await;
+    let dead_aggregates: Vec<String> = dead
+        .iter()
+        .map(|d| d.event.as_ref().unwrap().aggregate_id.clone())
+        .collect();
+    assert!(
+        dead_aggregates.contains(&"o-7".to_owned()),
+        "{dead_aggregates:?}"
+    );
+    assert!(
+        dead.iter().all(|d| d.last_error.starts_with("HTTP 400")),
+        "{dead:?}"
+    );
+    // Everything a 400 refused went together; everything else was acked.
+    let refused_with_o7 = receiver
+        .received()
+        .iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("\"o-7\""))
+        .map(|r| batch_events(r).len())
+        .max()
+        .unwrap();
+    assert_eq!(dead.len(), refused_with_o7);
+    assert_eq!(stats.acked_total, 10 - dead.len() as u64);
+    // The batch answered 503 came back whole, after the Retry-After.
+    let with_o3: Vec<Received> = receiver
+        .received()
+        .into_iter()
+        .filter(|r| String::from_utf8_lossy(&r.body).contains("\"o-3\""))
+        .collect();
+    assert!(with_o3.len() >= 2, "{} requests with o-3", with_o3.len());
+    assert!(
+        with_o3[1].at.duration_since(with_o3[0].at) >= Duration::from_millis(900),
+        "Retry-After is honoured"
+    );
+}
+
+#[tokio::test]
+async fn batches_keep_within_max_batch_bytes_and_a_larger_event_goes_alone() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let mut subscription = batched("bytes", &receiver.endpoint(), 100, 300);
+    subscription.push.as_mut().unwrap().max_batch_bytes = 2000;
+    create_subscription(&gateway, subscription).await;
+    // 600 bytes of payload plus the 256 counted per event: two fit in 2000 bytes.
+    let payload = |size: usize| format!(r#"{{"pad":"{}"}}"#, "x".repeat(size)).into_bytes();
+    let mut events: Vec<proto::EventInput> = (0..6)
+        .map(|i| proto::EventInput {
+            payload: payload(600),
+            ..event(&format!("o-{i}"), "order.created")
+        })
+        .collect();
+    events.insert(
+        3,
+        proto::EventInput {
+            payload: payload(5000),
+            ..event("big", "order.created")
+        },
+    );
+    publish(&gateway, events).await;
+    eventually("every event is acked", WAIT, || async {
+        subscription_stats(&gateway, "bytes").await.acked_total == 7
+    })
+    .await;
+    for request in receiver.received() {
+        let events = batch_events(&request);
+        if String::from_utf8_lossy(&request.body).contains("\"big\"") {
+            assert_eq!(events.len(), 1, "the large event goes alone");
+        } else {
+            assert!(events.len() <= 2, "{} events in 2000 bytes", events.len());
+            assert!(request.body.len() < 4000);
+        }
+    }
+}
+
+#[tokio::test]
+async fn ordered_batched_push_never_has_two_events_of_an_aggregate_in_flight() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    receiver.answer(|_, _| Reply {
+        delay: Duration::from_millis(100),
+        ..Reply::status(204)
+    });
+    let mut subscription = batched("ordered-batches", &receiver.endpoint(), 20, 100);
+    subscription.ordered = true;
+    create_subscription(&gateway, subscription).await;
+    let mut events = Vec::new();
+    for step in 1..=5 {
+        for aggregate in ["a", "b", "c"] {
+            events.push(event(aggregate, &format!("step.{step}")));
+        }
+    }
+    publish(&gateway, events).await;
+    eventually("every event is acked", WAIT, || async {
+        subscription_stats(&gateway, "ordered-batches")
+            .await
+            .acked_total
+            == 15
+    })
+    .await;
+    let received = receiver.received();
+    let mut steps: HashMap<String, Vec<String>> = HashMap::new();
+    for (index, request) in received.iter().enumerate() {
+        let events = batch_events(request);
+        let aggregates: Vec<String> = events
+            .iter()
+            .map(|e| e["subject"].as_str().unwrap().to_owned())
+            .collect();
+        let mut distinct = aggregates.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(
+            distinct.len(),
+            aggregates.len(),
+            "one event per aggregate a batch"
+        );
+        for event in &events {
+            steps
+                .entry(event["subject"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(event["type"].as_str().unwrap().to_owned());
+        }
+        // A later request with the same aggregate starts after this one was answered.
+        for later in &received[index + 1..] {
+            let shares = batch_events(later)
+                .iter()
+                .any(|e| aggregates.iter().any(|a| e["subject"] == a.as_str()));
+            if shares {
+                assert!(later.at >= request.answered.expect("answered"));
+            }
+        }
+    }
+    for aggregate in ["a", "b", "c"] {
+        let expected: Vec<String> = (1..=5).map(|s| format!("step.{s}")).collect();
+        assert_eq!(steps[aggregate], expected, "{aggregate} in order");
+    }
 }

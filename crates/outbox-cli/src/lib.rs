@@ -461,8 +461,9 @@ pub enum ClientCommand {
     Subscriptions {
         #[command(flatten)]
         target: Target,
+        // Boxed: its settings make it far larger than the other commands.
         #[command(subcommand)]
-        command: SubscriptionCommand,
+        command: Box<SubscriptionCommand>,
     },
     /// List, summarize, requeue or resolve a subscription's dead letters.
     Dlq {
@@ -602,7 +603,7 @@ pub async fn run(command: ClientCommand) -> Result<(), CliError> {
         | ClientCommand::Health { target } => target.clone(),
     };
     let result = match command {
-        ClientCommand::Subscriptions { target, command } => subscriptions(&target, command).await,
+        ClientCommand::Subscriptions { target, command } => subscriptions(&target, *command).await,
         ClientCommand::Dlq { target, command } => dead_letters(&target, command).await,
         ClientCommand::Events { target, command } => {
             events(&target, command).await.map_err(CliError::from)

@@ -86,6 +86,8 @@ pub fn subscription(subscription: &proto::Subscription) -> Value {
         "event_types": subscription.event_types,
         "aggregate_types": subscription.aggregate_types,
         "metadata_match": subscription.metadata_match,
+        "filter": subscription.filter,
+        "transform": subscription.transform,
         "ack_deadline": duration(&subscription.ack_deadline),
         "max_attempts": subscription.max_attempts,
         "retry_backoff_min": duration(&subscription.retry_backoff_min),
@@ -140,6 +142,8 @@ pub fn subscription_text(subscription: &proto::Subscription) {
         ("event types", list(&subscription.event_types)),
         ("aggregate types", list(&subscription.aggregate_types)),
         ("metadata match", list(&metadata)),
+        ("filter", or_dash(&subscription.filter)),
+        ("transform", or_dash(&subscription.transform)),
         ("ack deadline", duration(&subscription.ack_deadline)),
         ("max attempts", max_attempts),
         (
@@ -183,6 +187,12 @@ pub fn subscription_text(subscription: &proto::Subscription) {
         (
             "delivery",
             match (&subscription.push, &subscription.sink) {
+                (Some(push), _) if push.max_batch_events > 1 => format!(
+                    "push to {} in batches of up to {} events (wait {})",
+                    push.endpoint,
+                    push.max_batch_events,
+                    duration(&push.max_batch_wait)
+                ),
                 (Some(push), _) => format!("push to {}", push.endpoint),
                 (None, Some(sink)) if !sink.subject.is_empty() => {
                     format!("sink {} (subject {})", sink.name, sink.subject)
@@ -251,6 +261,9 @@ pub fn status_text(stats: &proto::SubscriptionStats) {
     if let Some(sink) = sink_text(stats) {
         println!("{:<23} {sink}", "sink messages:");
     }
+    if let Some(filtered) = filter_text(stats) {
+        println!("{:<23} {filtered}", "filtered:");
+    }
     if stats.consumption_records > 0 {
         println!(
             "{:<23} {} (outbox_consume)",
@@ -315,7 +328,12 @@ fn push(push: &proto::PushConfig) -> Value {
         "timeout": duration(&push.timeout),
         "max_concurrency": push.max_concurrency,
         "rate_limit": push.rate_limit,
+        "max_batch_events": push.max_batch_events.max(1),
     });
+    if push.max_batch_events > 1 {
+        value["max_batch_bytes"] = json!(push.max_batch_bytes);
+        value["max_batch_wait"] = json!(duration(&push.max_batch_wait));
+    }
     // Shown only by the call that made it.
     if !push.signing_secret.is_empty() {
         value["signing_secret"] = json!(push.signing_secret);
@@ -354,6 +372,10 @@ pub fn stats(stats: &proto::Stats) -> Value {
             "delivered_total": s.delivered_total,
             "acked_total": s.acked_total,
             "expired_total": s.expired_total,
+            "filtered_total": s.filtered_total,
+            "filter_errors_total": s.filter_errors_total,
+            "last_filter_error": s.last_filter_error,
+            "last_filter_error_at": timestamp(&s.last_filter_error_at),
             "scheduled": s.scheduled,
             "next_scheduled_at": timestamp(&s.next_scheduled_at),
         }))).collect::<Vec<_>>(),
@@ -386,6 +408,31 @@ pub fn status_kind(stats: &proto::SubscriptionStats) -> Option<StatusKind> {
 /// The status in the words the console shows too.
 pub fn status_label(stats: &proto::SubscriptionStats) -> &'static str {
     status_kind(stats).map_or("-", StatusKind::label)
+}
+
+/// What a subscription's filter passed over, in a line; `None` when it passed nothing.
+pub fn filter_text(stats: &proto::SubscriptionStats) -> Option<String> {
+    if stats.filtered_total == 0 && stats.last_filter_error.is_empty() {
+        return None;
+    }
+    let mut text = format!(
+        "{} events passed over, {} of them on errors",
+        stats.filtered_total, stats.filter_errors_total
+    );
+    if !stats.last_filter_error.is_empty() {
+        text.push_str(&format!(
+            "; last error {}: {}",
+            timestamp(&stats.last_filter_error_at)
+                .as_str()
+                .unwrap_or("-"),
+            stats.last_filter_error
+        ));
+    }
+    Some(text)
+}
+
+fn or_dash(text: &str) -> String {
+    if text.is_empty() { "-" } else { text }.to_owned()
 }
 
 /// A push subscription's requests in a line: how many, the last answer, the last
@@ -588,6 +635,12 @@ pub fn stats_table(stats: &proto::Stats) {
         }
         if let Some(push) = push_text(s) {
             notes.push(format!("{}: push {push}", s.name));
+        }
+        if !s.last_filter_error.is_empty() {
+            notes.push(format!(
+                "{}: filter failed on {} events, last: {}",
+                s.name, s.filter_errors_total, s.last_filter_error
+            ));
         }
     }
     if !notes.is_empty() {

@@ -22,6 +22,15 @@ pub struct SubscriptionSettingsArgs {
     /// Metadata that must match, as KEY=VALUE; repeatable.
     #[arg(long = "metadata", value_parser = parse_key_value)]
     metadata_match: Vec<(String, String)>,
+    /// A CEL expression the event must satisfy, e.g.
+    /// 'payload.total > 1000.0 && metadata.tenant == "acme"' (see "Filters and
+    /// transforms" in the README).
+    #[arg(long)]
+    filter: Option<String>,
+    /// A CEL expression whose value (a map or a list) is delivered as the JSON payload,
+    /// e.g. '{"id": payload.id, "total": payload.total}'.
+    #[arg(long)]
+    transform: Option<String>,
     /// Lease length of a delivery, e.g. 30s.
     #[arg(long, value_parser = humantime::parse_duration)]
     ack_deadline: Option<Duration>,
@@ -55,6 +64,8 @@ impl SubscriptionSettingsArgs {
             event_types: self.event_types,
             aggregate_types: self.aggregate_types,
             metadata_match: self.metadata_match.into_iter().collect(),
+            filter: self.filter.unwrap_or_default(),
+            transform: self.transform.unwrap_or_default(),
             ack_deadline: duration(self.ack_deadline),
             max_attempts: self.max_attempts,
             retry_backoff_min: duration(self.retry_backoff_min),
@@ -72,6 +83,8 @@ impl SubscriptionSettingsArgs {
             ("event_types", !self.event_types.is_empty()),
             ("aggregate_types", !self.aggregate_types.is_empty()),
             ("metadata_match", !self.metadata_match.is_empty()),
+            ("filter", self.filter.is_some()),
+            ("transform", self.transform.is_some()),
             ("ack_deadline", self.ack_deadline.is_some()),
             ("max_attempts", self.max_attempts.is_some()),
             ("retry_backoff_min", self.retry_backoff_min.is_some()),
@@ -105,6 +118,12 @@ pub struct ClearArgs {
     /// Drop the metadata the events must match.
     #[arg(long, conflicts_with = "metadata_match")]
     clear_metadata: bool,
+    /// Drop the --filter expression.
+    #[arg(long, conflicts_with = "filter")]
+    clear_filter: bool,
+    /// Deliver payloads as published again (drop the --transform expression).
+    #[arg(long, conflicts_with = "transform")]
+    clear_transform: bool,
     /// Let every event type dead-letter again.
     #[arg(long, conflicts_with = "persistent_event_types")]
     clear_persistent_event_types: bool,
@@ -120,6 +139,8 @@ impl ClearArgs {
             ("event_types", self.clear_event_types),
             ("aggregate_types", self.clear_aggregate_types),
             ("metadata_match", self.clear_metadata),
+            ("filter", self.clear_filter),
+            ("transform", self.clear_transform),
             ("persistent_event_types", self.clear_persistent_event_types),
             ("max_event_age", self.no_max_event_age),
         ]
@@ -152,6 +173,15 @@ pub struct PushArgs {
     /// Most push requests started per second.
     #[arg(long, requires = "push_endpoint")]
     push_rate_limit: Option<f64>,
+    /// Push up to this many events per request, as a CloudEvents JSON batch.
+    #[arg(long, requires = "push_endpoint")]
+    push_batch: Option<u32>,
+    /// Most bytes of events per batch [default: 1 MiB].
+    #[arg(long, requires = "push_batch")]
+    push_batch_bytes: Option<u64>,
+    /// How long a batch waits for more events once it has one, e.g. 50ms.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "push_batch")]
+    push_batch_wait: Option<Duration>,
 }
 
 /// Sink delivery settings of `subscriptions create` and `update`.
@@ -205,6 +235,11 @@ impl PushArgs {
                 .and_then(|d| prost_types::Duration::try_from(d).ok()),
             max_concurrency: self.push_max_concurrency.unwrap_or(0),
             rate_limit: self.push_rate_limit,
+            max_batch_events: self.push_batch.unwrap_or(0),
+            max_batch_bytes: self.push_batch_bytes.unwrap_or(0),
+            max_batch_wait: self
+                .push_batch_wait
+                .and_then(|d| prost_types::Duration::try_from(d).ok()),
             signing_secret: String::new(),
         })
     }

@@ -2,7 +2,8 @@
 //! delivery, with the validation that guards them and the rules of who may call what.
 //!
 //! # Layout
-//! - Owns: events, subscriptions and their ids and settings, event-type patterns, push
+//! - Owns: events, subscriptions and their ids and settings, event-type patterns, CEL
+//!   filters and transforms, push
 //!   configurations and signatures, sink destinations and their templates, sources, ack ids and leases, dead-letter selections
 //!   and stats, the [`auth`] rules (tokens, roles, scopes), and [`Refusal`] — why the
 //!   domain refuses an input.
@@ -14,6 +15,7 @@ mod ack;
 pub mod auth;
 mod delivery;
 mod event;
+mod expression;
 mod input;
 mod lease;
 mod operations;
@@ -30,6 +32,9 @@ pub use event::{
     DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, check_event_key,
     is_json_content_type, parse_event_id,
 };
+pub use expression::{
+    EXPRESSION_VARIABLES, EvaluationError, EventFilter, MAX_EXPRESSION_BYTES, PayloadTransform,
+};
 pub use input::{
     Echo, MAX_FILTER_BYTES, MAX_FILTER_ENTRIES, MAX_JSON_DEPTH, check_filter_size, check_json,
     check_text, check_texts, check_timestamp, earliest_timestamp, latest_timestamp,
@@ -42,8 +47,9 @@ pub use operations::{
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use push::{
-    Allowance, AllowedHosts, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, PushConfig,
-    PushFormat, PushInput, PushSecret, PushStopped, fingerprint, webhook_signature,
+    Allowance, AllowedHosts, DEFAULT_PUSH_BATCH_BYTES, DEFAULT_PUSH_CONCURRENCY,
+    DEFAULT_PUSH_TIMEOUT, PushConfig, PushFormat, PushInput, PushSecret, PushStopped, fingerprint,
+    webhook_signature,
 };
 pub use refusal::Refusal;
 pub use sink::{DEFAULT_KAFKA_KEY, SinkConfig, SinkInput, SinkKind, Template};

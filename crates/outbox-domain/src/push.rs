@@ -16,6 +16,14 @@ pub const MIN_PUSH_TIMEOUT: Duration = Duration::from_secs(1);
 pub const MAX_PUSH_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 pub const DEFAULT_PUSH_CONCURRENCY: u32 = 16;
 pub const MAX_PUSH_CONCURRENCY: u32 = 1000;
+/// Most events one batched request may carry.
+pub const MAX_PUSH_BATCH_EVENTS: u32 = 1000;
+/// Bytes of events a batched request carries at most unless set (one event larger than
+/// that still goes, alone).
+pub const DEFAULT_PUSH_BATCH_BYTES: u64 = 1024 * 1024;
+pub const MAX_PUSH_BATCH_BYTES: u64 = 64 * 1024 * 1024;
+/// Longest a batch may wait to fill.
+pub const MAX_PUSH_BATCH_WAIT: Duration = Duration::from_secs(60);
 /// Slowest rate limit, in requests per second: one request every 1,000 s. Slower is
 /// no push at all, and the pause between requests would overflow a duration.
 pub const MIN_PUSH_RATE: f64 = 0.001;
@@ -69,6 +77,13 @@ pub struct PushConfig {
     pub max_concurrency: u32,
     /// Requests started per second at most; `None`: no limit.
     pub rate_limit: Option<f64>,
+    /// Most events per request: 1 sends each event as its own CloudEvent; more sends
+    /// CloudEvents JSON batches.
+    pub max_batch_events: u32,
+    /// Most bytes of events per batch (payloads plus a fixed allowance each).
+    pub max_batch_bytes: u64,
+    /// Longest a batch waits for more events once it has one.
+    pub max_batch_wait: Duration,
 }
 
 /// Header values are secrets: only their fingerprints are shown.
@@ -86,6 +101,9 @@ impl fmt::Debug for PushConfig {
             .field("timeout", &self.timeout)
             .field("max_concurrency", &self.max_concurrency)
             .field("rate_limit", &self.rate_limit)
+            .field("max_batch_events", &self.max_batch_events)
+            .field("max_batch_bytes", &self.max_batch_bytes)
+            .field("max_batch_wait", &self.max_batch_wait)
             .finish()
     }
 }
@@ -99,6 +117,11 @@ pub struct PushInput {
     pub timeout: Option<Duration>,
     pub max_concurrency: u32,
     pub rate_limit: Option<f64>,
+    /// 0: 1.
+    pub max_batch_events: u32,
+    /// 0: [`DEFAULT_PUSH_BATCH_BYTES`].
+    pub max_batch_bytes: u64,
+    pub max_batch_wait: Option<Duration>,
 }
 
 impl PushConfig {
@@ -214,6 +237,42 @@ impl PushConfig {
                 ),
             ));
         }
+        let max_batch_events = match input.max_batch_events {
+            0 => 1,
+            n if n > MAX_PUSH_BATCH_EVENTS => {
+                return Err(Refusal::invalid(
+                    field("max_batch_events"),
+                    format!("must be at most {MAX_PUSH_BATCH_EVENTS}"),
+                ));
+            }
+            n => n,
+        };
+        let max_batch_bytes = match input.max_batch_bytes {
+            0 => DEFAULT_PUSH_BATCH_BYTES,
+            n if n > MAX_PUSH_BATCH_BYTES => {
+                return Err(Refusal::invalid(
+                    field("max_batch_bytes"),
+                    format!("must be at most {MAX_PUSH_BATCH_BYTES}"),
+                ));
+            }
+            n => n,
+        };
+        let max_batch_wait = input.max_batch_wait.unwrap_or_default();
+        if max_batch_wait > MAX_PUSH_BATCH_WAIT {
+            return Err(Refusal::invalid(
+                field("max_batch_wait"),
+                format!(
+                    "must be at most {}",
+                    humantime::format_duration(MAX_PUSH_BATCH_WAIT)
+                ),
+            ));
+        }
+        if max_batch_events == 1 && (input.max_batch_bytes > 0 || !max_batch_wait.is_zero()) {
+            return Err(Refusal::invalid(
+                field("max_batch_events"),
+                "must be more than 1 for max_batch_bytes or max_batch_wait to apply",
+            ));
+        }
         Ok(PushConfig {
             endpoint,
             headers,
@@ -221,7 +280,15 @@ impl PushConfig {
             timeout,
             max_concurrency,
             rate_limit: input.rate_limit,
+            max_batch_events,
+            max_batch_bytes,
+            max_batch_wait,
         })
+    }
+
+    /// Whether requests carry CloudEvents JSON batches rather than one event each.
+    pub fn batched(&self) -> bool {
+        self.max_batch_events > 1
     }
 
     /// The pause between two request starts that `rate_limit` asks for. A rate stored
@@ -589,6 +656,42 @@ mod tests {
                 ..Default::default()
             };
             assert!(PushConfig::parse("push", input).is_err(), "{endpoint}");
+        }
+    }
+
+    #[test]
+    fn batches_are_bounded_and_off_by_default() {
+        let parse = |events: u32, bytes: u64, wait: Option<Duration>| {
+            PushConfig::parse(
+                "push",
+                PushInput {
+                    endpoint: "https://example.com/".into(),
+                    max_batch_events: events,
+                    max_batch_bytes: bytes,
+                    max_batch_wait: wait,
+                    ..Default::default()
+                },
+            )
+        };
+        let single = parse(0, 0, None).unwrap();
+        assert!(!single.batched());
+        let batched = parse(100, 0, Some(Duration::from_millis(50))).unwrap();
+        assert!(batched.batched());
+        assert_eq!(batched.max_batch_bytes, DEFAULT_PUSH_BATCH_BYTES);
+        for (events, bytes, wait, field) in [
+            (1001, 0, None, "push.max_batch_events"),
+            (10, MAX_PUSH_BATCH_BYTES + 1, None, "push.max_batch_bytes"),
+            (10, 0, Some(Duration::from_secs(61)), "push.max_batch_wait"),
+            (1, 1000, None, "push.max_batch_events"),
+            (
+                0,
+                0,
+                Some(Duration::from_millis(5)),
+                "push.max_batch_events",
+            ),
+        ] {
+            let refusal = parse(events, bytes, wait).unwrap_err().to_string();
+            assert!(refusal.starts_with(field), "{refusal}");
         }
     }
 

@@ -12,8 +12,9 @@ use super::{
     locks::{LockMode, lock_subscription},
 };
 use outbox_domain::{
-    PatternSet, Pause, PushConfig, PushFormat, PushSecret, PushStopped, SinkConfig, SourceName,
-    StartPosition, Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings, Template,
+    DEFAULT_PUSH_BATCH_BYTES, EventFilter, PatternSet, Pause, PayloadTransform, PushConfig,
+    PushFormat, PushSecret, PushStopped, SinkConfig, SourceName, StartPosition, Subscription,
+    SubscriptionId, SubscriptionName, SubscriptionSettings, Template,
 };
 
 /// What a new subscription's definition is stored with.
@@ -50,9 +51,10 @@ impl Store {
             "INSERT INTO outbox_subscriptions (name, event_types, aggregate_types, metadata_match, \
                  ack_deadline_ms, max_attempts, retry_backoff_min_ms, retry_backoff_max_ms, ordered, \
                  persistent_event_types, sources, start_kind, start_time, max_event_age_ms, \
-                 dead_letter_expired, expire_after_idle_ms, push, push_secrets, sink) \
+                 dead_letter_expired, expire_after_idle_ms, push, push_secrets, sink, filter, \
+                 transform) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, \
-                     $17, $18, $19) \
+                     $17, $18, $19, $20, $21) \
              RETURNING ",
             subscription_columns!()
         ))
@@ -75,6 +77,8 @@ impl Store {
         .bind(stored_push(settings.push.as_ref()))
         .bind(Json(stored_secrets(secrets)))
         .bind(stored_sink(settings.sink.as_ref()))
+        .bind(settings.filter.as_ref().map(EventFilter::as_str))
+        .bind(settings.transform.as_ref().map(PayloadTransform::as_str))
         .fetch_one(&mut *transaction)
         .await?;
             let subscription = subscription_from_row(&row)?;
@@ -413,6 +417,14 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             event_types: patterns(row, "event_types")?,
             aggregate_types: row.try_get("aggregate_types")?,
             metadata_match: metadata_match.0,
+            filter: row
+                .try_get::<Option<&str>, _>("filter")?
+                .map(|text| EventFilter::parse("filter", text).map_err(corrupt))
+                .transpose()?,
+            transform: row
+                .try_get::<Option<&str>, _>("transform")?
+                .map(|text| PayloadTransform::parse("transform", text).map_err(corrupt))
+                .transpose()?,
             ack_deadline: duration(row, "ack_deadline_ms")?,
             max_attempts: max_attempts.max(0) as u32,
             retry_backoff_min: duration(row, "retry_backoff_min_ms")?,
@@ -481,6 +493,13 @@ pub(super) struct StoredPush {
     timeout_ms: u64,
     max_concurrency: u32,
     rate_limit: Option<f64>,
+    // Absent in rows stored before batches: one event per request.
+    #[serde(default)]
+    max_batch_events: u32,
+    #[serde(default)]
+    max_batch_bytes: u64,
+    #[serde(default)]
+    max_batch_wait_ms: u64,
 }
 
 impl From<&PushConfig> for StoredPush {
@@ -492,6 +511,9 @@ impl From<&PushConfig> for StoredPush {
             timeout_ms: u64::try_from(config.timeout.as_millis()).unwrap_or(u64::MAX),
             max_concurrency: config.max_concurrency,
             rate_limit: config.rate_limit,
+            max_batch_events: config.max_batch_events,
+            max_batch_bytes: config.max_batch_bytes,
+            max_batch_wait_ms: u64::try_from(config.max_batch_wait.as_millis()).unwrap_or(u64::MAX),
         }
     }
 }
@@ -512,6 +534,13 @@ impl StoredPush {
             timeout: Duration::from_millis(self.timeout_ms),
             max_concurrency: self.max_concurrency,
             rate_limit: self.rate_limit,
+            max_batch_events: self.max_batch_events.max(1),
+            max_batch_bytes: if self.max_batch_bytes == 0 {
+                DEFAULT_PUSH_BATCH_BYTES
+            } else {
+                self.max_batch_bytes
+            },
+            max_batch_wait: Duration::from_millis(self.max_batch_wait_ms),
         })
     }
 }

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::{sync::mpsc, task::JoinSet};
 use tokio_util::sync::CancellationToken;
 
@@ -177,7 +177,7 @@ struct Pusher {
 }
 
 /// What became of one request.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 enum Verdict {
     Ack,
     /// Retry later: after `after`, or the subscription's backoff.
@@ -211,7 +211,10 @@ impl Pusher {
             self.stop.cancelled().await;
             return;
         }
-        let in_flight = push.max_concurrency.saturating_mul(LEASE_AHEAD);
+        // Batches fill from what the stream holds: twice a batch per request slot.
+        let in_flight = push
+            .max_concurrency
+            .saturating_mul(LEASE_AHEAD.max(push.max_batch_events.saturating_mul(2)));
         let Some(mut stream) = drain::open_stream(&self.relay, &name, in_flight, &self.stop).await
         else {
             return;
@@ -226,18 +229,23 @@ impl Pusher {
         let (acks, acks_to_send) = mpsc::unbounded_channel();
         let acker = tokio::spawn(send_acks(self.relay.clone(), name.clone(), acks_to_send));
         let this = Arc::new(self);
+        let mut batcher = Batcher::new(&push);
         loop {
-            let delivery = tokio::select! {
-                _ = this.stop.cancelled() => break,
-                item = stream.next() => match item {
-                    Some(Ok(delivery)) => delivery,
-                    Some(Err(error)) => {
-                        tracing::debug!(subscription = %name, %error, "push stream ended");
-                        break;
-                    }
-                    None => break,
+            let first = match batcher.carried.take() {
+                Some(delivery) => delivery,
+                None => tokio::select! {
+                    _ = this.stop.cancelled() => break,
+                    item = stream.next() => match item {
+                        Some(Ok(delivery)) => delivery,
+                        Some(Err(error)) => {
+                            tracing::debug!(subscription = %name, %error, "push stream ended");
+                            break;
+                        }
+                        None => break,
+                    },
                 },
             };
+            let (batch, stream_ended) = batcher.fill(first, &mut stream, &this.stop).await;
             if let Some(pause) = pause {
                 tokio::select! {
                     _ = this.stop.cancelled() => break,
@@ -252,11 +260,14 @@ impl Pusher {
             let pusher = this.clone();
             let acks = acks.clone();
             requests.spawn(async move {
-                pusher.push(delivery, acks).await;
+                pusher.push(batch, acks).await;
                 drop(permit);
             });
             while let Some(done) = requests.try_join_next() {
                 reraise_panic(done);
+            }
+            if stream_ended {
+                break;
             }
         }
         // Settle what is in flight before the stream (and with it the leases) goes.
@@ -269,8 +280,9 @@ impl Pusher {
         tracing::info!(subscription = %name, "stopped pushing");
     }
 
-    /// Sends one delivery and settles it by the answer.
-    async fn push(self: Arc<Self>, delivery: Delivery, acks: mpsc::UnboundedSender<AckId>) {
+    /// Sends one request with the deliveries of `batch` (one, unless the subscription
+    /// batches) and settles them by the answer.
+    async fn push(self: Arc<Self>, batch: Vec<Delivery>, acks: mpsc::UnboundedSender<AckId>) {
         let subscription = self.snapshot();
         let Some(push) = subscription.settings.push.as_ref() else {
             return;
@@ -278,22 +290,32 @@ impl Pusher {
         let name = &subscription.name;
         let id = subscription.id;
         let statuses = &self.board.statuses;
-        statuses.update(id, |status| status.in_flight += 1);
-        // The request holds the lease for its whole timeout.
-        if !hold_lease(&self.relay, name, &delivery, push.timeout).await {
-            statuses.update(id, |status| {
-                status.in_flight = status.in_flight.saturating_sub(1)
-            });
+        let count = batch.len() as u64;
+        statuses.update(id, |status| status.in_flight += count);
+        // The request holds the leases for its whole timeout; one already lost (settled
+        // elsewhere) is left out.
+        let mut held = Vec::with_capacity(batch.len());
+        for delivery in batch {
+            if hold_lease(&self.relay, name, &delivery, push.timeout).await {
+                held.push(delivery);
+            }
+        }
+        let lost = count - held.len() as u64;
+        statuses.update(id, |status| {
+            status.in_flight = status.in_flight.saturating_sub(lost)
+        });
+        if held.is_empty() {
             return;
         }
+        let count = held.len() as u64;
         let now = chrono::Utc::now();
-        let built = request::build(
-            &delivery.event,
-            push.format,
-            &push.headers,
-            &self.board.keys(id),
-            now,
-        );
+        let keys = self.board.keys(id);
+        let built = if push.batched() {
+            let events: Vec<&crate::domain::Event> = held.iter().map(|d| &d.event).collect();
+            request::build_batch(&events, &push.headers, &keys, now)
+        } else {
+            request::build(&held[0].event, push.format, &push.headers, &keys, now)
+        };
         let started = Instant::now();
         let answer = self.client.send(&push.endpoint, built, push.timeout).await;
         let elapsed = started.elapsed();
@@ -312,7 +334,7 @@ impl Pusher {
         };
         self.metrics.request(&code, elapsed);
         statuses.update(id, |status| {
-            status.in_flight = status.in_flight.saturating_sub(1);
+            status.in_flight = status.in_flight.saturating_sub(count);
             status.count_send(verdict == Verdict::Ack);
             status.last_status = code.parse().unwrap_or(0);
             match &verdict {
@@ -325,10 +347,21 @@ impl Pusher {
         });
         if verdict == Verdict::Ack {
             // Acked in batches: one statement for many answers.
-            let _ = acks.send(delivery.ack_id);
+            for delivery in held {
+                let _ = acks.send(delivery.ack_id);
+            }
             return;
         }
-        self.settle(&subscription, name, delivery, verdict).await;
+        if verdict == Verdict::Gone {
+            // Stopping pushing once is enough; the deliveries stay unsettled.
+            self.settle(&subscription, name, held.swap_remove(0), verdict)
+                .await;
+            return;
+        }
+        for delivery in held {
+            self.settle(&subscription, name, delivery, verdict.clone())
+                .await;
+        }
     }
 
     async fn settle(
@@ -375,6 +408,63 @@ impl Pusher {
 }
 
 const GONE_REASON: &str = "the endpoint answered 410 Gone";
+
+/// Gathers the deliveries of one request: up to `max_batch_events` and
+/// `max_batch_bytes`, waiting up to `max_batch_wait` for them once it has the first.
+struct Batcher {
+    max_events: usize,
+    max_bytes: u64,
+    wait: Duration,
+    /// A delivery that did not fit the last batch: it starts the next.
+    carried: Option<Delivery>,
+}
+
+impl Batcher {
+    fn new(push: &crate::domain::PushConfig) -> Batcher {
+        Batcher {
+            max_events: push.max_batch_events.max(1) as usize,
+            max_bytes: push.max_batch_bytes,
+            wait: push.max_batch_wait,
+            carried: None,
+        }
+    }
+
+    /// The batch that starts with `first`, and whether the stream ended (or the pusher
+    /// was stopped) meanwhile: the batch still goes.
+    async fn fill(
+        &mut self,
+        first: Delivery,
+        stream: &mut crate::delivery::DeliveryStream,
+        stop: &CancellationToken,
+    ) -> (Vec<Delivery>, bool) {
+        let mut bytes = first.size();
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + self.wait;
+        while batch.len() < self.max_events && bytes < self.max_bytes {
+            // What is ready now, then what arrives before the deadline.
+            let next = match stream.next().now_or_never() {
+                Some(item) => item,
+                None if self.wait.is_zero() => break,
+                None => tokio::select! {
+                    _ = stop.cancelled() => return (batch, true),
+                    _ = tokio::time::sleep_until(deadline) => break,
+                    item = stream.next() => item,
+                },
+            };
+            let delivery = match next {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(_)) | None => return (batch, true),
+            };
+            if bytes + delivery.size() > self.max_bytes {
+                self.carried = Some(delivery);
+                break;
+            }
+            bytes += delivery.size();
+            batch.push(delivery);
+        }
+        (batch, false)
+    }
+}
 /// The settlement an HTTP answer calls for.
 fn verdict(status: u16, retry_after: Option<Duration>, body: &[u8]) -> Verdict {
     let described = || {

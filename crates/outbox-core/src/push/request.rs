@@ -1,6 +1,6 @@
 //! What one push request carries: the event as a CloudEvent 1.0 (binary or structured
-//! HTTP mode), the trace context, the subscription's extra headers and the Standard
-//! Webhooks signature. Pure: no I/O, so it is tested on its own.
+//! HTTP mode) or several as a CloudEvents JSON batch, the trace context, the
+//! subscription's extra headers and the Standard Webhooks signature. Pure: no I/O, so it is tested on its own.
 //!
 //! Attribute mapping (also in docs/push.md):
 //! - `id`: the event id; `type`: the event type; `subject`: the aggregate id;
@@ -9,6 +9,8 @@
 //!   receiver tells the source database and the aggregate type apart. In binary mode it
 //!   is header-encoded once more, like every attribute, so the decoded header is the
 //!   structured `source` exactly.
+//! - extension `transactionid`: the id of the database transaction that wrote the event
+//!   (equal for the events of one transaction);
 //! - extension `aggregateversion` when the producer gave one; every metadata key that is
 //!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
 //!   extension; `traceparent` / `tracestate` as plain HTTP headers.
@@ -18,6 +20,7 @@ use std::{borrow::Cow, collections::BTreeMap};
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use chrono::{DateTime, SecondsFormat, Utc};
 use percent_encoding::{AsciiSet, CONTROLS, NON_ALPHANUMERIC, utf8_percent_encode};
+use sha2::{Digest, Sha256};
 
 use crate::domain::{
     Event, PushFormat, PushSecret, TRACE_CONTEXT_KEYS, is_json_content_type, webhook_signature,
@@ -34,7 +37,7 @@ const SEGMENT_ESCAPES: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'~');
 
 /// Attributes CloudEvents defines; a metadata key of that name is not an extension.
-const CONTEXT_ATTRIBUTES: [&str; 11] = [
+const CONTEXT_ATTRIBUTES: [&str; 12] = [
     "specversion",
     "id",
     "type",
@@ -46,9 +49,11 @@ const CONTEXT_ATTRIBUTES: [&str; 11] = [
     "data",
     "data_base64",
     "aggregateversion",
+    "transactionid",
 ];
 
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+pub const BATCH_CONTENT_TYPE: &str = "application/cloudevents-batch+json";
 
 /// Headers and body of one request, before the transport adds its own.
 #[derive(Debug)]
@@ -126,6 +131,10 @@ pub fn binary_attributes(event: &Event, prefix: HeaderPrefix) -> Vec<(Cow<'stati
             encode(&event.aggregate_id),
         ),
         (name("ce-time", "ce_time"), ce_time(event.occurred_at)),
+        (
+            name("ce-transactionid", "ce_transactionid"),
+            event.transaction_id.to_string(),
+        ),
     ]);
     if let Some(version) = event.aggregate_version {
         attributes.push((
@@ -172,46 +181,87 @@ pub fn build(
             event.payload.clone()
         }
         PushFormat::Structured => {
-            let mut document = serde_json::Map::new();
-            let mut put = |key: &str, value: serde_json::Value| {
-                document.insert(key.to_owned(), value);
-            };
-            put("specversion", "1.0".into());
-            put("id", id.clone().into());
-            put("type", event.event_type.clone().into());
-            put("source", ce_source(event).into());
-            put("subject", event.aggregate_id.clone().into());
-            put("time", ce_time(event.occurred_at).into());
-            put("datacontenttype", event.content_type.clone().into());
-            if let Some(version) = event.aggregate_version {
-                put("aggregateversion", version.into());
-            }
-            for (key, value) in extensions(&event.metadata) {
-                put(key, value.clone().into());
-            }
-            let json_data = is_json_content_type(&event.content_type)
-                .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())
-                .flatten();
-            match json_data {
-                Some(data) => put("data", data),
-                None => put("data_base64", BASE64.encode(&event.payload).into()),
-            }
             headers.push(("content-type".into(), STRUCTURED_CONTENT_TYPE.into()));
-            serde_json::to_vec(&serde_json::Value::Object(document))
-                .expect("a JSON value serializes")
+            serde_json::to_vec(&structured(event)).expect("a JSON value serializes")
         }
     };
     for (key, value) in trace_headers(event) {
         headers.push((key.to_owned(), value.clone()));
     }
+    sign(headers, body, &id, secrets, now)
+}
+
+/// Builds one request carrying `events` as a CloudEvents JSON batch, signed at `now`
+/// with every live key of `secrets`. Its `webhook-id` names the batch by its events, so
+/// the same events sent again keep it.
+pub fn build_batch(
+    events: &[&Event],
+    extra_headers: &BTreeMap<String, String>,
+    secrets: &[PushSecret],
+    now: DateTime<Utc>,
+) -> PushRequest {
+    let mut headers: Vec<(String, String)> = extra_headers
+        .iter()
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect();
+    headers.push(("content-type".into(), BATCH_CONTENT_TYPE.into()));
+    let documents: Vec<serde_json::Value> = events.iter().map(|event| structured(event)).collect();
+    let body = serde_json::to_vec(&documents).expect("a JSON value serializes");
+    let mut digest = Sha256::new();
+    for event in events {
+        digest.update(event.id.as_bytes());
+    }
+    let id = format!("batch_{}", hex::encode(&digest.finalize()[..16]));
+    sign(headers, body, &id, secrets, now)
+}
+
+/// The Standard Webhooks headers over `body`, added to `headers`.
+fn sign(
+    mut headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    id: &str,
+    secrets: &[PushSecret],
+    now: DateTime<Utc>,
+) -> PushRequest {
     let timestamp = now.timestamp();
-    headers.push(("webhook-id".into(), id.clone()));
+    headers.push(("webhook-id".into(), id.to_owned()));
     headers.push(("webhook-timestamp".into(), timestamp.to_string()));
     headers.push((
         "webhook-signature".into(),
-        webhook_signature(secrets, now, &id, timestamp, &body),
+        webhook_signature(secrets, now, id, timestamp, &body),
     ));
     PushRequest { headers, body }
+}
+
+/// The event as a structured-mode CloudEvent: `data` for a JSON payload, `data_base64`
+/// for any other.
+fn structured(event: &Event) -> serde_json::Value {
+    let mut document = serde_json::Map::new();
+    let mut put = |key: &str, value: serde_json::Value| {
+        document.insert(key.to_owned(), value);
+    };
+    put("specversion", "1.0".into());
+    put("id", event.id.to_string().into());
+    put("type", event.event_type.clone().into());
+    put("source", ce_source(event).into());
+    put("subject", event.aggregate_id.clone().into());
+    put("time", ce_time(event.occurred_at).into());
+    put("datacontenttype", event.content_type.clone().into());
+    put("transactionid", event.transaction_id.to_string().into());
+    if let Some(version) = event.aggregate_version {
+        put("aggregateversion", version.into());
+    }
+    for (key, value) in extensions(&event.metadata) {
+        put(key, value.clone().into());
+    }
+    let json_data = is_json_content_type(&event.content_type)
+        .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())
+        .flatten();
+    match json_data {
+        Some(data) => put("data", data),
+        None => put("data_base64", BASE64.encode(&event.payload).into()),
+    }
+    serde_json::Value::Object(document)
 }
 
 #[cfg(test)]
@@ -231,6 +281,7 @@ mod tests {
             content_type: "application/json".into(),
             deliver_at: None,
             expires_at: None,
+            transaction_id: 1,
             metadata: [
                 ("tenant".to_owned(), "acme corp".to_owned()),
                 ("Not-An-Attribute".to_owned(), "x".to_owned()),
@@ -270,6 +321,7 @@ mod tests {
         assert_eq!(header(&request, "ce-traceparent"), None);
         assert_eq!(header(&request, "traceparent"), Some("00-abc-def-01"));
         assert_eq!(header(&request, "ce-time"), Some("2023-11-14T22:13:20Z"));
+        assert_eq!(header(&request, "ce-transactionid"), Some("1"));
         assert!(
             header(&request, "webhook-signature")
                 .unwrap()
