@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 19] = [
+const SCENARIOS: [&str; 20] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -33,6 +33,7 @@ const SCENARIOS: [&str; 19] = [
     "push",
     "sink",
     "consume-in-transaction",
+    "filtered",
 ];
 
 /// The quick run takes about a minute on an idle machine; past this it is stuck.

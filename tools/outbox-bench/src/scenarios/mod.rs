@@ -8,6 +8,7 @@ mod cost;
 mod deliver;
 mod delivery_cost;
 mod fan_in;
+mod filtered;
 mod held;
 mod latency;
 mod many_subscriptions;
@@ -55,10 +56,11 @@ pub enum Scenario {
     Push,
     Sink,
     ConsumeInTransaction,
+    Filtered,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 19] = [
+    pub const ALL: [Scenario; 20] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -78,6 +80,7 @@ impl Scenario {
         Scenario::Push,
         Scenario::Sink,
         Scenario::ConsumeInTransaction,
+        Scenario::Filtered,
     ];
 
     pub fn name(self) -> &'static str {
@@ -101,6 +104,7 @@ impl Scenario {
             Scenario::Push => "push",
             Scenario::Sink => "sink",
             Scenario::ConsumeInTransaction => "consume-in-transaction",
+            Scenario::Filtered => "filtered",
         }
     }
 
@@ -125,7 +129,8 @@ impl Scenario {
             | Scenario::Memory
             | Scenario::Cost
             | Scenario::DeliveryCost
-            | Scenario::ConsumeInTransaction => None,
+            | Scenario::ConsumeInTransaction
+            | Scenario::Filtered => None,
         }
     }
 
@@ -151,6 +156,7 @@ impl Scenario {
             Scenario::Push => push::run(bench, gateway).await,
             Scenario::Sink => sink::run(bench, gateway).await,
             Scenario::ConsumeInTransaction => consume_in_transaction::run(bench, gateway).await,
+            Scenario::Filtered => filtered::run(bench, gateway).await,
         }
     }
 }

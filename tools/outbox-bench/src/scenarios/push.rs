@@ -1,8 +1,9 @@
 //! push: a backlog inserted straight into the outbox table, drained first by pull (one
-//! subscription, four Subscribe streams acking in batches, as in `deliver`) and then by a
+//! subscription, four Subscribe streams acking in batches, as in `deliver`), then by a
 //! push subscription sending every event to a local HTTP receiver that answers 204 at
-//! once, with 64 requests in flight. The report gives push ÷ pull of the same run and
-//! the gateway's CPU seconds per million events of each.
+//! once, with 64 requests in flight, and then by one pushing CloudEvents batches of 100.
+//! The report gives push ÷ pull of the same run and the gateway's CPU seconds per
+//! million events of each.
 
 use std::{
     sync::{
@@ -26,6 +27,8 @@ use crate::{
 /// The gateway settings the scenario needs: pushing to this machine.
 pub const GATEWAY_CONFIG: &str = "[push]\nallowed_hosts = [\"127.0.0.1\"]\n";
 const CONCURRENCY: u32 = 64;
+/// Events per request of the batched run.
+const BATCH: u32 = 100;
 /// How often the receiver's count is checked for completion.
 const CHECK_INTERVAL: Duration = Duration::from_millis(20);
 
@@ -33,38 +36,10 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "push";
     let (backlog, pull, pull_cpu) = pull_baseline(bench, gateway, scenario).await?;
 
-    let receiver = Receiver::start().await?;
-    let before = gateway.cpu_snapshot();
-    let sampler = Sampler::start(
-        vec![receiver.answered.clone()],
-        bench.settings.timing.sample_interval,
-    );
-    let started = Instant::now();
-    create_push_subscription(gateway, "push", &receiver.endpoint()).await?;
-    let limit = started + bench.settings.deliver_limit;
-    while receiver.answered.load(Ordering::Relaxed) < backlog && Instant::now() < limit {
-        tokio::time::sleep(CHECK_INTERVAL).await;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let pushed = receiver.answered.load(Ordering::Relaxed).min(backlog);
-    let push_cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
-    let series = sampler.finish().await;
-    let drained = pushed >= backlog;
-    let push_rate = pushed as f64 / seconds;
-    let ratio = push_rate / pull.per_second();
-    progress(
-        scenario,
-        format!(
-            "push with {CONCURRENCY} requests in flight: {} events/s ({ratio:.2}x pull)",
-            format_number(push_rate)
-        ),
-    );
-    gateway.delete_subscription("push").await?;
-
     let mut report = Report::new(
         scenario,
         format!(
-            "a backlog of {} events pulled (4 streams) and pushed to a local receiver answering 204 ({CONCURRENCY} in flight)",
+            "a backlog of {} events pulled (4 streams) and pushed to a local receiver answering 204 ({CONCURRENCY} in flight), one event per request and in batches of {BATCH}",
             format_number(backlog as f64)
         ),
     );
@@ -75,6 +50,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             "events",
             "seconds",
             "events/s",
+            "÷ pull",
             "drained",
             "gateway CPU s/M ev",
         ],
@@ -84,56 +60,79 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         format_number(pull.acked() as f64),
         format!("{:.2}", pull.seconds),
         format_number(pull.per_second()),
+        "1.00".into(),
         yes_no(pull.completed()),
         format!("{:.1}", pull_cpu.gateway_per_million(pull.acked())),
     ]);
-    table.row(vec![
-        format!("push, {CONCURRENCY} in flight"),
-        format_number(pushed as f64),
-        format!("{seconds:.2}"),
-        format_number(push_rate),
-        yes_no(drained),
-        format!("{:.1}", push_cpu.gateway_per_million(pushed)),
-    ]);
-    report.tables.push(table);
-    if !drained {
-        report.notes.push(format!(
-            "the push run was cut off after {seconds:.0} s with {} events answered; the rate covers that time",
-            format_number(pushed as f64)
+    let mut series = vec![
+        pull.total_samples
+            .clone()
+            .labelled(format!("pull, {BASELINE_STREAMS} streams")),
+    ];
+    let mut runs = Vec::new();
+    for batch in [1, BATCH] {
+        let label = if batch == 1 {
+            format!("push, {CONCURRENCY} in flight")
+        } else {
+            format!("push, batches of {batch}, {CONCURRENCY} in flight")
+        };
+        let run = push_run(bench, gateway, backlog, batch).await?;
+        let ratio = run.per_second() / pull.per_second();
+        progress(
+            scenario,
+            format!(
+                "{label}: {} events/s ({ratio:.2}x pull)",
+                format_number(run.per_second())
+            ),
+        );
+        table.row(vec![
+            label.clone(),
+            format_number(run.pushed as f64),
+            format!("{:.2}", run.seconds),
+            format_number(run.per_second()),
+            format!("{ratio:.2}"),
+            yes_no(run.pushed >= backlog),
+            format!("{:.1}", run.cpu.gateway_per_million(run.pushed)),
+        ]);
+        if run.pushed < backlog {
+            report.notes.push(format!(
+                "{label}: cut off after {:.0} s with {} events answered; the rate covers that time",
+                run.seconds,
+                format_number(run.pushed as f64)
+            ));
+        }
+        report.targets.push(Target::at_least(
+            format!("{label} ÷ pull deliver rate"),
+            ratio,
+            if batch == 1 { 0.5 } else { 0.8 },
+            "x",
         ));
+        runs.push(serde_json::json!({
+            "batch": batch,
+            "events": run.pushed,
+            "seconds": round(run.seconds, 3),
+            "events_per_s": round(run.per_second(), 1),
+            "requests": run.requests,
+            "drained": run.pushed >= backlog,
+            "cpu_s": run.cpu.to_json(),
+            "gateway_cpu_s_per_million": round(run.cpu.gateway_per_million(run.pushed), 2),
+            "push_to_pull": round(ratio, 3),
+        }));
+        series.extend(
+            run.series
+                .into_iter()
+                .map(|line| line.labelled(label.clone())),
+        );
     }
+    report.tables.push(table);
     report.figure("backlog", backlog);
     report.figure("concurrency", CONCURRENCY);
-    report.figure("push_events", pushed);
-    report.figure("push_seconds", round(seconds, 3));
-    report.figure("push_events_per_s", round(push_rate, 1));
-    report.figure("push_drained", drained);
-    report.figure("push_cpu_s", push_cpu.to_json());
-    report.figure(
-        "push_gateway_cpu_s_per_million",
-        round(push_cpu.gateway_per_million(pushed), 2),
-    );
     report.figure("pull_events_per_s", round(pull.per_second(), 1));
     report.figure(
         "pull_gateway_cpu_s_per_million",
         round(pull_cpu.gateway_per_million(pull.acked()), 2),
     );
-    report.figure("push_to_pull", round(ratio, 3));
-    report.targets.push(Target::at_least(
-        "push ÷ pull deliver rate",
-        ratio,
-        0.5,
-        "x",
-    ));
-    let series: Vec<_> = series
-        .into_iter()
-        .map(|line| line.labelled(format!("push, {CONCURRENCY} in flight")))
-        .chain(std::iter::once(
-            pull.total_samples
-                .clone()
-                .labelled(format!("pull, {BASELINE_STREAMS} streams")),
-        ))
-        .collect();
+    report.figure("push_runs", runs);
     bench.time_chart(
         &mut report,
         "push-throughput.svg",
@@ -144,10 +143,61 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// One push drain of the backlog through a fresh subscription.
+struct PushRun {
+    pushed: u64,
+    requests: u64,
+    seconds: f64,
+    cpu: CpuUse,
+    series: Vec<crate::measure::Series>,
+}
+
+impl PushRun {
+    fn per_second(&self) -> f64 {
+        self.pushed as f64 / self.seconds
+    }
+}
+
+/// Pushes the backlog to a fresh receiver, `batch` events per request at most.
+async fn push_run(
+    bench: &Bench,
+    gateway: &Gateway,
+    backlog: u64,
+    batch: u32,
+) -> anyhow::Result<PushRun> {
+    let name = format!("push-{batch}");
+    let receiver = Receiver::start().await?;
+    let before = gateway.cpu_snapshot();
+    let sampler = Sampler::start(
+        vec![receiver.events.clone()],
+        bench.settings.timing.sample_interval,
+    );
+    let started = Instant::now();
+    create_push_subscription(gateway, &name, &receiver.endpoint(), batch).await?;
+    let limit = started + bench.settings.deliver_limit;
+    while receiver.events.load(Ordering::Relaxed) < backlog && Instant::now() < limit {
+        tokio::time::sleep(CHECK_INTERVAL).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let pushed = receiver.events.load(Ordering::Relaxed).min(backlog);
+    let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
+    let series = sampler.finish().await;
+    gateway.delete_subscription(&name).await?;
+    bench.database.settle().await?;
+    Ok(PushRun {
+        pushed,
+        requests: receiver.requests.load(Ordering::Relaxed),
+        seconds,
+        cpu,
+        series,
+    })
+}
+
 async fn create_push_subscription(
     gateway: &Gateway,
     name: &str,
     endpoint: &str,
+    batch: u32,
 ) -> anyhow::Result<()> {
     gateway
         .admin()
@@ -162,6 +212,7 @@ async fn create_push_subscription(
                 push: Some(proto::PushConfig {
                     endpoint: endpoint.into(),
                     max_concurrency: CONCURRENCY,
+                    max_batch_events: batch,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -172,10 +223,12 @@ async fn create_push_subscription(
     Ok(())
 }
 
-/// An HTTP receiver on 127.0.0.1 that answers every POST with 204 at once.
+/// An HTTP receiver on 127.0.0.1 that answers every POST with 204 at once, counting
+/// the requests and the events they carry.
 struct Receiver {
     address: std::net::SocketAddr,
-    answered: Arc<AtomicU64>,
+    events: Arc<AtomicU64>,
+    requests: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -185,24 +238,40 @@ impl Receiver {
             .await
             .context("cannot listen for the push receiver")?;
         let address = listener.local_addr()?;
-        let answered = Arc::new(AtomicU64::new(0));
-        let counter = answered.clone();
+        let events = Arc::new(AtomicU64::new(0));
+        let requests = Arc::new(AtomicU64::new(0));
+        let (event_counter, request_counter) = (events.clone(), requests.clone());
         let app = Router::new().route(
             "/events",
-            post(move || {
-                let counter = counter.clone();
-                async move {
-                    counter.fetch_add(1, Ordering::Relaxed);
-                    StatusCode::NO_CONTENT
-                }
-            }),
+            post(
+                move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+                    let (events, requests) = (event_counter.clone(), request_counter.clone());
+                    async move {
+                        let batched = headers.get("content-type").is_some_and(|value| {
+                            value
+                                .as_bytes()
+                                .starts_with(b"application/cloudevents-batch")
+                        });
+                        let count = if batched {
+                            serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(&body)
+                                .map_or(0, |batch| batch.len() as u64)
+                        } else {
+                            1
+                        };
+                        events.fetch_add(count, Ordering::Relaxed);
+                        requests.fetch_add(1, Ordering::Relaxed);
+                        StatusCode::NO_CONTENT
+                    }
+                },
+            ),
         );
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Ok(Receiver {
             address,
-            answered,
+            events,
+            requests,
             task,
         })
     }
