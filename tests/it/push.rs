@@ -1932,7 +1932,11 @@ async fn batches_keep_within_max_batch_bytes_and_a_larger_event_goes_alone() {
     let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
     let receiver = Receiver::start().await;
     let mut subscription = batched("bytes", &receiver.endpoint(), 100, 300);
-    subscription.push.as_mut().unwrap().max_batch_bytes = 2000;
+    let push = subscription.push.as_mut().unwrap();
+    push.max_batch_bytes = 2000;
+    // Leasing two batches per request slot would pass the stream's limit: it is held
+    // to it.
+    push.max_concurrency = 100;
     create_subscription(&gateway, subscription).await;
     // 600 bytes of payload plus the 256 counted per event: two fit in 2000 bytes.
     let payload = |size: usize| format!(r#"{{"pad":"{}"}}"#, "x".repeat(size)).into_bytes();

@@ -321,12 +321,14 @@ impl Relay {
     }
 
     /// The stream a pusher or sinker drains: like [`Relay::subscribe`], for a push or
-    /// sink subscription.
+    /// sink subscription, holding at most the configured limit of unsettled deliveries
+    /// whatever its settings ask for.
     pub(crate) async fn subscribe_for_drain(
         &self,
         name: &SubscriptionName,
         max_in_flight: u32,
     ) -> Result<DeliveryStream> {
+        let max_in_flight = max_in_flight.min(self.inner.config.max_in_flight_limit);
         self.open_stream(name, max_in_flight, 0, None, true).await
     }
 
