@@ -173,7 +173,7 @@ impl Store {
                     .bind(due_count)
                     .bind(max_event_age)
                     .bind(settings.dead_letter_expired)
-                    .bind(&verdicts.passed)
+                    .bind(verdicts.snapshot.is_some().then_some(&verdicts.passed))
                     .bind(&verdicts.snapshot)
                     .bind(&verdicts.failed)
                     .fetch_all(&mut *transaction)

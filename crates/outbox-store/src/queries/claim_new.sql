@@ -19,7 +19,7 @@
 -- transaction's rows were already taken (0: none), $14 byte budget (the first event is
 -- always taken), $15 deliveries already leased by this claim (for the counter),
 -- $16 max event age in ms (NULL: none), $17 dead-letter expired events, $18 positions
--- the subscription's CEL filter passes over, $19 the snapshot they were read in
+-- the subscription's CEL filter passes over (NULL without a filter), $19 the snapshot they were read in
 -- (peek_new.sql; NULL without a filter: the current one), $20 those of $18 the filter
 -- failed on.
 --
@@ -85,7 +85,10 @@ fresh AS (
 ),
 -- Age counts from when the event became deliverable: its creation, or its deliver_at.
 expiring AS (
-    SELECT c.*, c.position = ANY ($18) AS filtered,
+    -- A hashed subplan: `= ANY` would compare every candidate with every position.
+    -- $18 is NULL without a filter, which plans the subplan away.
+    SELECT c.*, ($18::bigint[] IS NOT NULL AND c.position IN (SELECT unnest($18::bigint[])))
+               AS filtered,
            coalesce(c.expires_at <= now(), false)
            OR coalesce(greatest(c.created_at, c.deliver_at)
                        + $16::bigint * interval '1 millisecond' <= now(), false) AS expired
