@@ -2032,3 +2032,25 @@ async fn ordered_batched_push_never_has_two_events_of_an_aggregate_in_flight() {
         assert_eq!(steps[aggregate], expected, "{aggregate} in order");
     }
 }
+
+#[tokio::test]
+async fn a_transform_shapes_what_is_pushed() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with(&database, push_gateway_config(&database)).await;
+    let receiver = Receiver::start().await;
+    let subscription = proto::Subscription {
+        transform: r#"{"order": aggregate_id}"#.into(),
+        ..push_subscription("trimmed", &receiver.endpoint())
+    };
+    let secret = create_push(&gateway, subscription).await;
+    receiver.expect_keys(&[&secret]);
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let received = receiver.wait_for(1).await;
+    assert!(
+        received[0].signed,
+        "the signature covers the transformed body"
+    );
+    assert_eq!(received[0].header("content-type"), "application/json");
+    let body: serde_json::Value = serde_json::from_slice(&received[0].body).expect("JSON");
+    assert_eq!(body, serde_json::json!({"order": "o-1"}));
+}

@@ -819,3 +819,32 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
     stream.delete().await;
     let _ = std::fs::remove_file(&config_file);
 }
+
+#[tokio::test]
+async fn a_transform_shapes_what_reaches_the_broker() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    let subscription = proto::Subscription {
+        transform: r#"{"order": aggregate_id, "kind": event_type}"#.into(),
+        ..sink_subscription("trimmed-out", &format!("{prefix}.{{aggregate_type}}"))
+    };
+    create_subscription(&gateway, subscription).await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    eventually("the message is stored", WAIT, || async {
+        stream.stored().await == 1
+    })
+    .await;
+    let messages = stream.read().await;
+    let payload: serde_json::Value =
+        serde_json::from_slice(&messages[0].payload).expect("a JSON payload");
+    assert_eq!(
+        payload,
+        serde_json::json!({"order": "o-1", "kind": "order.created"})
+    );
+    assert_eq!(
+        header(&messages[0], "content-type").as_deref(),
+        Some("application/json")
+    );
+}

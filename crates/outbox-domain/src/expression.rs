@@ -72,7 +72,8 @@ impl fmt::Display for EvaluationError {
 struct Expression {
     text: String,
     program: Arc<Program>,
-    uses_payload: bool,
+    /// The variables it reads, found once: evaluations bind only these.
+    variables: Vec<&'static str>,
 }
 
 impl Expression {
@@ -128,7 +129,10 @@ impl Expression {
         }
         let expression = Expression {
             text: text.to_owned(),
-            uses_payload: shape.identifiers.iter().any(|(_, name)| name == "payload"),
+            variables: EXPRESSION_VARIABLES
+                .into_iter()
+                .filter(|variable| shape.identifiers.iter().any(|(_, name)| name == variable))
+                .collect(),
             program: Arc::new(program),
         };
         expression.check_types(field, kind)?;
@@ -176,12 +180,10 @@ impl Expression {
     }
 
     fn evaluate(&self, event: &Event) -> std::result::Result<Value, ExecutionError> {
-        let references = self.program.references();
         ENV.with(|env| {
             let mut context = Context::with_env(Arc::clone(env));
-            bind_event(&mut context, event, |name| references.has_variable(name));
-            if self.uses_payload {
-                context.add_variable_from_value("payload", payload_value(event));
+            for &name in &self.variables {
+                context.add_variable_from_value(name, variable(event, name));
             }
             self.program.execute(&context)
         })
@@ -443,39 +445,34 @@ fn is_type_error(error: &ExecutionError) -> bool {
     type_error
 }
 
-/// Binds every variable but `payload` that `wanted` asks for.
-fn bind_event(context: &mut Context<'_, '_>, event: &Event, wanted: impl Fn(&str) -> bool) {
+/// The value of the variable `name` for `event`.
+fn variable(event: &Event, name: &str) -> Value {
     let text = |value: &str| Value::String(Arc::new(value.to_owned()));
     let time = |value: Option<DateTime<Utc>>| {
         value.map_or(Value::Null, |at| Value::Timestamp(at.fixed_offset()))
     };
-    for name in EXPRESSION_VARIABLES {
-        if name == "payload" || !wanted(name) {
-            continue;
-        }
-        let value = match name {
-            "id" => text(&event.id.to_string()),
-            "event_type" => text(&event.event_type),
-            "aggregate_type" => text(&event.aggregate_type),
-            "aggregate_id" => text(&event.aggregate_id),
-            "aggregate_version" => event.aggregate_version.map_or(Value::Null, Value::Int),
-            "source" => text(event.source.as_str()),
-            "metadata" => Value::from(
-                event
-                    .metadata
-                    .iter()
-                    .map(|(key, value)| (key.clone(), value.clone()))
-                    .collect::<HashMap<String, String>>(),
-            ),
-            "occurred_at" => time(Some(event.occurred_at)),
-            "created_at" => time(Some(event.created_at)),
-            "deliver_at" => time(event.deliver_at),
-            "expires_at" => time(event.expires_at),
-            "content_type" => text(&event.content_type),
-            "transaction_id" => Value::Int(event.transaction_id),
-            _ => continue,
-        };
-        context.add_variable_from_value(name, value);
+    match name {
+        "id" => text(&event.id.to_string()),
+        "event_type" => text(&event.event_type),
+        "aggregate_type" => text(&event.aggregate_type),
+        "aggregate_id" => text(&event.aggregate_id),
+        "aggregate_version" => event.aggregate_version.map_or(Value::Null, Value::Int),
+        "source" => text(event.source.as_str()),
+        "metadata" => Value::from(
+            event
+                .metadata
+                .iter()
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect::<HashMap<String, String>>(),
+        ),
+        "occurred_at" => time(Some(event.occurred_at)),
+        "created_at" => time(Some(event.created_at)),
+        "deliver_at" => time(event.deliver_at),
+        "expires_at" => time(event.expires_at),
+        "content_type" => text(&event.content_type),
+        "transaction_id" => Value::Int(event.transaction_id),
+        "payload" => payload_value(event),
+        _ => Value::Null,
     }
 }
 
