@@ -403,6 +403,22 @@ pub async fn publish(
         .results
 }
 
+/// `count` events of type `order.created` on aggregates `o-0`, `o-1`, ….
+pub fn orders(count: usize) -> Vec<proto::EventInput> {
+    (0..count)
+        .map(|i| event(&format!("o-{i}"), "order.created"))
+        .collect()
+}
+
+/// Publishes `events` in one call; the ids of the events, in order.
+pub async fn publish_ids(gateway: &TestGateway, events: Vec<proto::EventInput>) -> Vec<String> {
+    publish(gateway, events)
+        .await
+        .into_iter()
+        .map(|result| result.id)
+        .collect()
+}
+
 /// Publishes `events` through `publisher`, `per_call` events to a call.
 pub async fn publish_in_calls(
     publisher: &mut PublisherClient<Channel>,

@@ -430,16 +430,10 @@ async fn python_push_receiver(batch: Option<u32>) {
     .await;
     assert_eq!(refused, Some(401), "a forged signature is refused");
 
-    let published: BTreeSet<String> = publish(
-        &gateway,
-        (0..EVENTS)
-            .map(|i| event(&format!("o-{i}"), "order.created"))
-            .collect(),
-    )
-    .await
-    .into_iter()
-    .map(|result| result.id)
-    .collect();
+    let published: BTreeSet<String> = publish_ids(&gateway, orders(EVENTS))
+        .await
+        .into_iter()
+        .collect();
     let output = receiver.await.expect("receiver task");
     let events = json_lines(&output);
     let received: BTreeSet<String> = events.iter().map(|e| text(&e["id"])).collect();

@@ -1243,16 +1243,8 @@ async fn two_gateways_share_a_push_subscription() {
     let receiver = Receiver::start().await;
     let secret = create_push(&first, push_subscription("shared", &receiver.endpoint())).await;
     receiver.expect_keys(&[&secret]);
-    let published: std::collections::BTreeSet<String> = publish(
-        &second,
-        (0..40)
-            .map(|i| event(&format!("o-{i}"), "order.created"))
-            .collect(),
-    )
-    .await
-    .into_iter()
-    .map(|result| result.id)
-    .collect();
+    let published: std::collections::BTreeSet<String> =
+        publish_ids(&second, orders(40)).await.into_iter().collect();
     receiver.wait_for(40).await;
     eventually("every push is acked", WAIT, || async {
         delivery_records(&database.pool().await, "shared")
@@ -1816,16 +1808,7 @@ async fn batched_push_sends_signed_cloudevents_batches() {
     assert_eq!(push.max_batch_wait, millis(300));
     receiver.expect_keys(&[&push.signing_secret]);
 
-    let published: Vec<String> = publish(
-        &gateway,
-        (0..25)
-            .map(|i| event(&format!("o-{i}"), "order.created"))
-            .collect(),
-    )
-    .await
-    .into_iter()
-    .map(|result| result.id)
-    .collect();
+    let published = publish_ids(&gateway, orders(25)).await;
     eventually("every event is acked", WAIT, || async {
         subscription_stats(&gateway, "batches").await.acked_total == 25
     })
@@ -1879,10 +1862,7 @@ async fn an_answer_applies_to_every_event_of_its_batch() {
     });
     // One event per aggregate and batches of two: o-7 shares its batch with one other.
     create_subscription(&gateway, batched("partial", &receiver.endpoint(), 2, 0)).await;
-    let events: Vec<proto::EventInput> = (0..10)
-        .map(|i| event(&format!("o-{i}"), "order.created"))
-        .collect();
-    publish(&gateway, events).await;
+    publish(&gateway, orders(10)).await;
 
     eventually("every event is settled", WAIT, || async {
         let stats = subscription_stats(&gateway, "partial").await;

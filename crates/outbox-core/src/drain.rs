@@ -322,19 +322,40 @@ pub(crate) async fn hold_lease(
     delivery: &Delivery,
     timeout: Duration,
 ) -> bool {
+    hold_leases(relay, name, std::slice::from_ref(delivery), timeout).await[0]
+}
+
+/// [`hold_lease`] for the deliveries of one request, extended in one call: whether each
+/// is still held.
+pub(crate) async fn hold_leases(
+    relay: &Relay,
+    name: &SubscriptionName,
+    deliveries: &[Delivery],
+    timeout: Duration,
+) -> Vec<bool> {
     let needed = timeout + SETTLE_MARGIN;
-    if delivery.ack_deadline >= Utc::now() + needed {
-        return true;
+    let short: Vec<AckId> = deliveries
+        .iter()
+        .filter(|delivery| delivery.ack_deadline < Utc::now() + needed)
+        .map(|delivery| delivery.ack_id)
+        .collect();
+    let mut held = vec![true; deliveries.len()];
+    if short.is_empty() {
+        return held;
     }
     // Boxed: the store's future is large, and rarely needed; inline, it would be
     // copied with every send future a drainer starts.
-    match Box::pin(relay.extend(name, &[delivery.ack_id], needed)).await {
-        Ok(stale) => stale.is_empty(),
+    match Box::pin(relay.extend(name, &short, needed)).await {
+        Ok(stale) => {
+            for (held, delivery) in held.iter_mut().zip(deliveries) {
+                *held = !stale.contains(&delivery.ack_id);
+            }
+        }
         Err(error) => {
             tracing::debug!(subscription = %name, %error, "cannot extend a drained delivery's lease");
-            true
         }
     }
+    held
 }
 
 /// A send task's panic is its drainer's: raised again there, so the drainer restarts

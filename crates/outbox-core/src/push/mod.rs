@@ -22,7 +22,7 @@ use crate::{
     domain::{
         AckId, AllowedHosts, Delivery, PushSecret, Subscription, SubscriptionId, SubscriptionName,
     },
-    drain::{self, DrainStatus, Drains, StatusBoard, hold_lease, reraise_panic, send_acks},
+    drain::{self, DrainStatus, Drains, StatusBoard, hold_leases, reraise_panic, send_acks},
     error::Error,
     metrics,
     storage::{Store, StoreError},
@@ -294,12 +294,12 @@ impl Pusher {
         statuses.update(id, |status| status.in_flight += count);
         // The request holds the leases for its whole timeout; one already lost (settled
         // elsewhere) is left out.
-        let mut held = Vec::with_capacity(batch.len());
-        for delivery in batch {
-            if hold_lease(&self.relay, name, &delivery, push.timeout).await {
-                held.push(delivery);
-            }
-        }
+        let holds = hold_leases(&self.relay, name, &batch, push.timeout).await;
+        let mut held: Vec<Delivery> = batch
+            .into_iter()
+            .zip(holds)
+            .filter_map(|(delivery, held)| held.then_some(delivery))
+            .collect();
         let lost = count - held.len() as u64;
         statuses.update(id, |status| {
             status.in_flight = status.in_flight.saturating_sub(lost)
