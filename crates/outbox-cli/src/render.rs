@@ -446,7 +446,7 @@ pub fn push_text(stats: &proto::SubscriptionStats) -> Option<String> {
         return None;
     }
     let mut text = format!(
-        "{} requests ({:.1}/s), {} in flight, last answer {}",
+        "{} requests ({:.1}/s), {} events in flight, last answer {}",
         stats.push_requests_total,
         stats.push_rate,
         stats.push_in_flight,
