@@ -112,12 +112,9 @@ impl Expression {
                 ),
             ));
         }
-        if let Some((id, name)) = shape
-            .identifiers
-            .iter()
-            .find(|(_, name)| !EXPRESSION_VARIABLES.contains(&name.as_str()))
-            .filter(|(_, name)| !shape.bound.contains(name.as_str()))
-        {
+        if let Some((id, name)) = shape.identifiers.iter().find(|(_, name)| {
+            !EXPRESSION_VARIABLES.contains(&name.as_str()) && !shape.bound.contains(name.as_str())
+        }) {
             return Err(Refusal::invalid(
                 field,
                 format!(
@@ -596,6 +593,12 @@ mod tests {
         assert!(
             unknown.contains("1:1: undeclared reference to \"tenant\""),
             "{unknown}"
+        );
+        // Past a comprehension's own variable, an unknown name is still found.
+        let later = refusal("[1].exists(x, x == 1) || tenant == 'acme'");
+        assert!(
+            later.contains("1:26: undeclared reference to \"tenant\""),
+            "{later}"
         );
         let typed = refusal("event_type > 1");
         assert!(typed.contains("1:12: "), "{typed}");
