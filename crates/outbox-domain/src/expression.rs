@@ -77,6 +77,7 @@ struct Expression {
 }
 
 impl Expression {
+    /// Parses an expression being set, with every check: size, names, types.
     fn parse(field: &str, text: &str, kind: Kind) -> Result<Self> {
         if text.trim().is_empty() {
             return Err(Refusal::invalid(field, "is empty"));
@@ -90,19 +91,7 @@ impl Expression {
                 ),
             ));
         }
-        let program = ENV.with(|env| env.compile(text)).map_err(|errors| {
-            let reasons: Vec<String> = errors
-                .errors
-                .iter()
-                .map(|error| format!("{}:{}: {}", error.pos.0, error.pos.1, error.msg))
-                .collect();
-            Refusal::invalid(field, format!("syntax error at {}", reasons.join("; ")))
-        })?;
-        let at = |id: u64| position(&program, id);
-        let mut shape = Shape::default();
-        shape
-            .walk(program.expression(), false)
-            .map_err(|(id, reason)| Refusal::invalid(field, format!("{}{reason}", at(id))))?;
+        let (expression, shape) = Expression::compile(field, text)?;
         if shape.nodes > MAX_EXPRESSION_NODES {
             return Err(Refusal::invalid(
                 field,
@@ -119,11 +108,32 @@ impl Expression {
                 field,
                 format!(
                     "{}undeclared reference to {name:?}; the variables are {}",
-                    at(*id),
+                    position(&expression.program, *id),
                     EXPRESSION_VARIABLES.join(", ")
                 ),
             ));
         }
+        expression.check_types(field, kind)?;
+        Ok(expression)
+    }
+
+    /// Compiles `text` and walks it: what the checks of [`Expression::parse`] look at,
+    /// and all an expression stored after them needs.
+    fn compile(field: &str, text: &str) -> Result<(Self, Shape)> {
+        let program = ENV.with(|env| env.compile(text)).map_err(|errors| {
+            let reasons: Vec<String> = errors
+                .errors
+                .iter()
+                .map(|error| format!("{}:{}: {}", error.pos.0, error.pos.1, error.msg))
+                .collect();
+            Refusal::invalid(field, format!("syntax error at {}", reasons.join("; ")))
+        })?;
+        let mut shape = Shape::default();
+        shape
+            .walk(program.expression(), false)
+            .map_err(|(id, reason)| {
+                Refusal::invalid(field, format!("{}{reason}", position(&program, id)))
+            })?;
         let expression = Expression {
             text: text.to_owned(),
             variables: EXPRESSION_VARIABLES
@@ -132,8 +142,7 @@ impl Expression {
                 .collect(),
             program: Arc::new(program),
         };
-        expression.check_types(field, kind)?;
-        Ok(expression)
+        Ok((expression, shape))
     }
 
     /// Refuses the expression when it fails with a type error, or gives a value of the
@@ -226,8 +235,16 @@ impl Kind {
 pub struct EventFilter(Expression);
 
 impl EventFilter {
+    /// A filter being set, checked.
     pub fn parse(field: &str, text: &str) -> Result<Self> {
         Expression::parse(field, text, Kind::Filter).map(EventFilter)
+    }
+
+    /// A filter as stored, which passed [`EventFilter::parse`] then: compiled only, so
+    /// reading definitions costs no trial evaluations and a later, stricter check does
+    /// not make it unreadable.
+    pub fn from_stored(field: &str, text: &str) -> Result<Self> {
+        Expression::compile(field, text).map(|(expression, _)| EventFilter(expression))
     }
 
     pub fn as_str(&self) -> &str {
@@ -252,8 +269,14 @@ impl EventFilter {
 pub struct PayloadTransform(Expression);
 
 impl PayloadTransform {
+    /// A transform being set, checked.
     pub fn parse(field: &str, text: &str) -> Result<Self> {
         Expression::parse(field, text, Kind::Transform).map(PayloadTransform)
+    }
+
+    /// A transform as stored: see [`EventFilter::from_stored`].
+    pub fn from_stored(field: &str, text: &str) -> Result<Self> {
+        Expression::compile(field, text).map(|(expression, _)| PayloadTransform(expression))
     }
 
     pub fn as_str(&self) -> &str {
@@ -623,6 +646,21 @@ mod tests {
         assert!(refusal(&long).contains("bytes long"));
         let wide = format!("size([{}]) > 0", vec!["1"; 1100].join(","));
         assert!(refusal(&wide).contains("nodes"), "{}", refusal(&wide));
+    }
+
+    #[test]
+    fn stored_expressions_are_compiled_without_the_checks_made_when_set() {
+        // Refused when set (an unknown name), yet readable once stored: it evaluates, and
+        // its error is counted per event.
+        let stored = EventFilter::from_stored("filter", "tenant == 'acme'").expect("compiles");
+        assert!(stored.matches(&event(serde_json::json!({}))).is_err());
+        let read = EventFilter::from_stored("filter", "payload.total > 1").expect("compiles");
+        assert_eq!(read, filter("payload.total > 1"));
+        assert_eq!(
+            read.matches(&event(serde_json::json!({"total": 2}))),
+            Ok(true)
+        );
+        assert!(EventFilter::from_stored("filter", "payload.total >").is_err());
     }
 
     #[test]

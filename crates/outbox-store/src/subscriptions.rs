@@ -419,11 +419,11 @@ pub(super) fn subscription_from_row(row: &PgRow) -> Result<Subscription> {
             metadata_match: metadata_match.0,
             filter: row
                 .try_get::<Option<&str>, _>("filter")?
-                .map(|text| EventFilter::parse("filter", text).map_err(corrupt))
+                .map(|text| EventFilter::from_stored("filter", text).map_err(corrupt))
                 .transpose()?,
             transform: row
                 .try_get::<Option<&str>, _>("transform")?
-                .map(|text| PayloadTransform::parse("transform", text).map_err(corrupt))
+                .map(|text| PayloadTransform::from_stored("transform", text).map_err(corrupt))
                 .transpose()?,
             ack_deadline: duration(row, "ack_deadline_ms")?,
             max_attempts: max_attempts.max(0) as u32,
