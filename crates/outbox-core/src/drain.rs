@@ -334,9 +334,10 @@ pub(crate) async fn hold_leases(
     timeout: Duration,
 ) -> Vec<bool> {
     let needed = timeout + SETTLE_MARGIN;
+    let held_until = Utc::now() + needed;
     let short: Vec<AckId> = deliveries
         .iter()
-        .filter(|delivery| delivery.ack_deadline < Utc::now() + needed)
+        .filter(|delivery| delivery.ack_deadline < held_until)
         .map(|delivery| delivery.ack_id)
         .collect();
     let mut held = vec![true; deliveries.len()];

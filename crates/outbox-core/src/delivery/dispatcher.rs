@@ -882,7 +882,7 @@ async fn claim(
             claim.filter_errors,
         );
     }
-    let deliveries = transformed(dispatcher, subscription, source, claim.deliveries);
+    let deliveries = transformed(dispatcher, relay, subscription, claim.deliveries);
     let undelivered = dispatcher.distribute(deliveries);
     if !undelivered.is_empty() {
         dispatcher.release_in_background(undelivered);
@@ -895,12 +895,12 @@ async fn claim(
 }
 
 /// The deliveries with the subscription's transform applied to their payloads. Those it
-/// fails on are dead-lettered with the error, in the background: it would fail on every
-/// attempt.
+/// fails on are dead-lettered with the error, in the background, as a nack would (their
+/// aggregates freed on an ordered subscription): it would fail on every attempt.
 fn transformed(
     dispatcher: &Arc<Dispatcher>,
+    relay: &Relay,
     subscription: &Subscription,
-    source: &Source,
     deliveries: Vec<Delivery>,
 ) -> Vec<Delivery> {
     let Some(transform) = &subscription.settings.transform else {
@@ -927,26 +927,14 @@ fn transformed(
         })
         .collect();
     if !failed.is_empty() {
-        let subscription = subscription.clone();
-        let (store, source_name) = (source.store.clone(), source.name.clone());
+        let (relay, name) = (relay.clone(), subscription.name.clone());
         dispatcher.tasks.spawn(async move {
             for (ack, reason) in failed {
-                metrics::transform_failed(subscription.name.as_str());
-                match store
-                    .nack(&subscription, ack, &reason, Duration::ZERO, true)
-                    .await
-                {
-                    Ok(Some(_)) => metrics::dead_lettered(
-                        subscription.name.as_str(),
-                        source_name.as_str(),
-                        1,
-                    ),
-                    // Stale: someone else settled it meanwhile.
-                    Ok(None) => {}
-                    // Its lease expires, and the next attempt fails the same way.
-                    Err(error) => {
-                        tracing::warn!(subscription = %subscription.name, %error, "cannot dead-letter an event the transform failed on");
-                    }
+                metrics::transform_failed(name.as_str());
+                // A stale lease was settled by someone else meanwhile; on failure the
+                // lease expires, and the next attempt fails the same way.
+                if let Err(error) = relay.nack(&name, ack, &reason, None, true).await {
+                    tracing::warn!(subscription = %name, %error, "cannot dead-letter an event the transform failed on");
                 }
             }
         });
