@@ -5,7 +5,7 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use chrono::{DateTime, Utc};
-use sqlx::{PgConnection, Row, types::Json};
+use sqlx::{PgConnection, Postgres, Row, postgres::PgArguments, query::Query, types::Json};
 
 use super::Result;
 use outbox_domain::{StartPosition, SubscriptionId, SubscriptionSettings};
@@ -55,6 +55,24 @@ pub(super) async fn cursor(
         })
     })
     .transpose()
+}
+
+/// Binds, in this order, what selects the subscription's rows past its cursor: the
+/// event-type regex, aggregate types, metadata match, not_before, and the pending
+/// transactions with how far each was taken (as `subscription_stats.sql` and
+/// `peek_new.sql` number their parameters).
+pub(super) fn bind_unread<'q>(
+    query: Query<'q, Postgres, PgArguments>,
+    settings: &'q SubscriptionSettings,
+    cursor: &'q Cursor,
+) -> Query<'q, Postgres, PgArguments> {
+    query
+        .bind(settings.event_types.to_regex())
+        .bind(&settings.aggregate_types)
+        .bind(metadata_filter(settings))
+        .bind(cursor.not_before)
+        .bind(&cursor.pending_xact_ids)
+        .bind(&cursor.pending_positions)
 }
 
 /// A start position as stored: its kind ('latest', 'earliest' or 'time') and time.

@@ -18,7 +18,7 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
     Result, Store, StoreError,
-    columns::{Cursor, cursor, metadata_filter, millis},
+    columns::{Cursor, bind_unread, cursor, metadata_filter, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
     run_again_on_conflict,
@@ -242,19 +242,16 @@ impl Store {
         limit: i64,
         filter: &EventFilter,
     ) -> Result<FilterVerdicts> {
-        let settings = &subscription.settings;
-        let rows = sqlx::query(include_str!("queries/peek_new.sql"))
-            .bind(cursor.xact_id)
-            .bind(cursor.position)
-            .bind(limit)
-            .bind(settings.event_types.to_regex())
-            .bind(&settings.aggregate_types)
-            .bind(metadata_filter(settings))
-            .bind(cursor.not_before)
-            .bind(&cursor.pending_xact_ids)
-            .bind(&cursor.pending_positions)
-            .fetch_all(&mut *transaction)
-            .await?;
+        let rows = bind_unread(
+            sqlx::query(include_str!("queries/peek_new.sql"))
+                .bind(cursor.xact_id)
+                .bind(cursor.position)
+                .bind(limit),
+            &subscription.settings,
+            cursor,
+        )
+        .fetch_all(&mut *transaction)
+        .await?;
         let mut verdicts = FilterVerdicts::default();
         for row in &rows {
             verdicts.snapshot = Some(row.try_get("snapshot")?);

@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::{
     Result, Store, StoreError,
-    columns::{Cursor, cursor, metadata_filter, millis, start_columns},
+    columns::{Cursor, bind_unread, cursor, millis, start_columns},
     deliveries::{Moved, split_batches},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
@@ -299,18 +299,16 @@ impl Store {
             return Ok(None);
         };
         let settings = &subscription.settings;
-        let row = sqlx::query(include_str!("queries/subscription_stats.sql"))
-            .bind(subscription.id.0)
-            .bind(cursor.xact_id)
-            .bind(cursor.position)
-            .bind(settings.event_types.to_regex())
-            .bind(&settings.aggregate_types)
-            .bind(metadata_filter(settings))
-            .bind(cursor.not_before)
-            .bind(&cursor.pending_xact_ids)
-            .bind(&cursor.pending_positions)
-            .fetch_one(&mut *connection)
-            .await?;
+        let row = bind_unread(
+            sqlx::query(include_str!("queries/subscription_stats.sql"))
+                .bind(subscription.id.0)
+                .bind(cursor.xact_id)
+                .bind(cursor.position),
+            settings,
+            &cursor,
+        )
+        .fetch_one(&mut *connection)
+        .await?;
         let count =
             |column: &str| -> Result<u64> { Ok(row.try_get::<i64, _>(column)?.max(0) as u64) };
         Ok(Some(SubscriptionStats {
