@@ -1,6 +1,7 @@
 //! What one push request carries: the event as a CloudEvent 1.0 (binary or structured
 //! HTTP mode) or several as a CloudEvents JSON batch, the trace context, the
-//! subscription's extra headers and the Standard Webhooks signature. Pure: no I/O, so it is tested on its own.
+//! subscription's extra headers and the Standard Webhooks signature. Pure: no I/O, so it
+//! is tested on its own.
 //!
 //! Attribute mapping (also in docs/push.md):
 //! - `id`: the event id; `type`: the event type; `subject`: the aggregate id;
@@ -168,10 +169,7 @@ pub fn build(
     now: DateTime<Utc>,
 ) -> PushRequest {
     let id = event.id.to_string();
-    let mut headers: Vec<(String, String)> = extra_headers
-        .iter()
-        .map(|(name, value)| (name.clone(), value.clone()))
-        .collect();
+    let mut headers = owned(extra_headers);
     let body = match format {
         PushFormat::Binary => {
             for (name, value) in binary_attributes(event, HeaderPrefix::Dash) {
@@ -200,10 +198,7 @@ pub fn build_batch(
     secrets: &[PushSecret],
     now: DateTime<Utc>,
 ) -> PushRequest {
-    let mut headers: Vec<(String, String)> = extra_headers
-        .iter()
-        .map(|(name, value)| (name.clone(), value.clone()))
-        .collect();
+    let mut headers = owned(extra_headers);
     headers.push(("content-type".into(), BATCH_CONTENT_TYPE.into()));
     let documents: Vec<serde_json::Value> = events.iter().map(|event| structured(event)).collect();
     let body = serde_json::to_vec(&documents).expect("a JSON value serializes");
@@ -213,6 +208,14 @@ pub fn build_batch(
     }
     let id = format!("batch_{}", hex::encode(&digest.finalize()[..16]));
     sign(headers, body, &id, secrets, now)
+}
+
+/// The subscription's extra headers, which every request starts with.
+fn owned(extra_headers: &BTreeMap<String, String>) -> Vec<(String, String)> {
+    extra_headers
+        .iter()
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect()
 }
 
 /// The Standard Webhooks headers over `body`, added to `headers`.
