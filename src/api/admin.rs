@@ -33,21 +33,31 @@ impl AdminService for AdminApi {
         request: Request<proto::CreateSubscriptionRequest>,
     ) -> Result<Response<proto::Subscription>, Status> {
         let who = admin(&request)?;
+        let request = request.into_inner();
         let convert::NewSubscription {
             name,
             settings,
             sources,
             start,
             expire_after_idle,
-        } = convert::new_subscription(request.into_inner().subscription).map_err(status_from)?;
+        } = convert::new_subscription(request.subscription).map_err(status_from)?;
         let selector = Selector::none().start("start", &start);
         let created = self
             .subscriptions
-            .create(name, settings, sources, start, expire_after_idle)
+            .create(
+                name,
+                settings,
+                sources,
+                start,
+                expire_after_idle,
+                request.validate_only,
+            )
             .await
             .map_err(status_from)?;
-        let name = &created.subscription.name;
-        record(&who, "CreateSubscription", name.into(), &selector, 1);
+        if !request.validate_only {
+            let name = &created.subscription.name;
+            record(&who, "CreateSubscription", name.into(), &selector, 1);
+        }
         Ok(Response::new(convert::changed_subscription(created)))
     }
 
@@ -120,11 +130,13 @@ impl AdminService for AdminApi {
             .map_err(status_from)?;
         let updated = self
             .subscriptions
-            .update(&name, patch)
+            .update(&name, patch, request.validate_only)
             .await
             .map_err(status_from)?;
-        let selector = Selector::none().with("fields", fields);
-        record(&who, "UpdateSubscription", (&name).into(), &selector, 1);
+        if !request.validate_only {
+            let selector = Selector::none().with("fields", fields);
+            record(&who, "UpdateSubscription", (&name).into(), &selector, 1);
+        }
         Ok(Response::new(convert::changed_subscription(updated)))
     }
 

@@ -106,6 +106,7 @@ async fn a_gateway_killed_with_claims_half_acked_delivers_again_only_what_was_no
                 ack_deadline: seconds(3),
                 ..subscription("orders")
             }),
+            validate_only: false,
         })
         .await
         .unwrap();

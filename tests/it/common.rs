@@ -511,6 +511,7 @@ pub async fn create_subscription(
         .await
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription),
+            validate_only: false,
         })
         .await
         .expect("create subscription")

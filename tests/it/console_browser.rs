@@ -223,6 +223,7 @@ async fn an_operator_requeues_dead_letters_from_a_browser() {
         admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(subscription),
+                validate_only: false,
             })
             .await
             .expect("create subscription");

@@ -655,6 +655,7 @@ async fn side_effects_happen_once_through_consumer_gateway_and_database_crashes(
                 ack_deadline: seconds(3),
                 ..subscription("shipping")
             }),
+            validate_only: false,
         })
         .await
         .unwrap();

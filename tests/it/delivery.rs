@@ -1129,6 +1129,7 @@ async fn subscription_admin_round_trips_settings() {
     let again = admin
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription("orders")),
+            validate_only: false,
         })
         .await;
     assert_status(again, Code::AlreadyExists, "orders");
@@ -1141,6 +1142,7 @@ async fn bad_subscription_and_delivery_input_is_refused_without_changes() {
     let mut admin = gateway.admin().await;
     let create = |subscription: proto::Subscription| proto::CreateSubscriptionRequest {
         subscription: Some(subscription),
+        validate_only: false,
     };
     let negative = Some(prost_types::Duration {
         seconds: -1,
@@ -1209,7 +1211,10 @@ async fn bad_subscription_and_delivery_input_is_refused_without_changes() {
             "subscription.aggregate_types[0]",
         ),
         (
-            proto::CreateSubscriptionRequest { subscription: None },
+            proto::CreateSubscriptionRequest {
+                subscription: None,
+                validate_only: false,
+            },
             "subscription",
         ),
     ];

@@ -281,6 +281,7 @@ async fn any_subscription_is_stored_faithfully_or_refused_as_invalid() {
         let answer = admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(input.clone()),
+                validate_only: false,
             })
             .await;
         let stored = sqlx::query(

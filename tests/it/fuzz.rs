@@ -431,6 +431,7 @@ fn every_rpc() -> Vec<Rpc> {
                     event_types: vec!["order.*".into()],
                     ..subscription("fuzzed")
                 }),
+                validate_only: false,
             }
         ),
         rpc!(
@@ -453,6 +454,7 @@ fn every_rpc() -> Vec<Rpc> {
                 update_mask: Some(prost_types::FieldMask {
                     paths: vec!["ack_deadline".into()],
                 }),
+                validate_only: false,
             }
         ),
         rpc!(

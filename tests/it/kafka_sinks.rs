@@ -456,6 +456,7 @@ async fn bad_kafka_sink_settings_are_refused_naming_the_field() {
                     sink: Some(sink.clone()),
                     ..subscription("refused")
                 }),
+                validate_only: false,
             })
             .await;
         let status = result.expect_err(&format!("{sink:?} must be refused"));
@@ -700,6 +701,7 @@ async fn two_gateways_share_a_kafka_sink_and_a_killed_ones_events_all_arrive() {
                 ack_deadline: seconds(2),
                 ..sink_subscription("shared-out", &topic.name)
             }),
+            validate_only: false,
         })
         .await
         .expect("create the sink subscription");

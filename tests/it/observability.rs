@@ -168,6 +168,7 @@ async fn setup_scenario(channel: Channel, events: Vec<proto::EventInput>) -> Vec
     admin
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription("orders")),
+            validate_only: false,
         })
         .await
         .unwrap();
@@ -378,6 +379,7 @@ async fn a_stream_ending_in_an_error_is_counted_with_its_code() {
     admin
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription("orders")),
+            validate_only: false,
         })
         .await
         .unwrap();
@@ -514,6 +516,7 @@ async fn create_subscription_over(gateway: &GatewayProcess, name: &str) {
     proto::admin_client::AdminClient::new(gateway.channel().await)
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription(name)),
+            validate_only: false,
         })
         .await
         .unwrap();
@@ -629,6 +632,7 @@ async fn traced_delivery(
     admin
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription("orders")),
+            validate_only: false,
         })
         .await
         .unwrap();
@@ -1117,6 +1121,7 @@ async fn every_admin_change_leaves_one_audit_line() {
     admin
         .create_subscription(authorized(proto::CreateSubscriptionRequest {
             subscription: Some(subscription("orders")),
+            validate_only: false,
         }))
         .await
         .unwrap();

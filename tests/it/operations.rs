@@ -637,6 +637,7 @@ async fn update_subscription_changes_filters_for_events_not_yet_delivered() {
         update_mask: Some(prost_types::FieldMask {
             paths: paths.iter().map(|p| p.to_string()).collect(),
         }),
+        validate_only: false,
     };
     let updated = admin
         .update_subscription(update(
@@ -1084,6 +1085,7 @@ async fn update_mask_naming_an_unsent_setting_is_refused() {
                 update_mask: Some(prost_types::FieldMask {
                     paths: vec![path.into()],
                 }),
+                validate_only: false,
             })
             .await;
         assert_status(
@@ -1121,6 +1123,7 @@ async fn a_subscription_unused_past_its_expire_after_idle_is_deleted() {
                     expire_after_idle: refused,
                     ..subscription("reader")
                 }),
+                validate_only: false,
             })
             .await;
         assert_status(

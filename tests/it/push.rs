@@ -267,6 +267,7 @@ async fn update_push(
             update_mask: Some(prost_types::FieldMask {
                 paths: vec!["push".into()],
             }),
+            validate_only: false,
         })
         .await
         .map(|response| response.into_inner())
@@ -761,6 +762,7 @@ async fn refuses_disallowed_hosts_and_reserved_headers() {
             }),
             ..subscription("refused")
         }),
+        validate_only: false,
     };
     assert_status(
         admin
@@ -830,6 +832,7 @@ async fn pushing_is_off_without_allowed_hosts() {
         .await
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(push_subscription("off", "http://127.0.0.1:9/hook")),
+            validate_only: false,
         })
         .await;
     assert_status(result, Code::InvalidArgument, "allowed_hosts");
@@ -942,6 +945,7 @@ async fn a_gateway_killed_mid_push_pushes_again_after_the_lease() {
     let created = proto::admin_client::AdminClient::new(channel.clone())
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription),
+            validate_only: false,
         })
         .await
         .unwrap()
@@ -1426,6 +1430,7 @@ async fn refuses_out_of_range_push_settings() {
                 push: Some(push),
                 ..subscription("bad")
             }),
+            validate_only: false,
         }
     };
     for (request, field) in [

@@ -287,6 +287,7 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
         let answer = admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(input),
+                validate_only: false,
             })
             .await;
         refused(what, answer, field);
@@ -308,6 +309,7 @@ async fn subscriptions_the_database_would_refuse_are_refused_by_field() {
             update_mask: Some(prost_types::FieldMask {
                 paths: vec!["event_types".into()],
             }),
+            validate_only: false,
         })
         .await;
     refused(

@@ -148,6 +148,7 @@ async fn tokens_authenticate_and_roles_with_scopes_authorize() {
     // Admin calls need the admin role.
     let create = |name: &str| proto::CreateSubscriptionRequest {
         subscription: Some(subscription(name)),
+        validate_only: false,
     };
     assert_status(
         admin
@@ -730,6 +731,7 @@ async fn viewers_may_read_the_admin_figures_and_change_nothing() {
         .create_subscription(with_token(
             proto::CreateSubscriptionRequest {
                 subscription: Some(subscription("orders")),
+                validate_only: false,
             },
             "operator",
         ))

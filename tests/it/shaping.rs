@@ -52,6 +52,7 @@ async fn update(
             update_mask: Some(prost_types::FieldMask {
                 paths: paths.iter().map(|p| p.to_string()).collect(),
             }),
+            validate_only: false,
         })
         .await
         .map(|response| response.into_inner())
@@ -261,6 +262,7 @@ async fn bad_expressions_are_refused_with_field_position_and_reason_and_nothing_
         let result = admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(subscription),
+                validate_only: false,
             })
             .await;
         if needle.is_empty() {

@@ -417,6 +417,7 @@ async fn bad_sink_settings_are_refused_naming_the_field_and_store_nothing() {
                     push,
                     ..subscription("refused")
                 }),
+                validate_only: false,
             })
             .await;
         let status = result.expect_err(&format!("{sink:?} must be refused"));
@@ -451,6 +452,7 @@ async fn a_subscription_switches_between_pull_and_sink() {
         update_mask: Some(prost_types::FieldMask {
             paths: vec!["sink".into()],
         }),
+        validate_only: false,
     };
     admin
         .update_subscription(update(Some(proto::SinkConfig {
@@ -756,6 +758,7 @@ async fn two_gateways_share_a_sink_and_a_killed_ones_re_sends_are_dropped_by_jet
                 ack_deadline: seconds(2),
                 ..sink_subscription("shared-out", &format!("{prefix}.{{aggregate_id}}"))
             }),
+            validate_only: false,
         })
         .await
         .expect("create the sink subscription");

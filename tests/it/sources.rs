@@ -437,6 +437,7 @@ async fn bad_sources_are_refused_with_the_source_named() {
         .await
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(with_sources("s", &["orders", "nope"])),
+            validate_only: false,
         })
         .await;
     assert_status(

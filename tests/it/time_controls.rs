@@ -302,6 +302,7 @@ async fn bad_pauses_are_refused_and_change_nothing() {
                 update_mask: Some(prost_types::FieldMask {
                     paths: vec!["paused".into()],
                 }),
+                validate_only: false,
             })
             .await,
         Code::InvalidArgument,
@@ -602,6 +603,7 @@ async fn a_subscription_lets_events_older_than_its_max_age_expire() {
             update_mask: Some(prost_types::FieldMask {
                 paths: vec!["max_event_age".into(), "dead_letter_expired".into()],
             }),
+            validate_only: false,
         })
         .await
         .expect("update")
@@ -701,6 +703,7 @@ async fn bad_times_are_refused_and_write_nothing() {
                         max_event_age: Some(age),
                         ..subscription(name)
                     }),
+                    validate_only: false,
                 })
                 .await,
             Code::InvalidArgument,

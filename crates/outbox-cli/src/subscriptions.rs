@@ -385,6 +385,7 @@ pub(crate) async fn subscriptions(
             let created = admin
                 .create_subscription(proto::CreateSubscriptionRequest {
                     subscription: Some(subscription),
+                    validate_only: false,
                 })
                 .await
                 .map_err(describe)?;
@@ -492,6 +493,7 @@ pub(crate) async fn subscriptions(
                         ..settings.into_subscription(name)
                     }),
                     update_mask: Some(prost_types::FieldMask { paths }),
+                    validate_only: false,
                 })
                 .await
                 .map_err(describe)?;

@@ -62,6 +62,7 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
                             .ok(),
                         ..Default::default()
                     }),
+                    validate_only: false,
                 })
                 .await
                 .map_err(describe)?;

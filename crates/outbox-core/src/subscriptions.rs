@@ -138,6 +138,8 @@ impl Subscriptions {
         &self.relay.sources().default_source().store
     }
 
+    /// Creates a subscription; with `validate_only`, checks it as creating would (its
+    /// name included) and returns it as it would be, changing nothing.
     pub async fn create(
         &self,
         name: SubscriptionName,
@@ -145,13 +147,12 @@ impl Subscriptions {
         sources: Vec<SourceName>,
         start: StartPosition,
         expire_after_idle: Option<Duration>,
+        validate_only: bool,
     ) -> Result<SubscriptionChange> {
         settings.validate("subscription")?;
         check_expire_after_idle("subscription.expire_after_idle", expire_after_idle)?;
         self.check_push(&settings)?;
         self.check_sink(&settings)?;
-        let new_secret = settings.push.as_ref().map(|_| PushSecret::generate());
-        let secrets: Vec<PushSecret> = new_secret.iter().cloned().collect();
         for (index, source) in sources.iter().enumerate() {
             if self.relay.sources().by_name(source.as_str()).is_none() {
                 return Err(Error::invalid(
@@ -160,6 +161,31 @@ impl Subscriptions {
                 ));
             }
         }
+        if validate_only {
+            if self.definitions().subscription(&name).await?.is_some() {
+                return Err(already_exists(&name));
+            }
+            let now = Utc::now();
+            let subscription = Subscription {
+                id: SubscriptionId(0),
+                name,
+                settings,
+                sources,
+                start,
+                expire_after_idle,
+                created_at: now,
+                pause: None,
+                push_secrets: Vec::new(),
+                push_stopped: None,
+                last_attached_at: now,
+            };
+            return Ok(SubscriptionChange {
+                subscription,
+                new_secret: None,
+            });
+        }
+        let new_secret = settings.push.as_ref().map(|_| PushSecret::generate());
+        let secrets: Vec<PushSecret> = new_secret.iter().cloned().collect();
         let reads_default =
             sources.is_empty() || sources.contains(&self.relay.sources().default_source().name);
         let subscription = match self
@@ -177,11 +203,7 @@ impl Subscriptions {
             )
             .await
         {
-            Err(StoreError::UniqueViolation { .. }) => {
-                return Err(Error::AlreadyExists(format!(
-                    "subscription.name: subscription {name:?} already exists"
-                )));
-            }
+            Err(StoreError::UniqueViolation { .. }) => return Err(already_exists(&name)),
             result => result?,
         };
         // Its other sources start reading now; one that is down starts when it is back.
@@ -230,11 +252,13 @@ impl Subscriptions {
     /// Changes the settings the patch names; filters apply to events not yet handed out.
     /// Setting `push` switches to push delivery (a pull or sink subscription gets a new
     /// signing key) and resumes a push that stopped; setting `sink` switches to the
-    /// sink; clearing either switches to pull.
+    /// sink; clearing either switches to pull. With `validate_only`, checks the change
+    /// and returns the subscription as it would be, changing nothing.
     pub async fn update(
         &self,
         name: &SubscriptionName,
         patch: SubscriptionPatch,
+        validate_only: bool,
     ) -> Result<SubscriptionChange> {
         let mut subscription = self.get(name).await?;
         let previous_push = subscription.settings.push.clone();
@@ -260,6 +284,7 @@ impl Subscriptions {
             subscription.push_stopped = None;
             match (&mut subscription.settings.push, previous_push) {
                 (Some(push), Some(previous)) => push.keep_fingerprinted_headers(&previous),
+                (Some(_), None) if validate_only => {}
                 (Some(_), None) => {
                     let secret = PushSecret::generate();
                     subscription.push_secrets = vec![secret.clone()];
@@ -267,6 +292,12 @@ impl Subscriptions {
                 }
                 (None, _) => subscription.push_secrets.clear(),
             }
+        }
+        if validate_only {
+            return Ok(SubscriptionChange {
+                subscription,
+                new_secret,
+            });
         }
         let updated = self
             .definitions()
@@ -382,4 +413,10 @@ impl Subscriptions {
         }
         Ok(())
     }
+}
+
+fn already_exists(name: &SubscriptionName) -> Error {
+    Error::AlreadyExists(format!(
+        "subscription.name: subscription {name:?} already exists"
+    ))
 }

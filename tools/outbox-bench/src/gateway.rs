@@ -246,6 +246,7 @@ impl Gateway {
                     }),
                     ..Default::default()
                 }),
+                validate_only: false,
             })
             .await
             .with_context(|| format!("CreateSubscription {name:?} failed"))?;

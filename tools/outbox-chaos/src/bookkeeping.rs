@@ -48,6 +48,7 @@ async fn drain_burst(cluster: &Cluster, databases: &Databases) -> anyhow::Result
                 event_types: vec![EVENT_TYPE.into()],
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .context("cannot create the bookkeeping subscription")?;

@@ -230,6 +230,7 @@ impl SubscriptionSpec {
         AdminClient::new(cluster.channel(0))
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(subscription),
+                validate_only: false,
             })
             .await
             .with_context(|| format!("cannot create subscription {}", self.name))?;

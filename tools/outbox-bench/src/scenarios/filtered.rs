@@ -47,6 +47,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
                 }),
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .context("CreateSubscription with a filter failed")?;

@@ -192,6 +192,7 @@ async fn create(gateway: &Gateway, name: &str, event_type: &str) -> anyhow::Resu
                 event_types: vec![event_type.into()],
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .with_context(|| format!("CreateSubscription {name:?} failed"))?;

@@ -217,6 +217,7 @@ async fn create_push_subscription(
                 }),
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .with_context(|| format!("CreateSubscription {name:?} (push) failed"))?;

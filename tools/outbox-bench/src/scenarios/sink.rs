@@ -686,6 +686,7 @@ pub(super) async fn create_sink_subscription(
                 sink: Some(sink),
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .with_context(|| format!("CreateSubscription {name:?} (sink) failed"))?;

@@ -76,6 +76,7 @@ async fn measure(
                 sources: vec!["remote".into()],
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .context("CreateSubscription remote-only failed")?;

@@ -207,6 +207,7 @@ async fn create_stalled_subscription(gateway: &Gateway, name: &str) -> anyhow::R
                 }),
                 ..Default::default()
             }),
+            validate_only: false,
         })
         .await
         .with_context(|| format!("CreateSubscription {name:?} failed"))?;
