@@ -7,16 +7,16 @@ use serde_json::Value;
 use tokio::{io::AsyncWriteExt, process::Command};
 
 /// Output of one CLI run.
-struct Run {
-    success: bool,
+pub(crate) struct Run {
+    pub(crate) success: bool,
     /// The exit code; `None` when a signal ended the process.
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
+    pub(crate) code: Option<i32>,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
 }
 
 impl Run {
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         assert!(self.success, "command failed: {}", self.stderr);
         serde_json::from_str(self.stdout.trim())
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.stdout))
@@ -35,7 +35,7 @@ impl Run {
 /// for ever. Generous, for a loaded machine.
 const CLI_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
-async fn cli(gateway: &TestGateway, args: &[&str]) -> Run {
+pub(crate) async fn cli(gateway: &TestGateway, args: &[&str]) -> Run {
     cli_with_input(&gateway.endpoint(), args, None).await
 }
 
@@ -54,8 +54,20 @@ fn cli_command(endpoint: &str, args: &[&str]) -> Command {
     command
 }
 
-async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> Run {
+pub(crate) async fn cli_with_input(endpoint: &str, args: &[&str], input: Option<&str>) -> Run {
+    cli_with_env(endpoint, args, &[], input).await
+}
+
+/// The CLI with `args` against `endpoint`, these environment variables set and `input`
+/// on its standard input.
+pub(crate) async fn cli_with_env(
+    endpoint: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    input: Option<&str>,
+) -> Run {
     let mut child = cli_command(endpoint, args)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1000,43 +1012,45 @@ async fn contexts_save_connections_by_name() {
 
 /// At a terminal (here a pseudo-terminal from util-linux `script`), a destructive
 /// command shows what it will affect and asks; only "y" goes ahead.
+/// Runs `command` (a shell command line) at a pseudo-terminal that types `answer`:
+/// whether it succeeded, and what the terminal showed.
+pub(crate) async fn at_terminal(command: &str, answer: &str) -> (bool, String) {
+    let mut child = Command::new("script")
+        .args(["-qec", command, "/dev/null"])
+        .env(
+            "XDG_CONFIG_HOME",
+            std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run script(1) from util-linux");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(answer.as_bytes()).await.unwrap();
+    drop(stdin);
+    let output = tokio::time::timeout(WAIT, child.wait_with_output())
+        .await
+        .expect("answers")
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
+}
+
 #[tokio::test]
 async fn destructive_commands_ask_at_a_terminal() {
     let database = TestDatabase::create().await;
     let gateway = TestGateway::start(&database).await;
     create_subscription(&gateway, subscription("orders")).await;
-    let at_terminal = |answer: &'static str| {
-        let command = format!(
-            "{} subscriptions delete orders --endpoint {}",
-            env!("CARGO_BIN_EXE_outbox-gateway"),
-            gateway.endpoint()
-        );
-        async move {
-            let mut child = Command::new("script")
-                .args(["-qec", &command, "/dev/null"])
-                .env(
-                    "XDG_CONFIG_HOME",
-                    std::env::temp_dir().join("outbox-cli-tests-no-contexts"),
-                )
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .kill_on_drop(true)
-                .spawn()
-                .expect("run script(1) from util-linux");
-            let mut stdin = child.stdin.take().unwrap();
-            stdin.write_all(answer.as_bytes()).await.unwrap();
-            drop(stdin);
-            let output = tokio::time::timeout(WAIT, child.wait_with_output())
-                .await
-                .expect("answers")
-                .unwrap();
-            (
-                output.status.success(),
-                String::from_utf8_lossy(&output.stdout).into_owned(),
-            )
-        }
-    };
+    let command = format!(
+        "{} subscriptions delete orders --endpoint {}",
+        env!("CARGO_BIN_EXE_outbox-gateway"),
+        gateway.endpoint()
+    );
+    let at_terminal = |answer| at_terminal(&command, answer);
     let (declined, screen) = at_terminal("n\n").await;
     assert!(!declined, "{screen}");
     assert!(

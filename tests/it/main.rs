@@ -7,6 +7,7 @@
 
 mod common;
 
+mod apply;
 mod batches;
 mod cli;
 mod client;

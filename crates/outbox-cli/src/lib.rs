@@ -4,7 +4,8 @@
 //!
 //! # Layout
 //! - Owns: the client commands' flags (clap) and what each does, one file per command
-//!   (`subscriptions`, `dead_letters` for `dlq`, `events`, `requeue`, `stats`,
+//!   (`subscriptions`, `apply` for `apply` and `export` over the [`manifest`] file,
+//!   `dead_letters` for `dlq`, `events`, `requeue`, `stats`,
 //!   `publish`, `tail`, `pull`, `sources`, `health`, `token`); the connection
 //!   [`context`] profiles; how answers are rendered. This file keeps what they share:
 //!   the target gateway and how a failure to reach it is explained, the errors, the
@@ -14,10 +15,12 @@
 //!   `outbox-domain` (token digests, status kinds). Never on the gateway's core, store or
 //!   server: a client command works against any gateway, local or remote.
 
+mod apply;
 pub mod context;
 mod dead_letters;
 mod events;
 mod health;
+mod manifest;
 mod publish;
 mod pull;
 mod render;
@@ -41,6 +44,8 @@ use tonic::{Code, Status};
 
 use outbox_client::proto;
 
+pub use apply::{ApplyArgs, ExportArgs};
+use apply::{apply, export};
 use dead_letters::dead_letters;
 pub use dead_letters::{DeadLetterCommand, DeadLetterSelector};
 pub use events::EventCommand;
@@ -457,6 +462,21 @@ fn code_name(code: Code) -> &'static str {
 /// Client commands of the binary.
 #[derive(Debug, clap::Subcommand)]
 pub enum ClientCommand {
+    /// Make the subscriptions what a YAML file says: create, change and (with --prune)
+    /// delete, printing each change.
+    Apply {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        args: ApplyArgs,
+    },
+    /// Write the subscriptions as a file `apply` reads.
+    Export {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        args: ExportArgs,
+    },
     /// Create, list, show, change, pause, resume, delete or seek subscriptions.
     Subscriptions {
         #[command(flatten)]
@@ -590,7 +610,9 @@ fn parse_position(text: &str) -> Result<proto::StartPosition, String> {
 /// Runs a client command.
 pub async fn run(command: ClientCommand) -> Result<(), CliError> {
     let target = match &command {
-        ClientCommand::Subscriptions { target, .. }
+        ClientCommand::Apply { target, .. }
+        | ClientCommand::Export { target, .. }
+        | ClientCommand::Subscriptions { target, .. }
         | ClientCommand::Dlq { target, .. }
         | ClientCommand::Events { target, .. }
         | ClientCommand::Requeue { target, .. }
@@ -603,6 +625,8 @@ pub async fn run(command: ClientCommand) -> Result<(), CliError> {
         | ClientCommand::Health { target } => target.clone(),
     };
     let result = match command {
+        ClientCommand::Apply { target, args } => apply(&target, args).await,
+        ClientCommand::Export { target, args } => export(&target, args).await,
         ClientCommand::Subscriptions { target, command } => subscriptions(&target, *command).await,
         ClientCommand::Dlq { target, command } => dead_letters(&target, command).await,
         ClientCommand::Events { target, command } => {

@@ -1,0 +1,480 @@
+//! The subscriptions file of `apply` and `export`: YAML whose top-level `subscriptions`
+//! lists subscriptions with the field names of the API's `Subscription` message,
+//! durations as text (`30s`, `15m`) and enums by short lowercase names. The same types
+//! give the file's JSON Schema (docs/subscriptions.schema.json).
+//!
+//! A spec holds only what differs from the defaults, so `export` writes short files and
+//! two specs compare equal exactly when the subscriptions behave alike.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use chrono::{DateTime, Utc};
+use outbox_domain::{
+    DEFAULT_PUSH_BATCH_BYTES, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, SubscriptionSettings,
+};
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use outbox_client::proto;
+
+/// A subscriptions file.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(
+    title = "outbox-gateway subscriptions",
+    description = "Subscriptions of an outbox-gateway, as `outbox-gateway apply -f FILE` reads them and `outbox-gateway export` writes them."
+)]
+pub struct SubscriptionsFile {
+    /// The subscriptions; with `apply --prune`, those not listed are deleted.
+    #[serde(default)]
+    pub subscriptions: Vec<SubscriptionSpec>,
+}
+
+/// One subscription. Omitted settings take their defaults (as on create).
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriptionSpec {
+    /// Unique name: [a-z0-9][a-z0-9._-]{0,127}.
+    #[schemars(regex(pattern = r"^[a-z0-9][a-z0-9._-]{0,127}$"))]
+    pub name: String,
+    /// Event-type patterns (`order.created`, `order.*`, `order.**`); none: every type.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub event_types: Vec<String>,
+    /// Exact aggregate types; none: every aggregate type.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aggregate_types: Vec<String>,
+    /// Metadata an event must carry with exactly these values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata_match: BTreeMap<String, String>,
+    /// A CEL expression the event must satisfy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter: Option<String>,
+    /// A CEL expression whose value (a map or a list) is delivered as the JSON payload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transform: Option<String>,
+    /// Where it begins when created: `latest` (the default), `earliest`, or an RFC 3339
+    /// time. Only read on create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<Start>,
+    /// Lease length of a delivery [default: 30s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ack_deadline: Option<Interval>,
+    /// Deliveries before an event is dead-lettered; 0 retries forever [default: 10].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    /// Smallest retry backoff [default: 1s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_backoff_min: Option<Interval>,
+    /// Largest retry backoff [default: 15m].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_backoff_max: Option<Interval>,
+    /// Deliver the events of one aggregate one at a time, in order. Set at creation.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ordered: bool,
+    /// Event-type patterns whose events never dead-letter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub persistent_event_types: Vec<String>,
+    /// The source databases it reads; none: every source. Set at creation.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<String>,
+    /// Events older than this are not delivered: they expire.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_event_age: Option<Interval>,
+    /// Dead-letter expired events instead of dropping them.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dead_letter_expired: bool,
+    /// Deleted by the gateway once no stream has read it for this long. Set at creation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expire_after_idle: Option<Interval>,
+    /// Hands out nothing new (deliveries already out still settle).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub paused: bool,
+    /// Why it is paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_reason: Option<String>,
+    /// When the pause ends by itself (RFC 3339); none: when resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_until: Option<DateTime<Utc>>,
+    /// Push delivery to an HTTP endpoint; cannot be set beside `sink`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push: Option<PushSpec>,
+    /// Publishing into a broker of the gateway's configuration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sink: Option<SinkSpec>,
+}
+
+/// Push delivery settings. The signing secret is never in the file: it is printed once,
+/// when pushing is turned on.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PushSpec {
+    /// http:// or https:// URL; its host must be in the gateway's `[push] allowed_hosts`.
+    pub endpoint: String,
+    /// Extra headers sent with every request. Values may name environment variables as
+    /// `${NAME}`; `export` writes the fingerprint of a stored value ("sha256:" and 12 hex
+    /// digits), which `apply` keeps as it is.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// CloudEvents HTTP mode [default: binary].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<PushFormatName>,
+    /// How long one request may take [default: 10s].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Interval>,
+    /// Most requests in flight at once [default: 16].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u32>,
+    /// Most requests started per second; none: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<f64>,
+    /// Most events per request, as a CloudEvents JSON batch [default: 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_events: Option<u32>,
+    /// Most bytes of events per batch [default: 1048576].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_bytes: Option<u64>,
+    /// How long a batch waits for more events once it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_wait: Option<Interval>,
+}
+
+/// CloudEvents HTTP mode of push requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum PushFormatName {
+    /// Attributes in ce-* headers, the payload as the body.
+    Binary,
+    /// One application/cloudevents+json document.
+    Structured,
+}
+
+/// Sink delivery settings.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SinkSpec {
+    /// A sink of the gateway's configuration (`outbox-gateway sinks` lists them).
+    pub name: String,
+    /// NATS sinks: the subject template, e.g. `orders.{aggregate_type}.{event_type}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
+    /// Kafka sinks: the topic template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topic: Option<String>,
+    /// Kafka sinks: the key template [default: `{aggregate_type}/{aggregate_id}`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
+}
+
+/// A duration written as text: `30s`, `15m`, `1h 30m`, `250ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval(pub Duration);
+
+impl Serialize for Interval {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&humantime::format_duration(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Interval {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        humantime::parse_duration(&text)
+            .map(Interval)
+            .map_err(|error| {
+                serde::de::Error::custom(format!(
+                    "{text:?} is not a duration such as 30s, 15m or 1h 30m: {error}"
+                ))
+            })
+    }
+}
+
+impl JsonSchema for Interval {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Duration".into()
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "type": "string",
+            "description": "A duration: numbers with units (ns, us, ms, s, m, h, d), e.g. 30s, 15m, 1h 30m.",
+            "pattern": r"^\s*(\d+\s*(nsec|ns|usec|us|msec|ms|seconds|second|sec|s|minutes|minute|min|m|hours|hour|hr|h|days|day|d|weeks|week|w|months|month|M|years|year|y)\s*)+$"
+        })
+    }
+}
+
+/// Where a subscription begins: `latest`, `earliest` or an RFC 3339 time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Start(pub proto::StartPosition);
+
+impl Serialize for Start {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use proto::start_position::Position;
+        match &self.0.position {
+            Some(Position::Boundary(boundary)) if *boundary == proto::Boundary::Earliest as i32 => {
+                serializer.serialize_str("earliest")
+            }
+            Some(Position::Time(time)) => serializer.collect_str(
+                &DateTime::from_timestamp(time.seconds, time.nanos.max(0) as u32)
+                    .unwrap_or_default()
+                    .to_rfc3339(),
+            ),
+            _ => serializer.serialize_str("latest"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Start {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        crate::parse_position(&text)
+            .map(Start)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl JsonSchema for Start {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Start".into()
+    }
+
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({
+            "description": "latest, earliest, or an RFC 3339 time.",
+            "anyOf": [
+                { "type": "string", "enum": ["latest", "earliest"] },
+                { "type": "string", "format": "date-time" }
+            ]
+        })
+    }
+}
+
+/// The file's JSON Schema, as published in docs/subscriptions.schema.json.
+pub fn schema() -> String {
+    let schema = schemars::schema_for!(SubscriptionsFile);
+    let mut text = serde_json::to_string_pretty(&schema).expect("a schema is JSON");
+    text.push('\n');
+    text
+}
+
+fn duration(value: Option<Interval>) -> Option<prost_types::Duration> {
+    value.and_then(|Interval(duration)| prost_types::Duration::try_from(duration).ok())
+}
+
+/// A duration of the API; `None` when unset or zero.
+fn interval(value: &Option<prost_types::Duration>) -> Option<Interval> {
+    let value = value.as_ref()?;
+    let duration = Duration::try_from(*value).ok()?;
+    (!duration.is_zero()).then_some(Interval(duration))
+}
+
+/// The value unless it is the default.
+fn unless<T: PartialEq>(value: T, default: T) -> Option<T> {
+    (value != default).then_some(value)
+}
+
+fn text(value: &str) -> Option<String> {
+    (!value.is_empty()).then(|| value.to_owned())
+}
+
+impl SubscriptionSpec {
+    /// The subscription to create, defaults filled in so that an update mask naming any
+    /// field sets it to what the file says.
+    pub fn to_proto(&self) -> proto::Subscription {
+        let defaults = SubscriptionSettings::default();
+        let or_default = |value: Option<Interval>, default: Duration| {
+            duration(Some(value.unwrap_or(Interval(default))))
+        };
+        proto::Subscription {
+            name: self.name.clone(),
+            event_types: self.event_types.clone(),
+            aggregate_types: self.aggregate_types.clone(),
+            metadata_match: self.metadata_match.clone().into_iter().collect(),
+            filter: self.filter.clone().unwrap_or_default(),
+            transform: self.transform.clone().unwrap_or_default(),
+            start: self.start.as_ref().map(|start| start.0),
+            ack_deadline: or_default(self.ack_deadline, defaults.ack_deadline),
+            max_attempts: Some(self.max_attempts.unwrap_or(defaults.max_attempts)),
+            retry_backoff_min: or_default(self.retry_backoff_min, defaults.retry_backoff_min),
+            retry_backoff_max: or_default(self.retry_backoff_max, defaults.retry_backoff_max),
+            ordered: self.ordered,
+            persistent_event_types: self.persistent_event_types.clone(),
+            sources: self.sources.clone(),
+            max_event_age: duration(self.max_event_age),
+            dead_letter_expired: self.dead_letter_expired,
+            expire_after_idle: duration(self.expire_after_idle),
+            push: self.push.as_ref().map(|push| proto::PushConfig {
+                endpoint: push.endpoint.clone(),
+                headers: push.headers.clone().into_iter().collect(),
+                format: match push.format {
+                    None | Some(PushFormatName::Binary) => proto::PushFormat::CloudeventsBinary,
+                    Some(PushFormatName::Structured) => proto::PushFormat::CloudeventsStructured,
+                } as i32,
+                timeout: duration(push.timeout),
+                max_concurrency: push.max_concurrency.unwrap_or(0),
+                rate_limit: push.rate_limit,
+                max_batch_events: push.max_batch_events.unwrap_or(0),
+                max_batch_bytes: push.max_batch_bytes.unwrap_or(0),
+                max_batch_wait: duration(push.max_batch_wait),
+                signing_secret: String::new(),
+            }),
+            sink: self.sink.as_ref().map(|sink| proto::SinkConfig {
+                name: sink.name.clone(),
+                subject: sink.subject.clone().unwrap_or_default(),
+                topic: sink.topic.clone().unwrap_or_default(),
+                key: sink.key.clone().unwrap_or_default(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// A subscription as the gateway shows it, defaults left out. Its start is not kept
+    /// by the gateway, so it is never written.
+    pub fn from_proto(subscription: &proto::Subscription) -> Self {
+        let defaults = SubscriptionSettings::default();
+        let setting = |value: &Option<prost_types::Duration>, default: Duration| {
+            interval(value).and_then(|value| unless(value, Interval(default)))
+        };
+        SubscriptionSpec {
+            name: subscription.name.clone(),
+            event_types: subscription.event_types.clone(),
+            aggregate_types: subscription.aggregate_types.clone(),
+            metadata_match: subscription.metadata_match.clone().into_iter().collect(),
+            filter: text(&subscription.filter),
+            transform: text(&subscription.transform),
+            start: None,
+            ack_deadline: setting(&subscription.ack_deadline, defaults.ack_deadline),
+            max_attempts: subscription
+                .max_attempts
+                .and_then(|attempts| unless(attempts, defaults.max_attempts)),
+            retry_backoff_min: setting(&subscription.retry_backoff_min, defaults.retry_backoff_min),
+            retry_backoff_max: setting(&subscription.retry_backoff_max, defaults.retry_backoff_max),
+            ordered: subscription.ordered,
+            persistent_event_types: subscription.persistent_event_types.clone(),
+            sources: subscription.sources.clone(),
+            max_event_age: interval(&subscription.max_event_age),
+            dead_letter_expired: subscription.dead_letter_expired,
+            expire_after_idle: interval(&subscription.expire_after_idle),
+            paused: subscription.paused,
+            pause_reason: subscription
+                .paused
+                .then(|| text(&subscription.pause_reason))
+                .flatten(),
+            paused_until: subscription.paused_until.as_ref().and_then(|until| {
+                DateTime::from_timestamp(until.seconds, until.nanos.max(0) as u32)
+            }),
+            push: subscription.push.as_ref().map(|push| PushSpec {
+                endpoint: push.endpoint.clone(),
+                headers: push.headers.clone().into_iter().collect(),
+                format: (push.format == proto::PushFormat::CloudeventsStructured as i32)
+                    .then_some(PushFormatName::Structured),
+                timeout: setting(&push.timeout, DEFAULT_PUSH_TIMEOUT),
+                max_concurrency: unless(push.max_concurrency, 0)
+                    .and_then(|concurrency| unless(concurrency, DEFAULT_PUSH_CONCURRENCY)),
+                rate_limit: push.rate_limit,
+                max_batch_events: (push.max_batch_events > 1).then_some(push.max_batch_events),
+                max_batch_bytes: unless(push.max_batch_bytes, 0)
+                    .and_then(|bytes| unless(bytes, DEFAULT_PUSH_BATCH_BYTES)),
+                max_batch_wait: interval(&push.max_batch_wait),
+            }),
+            sink: subscription.sink.as_ref().map(|sink| SinkSpec {
+                name: sink.name.clone(),
+                subject: text(&sink.subject),
+                topic: text(&sink.topic),
+                key: text(&sink.key),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_published_schema_is_current() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/subscriptions.schema.json"
+        );
+        let generated = schema();
+        if std::env::var_os("OUTBOX_WRITE_SCHEMA").is_some() {
+            std::fs::write(path, &generated).expect("write the schema");
+        }
+        let published = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            published == generated,
+            "docs/subscriptions.schema.json is not what the file's types give; write it again with `OUTBOX_WRITE_SCHEMA=1 cargo test -p outbox-cli schema`"
+        );
+    }
+
+    #[test]
+    fn a_spec_survives_the_api_and_back_without_its_defaults() {
+        let file: SubscriptionsFile = serde_yaml_ng::from_str(
+            r#"
+subscriptions:
+  - name: billing
+    event_types: [order.*]
+    metadata_match: {tenant: acme}
+    filter: payload.total > 1000.0
+    ack_deadline: 1m
+    max_attempts: 10
+    retry_backoff_max: 15m
+    max_event_age: 1h 30m
+    push:
+      endpoint: https://billing.example/hooks
+      format: structured
+      timeout: 10s
+      max_batch_events: 100
+      max_batch_wait: 50ms
+"#,
+        )
+        .expect("a valid file");
+        let spec = &file.subscriptions[0];
+        let back = SubscriptionSpec::from_proto(&spec.to_proto());
+        // The defaults written out (max_attempts 10, 15m, the push timeout) drop out.
+        let expected = SubscriptionSpec {
+            max_attempts: None,
+            retry_backoff_max: None,
+            push: spec.push.clone().map(|push| PushSpec {
+                timeout: None,
+                ..push
+            }),
+            ..spec.clone()
+        };
+        assert_eq!(back, expected);
+        assert_eq!(
+            back.max_event_age,
+            Some(Interval(Duration::from_secs(5400)))
+        );
+        let yaml = serde_yaml_ng::to_string(&back).expect("serializes");
+        assert!(yaml.contains("max_event_age: 1h 30m"), "{yaml}");
+        assert!(yaml.contains("format: structured"), "{yaml}");
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_durations_are_refused_with_their_path() {
+        let refusal = |text: &str| {
+            let deserializer = serde_yaml_ng::Deserializer::from_str(text);
+            serde_path_to_error::deserialize::<_, SubscriptionsFile>(deserializer)
+                .expect_err("refused")
+                .path()
+                .to_string()
+        };
+        assert_eq!(
+            refusal("subscriptions:\n  - name: a\n  - name: b\n    ack_deadline: soon\n"),
+            "subscriptions[1].ack_deadline"
+        );
+        assert_eq!(
+            refusal("subscriptions:\n  - name: a\n    push: {endpoint: x, formt: binary}\n"),
+            "subscriptions[0].push.formt"
+        );
+        assert_eq!(
+            refusal("subscriptions:\n  - name: a\n    start: yesterday\n"),
+            "subscriptions[0].start"
+        );
+    }
+}
