@@ -56,8 +56,10 @@ const RECEIVER_TOKEN: (&str, &str) = ("OUTBOX_TEST_RECEIVER_TOKEN", "receiver-se
 /// A gateway that may push to 127.0.0.1 and has the NATS sink `js`.
 async fn gateway(database: &std::sync::Arc<TestDatabase>) -> TestGateway {
     let mut config = test_config(database.url());
-    config.push.allowed_hosts =
-        AllowedHosts::parse(&["127.0.0.1".to_owned(), "*.example.com".to_owned()]).unwrap();
+    config.push.allowed_hosts = AllowedHosts::parse(
+        &["127.0.0.1", "*.example.com", "*.svc.cluster.local"].map(String::from),
+    )
+    .unwrap();
     config.sinks = vec![SinkSettings {
         name: "js".into(),
         kind: "nats".into(),
@@ -71,7 +73,12 @@ async fn gateway(database: &std::sync::Arc<TestDatabase>) -> TestGateway {
 async fn apply(gateway: &TestGateway, file: &str, args: &[&str]) -> Run {
     let mut all = vec!["apply", "-f", "-"];
     all.extend_from_slice(args);
-    let env = [RECEIVER_TOKEN, ("CRM_TOKEN", "crm-secret")];
+    // The header variables of EVERY_FIELD and of the example files.
+    let env = [
+        RECEIVER_TOKEN,
+        ("CRM_TOKEN", "crm-secret"),
+        ("RECEIVER_TOKEN", "receiver-secret"),
+    ];
     cli_with_env(&gateway.endpoint(), &all, &env, Some(file)).await
 }
 
@@ -278,7 +285,7 @@ async fn apply_shows_changes_field_by_field_and_a_dry_run_changes_nothing() {
         .replace("max_batch_events: 100", "max_batch_events: 10")
         .replace(
             "    paused: true\n    pause_reason: waiting for the carrier's API\n",
-            "",
+            "    paused: false\n",
         );
     let dry = applied(&gateway, &edited, &["--dry-run"]).await;
     assert_eq!(dry["dry_run"], true);
@@ -293,7 +300,7 @@ async fn apply_shows_changes_field_by_field_and_a_dry_run_changes_nothing() {
     assert_eq!(
         changes(&dry, "shipping"),
         [
-            "paused: true -> null",
+            "paused: true -> false",
             r#"pause_reason: "waiting for the carrier's API" -> null"#
         ]
     );
@@ -344,6 +351,23 @@ async fn apply_shows_changes_field_by_field_and_a_dry_run_changes_nothing() {
 
     let again = applied(&gateway, &edited, &[]).await;
     assert_eq!(names(&again, "unchanged").len(), 3, "{again}");
+
+    // A pause made by hand outlives an apply of a file that does not mention it.
+    let paused = cli(
+        &gateway,
+        &[
+            "subscriptions",
+            "pause",
+            "billing.orders",
+            "--reason",
+            "incident",
+        ],
+    )
+    .await;
+    assert!(paused.success, "{}", paused.stderr);
+    let kept = applied(&gateway, &edited, &[]).await;
+    assert_eq!(names(&kept, "unchanged").len(), 3, "{kept}");
+    assert!(get(&gateway, "billing.orders").await.paused);
 }
 
 #[tokio::test]
@@ -518,9 +542,21 @@ async fn prune_deletes_what_the_file_does_not_name_once_confirmed() {
     std::fs::remove_file(&path).unwrap();
 
     create_subscription(&gateway, subscription("epsilon")).await;
+    // An ephemeral one, as `tail` makes, is not the file's to prune.
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            expire_after_idle: Some(prost_types::Duration {
+                seconds: 300,
+                nanos: 0,
+            }),
+            ..subscription("tail-1")
+        },
+    )
+    .await;
     let pruned = applied(&gateway, file, &["--prune", "--yes"]).await;
     assert_eq!(names(&pruned, "deleted"), ["epsilon"]);
-    assert_eq!(all().await, ["alpha"]);
+    assert_eq!(all().await, ["alpha", "tail-1"]);
 }
 
 #[tokio::test]
@@ -613,14 +649,21 @@ async fn the_example_files_apply_and_the_schema_is_printed() {
     let database = TestDatabase::create().await;
     let gateway = gateway(&database).await;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    for example in ["examples/subscriptions.yaml"] {
+    for example in [
+        "examples/subscriptions.yaml",
+        "deploy/kubernetes/subscriptions/subscriptions.yaml",
+    ] {
         let file = std::fs::read_to_string(root.join(example)).unwrap();
         let report = applied(&gateway, &file, &["--dry-run"]).await;
         assert!(!names(&report, "created").is_empty(), "{example}: {report}");
     }
     let schema = cli(&gateway, &["export", "--schema"]).await;
     let published = std::fs::read_to_string(root.join("docs/subscriptions.schema.json")).unwrap();
-    assert_eq!(schema.stdout, published);
+    assert!(
+        schema.success && schema.stdout == published,
+        "`export --schema` differs from docs/subscriptions.schema.json: {}",
+        schema.stderr
+    );
 }
 
 #[tokio::test]

@@ -163,10 +163,14 @@ pub(crate) async fn apply(target: &Target, args: ApplyArgs) -> Result<(), CliErr
         .iter()
         .map(|entry| entry.spec.name.as_str())
         .collect();
+    // Subscriptions that delete themselves when idle (those `tail` makes) are not the
+    // file's to keep or prune.
     let stale: Vec<String> = current
-        .keys()
-        .filter(|name| !named.contains(name.as_str()))
-        .cloned()
+        .values()
+        .filter(|subscription| {
+            !named.contains(subscription.name.as_str()) && subscription.expire_after_idle.is_none()
+        })
+        .map(|subscription| subscription.name.clone())
         .collect();
     let mut report = Report {
         dry_run: args.dry_run,
@@ -394,11 +398,11 @@ async fn plan_entry(
     if let Some(change) = &pause {
         let to = match change {
             PauseChange::Pause { .. } => Some(Value::Bool(true)),
-            PauseChange::Resume => None,
+            PauseChange::Resume => Some(Value::Bool(false)),
         };
         changes.push(Change {
             field: "paused".into(),
-            from: existing.paused.then_some(Value::Bool(true)),
+            from: existing.paused.map(Value::Bool),
             to,
         });
         for field in ["pause_reason", "paused_until"] {
@@ -469,21 +473,18 @@ fn differences(field: &str, before: Option<&Value>, after: Option<&Value>) -> Ve
     }
 }
 
-/// How the pause must change for the subscription to be as the file says. A pause
-/// whose end has passed is no pause.
+/// How the pause must change for the subscription to be as the file says; `None` also
+/// when the file does not say. A pause whose end has passed is no pause.
 fn pause_change(wanted: &SubscriptionSpec, existing: &SubscriptionSpec) -> Option<PauseChange> {
     let ended = wanted.paused_until.is_some_and(|until| until <= Utc::now());
-    let paused = wanted.paused && !ended;
-    let same = (paused, &wanted.pause_reason, wanted.paused_until)
-        == (
-            existing.paused,
-            &existing.pause_reason,
-            existing.paused_until,
-        );
-    match (paused, existing.paused) {
+    let paused = wanted.paused? && !ended;
+    let existing_paused = existing.paused == Some(true);
+    let same = (&wanted.pause_reason, wanted.paused_until)
+        == (&existing.pause_reason, existing.paused_until);
+    match (paused, existing_paused) {
         (false, false) => None,
         (false, true) => Some(PauseChange::Resume),
-        (true, _) if existing.paused && same => None,
+        (true, true) if same => None,
         (true, _) => Some(PauseChange::Pause {
             reason: wanted.pause_reason.clone().unwrap_or_default(),
             until: wanted.paused_until.map(|until| prost_types::Timestamp {

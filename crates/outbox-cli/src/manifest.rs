@@ -86,13 +86,15 @@ pub struct SubscriptionSpec {
     /// Deleted by the gateway once no stream has read it for this long. Set at creation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expire_after_idle: Option<Interval>,
-    /// Hands out nothing new (deliveries already out still settle).
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub paused: bool,
-    /// Why it is paused.
+    /// `true`: hands out nothing new (deliveries already out still settle); `false`: is
+    /// resumed. Omitted: paused or not as an operator left it, so that a pause made
+    /// during an incident outlives the next apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<bool>,
+    /// Why it is paused (with `paused: true`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_reason: Option<String>,
-    /// When the pause ends by itself (RFC 3339); none: when resumed.
+    /// When the pause ends by itself (RFC 3339, with `paused: true`); none: when resumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_until: Option<DateTime<Utc>>,
     /// Push delivery to an HTTP endpoint; cannot be set beside `sink`.
@@ -358,7 +360,7 @@ impl SubscriptionSpec {
             max_event_age: interval(&subscription.max_event_age),
             dead_letter_expired: subscription.dead_letter_expired,
             expire_after_idle: interval(&subscription.expire_after_idle),
-            paused: subscription.paused,
+            paused: subscription.paused.then_some(true),
             pause_reason: subscription
                 .paused
                 .then(|| text(&subscription.pause_reason))
