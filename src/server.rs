@@ -27,6 +27,9 @@ use crate::{
 };
 
 /// Services the health endpoint reports on, besides the server as a whole ("").
+/// The health service name that is SERVING for as long as the process serves gRPC.
+pub const PROCESS_HEALTH_SERVICE: &str = "outbox.process";
+
 const SERVICE_NAMES: [&str; 3] = [
     "outbox.v1.Publisher",
     "outbox.v1.Subscriber",
@@ -194,6 +197,11 @@ pub async fn run_with_console(
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, ServingStatus::NotServing).await;
+    // For liveness probes: the process answers, whether or not its database does
+    // (restarting a gateway does not bring PostgreSQL back).
+    health_reporter
+        .set_service_status(PROCESS_HEALTH_SERVICE, ServingStatus::Serving)
+        .await;
     // Both loop until told to stop; their token also ends a wait to restart.
     if config.metrics_listen.is_some() {
         let (sources, operations) = (sources.clone(), operations.clone());

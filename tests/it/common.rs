@@ -336,10 +336,15 @@ impl TestGateway {
     }
 
     pub async fn health(&self) -> Option<ServingStatus> {
+        self.health_of("").await
+    }
+
+    /// The status the health service reports for `service`.
+    pub async fn health_of(&self, service: &str) -> Option<ServingStatus> {
         let mut client = HealthClient::new(self.channel().await);
         let response = client
             .check(HealthCheckRequest {
-                service: String::new(),
+                service: service.to_owned(),
             })
             .await
             .ok()?;

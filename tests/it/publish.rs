@@ -383,7 +383,7 @@ async fn sql_function_applies_the_rpc_rules() {
 }
 
 #[tokio::test]
-async fn database_loss_answers_unavailable_and_health_follows_it() {
+async fn database_loss_answers_unavailable_and_health_follows_it_but_not_liveness() {
     let database = TestDatabase::create().await;
     let proxy = TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
     let gateway =
@@ -391,6 +391,11 @@ async fn database_loss_answers_unavailable_and_health_follows_it() {
 
     proxy.cut();
     gateway.wait_for_health(ServingStatus::NotServing).await;
+    // What liveness probes ask: the process itself is fine.
+    assert_eq!(
+        gateway.health_of("outbox.process").await,
+        Some(ServingStatus::Serving)
+    );
     let result = gateway
         .publisher()
         .await
