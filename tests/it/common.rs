@@ -5,7 +5,14 @@
 
 pub mod proxy;
 
-use std::{net::SocketAddr, process::Stdio, sync::Arc, time::Duration};
+use std::{
+    fs::File,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Stdio,
+    sync::Arc,
+    time::Duration,
+};
 
 use outbox_gateway::{
     Config,
@@ -22,6 +29,69 @@ use tonic::transport::Channel;
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
 };
+
+/// How long building a Python virtual environment may take.
+const PYTHON_INSTALL_TIME: Duration = Duration::from_secs(300);
+
+/// A Python virtual environment holding `packages` (pip requirement specifiers), built
+/// under the target directory in `name` and again when the list changes; returns its
+/// Python. A file lock keeps concurrent tests (and test processes) from building it
+/// twice. `PYTHON` names another Python 3 to build it with.
+pub async fn python_venv(name: &str, packages: &[&str]) -> PathBuf {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&cache).expect("create the venv cache");
+    let lock = File::create(cache.join("venv.lock")).expect("create the venv lock");
+    let _lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
+        .await
+        .expect("lock task")
+        .expect("lock the venv");
+    let venv = cache.join("venv");
+    let python = venv.join("bin").join("python");
+    let installed = venv.join("installed-packages.txt");
+    let wanted = packages.join("\n");
+    if python.exists() && std::fs::read_to_string(&installed).ok().as_ref() == Some(&wanted) {
+        return python;
+    }
+    let _ = std::fs::remove_dir_all(&venv);
+    let system_python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    run(
+        &format!("`{system_python} -m venv` (Python 3 with venv is required for this test)"),
+        Command::new(&system_python)
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv),
+        PYTHON_INSTALL_TIME,
+    )
+    .await;
+    run(
+        &format!("pip install {}", packages.join(" ")),
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(packages),
+        PYTHON_INSTALL_TIME,
+    )
+    .await;
+    std::fs::write(&installed, wanted).expect("record the installed packages");
+    python
+}
+
+/// The requirement lines of a requirements.txt of the repository.
+pub fn requirements(path: &str) -> Vec<String> {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|error| panic!("read {path}: {error}"))
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(str::to_owned)
+        .collect()
+}
 
 /// Runs `command` to completion and returns its standard output. Panics, naming `what`
 /// and showing its output, when it cannot start, fails or outlives `limit`.

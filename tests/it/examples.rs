@@ -6,7 +6,6 @@
 
 use std::{
     collections::BTreeSet,
-    fs::File,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -23,55 +22,15 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The examples' virtual environment, created under the target directory and rebuilt
-/// when requirements.txt changes. Returns its Python. A file lock keeps concurrent
-/// tests (and test processes) from building it twice.
+/// The examples' virtual environment, rebuilt when requirements.txt changes; returns its
+/// Python.
 async fn python_env() -> PathBuf {
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("examples");
-    std::fs::create_dir_all(&cache).expect("create the examples cache");
-    let lock = File::create(cache.join("venv.lock")).expect("create the venv lock");
-    let _lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
-        .await
-        .expect("lock task")
-        .expect("lock the venv");
-
-    let venv = cache.join("venv");
-    let python = venv.join("bin").join("python");
-    let requirements = repo().join("examples/python/requirements.txt");
-    let wanted = std::fs::read_to_string(&requirements).expect("read requirements.txt");
-    let installed = venv.join("installed-requirements.txt");
-    if python.exists() && std::fs::read_to_string(&installed).ok().as_ref() == Some(&wanted) {
-        return python;
-    }
-
-    let _ = std::fs::remove_dir_all(&venv);
-    let system_python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run(
-        &format!("`{system_python} -m venv` (Python 3 with venv is required for the examples)"),
-        Command::new(&system_python)
-            .arg("-m")
-            .arg("venv")
-            .arg(&venv),
-        INSTALL_TIME,
+    let packages = requirements("examples/python/requirements.txt");
+    python_venv(
+        "examples",
+        &packages.iter().map(String::as_str).collect::<Vec<_>>(),
     )
-    .await;
-    run(
-        "`pip install -r examples/python/requirements.txt`",
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .arg("-r")
-            .arg(&requirements),
-        INSTALL_TIME,
-    )
-    .await;
-    std::fs::write(&installed, wanted).expect("record the installed requirements");
-    python
+    .await
 }
 
 /// Installs the Node.js examples' dependencies exactly as package-lock.json pins them.

@@ -16,6 +16,7 @@ mod console;
 mod console_browser;
 mod consumption;
 mod delivery;
+mod deploy;
 mod examples;
 mod faithful;
 mod first_run;

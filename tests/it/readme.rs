@@ -20,7 +20,6 @@ use outbox_testkit::{
 use serde_json::Value;
 use tokio::process::Command;
 
-const INSTALL_TIME: Duration = Duration::from_secs(300);
 const RUN_TIME: Duration = Duration::from_secs(60);
 /// What the README's commands need beside the gateway: grpcurl, and psycopg for the
 /// Python snippets.
@@ -29,41 +28,10 @@ const PACKAGES: [&str; 2] = [
     "psycopg[binary]==3.3.9",
 ];
 
-/// The bin directory of a virtual environment holding [`PACKAGES`], built once per target
-/// directory (and again when the list changes).
+/// The bin directory of a virtual environment holding [`PACKAGES`].
 async fn venv_bin() -> PathBuf {
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("readme");
-    std::fs::create_dir_all(&cache).expect("create the README venv cache");
-    let lock = File::create(cache.join("venv.lock")).expect("create the venv lock");
-    let _lock = tokio::task::spawn_blocking(move || lock.lock().map(|()| lock))
-        .await
-        .expect("lock task")
-        .expect("lock the venv");
-    let venv = cache.join("venv");
-    let bin = venv.join("bin");
-    let installed = venv.join("installed-packages.txt");
-    let wanted = PACKAGES.join("\n");
-    if std::fs::read_to_string(&installed).ok().as_ref() == Some(&wanted) {
-        return bin;
-    }
-    let _ = std::fs::remove_dir_all(&venv);
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run(
-        "`python3 -m venv` (Python 3 with venv is required for this test)",
-        Command::new(&python).arg("-m").arg("venv").arg(&venv),
-        INSTALL_TIME,
-    )
-    .await;
-    run(
-        &format!("pip install {}", PACKAGES.join(" ")),
-        Command::new(bin.join("pip"))
-            .args(["install", "--quiet", "--disable-pip-version-check"])
-            .args(PACKAGES),
-        INSTALL_TIME,
-    )
-    .await;
-    std::fs::write(&installed, wanted).expect("record the installed packages");
-    bin
+    let python = python_venv("readme", &PACKAGES).await;
+    python.parent().expect("a venv's bin").to_path_buf()
 }
 
 /// The fenced code blocks of the README section under `heading`, in order, as
