@@ -340,6 +340,16 @@ async fn list(admin: &mut Admin) -> Result<BTreeMap<String, proto::Subscription>
         .collect())
 }
 
+async fn get(admin: &mut Admin, name: &str) -> Result<proto::Subscription, CliError> {
+    Ok(admin
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: name.to_owned(),
+        })
+        .await
+        .map_err(describe)?
+        .into_inner())
+}
+
 /// What applying the entry does, checked by the gateway without changing anything.
 async fn plan_entry(
     admin: &mut Admin,
@@ -348,14 +358,21 @@ async fn plan_entry(
 ) -> Result<Step, CliError> {
     let Some(current) = current else {
         check_fingerprints(entry, None)?;
-        admin
+        let checked = admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(entry.spec.to_proto()),
                 validate_only: true,
             })
-            .await
-            .map_err(|status| entry.refused(status))?;
-        return Ok(Step::Create);
+            .await;
+        return match checked {
+            Ok(_) => Ok(Step::Create),
+            // Created since the list was read, by another apply: compare with it.
+            Err(status) if status.code() == Code::AlreadyExists => {
+                let current = get(admin, &entry.spec.name).await?;
+                Box::pin(plan_entry(admin, entry, Some(&current))).await
+            }
+            Err(status) => Err(entry.refused(status)),
+        };
     };
     let existing = SubscriptionSpec::from_proto(current);
     let wanted = serde_json::to_value(&entry.spec).expect("a spec is JSON");
@@ -529,11 +546,7 @@ async fn execute(
                 }
                 // Another apply created it since this one looked: make it as the file says.
                 Err(status) if status.code() == Code::AlreadyExists => {
-                    let current = admin
-                        .get_subscription(proto::GetSubscriptionRequest { name: name.clone() })
-                        .await
-                        .map_err(describe)?
-                        .into_inner();
+                    let current = get(admin, name).await?;
                     plan_entry(admin, entry, Some(&current)).await?
                 }
                 Err(status) => return Err(entry.refused(status)),
