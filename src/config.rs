@@ -60,6 +60,20 @@ pub struct Settings {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,
 
+    /// Without --database-url: the directory of the private PostgreSQL cluster the
+    /// gateway runs itself when nothing answers at the default URL (in `postgres/` under
+    /// it, reached through a Unix socket only). Given, that cluster is used even when a
+    /// server answers at the default URL. When not given: $XDG_DATA_HOME/outbox-gateway
+    /// (~/.local/share/outbox-gateway), or /var/lib/outbox-gateway as root.
+    #[arg(long, env = "OUTBOX_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// The directory of PostgreSQL's server binaries (initdb, pg_ctl) for the private
+    /// cluster. When not given: found on PATH, through `pg_config --bindir`, or in the
+    /// usual package locations.
+    #[arg(long, env = "OUTBOX_POSTGRES_BIN")]
+    pub postgres_bin: Option<PathBuf>,
+
     /// Address the gRPC server listens on, HOST:PORT; a host name is resolved.
     /// [default: 127.0.0.1:50051]
     #[arg(long, env = "OUTBOX_LISTEN")]
@@ -368,6 +382,14 @@ pub const DEFAULT_SOURCE_CONNECTIONS: u32 = 5;
 #[derive(Debug, Clone)]
 pub struct Config {
     pub database_url: String,
+    /// Whether `database_url` was configured (flag, environment or file) rather than
+    /// defaulted: without it, the gateway may run a private cluster (see
+    /// [`crate::local_database`]).
+    pub database_url_given: bool,
+    /// `--data-dir`: where the private cluster lives; given, it is used.
+    pub data_dir: Option<PathBuf>,
+    /// `--postgres-bin`: where the private cluster's server binaries are.
+    pub postgres_bin: Option<PathBuf>,
     pub listen: SocketAddr,
     /// Empty: authentication is off (only allowed on loopback or when insecure).
     pub tokens: Vec<TokenConfig>,
@@ -505,9 +527,12 @@ impl Config {
         let duration =
             |setting: Option<DurationSetting>, default: Duration| setting.map_or(default, |d| d.0);
         let config = Config {
+            database_url_given: settings.database_url.is_some(),
             database_url: settings
                 .database_url
                 .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned()),
+            data_dir: settings.data_dir,
+            postgres_bin: settings.postgres_bin,
             listen: socket_address(
                 "listen",
                 settings.listen.as_deref().unwrap_or(DEFAULT_LISTEN),
@@ -905,6 +930,8 @@ impl Settings {
         layered!(
             config,
             database_url,
+            data_dir,
+            postgres_bin,
             listen,
             tokens,
             sources,

@@ -23,6 +23,7 @@
 //! - [`push_client`]: the HTTP client push requests go out through.
 //! - [`sinks`]: the broker connections (`[[sinks]]`) sink subscriptions publish into.
 //! - [`connections`]: closing client connections that send nothing.
+//! - [`local_database`]: the private PostgreSQL a gateway given no database runs itself.
 //! - [`telemetry`]: logs, the trace exporter, the per-RPC layer.
 //! - [`metrics_endpoint`]: the Prometheus exporter and the RPC metrics.
 //! - [`server`]: wires it all together and serves until shutdown ([`run`]).
@@ -42,6 +43,7 @@ pub mod api;
 pub mod config;
 pub mod connections;
 pub mod console;
+pub mod local_database;
 pub mod metrics_endpoint;
 pub mod push_client;
 pub mod server;

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use outbox_gateway::{
     Config, cli,
     config::{MigrateSettings, Settings},
+    local_database,
     telemetry::Telemetry,
 };
 use tokio::net::TcpListener;
@@ -108,19 +109,23 @@ fn exit_with(result: Result<(), String>) -> ExitCode {
     }
 }
 
-async fn serve(config: Config) -> Result<(), String> {
+async fn serve(mut config: Config) -> Result<(), String> {
     let telemetry = Telemetry::init(config.log_format, &config.log_level)?;
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|error| {
-            format!(
-                "cannot listen on {}: {error}. Choose another address with --listen (OUTBOX_LISTEN, or listen in the configuration file)",
-                config.listen
-            )
-        })?;
-    let result = outbox_gateway::run(config, listener, shutdown_signal())
-        .await
-        .map_err(|error| error.to_string());
+    let local_database = local_database::start_if_needed(&mut config).await?;
+    let result = match TcpListener::bind(config.listen).await {
+        Ok(listener) => outbox_gateway::run(config, listener, shutdown_signal())
+            .await
+            .map_err(|error| error.to_string()),
+        Err(error) => Err(format!(
+            "cannot listen on {}: {error}. Choose another address with --listen (OUTBOX_LISTEN, or listen in the configuration file)",
+            config.listen
+        )),
+    };
+    if let Some(local_database) = local_database
+        && let Err(message) = local_database.stop().await
+    {
+        tracing::error!("{message}");
+    }
     telemetry.shutdown();
     result
 }

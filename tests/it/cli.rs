@@ -1680,14 +1680,6 @@ async fn watch_until_stored(
     }
 }
 
-fn send_signal(child: &tokio::process::Child, signal: &str) {
-    let sent = std::process::Command::new("kill")
-        .args([&format!("-{signal}"), &child.id().unwrap().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-}
-
 /// `--watch` refreshes until interrupted: each refresh shows what changed since, and
 /// Ctrl-C (SIGINT) or SIGTERM ends it with success, whenever the signal comes — also
 /// while a refresh is being fetched, which a short interval makes the usual case.

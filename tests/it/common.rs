@@ -172,6 +172,15 @@ impl ProcessLog {
     }
 }
 
+/// Sends `signal` (`TERM`, `INT`, ...) to a child process.
+pub fn send_signal(child: &tokio::process::Child, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
 /// The gateway binary serving `database` as a child process (so a test can kill it),
 /// with `extra` arguments after `serve`'s own, on ephemeral ports and with the console
 /// off; returned with its log, its gRPC address and a channel to it once it serves.

@@ -23,8 +23,11 @@ fn serve_command() -> Command {
 }
 
 /// Settings that take a value but have none unless given.
-const WITHOUT_DEFAULT: [&str; 5] = [
+const WITHOUT_DEFAULT: [&str; 7] = [
     "config",
+    // Found at start, where the machine keeps such things.
+    "data-dir",
+    "postgres-bin",
     "tls-cert",
     "tls-key",
     "tls-client-ca",
@@ -58,8 +61,13 @@ fn the_help_states_the_defaults_serve_uses() {
             .try_get_matches_from([format!("--{flag}"), stated.clone()])
             .unwrap_or_else(|error| panic!("--{flag}: its stated default does not parse: {error}"));
         let settings = Settings::from_arg_matches(&matches).unwrap();
-        let configured = Config::from_settings(settings)
+        let mut configured = Config::from_settings(settings)
             .unwrap_or_else(|error| panic!("--{flag}: its stated default is refused: {error}"));
+        if flag == "database-url" {
+            // Given, even as the default's value, a URL rules the private cluster out.
+            assert!(configured.database_url_given);
+            configured.database_url_given = false;
+        }
         assert_eq!(
             format!("{configured:#?}"),
             defaults,

@@ -1,9 +1,11 @@
 //! What a new user meets when starting `outbox-gateway serve`: clear, bounded failures
-//! for a wrong database URL or a taken port, no secrets in help, host names accepted.
+//! for a wrong database URL or a taken port, no secrets in help, host names accepted;
+//! without a database URL, a private PostgreSQL of its own.
 
 use std::{process::Output, time::Duration};
 
 use crate::common::*;
+use outbox_gateway::proto::{self, admin_client::AdminClient};
 use outbox_testkit::gateway;
 use tokio::{net::TcpListener, process::Command};
 
@@ -192,4 +194,159 @@ async fn database_errors_are_in_the_gateways_words() {
     );
     assert!(!stderr.contains(" at line "), "driver noise: {stderr}");
     assert!(!stderr.contains("error returned from database"), "{stderr}");
+}
+
+/// A gateway given no database URL, keeping its private PostgreSQL in `data_dir`; with
+/// its log and gRPC address once it serves.
+async fn start_without_database(
+    data_dir: &std::path::Path,
+) -> (tokio::process::Child, ProcessLog, tonic::transport::Channel) {
+    let mut child = gateway_command(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+        "--data-dir",
+        &data_dir.to_string_lossy(),
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .expect("start the gateway binary");
+    let log = ProcessLog::collect(&mut child);
+    let address = log.announced("serving gRPC", &mut child).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the gateway");
+    (child, log, channel)
+}
+
+/// Ends the gateway with SIGTERM and waits for it to exit.
+async fn stop_gateway(mut child: tokio::process::Child, log: &ProcessLog) {
+    send_signal(&child, "TERM");
+    let status = tokio::time::timeout(LIMIT, child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("the gateway did not stop; its log:\n{}", log.text()))
+        .unwrap();
+    assert!(status.success(), "{status}: {}", log.text());
+}
+
+#[tokio::test]
+async fn without_a_database_the_gateway_runs_a_private_postgresql_and_keeps_its_data() {
+    let data_dir = std::env::temp_dir().join(format!(
+        "outbox-first-run-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let socket_directory = data_dir.join("postgres");
+    let url = format!(
+        "postgres://postgres@localhost/outbox?host={}",
+        socket_directory.display()
+    );
+
+    let (child, log, channel) = start_without_database(&data_dir).await;
+    // One line says so, with the URL other services can use.
+    let announced = log
+        .lines()
+        .into_iter()
+        .find(|line| line.contains("running a private PostgreSQL"))
+        .unwrap_or_else(|| panic!("no announcement in:\n{}", log.text()));
+    assert!(announced.contains(&url), "{announced}");
+    let mut admin = AdminClient::new(channel.clone());
+    admin
+        .create_subscription(proto::CreateSubscriptionRequest {
+            subscription: Some(subscription("orders")),
+            validate_only: false,
+        })
+        .await
+        .unwrap();
+    // Another service publishes through the URL, in its own transaction.
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .expect("connect through the socket");
+    sqlx::query("SELECT outbox_publish('order', 'o-1', 'order.created', '{}'::jsonb)")
+        .execute(&pool)
+        .await
+        .expect("publish through SQL");
+    pool.close().await;
+
+    // A second gateway on the same directory is refused, saying how to share it.
+    let second = exit_of(gateway_command(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+        "--data-dir",
+        &data_dir.to_string_lossy(),
+    ]))
+    .await;
+    let stderr = text(&second.stderr);
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("another process (pid"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--database-url '{url}'")),
+        "{stderr}"
+    );
+
+    // Shutdown stops the server.
+    stop_gateway(child, &log).await;
+    assert!(
+        !socket_directory.join("postmaster.pid").exists(),
+        "the server still runs after the gateway stopped"
+    );
+
+    // A restart finds the data where it was.
+    let (child, log, channel) = start_without_database(&data_dir).await;
+    let mut admin = AdminClient::new(channel);
+    let subscriptions = admin
+        .list_subscriptions(proto::ListSubscriptionsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .subscriptions;
+    assert_eq!(subscriptions.len(), 1);
+    let stats = admin
+        .get_stats(proto::GetStatsRequest {
+            subscription: "orders".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.outbox.map(|outbox| outbox.events_stored), Some(1));
+    stop_gateway(child, &log).await;
+    std::fs::remove_dir_all(&data_dir).unwrap();
+}
+
+#[tokio::test]
+async fn without_postgresql_binaries_the_gateway_says_how_to_get_them() {
+    let data_dir = std::env::temp_dir().join(format!(
+        "outbox-first-run-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let output = exit_of(gateway_command(&[
+        "serve",
+        "--console-listen",
+        "off",
+        "--metrics-listen",
+        "off",
+        "--data-dir",
+        &data_dir.to_string_lossy(),
+        "--postgres-bin",
+        "/nonexistent/postgresql/bin",
+    ]))
+    .await;
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no initdb and pg_ctl in /nonexistent/postgresql/bin (--postgres-bin)"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&data_dir);
 }

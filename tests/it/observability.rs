@@ -149,12 +149,7 @@ impl GatewayProcess {
 
     /// SIGTERM, then wait for a clean exit (flushing traces).
     async fn stop(mut self) {
-        let pid = self.child.id().expect("running").to_string();
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        send_signal(&self.child, "TERM");
         let exit = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
             .await
             .expect("exits")

@@ -619,10 +619,18 @@ pub fn database_identity(database_url: &str) -> std::result::Result<String, Stri
         .map_err(|_| "is not a PostgreSQL connection URL".to_owned())?;
     Ok(format!(
         "{}:{}/{}",
-        options.get_host(),
+        server_of(&options),
         options.get_port(),
         options.get_database().unwrap_or(options.get_username())
     ))
+}
+
+/// The host, or the directory of the Unix socket when it connects through one.
+fn server_of(options: &PgConnectOptions) -> String {
+    match options.get_socket() {
+        Some(directory) => directory.display().to_string(),
+        None => options.get_host().to_owned(),
+    }
 }
 
 /// Describes a connection target without its password, for messages.
@@ -630,7 +638,7 @@ pub fn describe_target(database_url: &str) -> String {
     match PgConnectOptions::from_str(database_url) {
         Ok(options) => format!(
             "{}:{} (database {:?}, user {:?})",
-            options.get_host(),
+            server_of(&options),
             options.get_port(),
             options.get_database().unwrap_or("postgres"),
             options.get_username()

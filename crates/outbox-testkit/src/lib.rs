@@ -8,10 +8,12 @@
 //! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
 //!   migrating, waiting until it serves, stopping it.
 //! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start.
+//! - [`test_server_url`]: the server tests use, started here when none runs.
 //! - [`gateway_row_writes`]: the rows the gateway has written in its own tables.
 
 mod database;
 pub mod gateway;
+mod local_server;
 mod poll;
 mod server;
 
@@ -20,8 +22,13 @@ pub use poll::{poll_until, settled};
 pub use server::{PostgresServer, ServerError};
 
 /// The PostgreSQL server tests create their databases on: `TEST_POSTGRES_URL`, or the
-/// local server as user `postgres`.
+/// local server as user `postgres`. When nothing answers there, this process starts a
+/// private cluster on that address, the way a gateway given no database does, and stops
+/// it when it exits: the tests need PostgreSQL installed, not running.
 pub fn test_server_url() -> String {
-    std::env::var("TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+    if let Ok(url) = std::env::var("TEST_POSTGRES_URL") {
+        return url;
+    }
+    local_server::ensure_running();
+    format!("postgres://postgres@{}", local_server::ADDRESS)
 }
