@@ -131,16 +131,6 @@ async fn subscriptions(gateway: &TestGateway) -> Vec<proto::Subscription> {
         .subscriptions
 }
 
-async fn get(gateway: &TestGateway, name: &str) -> proto::Subscription {
-    gateway
-        .admin()
-        .await
-        .get_subscription(proto::GetSubscriptionRequest { name: name.into() })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 fn seconds_of(duration: &Option<prost_types::Duration>) -> i64 {
     duration.as_ref().map_or(-1, |duration| duration.seconds)
 }
@@ -160,7 +150,7 @@ async fn apply_creates_every_setting_and_then_reports_no_change() {
         .unwrap_or_default();
     assert!(secret.starts_with("whsec_"), "{report}");
 
-    let billing = get(&gateway, "billing.orders").await;
+    let billing = stored_subscription(&gateway, "billing.orders").await;
     assert_eq!(billing.event_types, ["order.*", "invoice.**"]);
     assert_eq!(billing.aggregate_types, ["order"]);
     assert_eq!(billing.metadata_match["tenant"], "acme");
@@ -174,7 +164,7 @@ async fn apply_creates_every_setting_and_then_reports_no_change() {
     assert_eq!(seconds_of(&billing.max_event_age), 9000);
     assert!(billing.dead_letter_expired && !billing.paused && !billing.ordered);
 
-    let shipping = get(&gateway, "shipping").await;
+    let shipping = stored_subscription(&gateway, "shipping").await;
     assert!(shipping.ordered && shipping.paused);
     assert_eq!(shipping.sources, ["default"]);
     assert_eq!(seconds_of(&shipping.expire_after_idle), 86_400);
@@ -185,7 +175,7 @@ async fn apply_creates_every_setting_and_then_reports_no_change() {
         ("js", "shipping.{aggregate_type}.{event_type}")
     );
 
-    let webhooks = get(&gateway, "webhooks").await;
+    let webhooks = stored_subscription(&gateway, "webhooks").await;
     let push = webhooks.push.expect("push");
     assert_eq!(push.endpoint, "http://127.0.0.1:9/hooks");
     // The variable was read from the environment; the gateway shows its fingerprint.
@@ -336,12 +326,12 @@ async fn apply_shows_changes_field_by_field_and_a_dry_run_changes_nothing() {
         changes(&report, "webhooks"),
         ["push.max_batch_events: 100 -> 10"]
     );
-    let billing = get(&gateway, "billing.orders").await;
+    let billing = stored_subscription(&gateway, "billing.orders").await;
     assert_eq!(seconds_of(&billing.ack_deadline), 90);
     assert_eq!(billing.event_types, ["order.*"]);
     assert_eq!(billing.filter, "");
-    assert!(!get(&gateway, "shipping").await.paused);
-    let webhooks = get(&gateway, "webhooks").await;
+    assert!(!stored_subscription(&gateway, "shipping").await.paused);
+    let webhooks = stored_subscription(&gateway, "webhooks").await;
     assert_eq!(webhooks.push.as_ref().unwrap().max_batch_events, 10);
     // The push stayed on: no new signing secret.
     assert!(
@@ -367,7 +357,7 @@ async fn apply_shows_changes_field_by_field_and_a_dry_run_changes_nothing() {
     assert!(paused.success, "{}", paused.stderr);
     let kept = applied(&gateway, &edited, &[]).await;
     assert_eq!(names(&kept, "unchanged").len(), 3, "{kept}");
-    assert!(get(&gateway, "billing.orders").await.paused);
+    assert!(stored_subscription(&gateway, "billing.orders").await.paused);
 }
 
 #[tokio::test]

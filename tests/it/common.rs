@@ -172,6 +172,17 @@ impl ProcessLog {
     }
 }
 
+/// The subscription `name` as the gateway shows it.
+pub async fn stored_subscription(gateway: &TestGateway, name: &str) -> proto::Subscription {
+    gateway
+        .admin()
+        .await
+        .get_subscription(proto::GetSubscriptionRequest { name: name.into() })
+        .await
+        .expect("get the subscription")
+        .into_inner()
+}
+
 /// Sends `signal` (`TERM`, `INT`, ...) to a child process.
 pub fn send_signal(child: &tokio::process::Child, signal: &str) {
     let sent = std::process::Command::new("kill")

@@ -196,12 +196,9 @@ async fn database_errors_are_in_the_gateways_words() {
     assert!(!stderr.contains("error returned from database"), "{stderr}");
 }
 
-/// A gateway given no database URL, keeping its private PostgreSQL in `data_dir`; with
-/// its log and gRPC address once it serves.
-async fn start_without_database(
-    data_dir: &std::path::Path,
-) -> (tokio::process::Child, ProcessLog, tonic::transport::Channel) {
-    let mut child = gateway_command(&[
+/// `serve` without a database URL, keeping its private PostgreSQL in `data_dir`.
+fn without_database(data_dir: &std::path::Path) -> Command {
+    gateway_command(&[
         "serve",
         "--listen",
         "127.0.0.1:0",
@@ -212,10 +209,18 @@ async fn start_without_database(
         "--data-dir",
         &data_dir.to_string_lossy(),
     ])
-    .stdout(std::process::Stdio::null())
-    .stderr(std::process::Stdio::piped())
-    .spawn()
-    .expect("start the gateway binary");
+}
+
+/// A gateway given no database URL, keeping its private PostgreSQL in `data_dir`; with
+/// its log and gRPC address once it serves.
+async fn start_without_database(
+    data_dir: &std::path::Path,
+) -> (tokio::process::Child, ProcessLog, tonic::transport::Channel) {
+    let mut child = without_database(data_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the gateway binary");
     let log = ProcessLog::collect(&mut child);
     let address = log.announced("serving gRPC", &mut child).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
@@ -275,18 +280,7 @@ async fn without_a_database_the_gateway_runs_a_private_postgresql_and_keeps_its_
     pool.close().await;
 
     // A second gateway on the same directory is refused, saying how to share it.
-    let second = exit_of(gateway_command(&[
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--console-listen",
-        "off",
-        "--metrics-listen",
-        "off",
-        "--data-dir",
-        &data_dir.to_string_lossy(),
-    ]))
-    .await;
+    let second = exit_of(without_database(&data_dir)).await;
     let stderr = text(&second.stderr);
     assert_eq!(second.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("another process (pid"), "{stderr}");

@@ -240,16 +240,6 @@ async fn create_push(gateway: &TestGateway, subscription: proto::Subscription) -
     secret
 }
 
-async fn get(gateway: &TestGateway, name: &str) -> proto::Subscription {
-    gateway
-        .admin()
-        .await
-        .get_subscription(proto::GetSubscriptionRequest { name: name.into() })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 async fn update_push(
     gateway: &TestGateway,
     name: &str,
@@ -359,7 +349,7 @@ async fn pushes_every_event_once_as_signed_binary_cloudevents() {
     );
 
     // The secret and header values are never shown again; Subscribe is refused.
-    let shown = get(&gateway, "hooks").await;
+    let shown = stored_subscription(&gateway, "hooks").await;
     let push = shown.push.expect("push config");
     assert!(push.signing_secret.is_empty());
     assert!(push.headers["authorization"].starts_with("sha256:"));
@@ -540,7 +530,7 @@ async fn gone_stops_pushing_until_push_is_set_again() {
     publish(&gateway, vec![event("o-1", "order.created")]).await;
     receiver.wait_for(1).await;
     eventually("the subscription shows why it stopped", WAIT, || async {
-        get(&gateway, "gone")
+        stored_subscription(&gateway, "gone")
             .await
             .push_stopped
             .is_some_and(|stopped| stopped.reason.contains("410"))
@@ -866,7 +856,7 @@ async fn update_switches_between_pull_and_push() {
     assert_eq!(received[0].header("x-api-key"), "k1");
 
     // Sending back the fingerprint Get showed keeps the stored header value.
-    let shown = get(&gateway, "switch").await.push.unwrap();
+    let shown = stored_subscription(&gateway, "switch").await.push.unwrap();
     let updated = update_push(
         &gateway,
         "switch",
@@ -1561,7 +1551,10 @@ async fn resume_subscription_ends_a_gone_stop_and_a_pause_holds_pushes_back() {
     publish(&gateway, vec![event("o-1", "order.created")]).await;
     receiver.wait_for(1).await;
     eventually("pushing stops on 410", WAIT, || async {
-        get(&gateway, "gone").await.push_stopped.is_some()
+        stored_subscription(&gateway, "gone")
+            .await
+            .push_stopped
+            .is_some()
     })
     .await;
 

@@ -52,16 +52,6 @@ async fn resume(gateway: &TestGateway, name: &str) -> proto::Subscription {
         .into_inner()
 }
 
-async fn get(gateway: &TestGateway, name: &str) -> proto::Subscription {
-    gateway
-        .admin()
-        .await
-        .get_subscription(proto::GetSubscriptionRequest { name: name.into() })
-        .await
-        .expect("get subscription")
-        .into_inner()
-}
-
 /// `from_now` from now, as a protobuf timestamp.
 fn in_(from_now: Duration) -> prost_types::Timestamp {
     prost_types::Timestamp::from(SystemTime::now() + from_now)
@@ -102,7 +92,7 @@ async fn a_paused_subscription_settles_what_is_out_and_hands_out_nothing_new() {
         .await
         .expect("pause");
     assert_eq!(again.paused_at, paused.paused_at);
-    assert!(get(&gateway, "work").await.paused);
+    assert!(stored_subscription(&gateway, "work").await.paused);
 
     publish(&gateway, events("during", 3)).await;
     // Acks, extensions and nacks of deliveries already out still apply.
@@ -184,7 +174,10 @@ async fn a_pause_with_an_end_resumes_by_itself() {
         "delivered before the pause ended"
     );
     assert_eq!(aggregates(&deliveries), names("held", 2));
-    assert!(!get(&gateway, "work").await.paused, "the pause is over");
+    assert!(
+        !stored_subscription(&gateway, "work").await.paused,
+        "the pause is over"
+    );
 }
 
 #[tokio::test]
@@ -229,7 +222,7 @@ async fn a_pause_holds_on_every_gateway_and_across_restarts() {
     a.stop().await.expect("stop a");
     b.stop().await.expect("stop b");
     let c = TestGateway::start_with(&database, config).await;
-    let restarted = get(&c, "work").await;
+    let restarted = stored_subscription(&c, "work").await;
     assert!(restarted.paused, "the pause did not survive the restart");
     assert_eq!(restarted.pause_reason, "data fix");
     let mut on_c = Consumer::open(&c, "work", 10).await;
@@ -308,7 +301,7 @@ async fn bad_pauses_are_refused_and_change_nothing() {
         Code::InvalidArgument,
         "PauseSubscription",
     );
-    let unchanged = get(&gateway, "work").await;
+    let unchanged = stored_subscription(&gateway, "work").await;
     assert!(!unchanged.paused, "{unchanged:?}");
     assert_eq!(unchanged.pause_reason, "");
 }
@@ -414,7 +407,7 @@ async fn the_cli_pauses_and_resumes() {
     .await
     .expect_err("an --until in the past");
     assert!(refused.contains("until"), "{refused}");
-    assert!(!get(&gateway, "work").await.paused);
+    assert!(!stored_subscription(&gateway, "work").await.paused);
 }
 
 // Expiry.
