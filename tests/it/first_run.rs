@@ -342,5 +342,14 @@ async fn without_postgresql_binaries_the_gateway_says_how_to_get_them() {
         stderr.contains("no initdb and pg_ctl in /nonexistent/postgresql/bin (--postgres-bin)"),
         "{stderr}"
     );
+    // How to install them, or to do without.
+    for way in [
+        "apt install postgresql",
+        "dnf install postgresql-server",
+        "brew install postgresql@17",
+        "--database-url",
+    ] {
+        assert!(stderr.contains(way), "{way} is not named: {stderr}");
+    }
     let _ = std::fs::remove_dir_all(&data_dir);
 }

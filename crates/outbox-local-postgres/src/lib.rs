@@ -25,10 +25,10 @@ use std::{
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error(
-        "PostgreSQL's server binaries (initdb, pg_ctl) are not installed, or not where they are looked for (PATH, `pg_config --bindir`, /usr/lib/postgresql/*/bin, /usr/pgsql-*/bin, Homebrew). Install them (Debian and Ubuntu: `apt install postgresql`; Fedora and RHEL: `dnf install postgresql-server`; macOS: `brew install postgresql@17`), name their directory with --postgres-bin, or give the gateway a database with --database-url (DATABASE_URL)"
+        "PostgreSQL's server binaries (initdb, pg_ctl) are not installed, or not where they are looked for (PATH, `pg_config --bindir`, /usr/lib/postgresql/*/bin, /usr/pgsql-*/bin, Homebrew). {INSTALL}"
     )]
     NotInstalled,
-    #[error("no initdb and pg_ctl in {0} (--postgres-bin)")]
+    #[error("no initdb and pg_ctl in {0} (--postgres-bin). {INSTALL}")]
     NotInDirectory(PathBuf),
     #[error(
         "PostgreSQL refuses to run as root, and there is no `postgres` system user to run it as: create one (`useradd --system --home-dir /var/lib/postgresql postgres`), run the gateway as another user, or give it a database with --database-url"
@@ -56,6 +56,9 @@ pub enum ClusterError {
     #[error("{command} failed: {detail}")]
     Command { command: String, detail: String },
 }
+
+/// What to do when the server binaries cannot be found.
+const INSTALL: &str = "Install them (Debian and Ubuntu: `apt install postgresql`; Fedora and RHEL: `dnf install postgresql-server`; macOS: `brew install postgresql@17`), name their directory with --postgres-bin, or give the gateway a database with --database-url (DATABASE_URL)";
 
 /// Where the cluster accepts connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -475,9 +478,11 @@ mod tests {
         )
         .err()
         .expect("refused");
-        assert_eq!(
-            error.to_string(),
-            "no initdb and pg_ctl in /nonexistent/bin (--postgres-bin)"
+        assert!(
+            error.to_string().starts_with(
+                "no initdb and pg_ctl in /nonexistent/bin (--postgres-bin). Install them"
+            ),
+            "{error}"
         );
     }
 }
