@@ -8,6 +8,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool, Row};
 
 use crate::common::*;
 use outbox_gateway::{Config, proto};
+use tonic_health::pb::health_check_response::ServingStatus;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -38,6 +39,15 @@ impl Services {
         ];
         adjust(&mut config);
         let gateway = TestGateway::start_with(&default, config).await;
+        // SERVING speaks for the default source only; subscriptions created before a
+        // source is connected reach its consumers only at the next maintenance.
+        for source in ["orders", "shipping"] {
+            let service = format!("outbox.source.{source}");
+            eventually(&format!("{service} serves"), WAIT, || async {
+                gateway.health_of(&service).await == Some(ServingStatus::Serving)
+            })
+            .await;
+        }
         let shipping_pool = shipping.pool().await;
         shipping_pool
             .execute("CREATE TABLE shipments (order_id text NOT NULL, event_id text NOT NULL)")
