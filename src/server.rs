@@ -26,10 +26,10 @@ use crate::{
     telemetry,
 };
 
-/// Services the health endpoint reports on, besides the server as a whole ("").
 /// The health service name that is SERVING for as long as the process serves gRPC.
 pub const PROCESS_HEALTH_SERVICE: &str = "outbox.process";
 
+/// Services the health endpoint reports on, besides the server as a whole ("").
 const SERVICE_NAMES: [&str; 3] = [
     "outbox.v1.Publisher",
     "outbox.v1.Subscriber",
