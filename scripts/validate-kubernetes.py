@@ -20,7 +20,8 @@ What it checks:
 - the files the generators embed: gateway.toml parses as TOML; subscriptions.yaml parses
   as YAML, with a top-level `subscriptions` list, and is valid against the file format's
   JSON Schema, docs/subscriptions.schema.json (without it, its field names are checked
-  against the Subscription message of the proto);
+  against the Subscription message of the proto); so is examples/subscriptions.yaml, and
+  the schema must refuse entries `outbox-gateway apply` refuses as it reads a file;
 - that the pieces fit together: selectors match the pod labels, ports, probes and
   ConfigMap volumes name what exists, the ports of gateway.toml are the container's, push
   endpoints are allowed by gateway.toml's [push] allowed_hosts, and every Secret key a
@@ -339,6 +340,27 @@ def check_subscriptions(file, text):
     return endpoints
 
 
+def check_schema_refusals():
+    """Entries `outbox-gateway apply` refuses as it reads the file must not validate."""
+    if not SUBSCRIPTIONS_SCHEMA.is_file():
+        return
+    where = relative(SUBSCRIPTIONS_SCHEMA)
+    validator = jsonschema.Draft202012Validator(json.loads(SUBSCRIPTIONS_SCHEMA.read_text()))
+    refused = {
+        "an unknown field": {"name": "a", "ackdeadline": "1s"},
+        "a duration without a unit": {"name": "a", "ack_deadline": "30"},
+        "an unknown push format": {"name": "a", "push": {"endpoint": "http://h/", "format": "xml"}},
+        "a start that is no position": {"name": "a", "start": "yesterday"},
+        "a name with capitals": {"name": "Orders"},
+        "no name": {"event_types": ["order.*"]},
+    }
+    accepted = [case for case, entry in refused.items() if validator.is_valid({"subscriptions": [entry]})]
+    if accepted:
+        fail(where, f"the schema accepts what apply refuses: {', '.join(accepted)}")
+    else:
+        print(f"  ok   {where}: refuses {len(refused)} kinds of bad entries")
+
+
 def check_subscriptions_without_schema(where, doc):
     """Field names from the proto, and the values' forms, when the JSON Schema is missing."""
     for field in sorted(set(doc) - {"subscriptions"}):
@@ -563,6 +585,11 @@ def main():
                     gateway_configs[file] = check_gateway_toml(file, text)
                 elif key == "subscriptions.yaml":
                     endpoints += [(file, at, url) for at, url in check_subscriptions(file, text)]
+
+    # The repository's example file, and that the schema refuses what apply refuses.
+    example = REPO / "examples/subscriptions.yaml"
+    check_subscriptions(example, example.read_text())
+    check_schema_refusals()
 
     for file, at, url in endpoints:
         host = urllib.parse.urlsplit(url).hostname or ""

@@ -248,7 +248,11 @@ impl JsonSchema for Start {
             "description": "latest, earliest, or an RFC 3339 time.",
             "anyOf": [
                 { "type": "string", "enum": ["latest", "earliest"] },
-                { "type": "string", "format": "date-time" }
+                {
+                    "type": "string",
+                    "format": "date-time",
+                    "pattern": r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$"
+                }
             ]
         })
     }
