@@ -263,9 +263,16 @@ pub struct Received {
     pub gateway: usize,
 }
 
-/// A Subscribe stream a consumer reads, journaled.
+/// What a stream's reader passes on: a delivery with the moments it arrived, or how the
+/// stream ended.
+type Arrival = Result<(proto::Delivery, Instant, DateTime<Utc>), String>;
+
+/// A Subscribe stream a consumer reads, journaled. A task of its own reads the stream
+/// and timestamps each delivery as it comes off the connection: a consumer busy with
+/// the previous one (stalled past its lease, on purpose) must not make a delivery look
+/// later than the gateway sent it. Dropping it ends the stream.
 pub struct JournaledStream {
-    stream: tonic::Streaming<proto::Delivery>,
+    arrivals: mpsc::UnboundedReceiver<Arrival>,
     pub id: u64,
     gateway: usize,
     /// The subscription's index in the run's list.
@@ -295,7 +302,7 @@ impl JournaledStream {
         };
         match opened {
             Ok(Ok(response)) => Some(JournaledStream {
-                stream: response.into_inner(),
+                arrivals: read_arrivals(response.into_inner()),
                 id: journal.stream_opened(),
                 gateway,
                 subscription: subscription.0,
@@ -314,31 +321,59 @@ impl JournaledStream {
         journal: &Journal,
         stop: &CancellationToken,
     ) -> Result<Received, String> {
-        let message = tokio::select! {
-            message = self.stream.message() => message,
+        let arrival = tokio::select! {
+            arrival = self.arrivals.recv() => arrival,
             _ = stop.cancelled() => return Err("stopped".to_owned()),
         };
-        let delivery = match message {
-            Ok(Some(delivery)) => delivery,
-            Ok(None) => return Err("closed".to_owned()),
-            Err(status) => return Err(format!("{:?}", status.code())),
-        };
-        let received = Received::arrived(self.subscription, delivery, self.id, self.gateway);
+        let (delivery, at, wall) = arrival.unwrap_or_else(|| Err("closed".to_owned()))?;
+        let received = Received::arrived(
+            self.subscription,
+            delivery,
+            (at, wall),
+            self.id,
+            self.gateway,
+        );
         journal.state().received.push(received.clone());
         Ok(received)
     }
 }
 
+/// Reads `stream` until it ends or the receiver is dropped, timestamping each delivery.
+fn read_arrivals(
+    mut stream: tonic::Streaming<proto::Delivery>,
+) -> mpsc::UnboundedReceiver<Arrival> {
+    let (sender, arrivals) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let message = tokio::select! {
+                message = stream.message() => message,
+                // The consumer let the stream go: close it.
+                _ = sender.closed() => return,
+            };
+            let arrival = match message {
+                Ok(Some(delivery)) => Ok((delivery, Instant::now(), Utc::now())),
+                Ok(None) => Err("closed".to_owned()),
+                Err(status) => Err(format!("{:?}", status.code())),
+            };
+            let ended = arrival.is_err();
+            if sender.send(arrival).is_err() || ended {
+                return;
+            }
+        }
+    });
+    arrivals
+}
+
 impl Received {
-    /// A delivery of `subscription` as it arrives on stream `stream` of `gateway`.
+    /// A delivery of `subscription` that came off stream `stream` of `gateway` at `at`
+    /// (`wall` by the shared clock).
     pub fn arrived(
         subscription: usize,
         delivery: proto::Delivery,
+        (at, wall): (Instant, DateTime<Utc>),
         stream: u64,
         gateway: usize,
     ) -> Received {
-        let at = Instant::now();
-        let wall = Utc::now();
         let event = delivery.event.unwrap_or_default();
         Received {
             subscription,
