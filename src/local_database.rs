@@ -7,7 +7,9 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use outbox_local_postgres::{ClusterError, ClusterOptions, Listen, LocalCluster, socket_url};
+use outbox_local_postgres::{
+    ClusterError, ClusterOptions, Listen, LocalCluster, running_as_root, socket_url,
+};
 
 use crate::config::{Config, DEFAULT_DATABASE_URL};
 
@@ -88,8 +90,7 @@ impl LocalDatabase {
 /// `$XDG_DATA_HOME/outbox-gateway` (`~/.local/share/outbox-gateway`); as root, where the
 /// `postgres` user can reach it, `/var/lib/outbox-gateway`.
 fn default_data_dir() -> Result<PathBuf, String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
+    if running_as_root() {
         return Ok(PathBuf::from("/var/lib/outbox-gateway"));
     }
     let non_empty = |name| std::env::var_os(name).filter(|value| !value.is_empty());

@@ -394,7 +394,8 @@ fn has_server_tools(bin: &Path) -> bool {
     bin.join("initdb").is_file() && bin.join("pg_ctl").is_file()
 }
 
-fn running_as_root() -> bool {
+/// Whether this process runs as root, where PostgreSQL runs as the `postgres` user.
+pub fn running_as_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
 }
