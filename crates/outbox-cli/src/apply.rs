@@ -10,7 +10,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::Read,
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 
 use chrono::Utc;
@@ -176,15 +176,8 @@ pub(crate) async fn apply(target: &Target, args: ApplyArgs) -> Result<(), CliErr
         dry_run: args.dry_run,
         ..Report::default()
     };
-    if args.dry_run {
-        for (entry, step) in entries.iter().zip(plan) {
-            report.record(&entry.spec.name, step);
-        }
-        report.record_stale(stale, args.prune);
-        report.print(target);
-        return Ok(());
-    }
-    if args.prune && !stale.is_empty() && !args.yes {
+    let prune = args.prune && !args.dry_run;
+    if prune && !stale.is_empty() && !args.yes {
         confirm(&format!(
             "delete {}, which the file does not name, with their delivery records and dead letters: {}",
             count(stale.len() as u64, "subscription"),
@@ -192,10 +185,13 @@ pub(crate) async fn apply(target: &Target, args: ApplyArgs) -> Result<(), CliErr
         ))?;
     }
     for (entry, step) in entries.iter().zip(plan) {
-        let step = execute(&mut admin, entry, step, &mut report).await?;
+        let step = match args.dry_run {
+            true => step,
+            false => execute(&mut admin, entry, step, &mut report).await?,
+        };
         report.record(&entry.spec.name, step);
     }
-    if args.prune {
+    if prune {
         for name in &stale {
             match admin
                 .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
@@ -248,7 +244,7 @@ async fn exported(target: &Target) -> Result<String, CliError> {
 
 /// The file's entries, checked for what needs no gateway: YAML and field types, names
 /// given once, environment variables set.
-fn read_file(path: &PathBuf) -> Result<Vec<Entry>, CliError> {
+fn read_file(path: &Path) -> Result<Vec<Entry>, CliError> {
     let shown = path.display();
     let mut text = String::new();
     let read = if path.as_os_str() == "-" {
