@@ -601,9 +601,15 @@ pub async fn create_subscription(
     gateway: &TestGateway,
     subscription: proto::Subscription,
 ) -> proto::Subscription {
-    gateway
-        .admin()
-        .await
+    create_subscription_over(gateway.channel().await, subscription).await
+}
+
+/// [`create_subscription`] on a gateway reached through `channel` (a gateway process).
+pub async fn create_subscription_over(
+    channel: Channel,
+    subscription: proto::Subscription,
+) -> proto::Subscription {
+    AdminClient::new(channel)
         .create_subscription(proto::CreateSubscriptionRequest {
             subscription: Some(subscription),
             validate_only: false,

@@ -196,9 +196,11 @@ async fn database_errors_are_in_the_gateways_words() {
     assert!(!stderr.contains("error returned from database"), "{stderr}");
 }
 
-/// `serve` without a database URL, keeping its private PostgreSQL in `data_dir`.
-fn without_database(data_dir: &std::path::Path) -> Command {
-    gateway_command(&[
+/// `serve` without a database URL, keeping its private PostgreSQL in `data_dir`, with
+/// `extra` arguments.
+fn without_database(data_dir: &std::path::Path, extra: &[&str]) -> Command {
+    let data_dir = data_dir.to_string_lossy();
+    let mut args = vec![
         "serve",
         "--listen",
         "127.0.0.1:0",
@@ -207,8 +209,10 @@ fn without_database(data_dir: &std::path::Path) -> Command {
         "--metrics-listen",
         "off",
         "--data-dir",
-        &data_dir.to_string_lossy(),
-    ])
+        &data_dir,
+    ];
+    args.extend_from_slice(extra);
+    gateway_command(&args)
 }
 
 /// A gateway given no database URL, keeping its private PostgreSQL in `data_dir`; with
@@ -216,7 +220,7 @@ fn without_database(data_dir: &std::path::Path) -> Command {
 async fn start_without_database(
     data_dir: &std::path::Path,
 ) -> (tokio::process::Child, ProcessLog, tonic::transport::Channel) {
-    let mut child = without_database(data_dir)
+    let mut child = without_database(data_dir, &[])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -261,14 +265,7 @@ async fn without_a_database_the_gateway_runs_a_private_postgresql_and_keeps_its_
         .find(|line| line.contains("running a private PostgreSQL"))
         .unwrap_or_else(|| panic!("no announcement in:\n{}", log.text()));
     assert!(announced.contains(&url), "{announced}");
-    let mut admin = AdminClient::new(channel.clone());
-    admin
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(subscription("orders")),
-            validate_only: false,
-        })
-        .await
-        .unwrap();
+    create_subscription_over(channel, subscription("orders")).await;
     // Another service publishes through the URL, in its own transaction.
     let pool = sqlx::PgPool::connect(&url)
         .await
@@ -280,7 +277,7 @@ async fn without_a_database_the_gateway_runs_a_private_postgresql_and_keeps_its_
     pool.close().await;
 
     // A second gateway on the same directory is refused, saying how to share it.
-    let second = exit_of(without_database(&data_dir)).await;
+    let second = exit_of(without_database(&data_dir, &[])).await;
     let stderr = text(&second.stderr);
     assert_eq!(second.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("another process (pid"), "{stderr}");
@@ -324,17 +321,10 @@ async fn without_postgresql_binaries_the_gateway_says_how_to_get_them() {
         "outbox-first-run-{}",
         uuid::Uuid::new_v4().simple()
     ));
-    let output = exit_of(gateway_command(&[
-        "serve",
-        "--console-listen",
-        "off",
-        "--metrics-listen",
-        "off",
-        "--data-dir",
-        &data_dir.to_string_lossy(),
-        "--postgres-bin",
-        "/nonexistent/postgresql/bin",
-    ]))
+    let output = exit_of(without_database(
+        &data_dir,
+        &["--postgres-bin", "/nonexistent/postgresql/bin"],
+    ))
     .await;
     let stderr = text(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");

@@ -159,14 +159,7 @@ impl GatewayProcess {
 }
 
 async fn setup_scenario(channel: Channel, events: Vec<proto::EventInput>) -> Vec<proto::Delivery> {
-    let mut admin = proto::admin_client::AdminClient::new(channel.clone());
-    admin
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(subscription("orders")),
-            validate_only: false,
-        })
-        .await
-        .unwrap();
+    create_subscription_over(channel.clone(), subscription("orders")).await;
     let count = events.len();
     proto::publisher_client::PublisherClient::new(channel.clone())
         .publish(proto::PublishRequest {
@@ -463,7 +456,7 @@ async fn losing_the_database_is_one_line_and_its_return_another() {
     )
     .await;
     // Some traffic, so calls and claims fail too while the database is away.
-    create_subscription_over(&gateway, "orders").await;
+    create_subscription_over(gateway.channel().await, subscription("orders")).await;
     let _stream = proto::subscriber_client::SubscriberClient::new(gateway.channel().await)
         .subscribe(proto::SubscribeRequest {
             subscription: "orders".into(),
@@ -505,16 +498,6 @@ async fn losing_the_database_is_one_line_and_its_return_another() {
         assert!(!line.contains("health check failed"), "repeated: {line}");
     }
     gateway.stop().await;
-}
-
-async fn create_subscription_over(gateway: &GatewayProcess, name: &str) {
-    proto::admin_client::AdminClient::new(gateway.channel().await)
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(subscription(name)),
-            validate_only: false,
-        })
-        .await
-        .unwrap();
 }
 
 /// Receives OTLP trace exports.
@@ -623,14 +606,7 @@ async fn traced_delivery(
     let gateway = GatewayProcess::start(&database, &["--metrics-listen", "off"], &env).await;
 
     let channel = gateway.channel().await;
-    let mut admin = proto::admin_client::AdminClient::new(channel.clone());
-    admin
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(subscription("orders")),
-            validate_only: false,
-        })
-        .await
-        .unwrap();
+    create_subscription_over(channel.clone(), subscription("orders")).await;
     let mut request = tonic::Request::new(proto::PublishRequest {
         events: vec![event("o-1", "order.created")],
         ..Default::default()
@@ -830,7 +806,7 @@ async fn failing_trace_exports_are_one_warning_not_one_per_batch() {
             .cloned()
             .collect::<Vec<_>>()
     };
-    create_subscription_over(&gateway, "a").await;
+    create_subscription_over(gateway.channel().await, subscription("a")).await;
     eventually("the failure is logged", WAIT, || async {
         !warnings().is_empty()
     })
@@ -838,7 +814,7 @@ async fn failing_trace_exports_are_one_warning_not_one_per_batch() {
     // More spans, more batches (one every 100 ms) failing within the next second or so:
     // a fixed window, since what is checked is that nothing more is logged.
     for name in ["b", "c", "d"] {
-        create_subscription_over(&gateway, name).await;
+        create_subscription_over(gateway.channel().await, subscription(name)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let logged = warnings();
@@ -945,7 +921,7 @@ async fn piped_text_logs_have_no_colours_and_no_debug_wrappers() {
     let database = TestDatabase::create().await;
     let gateway = GatewayProcess::start(&database, &["--metrics-listen", "off"], &[]).await;
     let address = gateway.endpoint.trim_start_matches("http://").to_owned();
-    create_subscription_over(&gateway, "orders").await;
+    create_subscription_over(gateway.channel().await, subscription("orders")).await;
     let stderr = gateway.stderr.clone();
     gateway.stop().await;
     let lines = stderr.lock().unwrap().clone();
@@ -1013,7 +989,7 @@ async fn a_taken_listen_address_says_how_to_choose_another() {
 async fn counters_start_at_zero_beside_build_and_process_figures() {
     let database = TestDatabase::create().await;
     let (gateway, metrics_base) = GatewayProcess::with_metrics(&database).await;
-    create_subscription_over(&gateway, "orders").await;
+    create_subscription_over(gateway.channel().await, subscription("orders")).await;
     let url = format!("{metrics_base}/metrics");
     let orders = [("subscription", "orders"), ("source", "default")];
     eventually("the new subscription's series appear", WAIT, || async {
