@@ -17,7 +17,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
-    Result, Store, StoreError,
+    GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, metadata_filter, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
@@ -90,7 +90,7 @@ impl Store {
         include_due: bool,
     ) -> Result<Option<Claim>> {
         let subscription_id = subscription.id;
-        run_in_transaction!(self.pool, |transaction| {
+        run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
             lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
                 return Ok(None);
@@ -292,14 +292,14 @@ impl Store {
             .unzip();
         let mut settled = HashSet::new();
         if !positions.is_empty() {
-            let rows = run_again_on_conflict(|| {
-                sqlx::query(include_str!("queries/ack_batches.sql"))
+            let rows = run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
+                Ok(sqlx::query(include_str!("queries/ack_batches.sql"))
                     .bind(subscription.id.0)
                     .bind(&positions)
                     .bind(&tokens)
-                    .fetch_all(&self.pool)
-            })
-            .await?;
+                    .fetch_all(&mut *transaction)
+                    .await?)
+            })?;
             for row in &rows {
                 settled.insert(LeaseId {
                     position: row.try_get("position")?,

@@ -80,10 +80,16 @@ macro_rules! qualified_event_columns {
 /// [`TRANSACTION_ATTEMPTS`] times in all, so such a race (deleting a subscription while
 /// its streams give their leases back) never reaches a caller as a failure. The body
 /// must therefore be able to run more than once.
+///
+/// `begin = STATEMENT` opens the transaction with that statement instead of `BEGIN`
+/// (e.g. [`GENERIC_PLANS`]).
 macro_rules! run_in_transaction {
     ($pool:expr, |$transaction:ident| $body:block) => {
+        run_in_transaction!($pool, begin = "BEGIN", |$transaction| $body)
+    };
+    ($pool:expr, begin = $begin:expr, |$transaction:ident| $body:block) => {
         $crate::run_again_on_conflict(|| async {
-            let mut transaction = $pool.begin().await?;
+            let mut transaction = $pool.begin_with($begin).await?;
             let outcome: $crate::Result<_> = async {
                 let $transaction: &mut sqlx::PgConnection = &mut *transaction;
                 $body
@@ -107,6 +113,17 @@ macro_rules! run_in_transaction {
         .await
     };
 }
+
+/// Opens a transaction whose statements run with cached generic plans, probing tables by
+/// index. For the delivery hot path (claims and acks): their statements are large, and
+/// planning them anew on every call (PostgreSQL keeps custom plans when they look cheaper
+/// than the generic one, which the `$n IS NULL OR …` filters make them) cost as much
+/// PostgreSQL CPU as running them. A generic plan is made once per connection, when the
+/// tables may still be empty, and kept until their statistics change; with sequential
+/// scans off it probes the delivery tables by index whatever their size then, rather
+/// than scanning a table that has grown since for every row.
+pub(crate) const GENERIC_PLANS: &str =
+    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
 
 /// How many times [`run_again_on_conflict`] runs what keeps losing races.
 pub const TRANSACTION_ATTEMPTS: u32 = 3;

@@ -23,6 +23,12 @@
 -- (peek_new.sql; NULL without a filter: the current one), $20 those of $18 the filter
 -- failed on.
 --
+-- The claim runs with a cached generic plan (see GENERIC_PLANS in lib.rs): planning this
+-- statement anew took as long as running it. Its optional filters are therefore written
+-- as CASE, which the planner estimates as neutral, not as `$n IS NULL OR …`, whose
+-- default selectivity makes a generic plan expect one row and read every event past the
+-- cursor with a bitmap scan instead of walking the relay-order index to the LIMIT.
+--
 -- With a snapshot given, only rows visible in it are considered, so the claim decides on
 -- exactly the rows the filter was evaluated on. Rows the filter passes over are passed
 -- like rows of other types: no record, no bytes, no hold on their aggregate.
@@ -56,10 +62,10 @@ late AS (
         -- and filter the whole table for them (when few transactions wrote most rows,
         -- it expects many rows per transaction).
         WHERE (e.xact_id, e.position) > (p.xact_id, p.taken) AND e.xact_id <= p.xact_id
-          AND ($5::text IS NULL OR e.event_type ~ $5)
-          AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
-          AND ($7::jsonb IS NULL OR e.metadata @> $7)
-          AND ($8::timestamptz IS NULL OR e.created_at >= $8)
+          AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+          AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+          AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+          AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
         ORDER BY e.xact_id, e.position
         LIMIT $4
     ) l
@@ -74,12 +80,12 @@ fresh AS (
            octet_length(e.payload) AS size, e.created_at, e.deliver_at, e.expires_at
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
-      AND ($19::text IS NULL
-           OR pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)))
-      AND ($5::text IS NULL OR e.event_type ~ $5)
-      AND (cardinality($6::text[]) = 0 OR e.aggregate_type = ANY ($6))
-      AND ($7::jsonb IS NULL OR e.metadata @> $7)
-      AND ($8::timestamptz IS NULL OR e.created_at >= $8)
+      AND CASE WHEN $19::text IS NULL THEN true
+           ELSE pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)) END
+      AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+      AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+      AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+      AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
     ORDER BY e.xact_id, e.position
     LIMIT $4
 ),
@@ -199,8 +205,8 @@ visible_end AS (
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND (SELECT took_all AND late_complete AND fresh_complete FROM outcome)
-      AND ($19::text IS NULL
-           OR pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)))
+      AND CASE WHEN $19::text IS NULL THEN true
+           ELSE pg_visible_in_snapshot(e.xact_id::text::xid8, (SELECT s FROM snapshot)) END
     ORDER BY e.xact_id DESC, e.position DESC
     LIMIT 1
 ),

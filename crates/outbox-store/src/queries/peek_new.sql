@@ -5,6 +5,8 @@
 -- claim decides on exactly these rows: one committed meanwhile is left to the next claim
 -- (and its filter), never taken unfiltered nor skipped.
 --
+-- Its optional filters are written as CASE for the generic plan, as in claim_new.sql.
+--
 -- $1/$2 cursor (xact_id, position), $3 limit, $4 event-type regex (NULL: all),
 -- $5 aggregate types (empty: all), $6 metadata match (NULL: all), $7 not_before
 -- (NULL: none), $8 pending transaction ids, $9 the position up to which each pending
@@ -24,10 +26,10 @@ late AS (
         SELECT e.xact_id, e.position
         FROM outbox_events e
         WHERE (e.xact_id, e.position) > (p.xact_id, p.taken) AND e.xact_id <= p.xact_id
-          AND ($4::text IS NULL OR e.event_type ~ $4)
-          AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
-          AND ($6::jsonb IS NULL OR e.metadata @> $6)
-          AND ($7::timestamptz IS NULL OR e.created_at >= $7)
+          AND CASE WHEN $4::text IS NULL THEN true ELSE e.event_type ~ $4 END
+          AND CASE WHEN cardinality($5::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($5) END
+          AND CASE WHEN $6::jsonb IS NULL THEN true ELSE e.metadata @> $6 END
+          AND CASE WHEN $7::timestamptz IS NULL THEN true ELSE e.created_at >= $7 END
         ORDER BY e.xact_id, e.position
         LIMIT $3
     ) l
@@ -39,10 +41,10 @@ fresh AS (
     SELECT e.xact_id, e.position
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($1, $2)
-      AND ($4::text IS NULL OR e.event_type ~ $4)
-      AND (cardinality($5::text[]) = 0 OR e.aggregate_type = ANY ($5))
-      AND ($6::jsonb IS NULL OR e.metadata @> $6)
-      AND ($7::timestamptz IS NULL OR e.created_at >= $7)
+      AND CASE WHEN $4::text IS NULL THEN true ELSE e.event_type ~ $4 END
+      AND CASE WHEN cardinality($5::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($5) END
+      AND CASE WHEN $6::jsonb IS NULL THEN true ELSE e.metadata @> $6 END
+      AND CASE WHEN $7::timestamptz IS NULL THEN true ELSE e.created_at >= $7 END
     ORDER BY e.xact_id, e.position
     LIMIT $3
 ),
