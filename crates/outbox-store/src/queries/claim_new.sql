@@ -119,11 +119,13 @@ candidates AS (
 batch AS (
     SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
 ),
+-- Ordered subscriptions only: the branch of `decided` for the other kind is not run, so
+-- an unordered claim neither hashes aggregates nor sorts the batch by them.
 keyed AS (
     SELECT b.position, b.xact_id, b.expired, b.filtered, b.scheduled, b.deliver_at,
-           CASE WHEN $11 THEN hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) END
-               AS ordering_key
+           hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) AS ordering_key
     FROM batch b
+    WHERE $11
 ),
 decided AS (
     -- On ordered subscriptions an event goes out (or, when scheduled, waits for its time)
@@ -133,17 +135,25 @@ decided AS (
     SELECT k.position, k.xact_id, k.ordering_key, k.deliver_at, k.expired, k.filtered,
            CASE WHEN k.filtered THEN NULL
                 WHEN k.expired THEN CASE WHEN $17 THEN 'dead' END
-                WHEN k.ordering_key IS NOT NULL
-                     AND (row_number() OVER (PARTITION BY k.ordering_key, k.expired OR k.filtered
-                                             ORDER BY k.xact_id, k.position) > 1
-                          OR EXISTS (SELECT 1 FROM outbox_deliveries d
-                                     WHERE d.subscription_id = $1
-                                       AND d.ordering_key = k.ordering_key
-                                       AND d.state <> 'dead')) THEN 'waiting'
+                WHEN row_number() OVER (PARTITION BY k.ordering_key, k.expired OR k.filtered
+                                        ORDER BY k.xact_id, k.position) > 1
+                     OR EXISTS (SELECT 1 FROM outbox_deliveries d
+                                WHERE d.subscription_id = $1
+                                  AND d.ordering_key = k.ordering_key
+                                  AND d.state <> 'dead') THEN 'waiting'
                 WHEN k.scheduled THEN 'retry'
                 ELSE 'in_flight'
            END AS state
     FROM keyed k
+    UNION ALL
+    SELECT b.position, b.xact_id, NULL, b.deliver_at, b.expired, b.filtered,
+           CASE WHEN b.filtered THEN NULL
+                WHEN b.expired THEN CASE WHEN $17 THEN 'dead' END
+                WHEN b.scheduled THEN 'retry'
+                ELSE 'in_flight'
+           END
+    FROM batch b
+    WHERE NOT $11
 ),
 inserted AS (
     -- Records of their own: on ordered subscriptions every event's, elsewhere those of
@@ -271,20 +281,24 @@ counted AS (
 ),
 -- What became of the batch besides its deliveries; on every row, and on one row of its
 -- own when nothing was delivered. An expired event that already had a record (from
--- before a seek) was not expired by this claim.
+-- before a seek) was not expired by this claim. One pass over each CTE counted.
 summary AS (
-    SELECT (SELECT count(*) FROM inserted WHERE state = 'dead') AS expired_dead_lettered,
+    SELECT i.expired_dead_lettered,
            (SELECT count(*) FROM decided d
             WHERE d.expired AND NOT d.filtered AND d.state IS NULL
               AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
                               WHERE x.subscription_id = $1 AND x.position = d.position))
                AS expired_dropped,
-           (SELECT min(due_at) FROM inserted WHERE state = 'retry') AS next_scheduled,
+           i.next_scheduled,
            (SELECT count(*) FROM batch) >= $4 AS batch_full,
-           (SELECT count(*) FROM decided WHERE filtered) AS filtered,
-           (SELECT count(*) FROM decided WHERE filtered AND position = ANY ($20)) AS filter_errors,
-           (SELECT max(position) FROM decided WHERE filtered AND position = ANY ($20))
-               AS last_filter_error_position
+           f.filtered, f.filter_errors, f.last_filter_error_position
+    FROM (SELECT count(*) FILTER (WHERE state = 'dead') AS expired_dead_lettered,
+                 min(due_at) FILTER (WHERE state = 'retry') AS next_scheduled
+          FROM inserted) i,
+         (SELECT count(*) AS filtered,
+                 count(*) FILTER (WHERE position = ANY ($20)) AS filter_errors,
+                 max(position) FILTER (WHERE position = ANY ($20)) AS last_filter_error_position
+          FROM decided WHERE filtered) f
 )
 -- The events are read back by position rather than joined with `batch`: the batch's
 -- row estimate is often 1, and a nested loop over two CTEs compares every pair.
