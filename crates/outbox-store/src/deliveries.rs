@@ -650,3 +650,117 @@ impl Store {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use outbox_domain::{
+        SourceId, SourceName, StartPosition, SubscriptionName, SubscriptionSettings,
+    };
+    use outbox_testkit::{ThrowawayDatabase, test_server_url};
+
+    use super::*;
+    use crate::{StoreConfig, subscriptions::NewDefinition};
+
+    /// Claims and batch acks keep one cached plan per connection instead of planning
+    /// anew on every call (planning cost PostgreSQL as much as running them), and the
+    /// cached claim plan walks the relay-order index to its LIMIT rather than reading
+    /// every event past the cursor.
+    #[tokio::test]
+    async fn claims_and_batch_acks_run_on_one_cached_plan() {
+        let database = ThrowawayDatabase::create(&test_server_url(), "plans")
+            .await
+            .expect("a database");
+        let store = Store::connect(&StoreConfig {
+            source: SourceName::default_source(),
+            source_id: SourceId(0),
+            database_url: database.url().to_owned(),
+            // One connection: every claim and ack shares its prepared statements.
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(30),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+        })
+        .await
+        .expect("connect");
+        store.migrate().await.expect("migrate");
+        let subscription = store
+            .create_subscription(
+                &NewDefinition {
+                    name: &SubscriptionName::parse("name", "plans").unwrap(),
+                    settings: &SubscriptionSettings::default(),
+                    sources: &[],
+                    start: StartPosition::Earliest,
+                    expire_after_idle: None,
+                    secrets: &[],
+                },
+                true,
+            )
+            .await
+            .expect("create the subscription");
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, 5000) n",
+        )
+        .execute(&store.pool)
+        .await
+        .expect("insert events");
+
+        const CLAIMS: i64 = 8;
+        for claim_number in 1..=CLAIMS {
+            let limits = ClaimLimits {
+                count: 100,
+                bytes: u64::MAX,
+            };
+            let claim = store
+                .claim(&subscription, claim_number, limits, false)
+                .await
+                .expect("claim")
+                .expect("the subscription reads this database");
+            assert_eq!(claim.deliveries.len(), 100, "claim {claim_number}");
+            let acks: Vec<AckId> = claim.deliveries.iter().map(|d| d.ack_id).collect();
+            let acked = store.ack_together(&subscription, &acks).await.expect("ack");
+            assert_eq!(acked.len(), 100, "acks of claim {claim_number}");
+        }
+
+        let plans = |start: &'static str| {
+            sqlx::query_as::<_, (String, i64, i64)>(
+                "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements
+                 WHERE starts_with(statement, $1)",
+            )
+            .bind(start)
+            .fetch_one(&store.pool)
+        };
+        let (claim_statement, generic, custom) = plans("-- Claims the next events").await.unwrap();
+        assert_eq!((generic, custom), (CLAIMS, 0), "plans of the claim");
+        let (_, generic, custom) = plans("-- Settles first leases held in claim batches")
+            .await
+            .unwrap();
+        assert_eq!((generic, custom), (CLAIMS, 0), "plans of the batch ack");
+
+        // The cached plan, shown for the next claim's parameters.
+        let mut transaction = store.pool.begin_with(GENERIC_PLANS).await.unwrap();
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN EXECUTE {claim_statement}(
+                 {id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, false, '{{}}', '{{}}',
+                 1000000, 0, NULL, false, NULL, NULL, '{{}}')",
+            id = subscription.id.0
+        )))
+        .fetch_all(&mut *transaction)
+        .await
+        .expect("explain the cached claim");
+        transaction.rollback().await.unwrap();
+        let plan = plan.join("\n");
+        assert!(
+            plan.contains("Index Scan using outbox_events_relay_order"),
+            "the claim reads past the cursor by the relay-order index:\n{plan}"
+        );
+        assert!(
+            !plan.contains("Bitmap Heap Scan on outbox_events") && !plan.contains("Seq Scan"),
+            "the claim neither reads every event past the cursor nor scans a table:\n{plan}"
+        );
+
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+}
