@@ -116,12 +116,12 @@ macro_rules! run_in_transaction {
 
 /// Opens a transaction whose statements run with cached generic plans, probing tables by
 /// index. For the delivery hot path (claims and acks): their statements are large, and
-/// planning them anew on every call (PostgreSQL keeps custom plans when they look cheaper
-/// than the generic one, which the `$n IS NULL OR …` filters make them) cost as much
-/// PostgreSQL CPU as running them. A generic plan is made once per connection, when the
-/// tables may still be empty, and kept until their statistics change; with sequential
-/// scans off it probes the delivery tables by index whatever their size then, rather
-/// than scanning a table that has grown since for every row.
+/// planning them anew on every call, as the pool otherwise does ([`claim_options`]), cost
+/// as much PostgreSQL CPU as running them; they are written so that a generic plan
+/// serves them well. A generic plan is made once per connection, when the tables may
+/// still be empty, and kept until their statistics change; with sequential scans off it
+/// probes the delivery tables by index whatever their size then, rather than scanning a
+/// table that has grown since for every row.
 pub(crate) const GENERIC_PLANS: &str =
     "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
 
