@@ -655,13 +655,10 @@ impl Store {
 mod tests {
     use std::time::Duration;
 
-    use outbox_domain::{
-        SourceId, SourceName, StartPosition, SubscriptionName, SubscriptionSettings,
-    };
-    use outbox_testkit::{ThrowawayDatabase, test_server_url};
+    use outbox_domain::{StartPosition, SubscriptionName, SubscriptionSettings};
 
     use super::*;
-    use crate::{StoreConfig, subscriptions::NewDefinition};
+    use crate::{subscriptions::NewDefinition, throwaway_store};
 
     /// Claims and batch acks keep one cached plan per connection instead of planning
     /// anew on every call (planning cost PostgreSQL as much as running them), and the
@@ -669,20 +666,8 @@ mod tests {
     /// every event past the cursor.
     #[tokio::test]
     async fn claims_and_batch_acks_run_on_one_cached_plan() {
-        let database = ThrowawayDatabase::create(&test_server_url(), "plans")
-            .await
-            .expect("a database");
-        let store = Store::connect(&StoreConfig {
-            source: SourceName::default_source(),
-            source_id: SourceId(0),
-            database_url: database.url().to_owned(),
-            // One connection: every claim and ack shares its prepared statements.
-            max_connections: 1,
-            acquire_timeout: Duration::from_secs(30),
-            idle_in_transaction_timeout: Duration::from_secs(60),
-        })
-        .await
-        .expect("connect");
+        // One connection: every claim and ack shares its prepared statements.
+        let (database, store) = throwaway_store(1, Duration::from_secs(60)).await;
         store.migrate().await.expect("migrate");
         let subscription = store
             .create_subscription(

@@ -711,6 +711,30 @@ fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOption
         })
 }
 
+/// A store on a database of its own for a test, with `max_connections` in its main
+/// pool.
+#[cfg(test)]
+pub(crate) async fn throwaway_store(
+    max_connections: u32,
+    idle_in_transaction_timeout: Duration,
+) -> (outbox_testkit::ThrowawayDatabase, Store) {
+    let database =
+        outbox_testkit::ThrowawayDatabase::create(&outbox_testkit::test_server_url(), "storage")
+            .await
+            .expect("a database");
+    let store = Store::connect(&StoreConfig {
+        source: SourceName::default_source(),
+        source_id: SourceId(0),
+        database_url: database.url().to_owned(),
+        max_connections,
+        acquire_timeout: Duration::from_secs(30),
+        idle_in_transaction_timeout,
+    })
+    .await
+    .expect("connect");
+    (database, store)
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -855,23 +879,8 @@ mod tests {
     /// of the gateway's that is left idle inside a transaction, in both pools.
     #[tokio::test]
     async fn sessions_left_idle_in_a_transaction_are_ended() {
-        let database = outbox_testkit::ThrowawayDatabase::create(
-            &outbox_testkit::test_server_url(),
-            "storage",
-        )
-        .await
-        .expect("a database");
-        let store = Store::connect(&StoreConfig {
-            source: SourceName::default_source(),
-            source_id: SourceId(0),
-            database_url: database.url().to_owned(),
-            // One for the session left open, one to watch it.
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(10),
-            idle_in_transaction_timeout: Duration::from_millis(1500),
-        })
-        .await
-        .expect("connect");
+        // One connection for the session left open, one to watch it.
+        let (database, store) = throwaway_store(2, Duration::from_millis(1500)).await;
         for pool in [&store.pool, &store.publish_pool] {
             let mut connection = pool.acquire().await.expect("a connection");
             let shown: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
