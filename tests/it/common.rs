@@ -199,7 +199,8 @@ pub async fn start_gateway_process(
     database: &TestDatabase,
     extra: &[&str],
 ) -> (tokio::process::Child, ProcessLog, SocketAddr, Channel) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
         .args([
             "serve",
             "--listen",
@@ -210,7 +211,16 @@ pub async fn start_gateway_process(
         .arg("--database-url")
         .arg(database.url())
         .args(extra)
-        .env_remove("RUST_LOG")
+        .env_remove("RUST_LOG");
+    serving_process(command).await
+}
+
+/// Runs `command` (the gateway binary's `serve`, on an ephemeral gRPC port) as a child
+/// process; returned with its log, its gRPC address and a channel to it once it serves.
+pub async fn serving_process(
+    mut command: Command,
+) -> (tokio::process::Child, ProcessLog, SocketAddr, Channel) {
+    let mut child = command
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)

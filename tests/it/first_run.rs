@@ -220,18 +220,7 @@ fn without_database(data_dir: &std::path::Path, extra: &[&str]) -> Command {
 async fn start_without_database(
     data_dir: &std::path::Path,
 ) -> (tokio::process::Child, ProcessLog, tonic::transport::Channel) {
-    let mut child = without_database(data_dir, &[])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the gateway binary");
-    let log = ProcessLog::collect(&mut child);
-    let address = log.announced("serving gRPC", &mut child).await;
-    let channel = tonic::transport::Channel::from_shared(format!("http://{address}"))
-        .unwrap()
-        .connect()
-        .await
-        .expect("connect to the gateway");
+    let (child, log, _, channel) = serving_process(without_database(data_dir, &[])).await;
     (child, log, channel)
 }
 
