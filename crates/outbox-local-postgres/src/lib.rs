@@ -113,16 +113,10 @@ impl LocalCluster {
         if as_postgres && !postgres_user_exists() {
             return Err(ClusterError::RootWithoutPostgresUser);
         }
-        let io = |action, path: &Path| {
-            let path = path.to_owned();
-            move |source| ClusterError::Io {
-                action,
-                path,
-                source,
-            }
-        };
-        std::fs::create_dir_all(directory).map_err(io("create", directory))?;
-        let directory = directory.canonicalize().map_err(io("resolve", directory))?;
+        std::fs::create_dir_all(directory).map_err(io_error("create", directory))?;
+        let directory = directory
+            .canonicalize()
+            .map_err(io_error("resolve", directory))?;
         let data = directory.join("postgres");
         let lock_path = directory.join("postgres.lock");
         let mut lock = File::options()
@@ -131,7 +125,7 @@ impl LocalCluster {
             .read(true)
             .write(true)
             .open(&lock_path)
-            .map_err(io("open", &lock_path))?;
+            .map_err(io_error("open", &lock_path))?;
         let socket = data.join(format!(".s.PGSQL.{}", options.port()));
         if socket.as_os_str().len() > 103 {
             return Err(ClusterError::SocketPathTooLong(socket));
@@ -144,8 +138,8 @@ impl LocalCluster {
                 socket_directory: data,
             });
         }
-        lock.set_len(0).map_err(io("write", &lock_path))?;
-        write!(lock, "{}", std::process::id()).map_err(io("write", &lock_path))?;
+        lock.set_len(0).map_err(io_error("write", &lock_path))?;
+        write!(lock, "{}", std::process::id()).map_err(io_error("write", &lock_path))?;
         let cluster = LocalCluster {
             bin,
             data,
@@ -205,11 +199,7 @@ impl LocalCluster {
     }
 
     fn create(&self) -> Result<(), ClusterError> {
-        std::fs::create_dir_all(&self.data).map_err(|source| ClusterError::Io {
-            action: "create",
-            path: self.data.clone(),
-            source,
-        })?;
+        std::fs::create_dir_all(&self.data).map_err(io_error("create", &self.data))?;
         if self.as_postgres {
             run(Command::new("chown")
                 .arg(format!("{SUPERUSER}:"))
@@ -231,22 +221,12 @@ impl LocalCluster {
         let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
         self.tool("initdb", &arguments)?;
         let conf = self.data.join("postgresql.conf");
-        let mut file =
-            File::options()
-                .append(true)
-                .open(&conf)
-                .map_err(|source| ClusterError::Io {
-                    action: "open",
-                    path: conf.clone(),
-                    source,
-                })?;
-        writeln!(file, "\ninclude_if_exists = 'outbox-gateway.conf'").map_err(|source| {
-            ClusterError::Io {
-                action: "write",
-                path: conf,
-                source,
-            }
-        })
+        let mut file = File::options()
+            .append(true)
+            .open(&conf)
+            .map_err(io_error("open", &conf))?;
+        writeln!(file, "\ninclude_if_exists = 'outbox-gateway.conf'")
+            .map_err(io_error("write", &conf))
     }
 
     /// Where it listens, written before each start so that a moved directory or other
@@ -269,11 +249,7 @@ impl LocalCluster {
             settings.push_str("fsync = off\n");
         }
         let path = self.data.join("outbox-gateway.conf");
-        std::fs::write(&path, settings).map_err(|source| ClusterError::Io {
-            action: "write",
-            path,
-            source,
-        })
+        std::fs::write(&path, settings).map_err(io_error("write", &path))
     }
 
     fn tool(&self, name: &str, arguments: &[&str]) -> Result<(), ClusterError> {
@@ -405,6 +381,16 @@ fn postgres_user_exists() -> bool {
     // SAFETY: getpwnam reads a NUL-terminated name; the result is only tested for null
     // and not kept.
     unsafe { !libc::getpwnam(name.as_ptr()).is_null() }
+}
+
+/// Maps an I/O error of `action` on `path` to [`ClusterError::Io`].
+fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ClusterError {
+    let path = path.to_owned();
+    move |source| ClusterError::Io {
+        action,
+        path,
+        source,
+    }
 }
 
 fn run(command: &mut Command) -> Result<(), ClusterError> {
