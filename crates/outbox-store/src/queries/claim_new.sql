@@ -107,14 +107,16 @@ flagged AS (
                AS scheduled
     FROM expiring x
 ),
+-- One window frame for both the count and the running byte sum: two frames cost two
+-- passes over the candidates.
 candidates AS (
-    SELECT c.*, row_number() OVER w AS n,
-           coalesce(sum(CASE WHEN c.expired OR c.scheduled OR c.filtered THEN 0
-                             ELSE c.size + 256 END)
-                        OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+    SELECT c.*, count(*) OVER w AS n,
+           sum(CASE WHEN c.expired OR c.scheduled OR c.filtered THEN 0
+                    ELSE c.size + 256 END) OVER w
+             - CASE WHEN c.expired OR c.scheduled OR c.filtered THEN 0 ELSE c.size + 256 END
                AS bytes_before
     FROM flagged c
-    WINDOW w AS (ORDER BY c.xact_id, c.position)
+    WINDOW w AS (ORDER BY c.xact_id, c.position ROWS UNBOUNDED PRECEDING)
 ),
 batch AS (
     SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
@@ -122,7 +124,7 @@ batch AS (
 -- Ordered subscriptions only: the branch of `decided` for the other kind is not run, so
 -- an unordered claim neither hashes aggregates nor sorts the batch by them.
 keyed AS (
-    SELECT b.position, b.xact_id, b.expired, b.filtered, b.scheduled, b.deliver_at,
+    SELECT b.position, b.xact_id, b.n, b.expired, b.filtered, b.scheduled, b.deliver_at,
            hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) AS ordering_key
     FROM batch b
     WHERE $11
@@ -132,7 +134,7 @@ decided AS (
     -- only when it is the first unexpired one of its aggregate in this batch and its
     -- aggregate has nothing unfinished; dead letters do not hold an aggregate back.
     -- State NULL: passed over by the filter, or expired and dropped; no record.
-    SELECT k.position, k.xact_id, k.ordering_key, k.deliver_at, k.expired, k.filtered,
+    SELECT k.position, k.xact_id, k.n, k.ordering_key, k.deliver_at, k.expired, k.filtered,
            CASE WHEN k.filtered THEN NULL
                 WHEN k.expired THEN CASE WHEN $17 THEN 'dead' END
                 WHEN row_number() OVER (PARTITION BY k.ordering_key, k.expired OR k.filtered
@@ -146,7 +148,7 @@ decided AS (
            END AS state
     FROM keyed k
     UNION ALL
-    SELECT b.position, b.xact_id, NULL, b.deliver_at, b.expired, b.filtered,
+    SELECT b.position, b.xact_id, b.n, NULL, b.deliver_at, b.expired, b.filtered,
            CASE WHEN b.filtered THEN NULL
                 WHEN b.expired THEN CASE WHEN $17 THEN 'dead' END
                 WHEN b.scheduled THEN 'retry'
@@ -179,13 +181,19 @@ inserted AS (
 ),
 -- Elsewhere the deliveries are leased as rows of up to 128 (see
 -- outbox_delivery_batches), not one record each; an event that has a record from before
--- a seek keeps it (a seek moves the subscription's batches into records).
+-- a seek keeps it (a seek moves the subscription's batches into records). Such records
+-- are rare: one probe for any record at or past the batch's first position spares the
+-- probe per event when there is none. The rows are numbered by `n`, which has gaps where
+-- events did not go out, so some rows hold fewer than 128.
 batch_slots AS (
-    SELECT d.position, row_number() OVER (ORDER BY d.xact_id, d.position) AS n
+    SELECT d.position, d.n
     FROM decided d
     WHERE d.state = 'in_flight' AND NOT $11
-      AND NOT EXISTS (SELECT 1 FROM outbox_deliveries x
-                      WHERE x.subscription_id = $1 AND x.position = d.position)
+      AND ((SELECT NOT EXISTS (SELECT 1 FROM outbox_deliveries x
+                               WHERE x.subscription_id = $1
+                                 AND x.position >= (SELECT min(b.position) FROM batch b)))
+           OR NOT EXISTS (SELECT 1 FROM outbox_deliveries x
+                          WHERE x.subscription_id = $1 AND x.position = d.position))
 ),
 batched AS (
     INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
@@ -301,7 +309,9 @@ summary AS (
           FROM decided WHERE filtered) f
 )
 -- The events are read back by position rather than joined with `batch`: the batch's
--- row estimate is often 1, and a nested loop over two CTEs compares every pair.
+-- row estimate is often 1, and a nested loop over two CTEs compares every pair. The
+-- rows come unordered (sorting them here cost a tenth of the claim): the caller puts
+-- them in reading order by (xact_id, position).
 SELECT s.expired_dead_lettered, s.expired_dropped, s.next_scheduled, s.batch_full,
        s.filtered, s.filter_errors, s.last_filter_error_position,
        r.position, r.attempt, r.due_at,
@@ -316,4 +326,3 @@ LEFT JOIN LATERAL (
     FROM delivered i
     JOIN outbox_events e ON e.position = i.position
 ) r ON true
-ORDER BY r.xact_id, r.position
