@@ -756,4 +756,79 @@ mod tests {
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
     }
+
+    /// After a seek back, a claim reads again events that still have records: one in
+    /// flight, one awaiting its retry, one dead. Those keep their state; only the events
+    /// without a record go out again.
+    #[tokio::test]
+    async fn a_claim_after_a_seek_leaves_events_with_records_alone() {
+        let (database, store) = throwaway_store(2, Duration::from_secs(60)).await;
+        store.migrate().await.expect("migrate");
+        let subscription = store
+            .create_subscription(
+                &NewDefinition {
+                    name: &SubscriptionName::parse("name", "replays").unwrap(),
+                    settings: &SubscriptionSettings::default(),
+                    sources: &[],
+                    start: StartPosition::Earliest,
+                    expire_after_idle: None,
+                    secrets: &[],
+                },
+                true,
+            )
+            .await
+            .expect("create the subscription");
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, 10) n",
+        )
+        .execute(&store.pool)
+        .await
+        .expect("insert events");
+        let limits = ClaimLimits {
+            count: 100,
+            bytes: u64::MAX,
+        };
+        let claim = |token| store.claim(&subscription, token, limits, false);
+
+        let first = claim(1).await.unwrap().unwrap().deliveries;
+        assert_eq!(first.len(), 10);
+        let ack_ids: Vec<AckId> = first.iter().map(|d| d.ack_id).collect();
+        let acked = store
+            .ack_together(&subscription, &ack_ids[..6])
+            .await
+            .unwrap();
+        assert_eq!(acked.len(), 6);
+        let hour = Duration::from_secs(3600);
+        let retry = store.nack(&subscription, ack_ids[6], "later", hour, false);
+        assert!(retry.await.unwrap().is_some_and(|n| !n.dead_lettered));
+        let dead = store.nack(&subscription, ack_ids[7], "bad", hour, true);
+        assert!(dead.await.unwrap().is_some_and(|n| n.dead_lettered));
+
+        assert!(
+            store
+                .seek(subscription.id, StartPosition::Earliest)
+                .await
+                .unwrap()
+        );
+        let again: Vec<i64> = claim(2)
+            .await
+            .unwrap()
+            .unwrap()
+            .deliveries
+            .iter()
+            .map(|d| d.ack_id.position)
+            .collect();
+        let replayed: Vec<i64> = ack_ids[..6].iter().map(|ack| ack.position).collect();
+        assert_eq!(again, replayed, "only the acked events go out again");
+        let still_leased = store.ack_together(&subscription, &ack_ids[8..]).await;
+        assert_eq!(
+            still_leased.unwrap().len(),
+            2,
+            "the first leases still hold"
+        );
+
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
 }
