@@ -668,19 +668,18 @@ mod tests {
     use super::*;
     use crate::{subscriptions::NewDefinition, throwaway_store};
 
-    /// Claims and batch acks keep one cached plan per connection instead of planning
-    /// anew on every call (planning cost PostgreSQL as much as running them), and the
-    /// cached claim plan walks the relay-order index to its LIMIT rather than reading
-    /// every event past the cursor.
-    #[tokio::test]
-    async fn claims_and_batch_acks_run_on_one_cached_plan() {
-        // One connection: every claim and ack shares its prepared statements.
-        let (database, store) = throwaway_store(1, Duration::from_secs(60)).await;
+    /// A store on a database of its own, with `max_connections`, holding an unordered
+    /// subscription that starts at the earliest event, and `events` events.
+    async fn subscription_with_events(
+        max_connections: u32,
+        events: i64,
+    ) -> (outbox_testkit::ThrowawayDatabase, Store, Subscription) {
+        let (database, store) = throwaway_store(max_connections, Duration::from_secs(60)).await;
         store.migrate().await.expect("migrate");
         let subscription = store
             .create_subscription(
                 &NewDefinition {
-                    name: &SubscriptionName::parse("name", "plans").unwrap(),
+                    name: &SubscriptionName::parse("name", "deliveries").unwrap(),
                     settings: &SubscriptionSettings::default(),
                     sources: &[],
                     start: StartPosition::Earliest,
@@ -693,11 +692,23 @@ mod tests {
             .expect("create the subscription");
         sqlx::query(
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, 5000) n",
+             SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, $1) n",
         )
+        .bind(events)
         .execute(&store.pool)
         .await
         .expect("insert events");
+        (database, store, subscription)
+    }
+
+    /// Claims and batch acks keep one cached plan per connection instead of planning
+    /// anew on every call (planning cost PostgreSQL as much as running them), and the
+    /// cached claim plan walks the relay-order index to its LIMIT rather than reading
+    /// every event past the cursor.
+    #[tokio::test]
+    async fn claims_and_batch_acks_run_on_one_cached_plan() {
+        // One connection: every claim and ack shares its prepared statements.
+        let (database, store, subscription) = subscription_with_events(1, 5000).await;
 
         const CLAIMS: i64 = 8;
         for claim_number in 1..=CLAIMS {
@@ -762,29 +773,7 @@ mod tests {
     /// without a record go out again.
     #[tokio::test]
     async fn a_claim_after_a_seek_leaves_events_with_records_alone() {
-        let (database, store) = throwaway_store(2, Duration::from_secs(60)).await;
-        store.migrate().await.expect("migrate");
-        let subscription = store
-            .create_subscription(
-                &NewDefinition {
-                    name: &SubscriptionName::parse("name", "replays").unwrap(),
-                    settings: &SubscriptionSettings::default(),
-                    sources: &[],
-                    start: StartPosition::Earliest,
-                    expire_after_idle: None,
-                    secrets: &[],
-                },
-                true,
-            )
-            .await
-            .expect("create the subscription");
-        sqlx::query(
-            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, 10) n",
-        )
-        .execute(&store.pool)
-        .await
-        .expect("insert events");
+        let (database, store, subscription) = subscription_with_events(2, 10).await;
         let limits = ClaimLimits {
             count: 100,
             bytes: u64::MAX,
