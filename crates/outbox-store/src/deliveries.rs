@@ -200,19 +200,14 @@ impl Store {
                             .await?;
                     }
                 }
-                // The statement leaves them unordered; they go out in reading order.
-                let mut fresh = Vec::with_capacity(new_rows.len());
                 for row in &new_rows {
-                    if let Some(position) = row.try_get::<Option<i64>, _>("position")? {
-                        let xact_id: i64 = row.try_get("xact_id")?;
-                        fresh.push((
-                            (xact_id, position),
-                            self.delivery_from_row(row, lease_token)?,
-                        ));
+                    if row.try_get::<Option<i64>, _>("position")?.is_some() {
+                        deliveries.push(self.delivery_from_row(row, lease_token)?);
                     }
                 }
-                fresh.sort_unstable_by_key(|(reading_order, _)| *reading_order);
-                deliveries.extend(fresh.into_iter().map(|(_, delivery)| delivery));
+                // The statement leaves them unordered; they go out in reading order.
+                deliveries[due_count as usize..]
+                    .sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
             } else if due_count > 0 {
                 sqlx::query(include_str!("queries/count_deliveries.sql"))
                     .bind(subscription_id.0)
