@@ -375,6 +375,61 @@ async fn dead_letters_requeues_and_seeks_work_per_source() {
 }
 
 #[tokio::test]
+async fn a_seek_that_fails_in_one_source_moves_none() {
+    let setup = ThreeSources::start().await;
+    let gateway = &setup.gateway;
+    create_subscription(gateway, subscription("all")).await;
+    publish_to(gateway, "orders", "o-1", "order.created").await;
+    publish_to(gateway, "billing", "b-1", "invoice.created").await;
+    let mut consumer = Consumer::open(gateway, "all", 100).await;
+    let acks = consumer.take(2, WAIT).await.into_iter().map(|d| d.ack_id);
+    ack_all(gateway, "all", acks.collect()).await;
+
+    // billing, sought after orders, refuses to move its read position back.
+    let billing = setup.billing.pool().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_seek() RETURNS trigger LANGUAGE plpgsql \
+             AS $$ BEGIN RAISE EXCEPTION 'read position frozen'; END $$; \
+         CREATE TRIGGER frozen BEFORE UPDATE ON outbox_cursors FOR EACH ROW \
+             WHEN (NEW.cursor_position = 0 AND OLD.cursor_position <> 0) \
+             EXECUTE FUNCTION refuse_seek()",
+    )
+    .execute(&billing)
+    .await
+    .unwrap();
+    let mut admin = gateway.admin().await;
+    let seek = proto::SeekSubscriptionRequest {
+        subscription: "all".into(),
+        to: Some(proto::StartPosition {
+            position: Some(proto::start_position::Position::Boundary(
+                proto::Boundary::Earliest as i32,
+            )),
+        }),
+    };
+    let refused = admin.seek_subscription(seek.clone()).await;
+    assert_status(refused, Code::Internal, "internal");
+    // Had orders moved back, its next claim would replay o-1 with the new event.
+    publish_to(gateway, "orders", "o-2", "order.shipped").await;
+    let next = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(next.event.as_ref().unwrap().event_type, "order.shipped");
+    ack_all(gateway, "all", vec![next.ack_id]).await;
+    assert!(
+        consumer.next(QUIET).await.is_none(),
+        "a refused seek replays nothing, in orders either"
+    );
+
+    sqlx::raw_sql("DROP TRIGGER frozen ON outbox_cursors")
+        .execute(&billing)
+        .await
+        .unwrap();
+    admin.seek_subscription(seek).await.unwrap();
+    let mut replayed: Vec<String> = consumer.take(3, WAIT).await.iter().map(source_of).collect();
+    replayed.sort();
+    assert_eq!(replayed, ["billing", "orders", "orders"]);
+    assert!(consumer.next(QUIET).await.is_none(), "replayed once");
+}
+
+#[tokio::test]
 async fn ordering_holds_per_aggregate_within_each_source() {
     let setup = ThreeSources::start().await;
     let gateway = &setup.gateway;

@@ -21,7 +21,7 @@ use crate::{
     push::PushBoard,
     sink::{SinkCatalog, SinkStatus},
     sources::Source,
-    storage::{NewDefinition, Store, StoreError},
+    storage::{NewDefinition, PreparedSeek, Store, StoreError},
 };
 
 #[derive(Clone)]
@@ -335,18 +335,28 @@ impl Subscriptions {
     }
 
     /// Moves the subscription's read position in every source it reads (replay or skip
-    /// ahead). Refused, changing nothing, when one of them cannot be reached.
+    /// ahead). Refused, changing nothing, when one of them cannot be reached: each
+    /// source's seek is prepared, holding its lock, before any commits. Only a source
+    /// lost between the commits themselves leaves the others moved.
     pub async fn seek(&self, name: &SubscriptionName, to: StartPosition) -> Result<()> {
         let subscription = self.get(name).await?;
         let sources = self.relay.sources().of(&subscription);
+        let mut prepared = Vec::with_capacity(sources.len());
         for source in &sources {
-            if source.store.ping().await.is_err() {
-                return Err(Error::SourceUnavailable(source.name.clone()));
+            match source.store.prepare_seek(subscription.id, to).await {
+                Ok(seek) => prepared.push(seek),
+                Err(error) => {
+                    roll_back(prepared).await;
+                    return Err(source.error(error));
+                }
             }
         }
+        let mut prepared = prepared.into_iter();
         for source in &sources {
-            if !source.store.seek(subscription.id, to).await? {
-                source.store.create_cursor(subscription.id, to).await?;
+            let seek = prepared.next().expect("one prepared seek per source");
+            if let Err(error) = seek.commit().await {
+                roll_back(prepared).await;
+                return Err(source.error(error));
             }
         }
         self.relay.subscription_changed(subscription.id);
@@ -412,6 +422,12 @@ impl Subscriptions {
                 .await?;
         }
         Ok(())
+    }
+}
+
+async fn roll_back(seeks: impl IntoIterator<Item = PreparedSeek>) {
+    for seek in seeks {
+        seek.rollback().await;
     }
 }
 

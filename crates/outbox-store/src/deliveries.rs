@@ -789,12 +789,8 @@ mod tests {
         let dead = store.nack(&subscription, ack_ids[7], "bad", hour, true);
         assert!(dead.await.unwrap().is_some_and(|n| n.dead_lettered));
 
-        assert!(
-            store
-                .seek(subscription.id, StartPosition::Earliest)
-                .await
-                .unwrap()
-        );
+        let seek = store.prepare_seek(subscription.id, StartPosition::Earliest);
+        seek.await.unwrap().commit().await.unwrap();
         let again: Vec<i64> = claim(2)
             .await
             .unwrap()

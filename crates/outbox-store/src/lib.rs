@@ -174,7 +174,7 @@ pub use deliveries::{Claim, ClaimLimits, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
 pub use maintenance::{ForceExpired, Reclaimed};
-pub use operations::RequeueRefusal;
+pub use operations::{PreparedSeek, RequeueRefusal};
 pub use reading::{PositionMove, ReadPosition, ScannedRow, ScannedRows, SubscriptionPosition};
 pub use subscriptions::NewDefinition;
 

@@ -12,12 +12,32 @@ use super::{
     deliveries::{Moved, split_batches},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
-    subscriptions::subscription_from_row,
+    subscriptions::{insert_cursor, subscription_from_row},
 };
 use outbox_domain::{
     DeadLetter, DeadLetterSelection, Event, EventFilter, OutboxStats, PayloadTransform,
     StartPosition, Subscription, SubscriptionId, SubscriptionName, SubscriptionStats,
 };
+
+/// A seek made in one database and not yet committed (see [`Store::prepare_seek`]). End
+/// it with [`commit`](Self::commit) or [`rollback`](Self::rollback): merely dropped, its
+/// lock is held until the connection's next use.
+pub struct PreparedSeek {
+    transaction: sqlx::Transaction<'static, sqlx::Postgres>,
+}
+
+impl PreparedSeek {
+    pub async fn commit(self) -> Result<()> {
+        self.transaction.commit().await?;
+        Ok(())
+    }
+
+    pub async fn rollback(self) {
+        if let Err(error) = self.transaction.rollback().await {
+            tracing::debug!(%error, "could not roll back a seek");
+        }
+    }
+}
 
 /// Why a requeue changed nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,33 +233,27 @@ impl Store {
             .transpose()
     }
 
-    /// Moves a subscription's read position in this database; false when it has none
-    /// here.
-    pub async fn seek(&self, subscription_id: SubscriptionId, to: StartPosition) -> Result<bool> {
-        run_in_transaction!(self.pool, |transaction| {
-            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
-            // A claim after the seek may read again what the subscription's batches hold
-            // in flight; as records, those keep their lease (see claim_new.sql).
-            split_batches(&mut *transaction, subscription_id, Moved::All).await?;
-            let (start_kind, not_before) = start_columns(to);
-            let moved = sqlx::query(concat!(
-                "UPDATE outbox_cursors c \
-             SET cursor_xact_id = start.xact_id, cursor_position = 0, \
-                 pending_xact_ids = start.pending_xact_ids, \
-                 pending_positions = start.pending_positions, \
-                 not_before = $3, updated_at = now() \
-             FROM (",
-                start_position_sql!("$2"),
-                ") AS start WHERE c.subscription_id = $1"
-            ))
-            .bind(subscription_id.0)
-            .bind(start_kind == "latest")
-            .bind(not_before)
-            .execute(&mut *transaction)
-            .await?
-            .rows_affected();
-            Ok(moved > 0)
+    /// Moves the subscription's read position in this database, or starts it there at
+    /// `to`, in a transaction left open: a seek across sources prepares every one before
+    /// it commits any, so a source that fails changes nothing in the others.
+    pub async fn prepare_seek(
+        &self,
+        subscription_id: SubscriptionId,
+        to: StartPosition,
+    ) -> Result<PreparedSeek> {
+        super::run_again_on_conflict(|| async {
+            let mut transaction = self.pool.begin().await?;
+            match seek(&mut transaction, subscription_id, to).await {
+                Ok(()) => Ok(PreparedSeek { transaction }),
+                Err(error) => {
+                    if let Err(rollback_error) = transaction.rollback().await {
+                        tracing::debug!(error = %rollback_error, "could not roll back a seek");
+                    }
+                    Err(error)
+                }
+            }
         })
+        .await
     }
 
     /// Stores a subscription's new settings (not its name, start or ordering), push
@@ -436,4 +450,37 @@ pub(super) fn dead_letter_from_row(
         resolved_by: row.try_get("resolved_by")?,
         notes: row.try_get("notes")?,
     })
+}
+
+/// Moves the subscription's read position to `to`, or starts it there when it has none.
+async fn seek(
+    connection: &mut PgConnection,
+    subscription_id: SubscriptionId,
+    to: StartPosition,
+) -> Result<()> {
+    lock_subscription(connection, subscription_id, LockMode::Exclusive).await?;
+    // A claim after the seek may read again what the subscription's batches hold in
+    // flight; as records, those keep their lease (see claim_new.sql).
+    split_batches(&mut *connection, subscription_id, Moved::All).await?;
+    let (start_kind, not_before) = start_columns(to);
+    let moved = sqlx::query(concat!(
+        "UPDATE outbox_cursors c \
+         SET cursor_xact_id = start.xact_id, cursor_position = 0, \
+             pending_xact_ids = start.pending_xact_ids, \
+             pending_positions = start.pending_positions, \
+             not_before = $3, updated_at = now() \
+         FROM (",
+        start_position_sql!("$2"),
+        ") AS start WHERE c.subscription_id = $1"
+    ))
+    .bind(subscription_id.0)
+    .bind(start_kind == "latest")
+    .bind(not_before)
+    .execute(&mut *connection)
+    .await?
+    .rows_affected();
+    if moved == 0 {
+        insert_cursor(connection, subscription_id, to).await?;
+    }
+    Ok(())
 }

@@ -334,7 +334,7 @@ impl Store {
     }
 }
 
-async fn insert_cursor(
+pub(super) async fn insert_cursor(
     connection: &mut PgConnection,
     subscription_id: SubscriptionId,
     start: StartPosition,
