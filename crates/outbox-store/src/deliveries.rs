@@ -148,36 +148,66 @@ impl Store {
             let mut filtered = 0;
             let mut filter_errors = 0;
             if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
-                let verdicts = match &settings.filter {
-                    Some(filter) => {
-                        self.filter_next(transaction, subscription, &cursor, remaining, filter)
-                            .await?
-                    }
-                    None => FilterVerdicts::default(),
+                // Nearly every claim of an unordered subscription without a CEL filter
+                // takes the short statement; it declines, writing nothing, when the full
+                // one has more to do.
+                let mut new_rows = if settings.ordered || settings.filter.is_some() {
+                    Vec::new()
+                } else {
+                    sqlx::query(include_str!("queries/claim_fresh.sql"))
+                        .bind(subscription_id.0)
+                        .bind(cursor.xact_id)
+                        .bind(cursor.position)
+                        .bind(remaining)
+                        .bind(settings.event_types.to_regex())
+                        .bind(&settings.aggregate_types)
+                        .bind(metadata_filter(settings))
+                        .bind(cursor.not_before)
+                        .bind(lease_token)
+                        .bind(millis(settings.ack_deadline))
+                        .bind(&cursor.pending_xact_ids)
+                        .bind(&cursor.pending_positions)
+                        .bind(remaining_bytes)
+                        .bind(due_count)
+                        .bind(max_event_age)
+                        .fetch_all(&mut *transaction)
+                        .await?
                 };
-                let new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
-                    .bind(subscription_id.0)
-                    .bind(cursor.xact_id)
-                    .bind(cursor.position)
-                    .bind(remaining)
-                    .bind(settings.event_types.to_regex())
-                    .bind(&settings.aggregate_types)
-                    .bind(metadata_filter(settings))
-                    .bind(cursor.not_before)
-                    .bind(lease_token)
-                    .bind(millis(settings.ack_deadline))
-                    .bind(settings.ordered)
-                    .bind(&cursor.pending_xact_ids)
-                    .bind(&cursor.pending_positions)
-                    .bind(remaining_bytes)
-                    .bind(due_count)
-                    .bind(max_event_age)
-                    .bind(settings.dead_letter_expired)
-                    .bind(verdicts.snapshot.is_some().then_some(&verdicts.passed))
-                    .bind(&verdicts.snapshot)
-                    .bind(&verdicts.failed)
-                    .fetch_all(&mut *transaction)
-                    .await?;
+                let declined = match new_rows.first() {
+                    Some(summary) => summary.try_get("declined")?,
+                    None => true,
+                };
+                let mut verdicts = FilterVerdicts::default();
+                if declined {
+                    if let Some(filter) = &settings.filter {
+                        verdicts = self
+                            .filter_next(transaction, subscription, &cursor, remaining, filter)
+                            .await?;
+                    }
+                    new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
+                        .bind(subscription_id.0)
+                        .bind(cursor.xact_id)
+                        .bind(cursor.position)
+                        .bind(remaining)
+                        .bind(settings.event_types.to_regex())
+                        .bind(&settings.aggregate_types)
+                        .bind(metadata_filter(settings))
+                        .bind(cursor.not_before)
+                        .bind(lease_token)
+                        .bind(millis(settings.ack_deadline))
+                        .bind(settings.ordered)
+                        .bind(&cursor.pending_xact_ids)
+                        .bind(&cursor.pending_positions)
+                        .bind(remaining_bytes)
+                        .bind(due_count)
+                        .bind(max_event_age)
+                        .bind(settings.dead_letter_expired)
+                        .bind(verdicts.snapshot.is_some().then_some(&verdicts.passed))
+                        .bind(&verdicts.snapshot)
+                        .bind(&verdicts.failed)
+                        .fetch_all(&mut *transaction)
+                        .await?;
+                }
                 // Every row carries the batch's summary; a lone summary row has no position.
                 if let Some(summary) = new_rows.first() {
                     let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
@@ -730,34 +760,57 @@ mod tests {
             .bind(start)
             .fetch_one(&store.pool)
         };
-        let (claim_statement, generic, custom) = plans("-- Claims the next events").await.unwrap();
+        let (_, generic, custom) = plans("-- The common claim").await.unwrap();
         assert_eq!((generic, custom), (CLAIMS, 0), "plans of the claim");
         let (_, generic, custom) = plans("-- Settles first leases held in claim batches")
             .await
             .unwrap();
         assert_eq!((generic, custom), (CLAIMS, 0), "plans of the batch ack");
 
-        // The cached plan, shown for the next claim's parameters.
-        let mut transaction = store.pool.begin_with(GENERIC_PLANS).await.unwrap();
-        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "EXPLAIN EXECUTE {claim_statement}(
-                 {id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, false, '{{}}', '{{}}',
-                 1000000, 0, NULL, false, NULL, NULL, '{{}}')",
-            id = subscription.id.0
-        )))
-        .fetch_all(&mut *transaction)
-        .await
-        .expect("explain the cached claim");
-        transaction.rollback().await.unwrap();
-        let plan = plan.join("\n");
-        assert!(
-            plan.contains("Index Scan using outbox_events_relay_order"),
-            "the claim reads past the cursor by the relay-order index:\n{plan}"
-        );
-        assert!(
-            !plan.contains("Bitmap Heap Scan on outbox_events") && !plan.contains("Seq Scan"),
-            "the claim neither reads every event past the cursor nor scans a table:\n{plan}"
-        );
+        // The generic plans of both claim statements read past the cursor by the
+        // relay-order index, as far as their LIMIT.
+        let id = subscription.id.0;
+        for (name, statement, parameters) in [
+            (
+                "fresh_claim",
+                include_str!("queries/claim_fresh.sql"),
+                format!(
+                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, '{{}}', '{{}}', 1000000, 0, NULL"
+                ),
+            ),
+            (
+                "full_claim",
+                include_str!("queries/claim_new.sql"),
+                format!(
+                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, false, '{{}}', '{{}}', \
+                     1000000, 0, NULL, false, NULL, NULL, '{{}}'"
+                ),
+            ),
+        ] {
+            let mut transaction = store.pool.begin_with(GENERIC_PLANS).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "PREPARE {name} AS {statement}"
+            )))
+            .execute(&mut *transaction)
+            .await
+            .expect("prepare the claim");
+            let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "EXPLAIN EXECUTE {name}({parameters})"
+            )))
+            .fetch_all(&mut *transaction)
+            .await
+            .expect("explain the claim");
+            transaction.rollback().await.unwrap();
+            let plan = plan.join("\n");
+            assert!(
+                plan.contains("Index Scan using outbox_events_relay_order"),
+                "{name} reads past the cursor by the relay-order index:\n{plan}"
+            );
+            assert!(
+                !plan.contains("Bitmap Heap Scan on outbox_events") && !plan.contains("Seq Scan"),
+                "{name} neither reads every event past the cursor nor scans a table:\n{plan}"
+            );
+        }
 
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
