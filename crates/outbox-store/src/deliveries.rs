@@ -318,10 +318,15 @@ impl Store {
         // is not found there (moved out to a record, later attempts, ack ids from before
         // batches) is looked for among the records, in a statement of its own so that it
         // sees a move that a concurrent statement committed meanwhile.
-        let (positions, tokens): (Vec<i64>, Vec<i64>) = acks
+        // Each first lease once: an ack id named twice must count one ack.
+        let first_leases: HashSet<LeaseId> = acks
             .iter()
             .filter(|ack| ack.attempt == 1)
-            .map(|ack| (ack.position, ack.lease_token))
+            .map(AckId::lease)
+            .collect();
+        let (positions, tokens): (Vec<i64>, Vec<i64>) = first_leases
+            .iter()
+            .map(|lease| (lease.position, lease.token))
             .unzip();
         let mut settled = HashSet::new();
         if !positions.is_empty() {
@@ -724,6 +729,36 @@ mod tests {
         .await
         .expect("insert events");
         (database, store, subscription)
+    }
+
+    /// An ack id named twice in one call (two callers' acks applied together, or one
+    /// caller's repeated) settles its lease once and counts one ack.
+    #[tokio::test]
+    async fn an_ack_id_named_twice_counts_once() {
+        let (database, store, subscription) = subscription_with_events(2, 3).await;
+        let limits = ClaimLimits {
+            count: 10,
+            bytes: u64::MAX,
+        };
+        let claim = store.claim(&subscription, 7, limits, false).await.unwrap();
+        let acks: Vec<AckId> = claim.unwrap().deliveries.iter().map(|d| d.ack_id).collect();
+        assert_eq!(acks.len(), 3);
+
+        let named = [acks[0], acks[0], acks[1]];
+        let acked = store.ack_together(&subscription, &named).await.unwrap();
+        assert!(acked.iter().all(|ack| acks[..2].contains(ack)));
+        assert!(acked.contains(&acks[0]) && acked.contains(&acks[1]));
+        let rest = store.ack_together(&subscription, &acks[2..]).await.unwrap();
+        assert_eq!(rest, acks[2..]);
+
+        let stats = store
+            .subscription_stats(&subscription)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((stats.acked_total, stats.in_flight), (3, 0));
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
     }
 
     /// Claims and batch acks keep one cached plan per connection instead of planning
