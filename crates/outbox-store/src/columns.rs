@@ -59,8 +59,8 @@ pub(super) async fn cursor(
 
 /// Binds, in this order, what selects the subscription's rows past its cursor: the
 /// event-type regex, aggregate types, metadata match, not_before, and the pending
-/// transactions with how far each was taken (as `subscription_stats.sql` and
-/// `peek_new.sql` number their parameters).
+/// transactions with how far each was taken (as `subscription_stats.sql`,
+/// `peek_new.sql` and `claim_fresh.sql` number their parameters).
 pub(super) fn bind_unread<'q>(
     query: Query<'q, Postgres, PgArguments>,
     settings: &'q SubscriptionSettings,

@@ -154,19 +154,14 @@ impl Store {
                 let mut new_rows = if settings.ordered || settings.filter.is_some() {
                     Vec::new()
                 } else {
-                    sqlx::query(include_str!("queries/claim_fresh.sql"))
+                    let query = sqlx::query(include_str!("queries/claim_fresh.sql"))
                         .bind(subscription_id.0)
                         .bind(cursor.xact_id)
                         .bind(cursor.position)
-                        .bind(remaining)
-                        .bind(settings.event_types.to_regex())
-                        .bind(&settings.aggregate_types)
-                        .bind(metadata_filter(settings))
-                        .bind(cursor.not_before)
+                        .bind(remaining);
+                    bind_unread(query, settings, &cursor)
                         .bind(lease_token)
                         .bind(millis(settings.ack_deadline))
-                        .bind(&cursor.pending_xact_ids)
-                        .bind(&cursor.pending_positions)
                         .bind(remaining_bytes)
                         .bind(due_count)
                         .bind(max_event_age)
@@ -810,7 +805,7 @@ mod tests {
                 "fresh_claim",
                 include_str!("queries/claim_fresh.sql"),
                 format!(
-                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, '{{}}', '{{}}', 1000000, 0, NULL"
+                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, '{{}}', '{{}}', 99, 30000, 1000000, 0, NULL"
                 ),
             ),
             (

@@ -12,10 +12,10 @@
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
 -- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
--- (NULL: all), $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms,
--- $11 pending transaction ids, $12 the position up to which each was taken, $13 byte
--- budget (the first event is always taken), $14 deliveries already leased by this
--- claim (for the counter), $15 max event age in ms (NULL: none).
+-- (NULL: all), $8 not_before (NULL: none), $9 pending transaction ids, $10 the position
+-- up to which each was taken, $11 lease token, $12 ack deadline in ms, $13 byte budget
+-- (the first event is always taken), $14 deliveries already leased by this claim (for
+-- the counter), $15 max event age in ms (NULL: none).
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 ),
@@ -47,7 +47,7 @@ batch AS (
 ),
 declined AS (
     SELECT EXISTS (SELECT 1 FROM candidates WHERE special)
-           OR EXISTS (SELECT 1 FROM unnest($11::bigint[]) AS p(xact_id)
+           OR EXISTS (SELECT 1 FROM unnest($9::bigint[]) AS p(xact_id)
                       WHERE pg_visible_in_snapshot(p.xact_id::text::xid8,
                                                    (SELECT s FROM snapshot)))
            OR EXISTS (SELECT 1 FROM outbox_deliveries x
@@ -56,7 +56,7 @@ declined AS (
 ),
 batched AS (
     INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
-    SELECT $1, $9::bigint, (b.n - 1) / 128, now() + $10 * interval '1 millisecond',
+    SELECT $1, $11::bigint, (b.n - 1) / 128, now() + $12 * interval '1 millisecond',
            array_agg(b.position ORDER BY b.n)
     FROM batch b
     WHERE NOT (SELECT declined FROM declined)
@@ -89,13 +89,13 @@ cursor_at AS (
 ),
 -- No remembered transaction has finished, so all stay, with the running ones passed now.
 still_pending AS (
-    SELECT p.xact_id, p.taken FROM unnest($11::bigint[], $12::bigint[]) AS p(xact_id, taken)
+    SELECT p.xact_id, p.taken FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, taken)
     UNION ALL
     SELECT x.xact_id, 0
     FROM (SELECT r::text::bigint AS xact_id FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) x,
          cursor_at
     WHERE x.xact_id < cursor_at.xact_id
-      AND x.xact_id <> ALL ($11::bigint[])
+      AND x.xact_id <> ALL ($9::bigint[])
 ),
 moved AS (
     UPDATE outbox_cursors c
@@ -139,7 +139,7 @@ SELECT d.declined, 0::bigint AS expired_dead_lettered, 0::bigint AS expired_drop
        r.xact_id
 FROM declined d
 LEFT JOIN LATERAL (
-    SELECT e.position, 1 AS attempt, now() + $10 * interval '1 millisecond' AS due_at, e.xact_id,
+    SELECT e.position, 1 AS attempt, now() + $12 * interval '1 millisecond' AS due_at, e.xact_id,
            e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
            e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
     FROM fresh e, last_taken l
