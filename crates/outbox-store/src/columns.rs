@@ -86,9 +86,7 @@ pub(super) fn start_columns(start: StartPosition) -> (&'static str, Option<DateT
 
 /// The metadata filter as a statement parameter: NULL when it matches everything, so the
 /// custom plan drops it and estimates row counts without its default selectivity.
-pub(super) fn metadata_filter(
-    settings: &SubscriptionSettings,
-) -> Option<Json<&BTreeMap<String, String>>> {
+fn metadata_filter(settings: &SubscriptionSettings) -> Option<Json<&BTreeMap<String, String>>> {
     (!settings.metadata_match.is_empty()).then_some(Json(&settings.metadata_match))
 }
 

@@ -18,7 +18,7 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
     GENERIC_PLANS, Result, Store, StoreError,
-    columns::{Cursor, bind_unread, cursor, metadata_filter, millis},
+    columns::{Cursor, bind_unread, cursor, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
     run_again_on_conflict,
@@ -148,13 +148,9 @@ impl Store {
             let mut filtered = 0;
             let mut filter_errors = 0;
             if remaining > 0 && (remaining_bytes > 0 || deliveries.is_empty()) {
-                // Nearly every claim of an unordered subscription without a CEL filter
-                // takes the short statement; it declines, writing nothing, when the full
-                // one has more to do.
-                let mut new_rows = if settings.ordered || settings.filter.is_some() {
-                    Vec::new()
-                } else {
-                    let query = sqlx::query(include_str!("queries/claim_fresh.sql"))
+                // Both claim statements take these first, in this order.
+                let claim_statement = |statement| {
+                    let query = sqlx::query(statement)
                         .bind(subscription_id.0)
                         .bind(cursor.xact_id)
                         .bind(cursor.position)
@@ -165,6 +161,14 @@ impl Store {
                         .bind(remaining_bytes)
                         .bind(due_count)
                         .bind(max_event_age)
+                };
+                // Nearly every claim of an unordered subscription without a CEL filter
+                // takes the short statement; it declines, writing nothing, when the full
+                // one has more to do.
+                let mut new_rows = if settings.ordered || settings.filter.is_some() {
+                    Vec::new()
+                } else {
+                    claim_statement(include_str!("queries/claim_fresh.sql"))
                         .fetch_all(&mut *transaction)
                         .await?
                 };
@@ -179,23 +183,8 @@ impl Store {
                             .filter_next(transaction, subscription, &cursor, remaining, filter)
                             .await?;
                     }
-                    new_rows = sqlx::query(include_str!("queries/claim_new.sql"))
-                        .bind(subscription_id.0)
-                        .bind(cursor.xact_id)
-                        .bind(cursor.position)
-                        .bind(remaining)
-                        .bind(settings.event_types.to_regex())
-                        .bind(&settings.aggregate_types)
-                        .bind(metadata_filter(settings))
-                        .bind(cursor.not_before)
-                        .bind(lease_token)
-                        .bind(millis(settings.ack_deadline))
+                    new_rows = claim_statement(include_str!("queries/claim_new.sql"))
                         .bind(settings.ordered)
-                        .bind(&cursor.pending_xact_ids)
-                        .bind(&cursor.pending_positions)
-                        .bind(remaining_bytes)
-                        .bind(due_count)
-                        .bind(max_event_age)
                         .bind(settings.dead_letter_expired)
                         .bind(verdicts.snapshot.is_some().then_some(&verdicts.passed))
                         .bind(&verdicts.snapshot)
@@ -812,8 +801,8 @@ mod tests {
                 "full_claim",
                 include_str!("queries/claim_new.sql"),
                 format!(
-                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, 99, 30000, false, '{{}}', '{{}}', \
-                     1000000, 0, NULL, false, NULL, NULL, '{{}}'"
+                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, '{{}}', '{{}}', 99, 30000, \
+                     1000000, 0, NULL, false, false, NULL, NULL, '{{}}'"
                 ),
             ),
         ] {

@@ -14,14 +14,14 @@
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
 -- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
--- (NULL: all), $8 not_before (NULL: none), $9 lease token, $10 ack deadline in ms,
--- $11 ordered, $12 pending transaction ids, $13 the position up to which each pending
--- transaction's rows were already taken (0: none), $14 byte budget (the first event is
--- always taken), $15 deliveries already leased by this claim (for the counter),
--- $16 max event age in ms (NULL: none), $17 dead-letter expired events, $18 positions
--- the subscription's CEL filter passes over (NULL without a filter), $19 the snapshot they were read in
--- (peek_new.sql; NULL without a filter: the current one), $20 those of $18 the filter
--- failed on.
+-- (NULL: all), $8 not_before (NULL: none), $9 pending transaction ids, $10 the position
+-- up to which each pending transaction's rows were already taken (0: none), $11 lease
+-- token, $12 ack deadline in ms, $13 byte budget (the first event is always taken),
+-- $14 deliveries already leased by this claim (for the counter), $15 max event age in
+-- ms (NULL: none); these fifteen are claim_fresh.sql's, in its order. Then $16 ordered,
+-- $17 dead-letter expired events, $18 positions the subscription's CEL filter passes
+-- over (NULL without a filter), $19 the snapshot they were read in (peek_new.sql; NULL
+-- without a filter: the current one), $20 those of $18 the filter failed on.
 --
 -- The claim runs with a cached generic plan (see GENERIC_PLANS in lib.rs): planning this
 -- statement anew took as long as running it. Its optional filters are therefore written
@@ -46,7 +46,7 @@ WITH snapshot AS MATERIALIZED (
 pending AS (
     SELECT p.xact_id, p.taken,
            pg_visible_in_snapshot(p.xact_id::text::xid8, (SELECT s FROM snapshot)) AS finished
-    FROM unnest($12::bigint[], $13::bigint[]) AS p(xact_id, taken)
+    FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, taken)
 ),
 -- Rows of remembered transactions that have finished since (committed or not: a rolled
 -- back one simply has no rows), in reading order.
@@ -97,7 +97,7 @@ expiring AS (
                AS filtered,
            coalesce(c.expires_at <= now(), false)
            OR coalesce(greatest(c.created_at, c.deliver_at)
-                       + $16::bigint * interval '1 millisecond' <= now(), false) AS expired
+                       + $15::bigint * interval '1 millisecond' <= now(), false) AS expired
     FROM (SELECT *, true AS is_late FROM late
           UNION ALL
           SELECT *, false AS is_late FROM fresh) c
@@ -119,7 +119,7 @@ candidates AS (
     WINDOW w AS (ORDER BY c.xact_id, c.position ROWS UNBOUNDED PRECEDING)
 ),
 batch AS (
-    SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $14)
+    SELECT * FROM candidates WHERE n <= $4 AND (n = 1 OR bytes_before < $13)
 ),
 -- Ordered subscriptions only: the branch of `decided` for the other kind is not run, so
 -- an unordered claim neither hashes aggregates nor sorts the batch by them.
@@ -127,7 +127,7 @@ keyed AS (
     SELECT b.position, b.xact_id, b.n, b.expired, b.filtered, b.scheduled, b.deliver_at,
            hashtextextended(b.aggregate_type || E'\x1f' || b.aggregate_id, 0) AS ordering_key
     FROM batch b
-    WHERE $11
+    WHERE $16
 ),
 decided AS (
     -- On ordered subscriptions an event goes out (or, when scheduled, waits for its time)
@@ -155,7 +155,7 @@ decided AS (
                 ELSE 'in_flight'
            END
     FROM batch b
-    WHERE NOT $11
+    WHERE NOT $16
 ),
 inserted AS (
     -- Records of their own: on ordered subscriptions every event's, elsewhere those of
@@ -166,14 +166,14 @@ inserted AS (
                                    due_at, ordering_key, last_error, dead_lettered_at)
     SELECT $1, d.position, d.state,
            CASE WHEN d.state = 'in_flight' THEN 1 ELSE 0 END,
-           CASE WHEN d.state = 'in_flight' THEN $9::bigint END,
-           CASE d.state WHEN 'in_flight' THEN now() + $10 * interval '1 millisecond'
+           CASE WHEN d.state = 'in_flight' THEN $11::bigint END,
+           CASE d.state WHEN 'in_flight' THEN now() + $12 * interval '1 millisecond'
                         WHEN 'retry' THEN d.deliver_at END,
            d.ordering_key,
            CASE WHEN d.state = 'dead' THEN 'expired' END,
            CASE WHEN d.state = 'dead' THEN now() END
     FROM decided d
-    WHERE d.state IS NOT NULL AND (d.state <> 'in_flight' OR $11)
+    WHERE d.state IS NOT NULL AND (d.state <> 'in_flight' OR $16)
     ORDER BY d.xact_id, d.position
     -- A record left from before a seek keeps its state.
     ON CONFLICT (subscription_id, position) DO NOTHING
@@ -188,7 +188,7 @@ inserted AS (
 batch_slots AS (
     SELECT d.position, d.n
     FROM decided d
-    WHERE d.state = 'in_flight' AND NOT $11
+    WHERE d.state = 'in_flight' AND NOT $16
       AND ((SELECT NOT EXISTS (SELECT 1 FROM outbox_deliveries x
                                WHERE x.subscription_id = $1
                                  AND x.position >= (SELECT min(b.position) FROM batch b)))
@@ -197,7 +197,7 @@ batch_slots AS (
 ),
 batched AS (
     INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
-    SELECT $1, $9::bigint, (s.n - 1) / 128, now() + $10 * interval '1 millisecond',
+    SELECT $1, $11::bigint, (s.n - 1) / 128, now() + $12 * interval '1 millisecond',
            array_agg(s.position ORDER BY s.n)
     FROM batch_slots s
     GROUP BY (s.n - 1) / 128
@@ -258,7 +258,7 @@ still_pending AS (
     FROM (SELECT r::text::bigint AS xact_id FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) x,
          cursor_at
     WHERE x.xact_id < cursor_at.xact_id
-      AND x.xact_id <> ALL ($12::bigint[])
+      AND x.xact_id <> ALL ($9::bigint[])
 ),
 moved AS (
     UPDATE outbox_cursors c
@@ -281,9 +281,9 @@ moved AS (
 counted AS (
     -- Deliveries made, on this connection's counter shard (see count_deliveries.sql).
     INSERT INTO outbox_subscription_counters (subscription_id, shard, delivered)
-    SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) + $15
+    SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) + $14
     FROM delivered
-    HAVING count(*) + $15 > 0
+    HAVING count(*) + $14 > 0
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
 ),
