@@ -242,13 +242,13 @@ impl Store {
         to: StartPosition,
     ) -> Result<PreparedSeek> {
         super::run_again_on_conflict(|| async {
-            let mut transaction = self.pool.begin().await?;
-            match seek(&mut transaction, subscription_id, to).await {
-                Ok(()) => Ok(PreparedSeek { transaction }),
+            let mut prepared = PreparedSeek {
+                transaction: self.pool.begin().await?,
+            };
+            match seek(&mut prepared.transaction, subscription_id, to).await {
+                Ok(()) => Ok(prepared),
                 Err(error) => {
-                    if let Err(rollback_error) = transaction.rollback().await {
-                        tracing::debug!(error = %rollback_error, "could not roll back a seek");
-                    }
+                    prepared.rollback().await;
                     Err(error)
                 }
             }
