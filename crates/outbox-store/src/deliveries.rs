@@ -172,7 +172,7 @@ impl Store {
                         .fetch_all(&mut *transaction)
                         .await?
                 };
-                let declined = match new_rows.first() {
+                let declined = match summary_row(&new_rows)? {
                     Some(summary) => summary.try_get("declined")?,
                     None => true,
                 };
@@ -192,8 +192,7 @@ impl Store {
                         .fetch_all(&mut *transaction)
                         .await?;
                 }
-                // Every row carries the batch's summary; a lone summary row has no position.
-                if let Some(summary) = new_rows.first() {
+                if let Some(summary) = summary_row(&new_rows)? {
                     let expired_dead_lettered = count(summary, "expired_dead_lettered")?;
                     dead_lettered += expired_dead_lettered;
                     expired += expired_dead_lettered + count(summary, "expired_dropped")?;
@@ -219,7 +218,7 @@ impl Store {
                         deliveries.push(self.delivery_from_row(row, lease_token)?);
                     }
                 }
-                // The statement leaves them unordered; they go out in reading order.
+                // claim_new.sql leaves them unordered; they go out in reading order.
                 deliveries[due_count as usize..]
                     .sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
             } else if due_count > 0 {
@@ -671,6 +670,17 @@ impl Store {
             event: event_from_row(row, &self.source)?,
         })
     }
+}
+
+/// The row of a claim statement's result that carries the batch's summary: the one
+/// without a position (the others are the events leased, and carry no summary).
+fn summary_row(rows: &[PgRow]) -> Result<Option<&PgRow>> {
+    for row in rows {
+        if row.try_get::<Option<i64>, _>("position")?.is_none() {
+            return Ok(Some(row));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -4,6 +4,10 @@
 -- Starting and ending the executor for claim_new.sql's plan cost more than a claim of a
 -- hundred events did, on the path nearly every claim takes.
 --
+-- The batch is picked from narrow rows (position, size, whether special) and the events
+-- going out are read again by the index at the end: keeping whole rows, payloads and
+-- all, beside the batch until then cost more in copies than reading them twice.
+--
 -- It declines, writing nothing, whenever claim_new.sql has more to do: a remembered
 -- transaction has finished (its rows are read from the pending list), an event of the
 -- batch is scheduled or expired, or the subscription has a record at or past the
@@ -19,27 +23,24 @@
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 ),
-fresh AS (
-    SELECT e.xact_id, e.position, octet_length(e.payload) + 256 AS weight,
-           e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-           e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at,
-           coalesce(e.deliver_at > now(), false)
-           OR coalesce(e.expires_at <= now(), false)
-           OR coalesce(greatest(e.created_at, e.deliver_at)
-                       + $15::bigint * interval '1 millisecond' <= now(), false) AS special
-    FROM outbox_events e
-    WHERE (e.xact_id, e.position) > ($2, $3)
-      AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
-      AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
-      AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
-      AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
-    ORDER BY e.xact_id, e.position
-    LIMIT $4
-),
 candidates AS (
     SELECT f.xact_id, f.position, f.special, count(*) OVER w AS n,
            sum(f.weight) OVER w - f.weight AS bytes_before
-    FROM fresh f
+    FROM (
+        SELECT e.xact_id, e.position, octet_length(e.payload) + 256 AS weight,
+               coalesce(e.deliver_at > now(), false)
+               OR coalesce(e.expires_at <= now(), false)
+               OR coalesce(greatest(e.created_at, e.deliver_at)
+                           + $15::bigint * interval '1 millisecond' <= now(), false) AS special
+        FROM outbox_events e
+        WHERE (e.xact_id, e.position) > ($2, $3)
+          AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+          AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+          AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+          AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+        ORDER BY e.xact_id, e.position
+        LIMIT $4
+    ) f
     WINDOW w AS (ORDER BY f.xact_id, f.position ROWS UNBOUNDED PRECEDING)
 ),
 batch AS (
@@ -61,7 +62,6 @@ batched AS (
     FROM batch b
     WHERE NOT (SELECT declined FROM declined)
     GROUP BY (b.n - 1) / 128
-    RETURNING due_at, positions
 ),
 -- When every committed row past the cursor was taken, the cursor moves past the newest
 -- visible one (rows of other types included); otherwise to the last row taken.
@@ -69,7 +69,7 @@ visible_end AS (
     SELECT e.xact_id, e.position
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
-      AND (SELECT count(*) FROM fresh) < $4
+      AND (SELECT count(*) FROM candidates) < $4
       AND (SELECT count(*) FROM candidates) = (SELECT count(*) FROM batch)
     ORDER BY e.xact_id DESC, e.position DESC
     LIMIT 1
@@ -116,32 +116,41 @@ moved AS (
            OR c.pending_positions IS DISTINCT FROM n.positions)
     RETURNING c.subscription_id
 ),
-delivered AS (
-    SELECT p.position, b.due_at FROM batched b CROSS JOIN unnest(b.positions) AS p(position)
-),
 counted AS (
     -- Deliveries made, on this connection's counter shard (see count_deliveries.sql).
     INSERT INTO outbox_subscription_counters (subscription_id, shard, delivered)
     SELECT $1, (pg_backend_pid() % 64)::smallint, count(*) + $14
-    FROM delivered
+    FROM batch
     HAVING count(*) + $14 > 0 AND NOT (SELECT declined FROM declined)
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
 )
--- The columns of claim_new.sql's result, and whether this statement declined.
+-- The summary on a row of its own, then the events leased, in reading order; the columns
+-- are claim_new.sql's, and whether this statement declined. The batch is the first rows
+-- past the read position, so the same reading, cut at the batch's size, finds its events.
 SELECT d.declined, 0::bigint AS expired_dead_lettered, 0::bigint AS expired_dropped,
        NULL::timestamptz AS next_scheduled, (SELECT count(*) FROM batch) >= $4 AS batch_full,
        0::bigint AS filtered, 0::bigint AS filter_errors,
        NULL::bigint AS last_filter_error_position,
-       r.position, r.attempt, r.due_at,
-       r.id, r.aggregate_type, r.aggregate_id, r.aggregate_version, r.event_type, r.payload,
-       r.content_type, r.metadata, r.occurred_at, r.created_at, r.deliver_at, r.expires_at,
-       r.xact_id
+       NULL::bigint AS position, NULL::integer AS attempt, NULL::timestamptz AS due_at,
+       NULL::uuid AS id, NULL::text AS aggregate_type, NULL::text AS aggregate_id,
+       NULL::bigint AS aggregate_version, NULL::text AS event_type, NULL::bytea AS payload,
+       NULL::text AS content_type, NULL::jsonb AS metadata, NULL::timestamptz AS occurred_at,
+       NULL::timestamptz AS created_at, NULL::timestamptz AS deliver_at,
+       NULL::timestamptz AS expires_at, NULL::bigint AS xact_id
 FROM declined d
-LEFT JOIN LATERAL (
-    SELECT e.position, 1 AS attempt, now() + $12 * interval '1 millisecond' AS due_at, e.xact_id,
-           e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-           e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
-    FROM fresh e, last_taken l
-    WHERE NOT d.declined AND (e.xact_id, e.position) <= (l.xact_id, l.position)
-) r ON true
+UNION ALL
+(SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       e.position, 1, now() + $12 * interval '1 millisecond',
+       e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
+       e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at,
+       e.xact_id
+FROM outbox_events e
+WHERE NOT (SELECT declined FROM declined)
+  AND (e.xact_id, e.position) > ($2, $3)
+  AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+  AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+  AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+  AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+ORDER BY e.xact_id, e.position
+LIMIT (SELECT count(*) FROM batch))

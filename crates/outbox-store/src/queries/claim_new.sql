@@ -287,8 +287,7 @@ counted AS (
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
 ),
--- What became of the batch besides its deliveries; on every row, and on one row of its
--- own when nothing was delivered. An expired event that already had a record (from
+-- What became of the batch besides its deliveries, returned on a row of its own. An expired event that already had a record (from
 -- before a seek) was not expired by this claim. One pass over each CTE counted.
 summary AS (
     SELECT i.expired_dead_lettered,
@@ -308,21 +307,25 @@ summary AS (
                  max(position) FILTER (WHERE position = ANY ($20)) AS last_filter_error_position
           FROM decided WHERE filtered) f
 )
--- The events are read back by position rather than joined with `batch`: the batch's
--- row estimate is often 1, and a nested loop over two CTEs compares every pair. The
--- rows come unordered (sorting them here cost a tenth of the claim): the caller puts
--- them in reading order by (xact_id, position).
+-- The summary on a row of its own, then the events leased. They are read back by
+-- position rather than joined with `batch`: the batch's row estimate is often 1, and a
+-- nested loop over two CTEs compares every pair. The rows come unordered (sorting them
+-- here cost a tenth of the claim): the caller puts them in reading order by
+-- (xact_id, position).
 SELECT s.expired_dead_lettered, s.expired_dropped, s.next_scheduled, s.batch_full,
        s.filtered, s.filter_errors, s.last_filter_error_position,
-       r.position, r.attempt, r.due_at,
-       r.id, r.aggregate_type, r.aggregate_id, r.aggregate_version, r.event_type, r.payload,
-       r.content_type, r.metadata, r.occurred_at, r.created_at, r.deliver_at, r.expires_at,
-       r.xact_id
+       NULL::bigint AS position, NULL::integer AS attempt, NULL::timestamptz AS due_at,
+       NULL::uuid AS id, NULL::text AS aggregate_type, NULL::text AS aggregate_id,
+       NULL::bigint AS aggregate_version, NULL::text AS event_type, NULL::bytea AS payload,
+       NULL::text AS content_type, NULL::jsonb AS metadata, NULL::timestamptz AS occurred_at,
+       NULL::timestamptz AS created_at, NULL::timestamptz AS deliver_at,
+       NULL::timestamptz AS expires_at, NULL::bigint AS xact_id
 FROM summary s
-LEFT JOIN LATERAL (
-    SELECT i.position, i.attempt, i.due_at, e.xact_id,
-           e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-           e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at
-    FROM delivered i
-    JOIN outbox_events e ON e.position = i.position
-) r ON true
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       i.position, i.attempt, i.due_at,
+       e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
+       e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at,
+       e.xact_id
+FROM delivered i
+JOIN outbox_events e ON e.position = i.position
