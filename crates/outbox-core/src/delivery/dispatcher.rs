@@ -24,7 +24,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 
 use super::{
     Relay,
-    flow::{BufferBudget, StreamLimits, Streams},
+    flow::{BufferBudget, CLAIM_LINGER, StreamLimits, Streams},
     stream::DeliveryStream,
 };
 use crate::{
@@ -498,6 +498,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
     let mut last_refresh = Instant::now();
     // Rotates which source is claimed first, so a busy one cannot starve the others.
     let mut first_source = 0usize;
+    // Until when the small claim due now waits for more room, if it does.
+    let mut linger_deadline: Option<Instant> = None;
 
     // Wakes the loop when a source goes down or comes back.
     let mut health: Vec<_> = dispatcher
@@ -546,14 +548,27 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     Vec::new()
                 }
             };
-            let limits = state.streams.claim_limits(config.claim_batch_size, &budget);
+            let mut limits = state.streams.claim_limits(config.claim_batch_size, &budget);
+            let full = limits.is_none() && has_leases;
+            // A small claim waits a moment for more room (see the flow control's rules).
+            let can_wait = limits.is_some_and(|limits| {
+                state
+                    .streams
+                    .claim_can_wait(limits, config.claim_batch_size, &budget)
+            });
+            match can_wait {
+                true => {
+                    let deadline =
+                        *linger_deadline.get_or_insert_with(|| Instant::now() + CLAIM_LINGER);
+                    match Instant::now() < deadline {
+                        true => limits = None,
+                        false => linger_deadline = None,
+                    }
+                }
+                false => linger_deadline = None,
+            }
             let only_unproven = state.streams.only_unproven_can_take(&budget);
-            (
-                limits,
-                refresh,
-                limits.is_none() && has_leases,
-                only_unproven,
-            )
+            (limits, refresh, full, only_unproven)
         };
 
         // Room freed on another gateway counts before deciding how much to claim. When
@@ -677,7 +692,10 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
         drop(unproven_turn);
         // Without room, news waits: the settlement, expiry or stream that makes room wakes
         // the loop, and the news is still there then.
-        let sleep_for = next_wake(&dispatcher, config.poll_interval);
+        let mut sleep_for = next_wake(&dispatcher, config.poll_interval);
+        if let Some(deadline) = linger_deadline {
+            sleep_for = sleep_for.min(deadline.saturating_duration_since(Instant::now()));
+        }
         tokio::select! {
             _ = dispatcher.changed.notified() => {}
             _ = any_changed(&mut health) => {}

@@ -26,6 +26,12 @@
 //!   consumer that collects N deliveries before it acks any still gets them (after a few
 //!   seconds at most), while a thousand streams that read and never ack cannot lease
 //!   their whole `max_in_flight` each in the moment they attach;
+//! - a claim smaller than half of what the streams may hold waits up to [`CLAIM_LINGER`]
+//!   for more room while every stream still holds at least half its window, so its
+//!   consumer has work meanwhile (Kafka's `fetch.min.bytes` and `fetch.max.wait.ms`).
+//!   Acks free room a hundred at a time; claiming each time would make many small
+//!   claims, and a claim costs the database as much to start as to read a few hundred
+//!   events;
 //! - a stream is *proven* once it has settled something since it attached or since its
 //!   leases last expired. A dispatcher whose streams with room are all unproven claims
 //!   only in its turn ([`UnprovenClaims`]): one such claim at a time in the process, each
@@ -54,6 +60,9 @@ use crate::{
 /// What a new stream may hold unsettled before its first settlement (TCP's initial
 /// window is ten segments too).
 pub const INITIAL_WINDOW: usize = 10;
+/// How long a small claim may wait for more room (see the module's rules).
+pub const CLAIM_LINGER: Duration = Duration::from_millis(2);
+
 /// A new stream's window doubles each time this passes without a settlement.
 pub const WINDOW_GROWTH: Duration = Duration::from_secs(1);
 
@@ -370,6 +379,27 @@ impl Streams {
         })
     }
 
+    /// Whether a claim within `limits` may wait for more room: it is below half of what
+    /// the streams that can take a delivery may hold (at most `batch`), and each of them
+    /// still holds at least half its window.
+    pub fn claim_can_wait(&self, limits: ClaimLimits, batch: usize, budget: &BufferBudget) -> bool {
+        if budget.is_spent() {
+            return false;
+        }
+        let now = Instant::now();
+        let mut capacity = 0usize;
+        for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
+            let window = slot.window(now);
+            if slot.in_flight * 2 < window {
+                return false;
+            }
+            capacity += slot.remaining.map_or(window, |remaining| {
+                window.min(usize::try_from(remaining).unwrap_or(window))
+            });
+        }
+        limits.count * 2 < capacity.min(batch)
+    }
+
     /// Whether every stream that can take a delivery now is unproven (and one can): a
     /// claim for them waits for the gateway-wide [`UnprovenClaims`] permit.
     pub fn only_unproven_can_take(&self, budget: &BufferBudget) -> bool {
@@ -670,6 +700,53 @@ mod tests {
             streams.place(delivery(position, 10), &budget).unwrap();
         }
         assert!(streams.claim_limits(500, &budget).is_none(), "3 in flight");
+    }
+
+    #[test]
+    fn a_small_claim_waits_only_while_every_stream_holds_half_its_window() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 10, u64::MAX);
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert!(
+            !streams.claim_can_wait(limits, 500, &budget),
+            "an empty stream waits for nothing"
+        );
+        for position in 1..10 {
+            streams.place(delivery(position, 10), &budget).unwrap();
+            assert!(receiver.try_recv().is_ok());
+        }
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert_eq!(limits.count, 1);
+        assert!(streams.claim_can_wait(limits, 500, &budget));
+        assert!(
+            !streams.claim_can_wait(limits, 2, &budget),
+            "a claim of half the batch goes at once"
+        );
+
+        for position in 1..6 {
+            streams.forget(key(position));
+        }
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert_eq!(limits.count, 6);
+        assert!(
+            !streams.claim_can_wait(limits, 500, &budget),
+            "less than half the window in flight"
+        );
+        for position in 10..12 {
+            streams.place(delivery(position, 10), &budget).unwrap();
+            assert!(receiver.try_recv().is_ok());
+        }
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert_eq!(limits.count, 4);
+        assert!(streams.claim_can_wait(limits, 500, &budget));
+
+        let (_, _idle, _) = stream(&mut streams, 10, u64::MAX);
+        let limits = streams.claim_limits(500, &budget).unwrap();
+        assert!(
+            !streams.claim_can_wait(limits, 500, &budget),
+            "a stream with little in flight does not wait for the others"
+        );
     }
 
     #[test]
