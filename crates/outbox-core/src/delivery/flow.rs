@@ -707,44 +707,41 @@ mod tests {
         let budget = BufferBudget::new(u64::MAX);
         let mut streams = Streams::default();
         let (_, mut receiver, _) = stream(&mut streams, 10, u64::MAX);
-        let limits = streams.claim_limits(500, &budget).unwrap();
-        assert!(
-            !streams.claim_can_wait(limits, 500, &budget),
-            "an empty stream waits for nothing"
-        );
-        for position in 1..10 {
-            streams.place(delivery(position, 10), &budget).unwrap();
-            assert!(receiver.try_recv().is_ok());
-        }
-        let limits = streams.claim_limits(500, &budget).unwrap();
-        assert_eq!(limits.count, 1);
-        assert!(streams.claim_can_wait(limits, 500, &budget));
-        assert!(
-            !streams.claim_can_wait(limits, 2, &budget),
-            "a claim of half the batch goes at once"
+        // The next claim's size, and whether it may wait, for a batch of `batch`.
+        let next_claim = |streams: &Streams, batch| {
+            let limits = streams.claim_limits(batch, &budget).unwrap();
+            (limits.count, streams.claim_can_wait(limits, batch, &budget))
+        };
+        let mut hand_out = |streams: &mut Streams, positions: std::ops::Range<i64>| {
+            for position in positions {
+                streams.place(delivery(position, 10), &budget).unwrap();
+                assert!(receiver.try_recv().is_ok());
+            }
+        };
+        assert_eq!(next_claim(&streams, 500), (10, false), "nothing in flight");
+        hand_out(&mut streams, 1..10);
+        assert_eq!(next_claim(&streams, 500), (1, true));
+        assert_eq!(
+            next_claim(&streams, 2),
+            (1, false),
+            "half the batch goes at once"
         );
 
         for position in 1..6 {
             streams.forget(key(position));
         }
-        let limits = streams.claim_limits(500, &budget).unwrap();
-        assert_eq!(limits.count, 6);
-        assert!(
-            !streams.claim_can_wait(limits, 500, &budget),
-            "less than half the window in flight"
+        assert_eq!(
+            next_claim(&streams, 500),
+            (6, false),
+            "half the window free"
         );
-        for position in 10..12 {
-            streams.place(delivery(position, 10), &budget).unwrap();
-            assert!(receiver.try_recv().is_ok());
-        }
-        let limits = streams.claim_limits(500, &budget).unwrap();
-        assert_eq!(limits.count, 4);
-        assert!(streams.claim_can_wait(limits, 500, &budget));
+        hand_out(&mut streams, 10..12);
+        assert_eq!(next_claim(&streams, 500), (4, true));
 
         let (_, _idle, _) = stream(&mut streams, 10, u64::MAX);
-        let limits = streams.claim_limits(500, &budget).unwrap();
-        assert!(
-            !streams.claim_can_wait(limits, 500, &budget),
+        assert_eq!(
+            next_claim(&streams, 500),
+            (14, false),
             "a stream with little in flight does not wait for the others"
         );
     }
