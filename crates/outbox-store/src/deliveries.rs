@@ -17,7 +17,7 @@ use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
-    CLAIM_BEGIN, GENERIC_PLANS, Result, Store, StoreError,
+    GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis},
     events::event_from_row,
     locks::{LockMode, lock_subscription},
@@ -90,7 +90,7 @@ impl Store {
         include_due: bool,
     ) -> Result<Option<Claim>> {
         let subscription_id = subscription.id;
-        run_in_transaction!(self.pool, begin = CLAIM_BEGIN, |transaction| {
+        run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
             lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
                 return Ok(None);

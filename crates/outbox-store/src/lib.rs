@@ -114,13 +114,6 @@ macro_rules! run_in_transaction {
     };
 }
 
-/// The statements that open a transaction on generic plans ([`GENERIC_PLANS`]).
-macro_rules! generic_plans {
-    () => {
-        "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off"
-    };
-}
-
 /// Opens a transaction whose statements run with cached generic plans, probing tables by
 /// index. For the delivery hot path (claims and acks): their statements are large, and
 /// planning them anew on every call, as the pool otherwise does ([`claim_options`]), cost
@@ -129,16 +122,8 @@ macro_rules! generic_plans {
 /// still be empty, and kept until their statistics change; with sequential scans off it
 /// probes the delivery tables by index whatever their size then, rather than scanning a
 /// table that has grown since for every row.
-pub(crate) const GENERIC_PLANS: &str = generic_plans!();
-
-/// Opens a claim's transaction: on [`GENERIC_PLANS`], with a commit that does not wait
-/// for the write-ahead log to reach the disk. A claim lost in a crash of the database
-/// only leaves its events to be claimed and delivered again, which at-least-once
-/// delivery allows; and no ack of a delivery can be answered before its claim is
-/// durable, since the ack's own commit flushes the log up to it. So a claim, which the
-/// streams wait for, does not wait for the disk.
-pub(crate) const CLAIM_BEGIN: &str =
-    concat!(generic_plans!(), "; SET LOCAL synchronous_commit = off");
+pub(crate) const GENERIC_PLANS: &str =
+    "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
 
 /// How many times [`run_again_on_conflict`] runs what keeps losing races.
 pub const TRANSACTION_ATTEMPTS: u32 = 3;
