@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use metrics::{counter, gauge, histogram};
+use metrics::{Histogram, counter, gauge, histogram};
 
 use crate::{domain::OutboxStats, domain::SubscriptionStats};
 
@@ -210,20 +210,20 @@ pub fn delivered(subscription: &str, source: &str, delivered: u64, redelivered: 
     }
 }
 
-/// Time from an event's creation to its first delivery.
-pub fn commit_to_delivery(subscription: &str, elapsed: Duration) {
+/// Time from an event's creation to its first delivery, one record per delivery: the
+/// handle is looked up once per claim, not once per event.
+pub fn commit_to_delivery(subscription: &str) -> Histogram {
     histogram!("outbox_commit_to_delivery_seconds", "subscription" => subscription.to_owned())
-        .record(elapsed.as_secs_f64());
 }
 
 pub fn acked(subscription: &str, source: &str, acks: u64) {
     counter!("outbox_acks_total", &per_source(subscription, source)).increment(acks);
 }
 
-/// Time from handing a delivery to a stream to its ack (acks reaching this process).
-pub fn deliver_to_ack(subscription: &str, elapsed: Duration) {
+/// Time from handing a delivery to a stream to its ack (acks reaching this process), one
+/// record per ack: the handle is looked up once per ack call.
+pub fn deliver_to_ack(subscription: &str) -> Histogram {
     histogram!("outbox_deliver_to_ack_seconds", "subscription" => subscription.to_owned())
-        .record(elapsed.as_secs_f64());
 }
 
 /// The request metrics of one push subscription, registered once rather than looked up

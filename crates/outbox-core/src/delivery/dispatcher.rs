@@ -303,6 +303,7 @@ impl Dispatcher {
         let subscription = self.subscription();
         let name = &subscription.name;
         let mut elsewhere = Vec::new();
+        let deliver_to_ack = metrics::deliver_to_ack(name.as_str());
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
             match state
@@ -311,7 +312,7 @@ impl Dispatcher {
             {
                 Some(lease) => {
                     if settlement == Settlement::Acked {
-                        metrics::deliver_to_ack(name.as_str(), lease.leased_at.elapsed());
+                        deliver_to_ack.record(lease.leased_at.elapsed().as_secs_f64());
                     }
                 }
                 None => elsewhere.push(*ack),
@@ -455,6 +456,7 @@ impl Dispatcher {
         // One claim reads one source.
         let source = deliveries[0].event.source.as_str();
         metrics::delivered(name.as_str(), source, deliveries.len() as u64, redelivered);
+        let commit_to_delivery = metrics::commit_to_delivery(name.as_str());
         for delivery in deliveries.iter().filter(|d| d.attempt == 1) {
             // A scheduled event counts from its delivery time, not from its writing.
             let deliverable = delivery
@@ -464,7 +466,7 @@ impl Dispatcher {
                     at.max(delivery.event.created_at)
                 });
             let waited = (now - deliverable).to_std().unwrap_or_default();
-            metrics::commit_to_delivery(name.as_str(), waited);
+            commit_to_delivery.record(waited.as_secs_f64());
         }
         if trace_context::exporting() {
             for delivery in deliveries {

@@ -275,7 +275,9 @@ impl Slot {
 #[derive(Default)]
 pub struct Streams {
     slots: Vec<Slot>,
-    leases: HashMap<LeaseKey, Lease>,
+    /// Looked up for every delivery placed and every ack: a hasher cheaper than SipHash
+    /// (the keys are positions the database gave out, not input a caller chooses).
+    leases: foldhash::HashMap<LeaseKey, Lease>,
     next_id: u64,
     /// Next stream to offer a delivery to, so a batch spreads evenly.
     round_robin: usize,
