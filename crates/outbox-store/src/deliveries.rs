@@ -19,7 +19,7 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 use super::{
     GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis},
-    events::event_from_row,
+    events::{EventColumns, column_at, event_from_row},
     locks::{LockMode, lock_subscription},
     run_again_on_conflict,
 };
@@ -125,7 +125,9 @@ impl Store {
             for row in &due_rows {
                 let state: &str = row.try_get("state")?;
                 if state == "in_flight" {
-                    deliveries.push(self.delivery_from_row(row, lease_token)?);
+                    // Redeliveries are few: their columns are found row by row.
+                    let columns = DeliveryColumns::of(row)?;
+                    deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
                     continue;
                 }
                 // Dead-lettered or dropped: either way its aggregate is free.
@@ -213,9 +215,12 @@ impl Store {
                             .await?;
                     }
                 }
-                for row in &new_rows {
-                    if row.try_get::<Option<i64>, _>("position")?.is_some() {
-                        deliveries.push(self.delivery_from_row(row, lease_token)?);
+                if let Some(first) = new_rows.first() {
+                    let columns = DeliveryColumns::of(first)?;
+                    for row in &new_rows {
+                        if row.try_get::<Option<i64>, _>(columns.position)?.is_some() {
+                            deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
+                        }
                     }
                 }
                 // claim_new.sql leaves them unordered; they go out in reading order.
@@ -652,10 +657,15 @@ fn split_ack_ids(acks: &[AckId]) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
 }
 
 impl Store {
-    fn delivery_from_row(&self, row: &PgRow, lease_token: i64) -> Result<Delivery> {
-        let position: i64 = row.try_get("position")?;
-        let attempt: i32 = row.try_get("attempt")?;
-        let ack_deadline: Option<DateTime<Utc>> = row.try_get("due_at")?;
+    fn delivery_from_row(
+        &self,
+        row: &PgRow,
+        columns: &DeliveryColumns,
+        lease_token: i64,
+    ) -> Result<Delivery> {
+        let position: i64 = row.try_get(columns.position)?;
+        let attempt: i32 = row.try_get(columns.attempt)?;
+        let ack_deadline: Option<DateTime<Utc>> = row.try_get(columns.due_at)?;
         Ok(Delivery {
             ack_id: AckId {
                 source: self.source_id,
@@ -667,7 +677,28 @@ impl Store {
             ack_deadline: ack_deadline.ok_or_else(|| {
                 StoreError::Corrupt(format!("lease of {position} has no deadline"))
             })?,
-            event: event_from_row(row, &self.source)?,
+            event: columns.event.event(row, &self.source)?,
+        })
+    }
+}
+
+/// Where the columns of a leased delivery sit in the rows of a claim statement's result
+/// (see [`EventColumns`]).
+struct DeliveryColumns {
+    position: usize,
+    attempt: usize,
+    due_at: usize,
+    event: EventColumns,
+}
+
+impl DeliveryColumns {
+    fn of(row: &PgRow) -> Result<DeliveryColumns> {
+        let at = |name| column_at(row, name);
+        Ok(DeliveryColumns {
+            position: at("position")?,
+            attempt: at("attempt")?,
+            due_at: at("due_at")?,
+            event: EventColumns::of(row)?,
         })
     }
 }
