@@ -90,20 +90,31 @@ pub(super) fn ack_ids(field: &str, ack_ids: &[String], sources: &Sources) -> Res
     if ack_ids.is_empty() {
         return Err(Error::invalid(field, "must contain at least one ack id"));
     }
+    // The field's name is written only for an ack id that is refused: a request carries
+    // hundreds of them.
     ack_ids
         .iter()
         .enumerate()
-        .map(|(index, text)| ack_id(&format!("{field}[{index}]"), text, sources))
+        .map(|(index, text)| {
+            parse_ack_id(text, sources)
+                .ok_or_else(|| not_an_ack_id(&format!("{field}[{index}]"), text))
+        })
         .collect()
 }
 
 pub(super) fn ack_id(field: &str, text: &str, sources: &Sources) -> Result<AckId> {
-    AckId::parse(text, |name| sources.id_of(name)).ok_or_else(|| {
-        Error::invalid(
-            field,
-            format!("{} is not an ack id from this gateway", Echo(text)),
-        )
-    })
+    parse_ack_id(text, sources).ok_or_else(|| not_an_ack_id(field, text))
+}
+
+fn parse_ack_id(text: &str, sources: &Sources) -> Option<AckId> {
+    AckId::parse(text, |name| sources.id_of(name))
+}
+
+fn not_an_ack_id(field: &str, text: &str) -> Error {
+    Error::invalid(
+        field,
+        format!("{} is not an ack id from this gateway", Echo(text)),
+    )
 }
 
 /// The ack ids of a request (`texts`, parsed as `parsed`) that are among `chosen`, as
