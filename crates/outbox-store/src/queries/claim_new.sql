@@ -287,8 +287,9 @@ counted AS (
     ON CONFLICT (subscription_id, shard)
     DO UPDATE SET delivered = outbox_subscription_counters.delivered + EXCLUDED.delivered
 ),
--- What became of the batch besides its deliveries, returned on a row of its own. An expired event that already had a record (from
--- before a seek) was not expired by this claim. One pass over each CTE counted.
+-- What became of the batch besides its deliveries, returned on a row of its own. An
+-- expired event that already had a record (from before a seek) was not expired by this
+-- claim. One pass over each CTE counted.
 summary AS (
     SELECT i.expired_dead_lettered,
            (SELECT count(*) FROM decided d
