@@ -18,7 +18,7 @@
 -- up to which each pending transaction's rows were already taken (0: none), $11 lease
 -- token, $12 ack deadline in ms, $13 byte budget (the first event is always taken),
 -- $14 deliveries already leased by this claim (for the counter), $15 max event age in
--- ms (NULL: none); these fifteen are claim_fresh.sql's, in its order. Then $16 ordered,
+-- ms (NULL: none); the first ten are claim_fresh.sql's, in its order. Then $16 ordered,
 -- $17 dead-letter expired events, $18 positions the subscription's CEL filter passes
 -- over (NULL without a filter), $19 the snapshot they were read in (peek_new.sql; NULL
 -- without a filter: the current one), $20 those of $18 the filter failed on.
