@@ -3,14 +3,14 @@
 -- what the caller needs to pick the batch and to decide whether this path may take it.
 -- The caller then leases the batch it picked with lease_fresh.sql, in the same
 -- transaction, from what this statement saw: its rows, the newest visible row and the
--- transactions running in its snapshot. A single statement that picked the batch, wrote
--- it and then read the events going out again cost twice this reading.
+-- transactions running in its snapshot. One statement that picked the batch, wrote it
+-- and then read the events going out a second time cost half as much again as the two.
 --
--- The caller declines, writing nothing, and runs claim_new.sql instead whenever it has
--- more to do: a remembered transaction has finished (`declined`), an event read is
+-- The caller declines, writing nothing, and runs claim_new.sql instead whenever that
+-- has more to do: a remembered transaction has finished (`declined`), an event read is
 -- scheduled or expired (`special`), or the subscription has a record at or past the
--- batch's first position (`last_record_position`; left from before a seek). claim_new.sql's
--- comments say why the reading and the read position work as they do.
+-- batch's first position (`last_record_position`; left from before a seek).
+-- claim_new.sql's comments say why the reading and the read position work as they do.
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
 -- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
