@@ -293,12 +293,25 @@ impl Store {
             .bind(settings.max_event_age.map(millis))
             .fetch_all(&mut *transaction)
             .await?;
-        let Some((summary, read)) = rows.split_first() else {
+        let Some(summary) = summary_row(&rows)? else {
             return Err(StoreError::Corrupt("a claim returned no summary".into()));
         };
         if summary.try_get::<bool, _>("declined")? {
             return Ok(None);
         }
+        // The events in reading order, which the batch is a prefix of. The statement
+        // returns them so, after the summary; that is its plan's doing, not a promise
+        // of SQL's, and a batch cut from any other order could pass over events.
+        let mut read = Vec::with_capacity(rows.len());
+        if let Some(first) = rows.iter().find(|row| !std::ptr::eq(*row, summary)) {
+            let (xact_id, position) = (column_at(first, "xact_id")?, column_at(first, "position")?);
+            for row in rows.iter().filter(|row| !std::ptr::eq(*row, summary)) {
+                let order: (i64, i64) = (row.try_get(xact_id)?, row.try_get(position)?);
+                read.push((order, row));
+            }
+            read.sort_unstable_by_key(|(order, _)| *order);
+        }
+        let read: Vec<&PgRow> = read.into_iter().map(|(_, row)| row).collect();
 
         // The batch: the events read, in reading order, while the bytes before each stay
         // within the budget (the first is always taken).
@@ -307,7 +320,7 @@ impl Store {
             let columns = DeliveryColumns::of(first)?;
             let special = column_at(first, "special")?;
             let mut bytes_before = 0u64;
-            for row in read {
+            for row in &read {
                 if row.try_get::<bool, _>(special)? {
                     return Ok(None);
                 }
