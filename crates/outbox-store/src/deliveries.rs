@@ -63,7 +63,8 @@ pub struct ClaimLimits {
 #[derive(Debug, Clone, Copy)]
 struct FreshLimits {
     count: i64,
-    bytes: u64,
+    /// The first delivery is leased whatever its size.
+    bytes: i64,
     /// Deliveries this claim leased before (due ones), for the counter.
     already_leased: i64,
 }
@@ -174,7 +175,7 @@ impl Store {
                     false => {
                         let limits = FreshLimits {
                             count: remaining,
-                            bytes: u64::try_from(remaining_bytes).unwrap_or(0),
+                            bytes: remaining_bytes,
                             already_leased: due_count,
                         };
                         self.claim_fresh(transaction, subscription, &cursor, lease_token, limits)
@@ -291,6 +292,7 @@ impl Store {
         let rows = bind_unread(query, settings, cursor)
             .bind(millis(settings.ack_deadline))
             .bind(settings.max_event_age.map(millis))
+            .bind(limits.bytes)
             .fetch_all(&mut *transaction)
             .await?;
         let Some(summary) = summary_row(&rows)? else {
@@ -299,38 +301,22 @@ impl Store {
         if summary.try_get::<bool, _>("declined")? {
             return Ok(None);
         }
-        // The events in reading order, which the batch is a prefix of. The statement
-        // returns them so, after the summary; that is its plan's doing, not a promise
-        // of SQL's, and a batch cut from any other order could pass over events.
-        let mut read = Vec::with_capacity(rows.len());
+        // The batch's events, and how many events were read before the byte budget cut
+        // them (the same on each row).
+        let mut deliveries = Vec::with_capacity(rows.len());
+        let mut candidates = 0;
         if let Some(first) = rows.iter().find(|row| !std::ptr::eq(*row, summary)) {
-            let (xact_id, position) = (column_at(first, "xact_id")?, column_at(first, "position")?);
-            for row in rows.iter().filter(|row| !std::ptr::eq(*row, summary)) {
-                let order: (i64, i64) = (row.try_get(xact_id)?, row.try_get(position)?);
-                read.push((order, row));
-            }
-            read.sort_unstable_by_key(|(order, _)| *order);
-        }
-        let read: Vec<&PgRow> = read.into_iter().map(|(_, row)| row).collect();
-
-        // The batch: the events read, in reading order, while the bytes before each stay
-        // within the budget (the first is always taken).
-        let mut deliveries = Vec::with_capacity(read.len());
-        if let Some(first) = read.first() {
             let columns = DeliveryColumns::of(first)?;
             let special = column_at(first, "special")?;
-            let mut bytes_before = 0u64;
-            for row in &read {
+            candidates = first.try_get(column_at(first, "candidates")?)?;
+            for row in rows.iter().filter(|row| !std::ptr::eq(*row, summary)) {
                 if row.try_get::<bool, _>(special)? {
                     return Ok(None);
                 }
-                if deliveries.is_empty() || bytes_before < limits.bytes {
-                    let delivery = self.delivery_from_row(row, &columns, lease_token)?;
-                    bytes_before = bytes_before.saturating_add(delivery.size());
-                    deliveries.push(delivery);
-                }
+                deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
             }
         }
+        deliveries.sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
         let batch = deliveries.len();
         let positions: Vec<i64> = deliveries.iter().map(|d| d.ack_id.position).collect();
         let last_record: Option<i64> = summary.try_get("last_record_position")?;
@@ -347,7 +333,7 @@ impl Store {
         if let Some(last) = deliveries.last() {
             cursor_at = cursor_at.max((last.event.transaction_id, last.ack_id.position));
         }
-        if (read.len() as i64) < limits.count && batch == read.len() {
+        if candidates < limits.count && batch as i64 == candidates {
             let end_xact_id: Option<i64> = summary.try_get("visible_end_xact_id")?;
             let end_position: Option<i64> = summary.try_get("visible_end_position")?;
             if let (Some(xact_id), Some(position)) = (end_xact_id, end_position) {
@@ -974,7 +960,9 @@ mod tests {
             (
                 "fresh_claim",
                 include_str!("queries/claim_fresh.sql"),
-                format!("{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, '{{}}', '{{}}', 30000, NULL"),
+                format!(
+                    "{id}, 0, 0, 100, NULL, '{{}}', NULL, NULL, '{{}}', '{{}}', 30000, NULL, 1000000"
+                ),
             ),
             (
                 "full_claim",

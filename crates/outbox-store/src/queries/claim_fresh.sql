@@ -1,25 +1,25 @@
 -- The common claim of an unordered subscription without a CEL filter, first of two
--- statements: reads the next committed events past the read position once, whole, with
--- what the caller needs to pick the batch and to decide whether this path may take it.
--- The caller then leases the batch it picked with lease_fresh.sql, in the same
--- transaction, from what this statement saw: its rows, the newest visible row and the
--- transactions running in its snapshot. One statement that picked the batch, wrote it
--- and then read the events going out a second time cost half as much again as the two.
+-- statements: reads the next committed events past the read position once, and
+-- returns those of the batch, whole, with what the caller needs to decide whether this
+-- path may take it. The caller then leases the batch with lease_fresh.sql, in the same
+-- transaction, from what this statement saw: its rows, how many it read, the newest
+-- visible row and the transactions running in its snapshot. One statement that picked
+-- the batch, wrote it and then read the events going out a second time cost half as
+-- much again as the two.
 --
 -- The caller declines, writing nothing, and runs claim_new.sql instead whenever that
--- has more to do: a remembered transaction has finished (`declined`), an event read is
--- scheduled or expired (`special`), or the subscription has a record at or past the
--- batch's first position (`last_record_position`; left from before a seek).
+-- has more to do: a remembered transaction has finished (`declined`), an event of the
+-- batch is scheduled or expired (`special`), or the subscription has a record at or
+-- past the batch's first position (`last_record_position`; left from before a seek).
 -- claim_new.sql's comments say why the reading and the read position work as they do.
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
 -- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
 -- (NULL: all), $8 not_before (NULL: none), $9 pending transaction ids, $10 the position
 -- up to which each was taken, $11 ack deadline in ms, $12 max event age in ms (NULL:
--- none).
+-- none), $13 byte budget.
 --
--- The summary comes on a row of its own, without a position, then the events in reading
--- order.
+-- The summary comes on a row of its own, without a position, then the batch's events.
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 )
@@ -33,7 +33,7 @@ SELECT EXISTS (SELECT 1 FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, t
        v.xact_id AS visible_end_xact_id, v.position AS visible_end_position,
        (SELECT coalesce(array_agg(r::text::bigint), '{}')
         FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) AS running_xact_ids,
-       NULL::boolean AS special,
+       NULL::bigint AS candidates, NULL::boolean AS special,
        NULL::bigint AS position, NULL::integer AS attempt, NULL::timestamptz AS due_at,
        NULL::uuid AS id, NULL::text AS aggregate_type, NULL::text AS aggregate_id,
        NULL::bigint AS aggregate_version, NULL::text AS event_type, NULL::bytea AS payload,
@@ -49,20 +49,34 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) v ON true
 UNION ALL
-(SELECT NULL, NULL, NULL, NULL, NULL,
-        coalesce(e.deliver_at > now(), false)
-        OR coalesce(e.expires_at <= now(), false)
-        OR coalesce(greatest(e.created_at, e.deliver_at)
-                    + $12::bigint * interval '1 millisecond' <= now(), false),
-        e.position, 1, now() + $11 * interval '1 millisecond',
-        e.id, e.aggregate_type, e.aggregate_id, e.aggregate_version, e.event_type, e.payload,
-        e.content_type, e.metadata, e.occurred_at, e.created_at, e.deliver_at, e.expires_at,
-        e.xact_id
- FROM outbox_events e
- WHERE (e.xact_id, e.position) > ($2, $3)
-   AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
-   AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
-   AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
-   AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
- ORDER BY e.xact_id, e.position
- LIMIT $4)
+-- The batch: the first events while the bytes before each stay within $13 (the first is
+-- always taken), counted against how many were read. A payload stored out of line is
+-- measured without being fetched, and only the events of the batch are sent.
+SELECT NULL, NULL, NULL, NULL, NULL, c.candidates, c.special,
+       c.position, 1, now() + $11 * interval '1 millisecond',
+       c.id, c.aggregate_type, c.aggregate_id, c.aggregate_version, c.event_type, c.payload,
+       c.content_type, c.metadata, c.occurred_at, c.created_at, c.deliver_at, c.expires_at,
+       c.xact_id
+FROM (
+    SELECT r.*, count(*) OVER () AS candidates,
+           sum(octet_length(r.payload) + 256) OVER w - (octet_length(r.payload) + 256)
+               AS bytes_before,
+           row_number() OVER w AS n
+    FROM (
+        SELECT e.*,
+               coalesce(e.deliver_at > now(), false)
+               OR coalesce(e.expires_at <= now(), false)
+               OR coalesce(greatest(e.created_at, e.deliver_at)
+                           + $12::bigint * interval '1 millisecond' <= now(), false) AS special
+        FROM outbox_events e
+        WHERE (e.xact_id, e.position) > ($2, $3)
+          AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+          AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+          AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+          AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+        ORDER BY e.xact_id, e.position
+        LIMIT $4
+    ) r
+    WINDOW w AS (ORDER BY r.xact_id, r.position ROWS UNBOUNDED PRECEDING)
+) c
+WHERE c.n = 1 OR c.bytes_before < $13
