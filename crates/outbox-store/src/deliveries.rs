@@ -271,10 +271,11 @@ impl Store {
         })
     }
 
-    /// The common claim of an unordered subscription without a CEL filter (see
-    /// `queries/claim_fresh.sql`): reads the next events once, picks the batch within
-    /// `limits`, and leases it and moves the read position (`queries/lease_fresh.sql`).
-    /// `None`, having written nothing, when `claim_new.sql` must claim instead.
+    /// The common claim of an unordered subscription without a CEL filter: reads the
+    /// next events once, the batch within `limits` cut by the statement
+    /// (`queries/claim_fresh.sql`), then leases it and moves the read position
+    /// (`queries/lease_fresh.sql`). `None`, having written nothing, when
+    /// `claim_new.sql` must claim instead.
     async fn claim_fresh(
         &self,
         transaction: &mut PgConnection,
