@@ -846,6 +846,7 @@ mod tests {
     use std::time::Duration;
 
     use outbox_domain::{StartPosition, SubscriptionName, SubscriptionSettings};
+    use sqlx::Connection;
 
     use super::*;
     use crate::{subscriptions::NewDefinition, throwaway_store};
@@ -872,6 +873,11 @@ mod tests {
             )
             .await
             .expect("create the subscription");
+        insert_events(&store, events).await;
+        (database, store, subscription)
+    }
+
+    async fn insert_events(store: &Store, events: i64) {
         sqlx::query(
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
              SELECT 'order', 'o-' || n, 'order.created', '\\x7b7d' FROM generate_series(1, $1) n",
@@ -880,7 +886,6 @@ mod tests {
         .execute(&store.pool)
         .await
         .expect("insert events");
-        (database, store, subscription)
     }
 
     /// An ack id named twice in one call (two callers' acks applied together, or one
@@ -916,14 +921,28 @@ mod tests {
     /// Claims and batch acks keep one cached plan per connection instead of planning
     /// anew on every call (planning cost PostgreSQL as much as running them), and the
     /// cached claim plan walks the relay-order index to its LIMIT rather than reading
-    /// every event past the cursor.
+    /// every event past the cursor. That holds for both claim statements: the short one,
+    /// and the full one a claim takes when a transaction it remembered has ended.
     #[tokio::test]
     async fn claims_and_batch_acks_run_on_one_cached_plan() {
         // One connection: every claim and ack shares its prepared statements.
-        let (database, store, subscription) = subscription_with_events(1, 5000).await;
+        let (database, store, subscription) = subscription_with_events(1, 0).await;
+        // A transaction running when the events commit, and older than theirs: the
+        // claims remember it until it ends.
+        let mut older = sqlx::PgConnection::connect_with(&database.connect_options())
+            .await
+            .expect("connect");
+        sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id()")
+            .execute(&mut older)
+            .await
+            .expect("begin the older transaction");
+        insert_events(&store, 5000).await;
 
         const CLAIMS: i64 = 8;
         for claim_number in 1..=CLAIMS {
+            if claim_number == CLAIMS / 2 {
+                sqlx::raw_sql("COMMIT").execute(&mut older).await.unwrap();
+            }
             let limits = ClaimLimits {
                 count: 100,
                 bytes: u64::MAX,
@@ -939,20 +958,36 @@ mod tests {
             assert_eq!(acked.len(), 100, "acks of claim {claim_number}");
         }
 
-        let plans = |start: &'static str| {
-            sqlx::query_as::<_, (String, i64, i64)>(
-                "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements
+        // (generic, custom) plans of the statement starting so; (0, 0) if it never ran.
+        let pool = &store.pool;
+        let plans = |start: &'static str| async move {
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements
                  WHERE starts_with(statement, $1)",
             )
             .bind(start)
-            .fetch_one(&store.pool)
-        };
-        let (_, generic, custom) = plans("-- The common claim").await.unwrap();
-        assert_eq!((generic, custom), (CLAIMS, 0), "plans of the claim");
-        let (_, generic, custom) = plans("-- Settles first leases held in claim batches")
+            .fetch_optional(pool)
             .await
-            .unwrap();
-        assert_eq!((generic, custom), (CLAIMS, 0), "plans of the batch ack");
+            .unwrap()
+            .unwrap_or_default()
+        };
+        // Each claim ran one of the two statements, on a generic plan. Other tests'
+        // transactions in the cluster are remembered too, so more than one claim may have
+        // taken the full statement.
+        let (fresh, fresh_custom) = plans("-- The common claim").await;
+        let (full, full_custom) = plans("-- Claims the next events of one subscription").await;
+        assert_eq!(
+            (fresh + full, fresh_custom, full_custom),
+            (CLAIMS, 0, 0),
+            "plans of the claims"
+        );
+        assert!(fresh > 0, "the short path ran on none of the claims");
+        assert!(
+            full > 0,
+            "no claim took the full statement when the older one ended"
+        );
+        let batch_ack = plans("-- Settles first leases held in claim batches").await;
+        assert_eq!(batch_ack, (CLAIMS, 0), "plans of the batch ack");
 
         // The generic plans of both claim statements read past the cursor by the
         // relay-order index, as far as their LIMIT.
@@ -999,6 +1034,7 @@ mod tests {
             );
         }
 
+        older.close().await.expect("close the older connection");
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
     }
