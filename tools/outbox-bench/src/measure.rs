@@ -251,10 +251,19 @@ impl CpuUse {
 
     /// Gateway CPU seconds per million events.
     pub fn gateway_per_million(&self, events: u64) -> f64 {
-        if events == 0 {
-            f64::NAN
-        } else {
-            self.gateway / events as f64 * 1e6
+        self.per_million(events).gateway
+    }
+
+    /// Each process's CPU seconds per million events.
+    pub fn per_million(&self, events: u64) -> CpuUse {
+        let scale = match events {
+            0 => f64::NAN,
+            events => 1e6 / events as f64,
+        };
+        CpuUse {
+            gateway: self.gateway * scale,
+            postgres: self.postgres * scale,
+            bench: self.bench * scale,
         }
     }
 

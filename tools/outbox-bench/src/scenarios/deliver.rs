@@ -62,8 +62,12 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             .await?;
         let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
         bench.database.settle().await?;
-        let (raw, per_event) = raw_ceilings(bench, 1, streams, backlog).await?;
+        let ceilings = raw_ceilings(bench, gateway, 1, streams, backlog).await?;
+        let (raw, per_event) = (ceilings.per_claim, ceilings.per_event);
         let ratio = outcome.per_second() / raw.per_second();
+        report
+            .notes
+            .push(ceilings.cpu_note(&format!("{streams} stream(s)"), cpu, outcome.acked()));
         progress(
             scenario,
             format!(
@@ -104,6 +108,7 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             "stale_acks": outcome.subscriptions.iter().map(|s| s.stale).sum::<u64>(),
             "cpu_s": cpu.to_json(),
             "gateway_cpu_s_per_million": round(cpu.gateway_per_million(outcome.acked()), 2),
+            "raw": ceilings.cpu_json(),
         }));
         if streams == 4 {
             report.targets.push(Target::at_least(
@@ -153,7 +158,8 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         .await?;
     let cpu = CpuUse::between(&before, &gateway.cpu_snapshot());
     bench.database.settle().await?;
-    let (raw, per_event) = raw_ceilings(bench, FANOUT_SUBSCRIPTIONS, 1, backlog).await?;
+    let ceilings = raw_ceilings(bench, gateway, FANOUT_SUBSCRIPTIONS, 1, backlog).await?;
+    let (raw, per_event) = (ceilings.per_claim, ceilings.per_event);
     let ratio = outcome.per_second() / raw.per_second();
     progress(
         scenario,
@@ -226,6 +232,7 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         "gateway_cpu_s_per_million",
         round(cpu.gateway_per_million(outcome.acked()), 2),
     );
+    report.figure("raw", ceilings.cpu_json());
     report.targets.push(Target::at_least(
         "total over 4 subscriptions",
         outcome.per_second(),
@@ -244,6 +251,9 @@ pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> 
         format_number(raw.per_second()),
         format_number(per_event.per_second())
     ));
+    report
+        .notes
+        .push(ceilings.cpu_note("fan-out", cpu, outcome.acked()));
     let mut series: Vec<_> = outcome
         .subscriptions
         .iter()
@@ -272,12 +282,43 @@ fn cut_off_note(outcome: &GroupOutcome, streams: usize) -> String {
 /// The raw SQL ceilings of a run: leases recorded per claim as the gateway does (per
 /// event on a schema from before claim batches), then per event, as the gateway did
 /// before.
+struct RawCeilings {
+    per_claim: RawOutcome,
+    per_event: RawOutcome,
+    /// What the per-claim loop cost PostgreSQL and this process (the gateway idles).
+    per_claim_cpu: CpuUse,
+}
+
+impl RawCeilings {
+    /// The CPU note of a run: where a ceiling that pays neither gRPC nor consumers
+    /// spends its CPU, beside the gateway's run, per million events.
+    fn cpu_note(&self, label: &str, gateway_run: CpuUse, acked: u64) -> String {
+        let raw = self.per_claim_cpu.per_million(self.per_claim.acked);
+        let run = gateway_run.per_million(acked);
+        format!(
+            "{label}: CPU s per million events — gateway run: postgres {:.1}, gateway {:.1}, \
+             consumers {:.1}; raw SQL ceiling: postgres {:.1}, its loop {:.1}",
+            run.postgres, run.gateway, run.bench, raw.postgres, raw.bench
+        )
+    }
+
+    fn cpu_json(&self) -> serde_json::Value {
+        let raw = self.per_claim_cpu.per_million(self.per_claim.acked);
+        json!({
+            "cpu_s": self.per_claim_cpu.to_json(),
+            "postgres_cpu_s_per_million": round(raw.postgres, 2),
+            "loop_cpu_s_per_million": round(raw.bench, 2),
+        })
+    }
+}
+
 async fn raw_ceilings(
     bench: &Bench,
+    gateway: &Gateway,
     subscriptions: usize,
     workers: usize,
     backlog: u64,
-) -> anyhow::Result<(RawOutcome, RawOutcome)> {
+) -> anyhow::Result<RawCeilings> {
     let drain = |bookkeeping| {
         raw_delivery::drain(
             &bench.database,
@@ -288,12 +329,20 @@ async fn raw_ceilings(
             bench.settings.deliver_limit,
         )
     };
-    let per_event = drain(Bookkeeping::PerEvent).await?;
-    bench.database.settle().await?;
-    let per_claim = if Bookkeeping::PerClaim.available(&bench.database).await? {
-        drain(Bookkeeping::PerClaim).await?
-    } else {
-        per_event
+    let measured = |bookkeeping| async move {
+        let before = gateway.cpu_snapshot();
+        let outcome = drain(bookkeeping).await?;
+        anyhow::Ok((outcome, CpuUse::between(&before, &gateway.cpu_snapshot())))
     };
-    Ok((per_claim, per_event))
+    let (per_event, per_event_cpu) = measured(Bookkeeping::PerEvent).await?;
+    bench.database.settle().await?;
+    let (per_claim, per_claim_cpu) = match Bookkeeping::PerClaim.available(&bench.database).await? {
+        true => measured(Bookkeeping::PerClaim).await?,
+        false => (per_event, per_event_cpu),
+    };
+    Ok(RawCeilings {
+        per_claim,
+        per_event,
+        per_claim_cpu,
+    })
 }
