@@ -8,10 +8,14 @@
 -- much again as the two.
 --
 -- The caller declines, writing nothing, and runs claim_new.sql instead whenever that
--- has more to do: a remembered transaction has finished (`declined`), an event of the
--- batch is scheduled or expired (`special`), or the subscription has a record at or
--- past the batch's first position (`last_record_position`; left from before a seek).
--- claim_new.sql's comments say why the reading and the read position work as they do.
+-- has more to do: a remembered transaction has finished with events not yet taken
+-- (`declined`), an event of the batch is scheduled or expired (`special`), or the
+-- subscription has a record at or past the batch's first position
+-- (`last_record_position`; left from before a seek). A remembered transaction that
+-- finished without such events is only forgotten, which the caller does: most are the
+-- service's own transactions that wrote no events, or another database's (transaction
+-- ids are the server's). claim_new.sql's comments say why the reading and the read
+-- position work as they do.
 --
 -- $1 subscription id, $2/$3 cursor (xact_id, position), $4 batch limit,
 -- $5 event-type regex (NULL: all), $6 aggregate types (empty: all), $7 metadata match
@@ -24,7 +28,10 @@ WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 )
 SELECT EXISTS (SELECT 1 FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, taken)
-               WHERE pg_visible_in_snapshot(p.xact_id::text::xid8, (SELECT s FROM snapshot)))
+               WHERE pg_visible_in_snapshot(p.xact_id::text::xid8, (SELECT s FROM snapshot))
+                 AND EXISTS (SELECT 1 FROM outbox_events e
+                             WHERE (e.xact_id, e.position) > (p.xact_id, p.taken)
+                               AND e.xact_id <= p.xact_id))
            AS declined,
        (SELECT max(x.position) FROM outbox_deliveries x WHERE x.subscription_id = $1)
            AS last_record_position,
