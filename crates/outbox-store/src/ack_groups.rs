@@ -11,7 +11,7 @@
 //! cancelled) never cuts short the acks of the others.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     sync::{Arc, Mutex},
 };
 
@@ -87,7 +87,7 @@ async fn apply_while_waiting(store: Store, subscription: Subscription, group: Ar
         match store.ack_together(&subscription, &all).await {
             Ok(acked) => {
                 // An ack id named by two callers settled one lease: the first one named it.
-                let mut unclaimed: HashSet<AckId> = acked.into_iter().collect();
+                let mut unclaimed: foldhash::HashSet<AckId> = acked.into_iter().collect();
                 for (acks, answer) in callers {
                     let theirs = acks
                         .into_iter()

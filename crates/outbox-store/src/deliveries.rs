@@ -11,7 +11,7 @@
 //! lock, does not give the claiming transaction an id before its snapshot is taken, so
 //! claimers do not hold back each other's read horizon.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row, postgres::PgRow};
@@ -437,8 +437,9 @@ impl Store {
         // is not found there (moved out to a record, later attempts, ack ids from before
         // batches) is looked for among the records, in a statement of its own so that it
         // sees a move that a concurrent statement committed meanwhile.
-        // Each first lease once: an ack id named twice must count one ack.
-        let first_leases: HashSet<LeaseId> = acks
+        // Each first lease once: an ack id named twice must count one ack. (These sets
+        // hold one call's acks, hashed with a per-process seed: cheaper than SipHash.)
+        let first_leases: foldhash::HashSet<LeaseId> = acks
             .iter()
             .filter(|ack| ack.attempt == 1)
             .map(AckId::lease)
@@ -447,7 +448,7 @@ impl Store {
             .iter()
             .map(|lease| (lease.position, lease.token))
             .unzip();
-        let mut settled = HashSet::new();
+        let mut settled = foldhash::HashSet::default();
         if !positions.is_empty() {
             let rows = run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
                 Ok(sqlx::query(include_str!("queries/ack_batches.sql"))
@@ -457,11 +458,17 @@ impl Store {
                     .fetch_all(&mut *transaction)
                     .await?)
             })?;
-            for row in &rows {
-                settled.insert(LeaseId {
-                    position: row.try_get("position")?,
-                    token: row.try_get("lease_token")?,
-                });
+            if let Some(first) = rows.first() {
+                let (position, token) = (
+                    column_at(first, "position")?,
+                    column_at(first, "lease_token")?,
+                );
+                for row in &rows {
+                    settled.insert(LeaseId {
+                        position: row.try_get(position)?,
+                        token: row.try_get(token)?,
+                    });
+                }
             }
         }
         let (mut acked, rest): (Vec<AckId>, Vec<AckId>) = acks
