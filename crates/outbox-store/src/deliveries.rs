@@ -1108,6 +1108,66 @@ mod tests {
         database.drop_database().await.expect("drop the database");
     }
 
+    /// `late_transactions` counts the remembered transactions that finished with events
+    /// to take, not those that wrote none: most remembered ones are the service's own
+    /// or another database's.
+    #[tokio::test]
+    async fn late_transactions_count_only_those_with_events() {
+        let (database, store, subscription) = subscription_with_events(1, 0).await;
+        let mut with_event = sqlx::PgConnection::connect_with(&database.connect_options())
+            .await
+            .expect("connect");
+        sqlx::raw_sql(
+            "BEGIN; INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'late', 'order.created', '\\x7b7d')",
+        )
+        .execute(&mut with_event)
+        .await
+        .expect("begin the transaction with an event");
+        let mut without = sqlx::PgConnection::connect_with(&database.connect_options())
+            .await
+            .expect("connect");
+        sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id()")
+            .execute(&mut without)
+            .await
+            .expect("begin the transaction without events");
+        insert_events(&store, 3).await;
+        let limits = ClaimLimits {
+            count: 10,
+            bytes: u64::MAX,
+        };
+        let claimed = store.claim(&subscription, 1, limits, false).await.unwrap();
+        assert_eq!(claimed.unwrap().deliveries.len(), 3);
+        for connection in [&mut with_event, &mut without] {
+            sqlx::raw_sql("COMMIT").execute(connection).await.unwrap();
+        }
+
+        let stats = || async {
+            let stats = store.subscription_stats(&subscription).await.unwrap();
+            let stats = stats.expect("the subscription reads this database");
+            (stats.late_transactions, stats.pending)
+        };
+        assert_eq!(
+            stats().await,
+            (1, 1),
+            "late transactions and pending events"
+        );
+        let late = store.claim(&subscription, 2, limits, false).await.unwrap();
+        let late: Vec<String> = late
+            .unwrap()
+            .deliveries
+            .into_iter()
+            .map(|d| d.event.aggregate_id)
+            .collect();
+        assert_eq!(late, ["late"]);
+        assert_eq!(stats().await, (0, 0), "after the next claim");
+
+        with_event.close().await.unwrap();
+        without.close().await.unwrap();
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
     /// After a seek back, a claim reads again events that still have records: one in
     /// flight, one awaiting its retry, one dead. Those keep their state; only the events
     /// without a record go out again.

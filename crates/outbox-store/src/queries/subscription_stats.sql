@@ -14,7 +14,7 @@ WITH pending AS (
     FROM unnest($8::bigint[], $9::bigint[]) AS p(xact_id, taken)
 ),
 not_handed_out AS (
-    SELECT e.created_at, e.deliver_at
+    SELECT e.created_at, e.deliver_at, NULL::bigint AS late_xact_id
     FROM outbox_events e
     WHERE (e.xact_id, e.position) > ($2, $3)
       AND ($4::text IS NULL OR e.event_type ~ $4)
@@ -23,7 +23,7 @@ not_handed_out AS (
       AND ($7::timestamptz IS NULL OR e.created_at >= $7)
     UNION ALL
     -- Rows of transactions that finished after the cursor passed them.
-    SELECT e.created_at, e.deliver_at
+    SELECT e.created_at, e.deliver_at, e.xact_id
     FROM pending p
     JOIN outbox_events e ON e.xact_id = p.xact_id AND e.position > p.taken
     WHERE p.finished
@@ -71,7 +71,9 @@ SELECT (SELECT count(*) FROM not_handed_out
              (SELECT min(GREATEST(created_at, deliver_at)) FROM not_handed_out
               WHERE deliver_at IS NULL OR deliver_at <= now())) AS oldest_unacked,
        t.delivered, t.acked, t.expired,
-       (SELECT count(*) FROM pending WHERE finished) AS late_transactions,
+       -- Finished transactions with events to take; most that are remembered wrote
+       -- none here (transaction ids are the server's), and the next claim forgets them.
+       (SELECT count(DISTINCT late_xact_id) FROM not_handed_out) AS late_transactions,
        r.scheduled + (SELECT count(*) FROM not_handed_out WHERE deliver_at > now()) AS scheduled,
        LEAST(r.next_scheduled,
              (SELECT min(deliver_at) FROM not_handed_out WHERE deliver_at > now()))
