@@ -899,6 +899,35 @@ mod tests {
         .expect("insert events");
     }
 
+    /// A transaction left open on a connection of its own, with an id: it writes an
+    /// event (aggregate id `late`) when `with_event`. Returns the connection and the id.
+    async fn open_transaction(
+        database: &outbox_testkit::ThrowawayDatabase,
+        with_event: bool,
+    ) -> (sqlx::PgConnection, i64) {
+        let mut connection = sqlx::PgConnection::connect_with(&database.connect_options())
+            .await
+            .expect("connect");
+        sqlx::raw_sql("BEGIN")
+            .execute(&mut connection)
+            .await
+            .unwrap();
+        if with_event {
+            sqlx::query(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'late', 'order.created', '\\x7b7d')",
+            )
+            .execute(&mut connection)
+            .await
+            .expect("write the event");
+        }
+        let id = sqlx::query_scalar("SELECT pg_current_xact_id()::text::bigint")
+            .fetch_one(&mut connection)
+            .await
+            .expect("the transaction's id");
+        (connection, id)
+    }
+
     /// An ack id named twice in one call (two callers' acks applied together, or one
     /// caller's repeated) settles its lease once and counts one ack.
     #[tokio::test]
@@ -933,23 +962,15 @@ mod tests {
     /// anew on every call (planning cost PostgreSQL as much as running them), and the
     /// cached claim plan walks the relay-order index to its LIMIT rather than reading
     /// every event past the cursor. That holds for both claim statements: the short one,
-    /// and the full one a claim takes when a transaction it remembered has ended.
+    /// and the full one a claim takes when a transaction it remembered has ended with an
+    /// event to take.
     #[tokio::test]
     async fn claims_and_batch_acks_run_on_one_cached_plan() {
         // One connection: every claim and ack shares its prepared statements.
         let (database, store, subscription) = subscription_with_events(1, 0).await;
         // A transaction running when the events commit, and older than theirs: the
         // claims remember it, and take its event late, once it commits.
-        let mut older = sqlx::PgConnection::connect_with(&database.connect_options())
-            .await
-            .expect("connect");
-        sqlx::raw_sql(
-            "BEGIN; INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-             VALUES ('order', 'late', 'order.created', '\\x7b7d')",
-        )
-        .execute(&mut older)
-        .await
-        .expect("begin the older transaction");
+        let (mut older, _) = open_transaction(&database, true).await;
         insert_events(&store, 5000).await;
 
         const CLAIMS: i64 = 8;
@@ -1059,14 +1080,7 @@ mod tests {
     #[tokio::test]
     async fn a_remembered_transaction_without_events_is_forgotten_on_the_short_path() {
         let (database, store, subscription) = subscription_with_events(1, 0).await;
-        let mut older = sqlx::PgConnection::connect_with(&database.connect_options())
-            .await
-            .expect("connect");
-        sqlx::raw_sql("BEGIN").execute(&mut older).await.unwrap();
-        let older_id: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::bigint")
-            .fetch_one(&mut older)
-            .await
-            .expect("begin the older transaction");
+        let (mut older, older_id) = open_transaction(&database, false).await;
         insert_events(&store, 20).await;
         let limits = ClaimLimits {
             count: 10,
@@ -1114,23 +1128,8 @@ mod tests {
     #[tokio::test]
     async fn late_transactions_count_only_those_with_events() {
         let (database, store, subscription) = subscription_with_events(1, 0).await;
-        let mut with_event = sqlx::PgConnection::connect_with(&database.connect_options())
-            .await
-            .expect("connect");
-        sqlx::raw_sql(
-            "BEGIN; INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
-             VALUES ('order', 'late', 'order.created', '\\x7b7d')",
-        )
-        .execute(&mut with_event)
-        .await
-        .expect("begin the transaction with an event");
-        let mut without = sqlx::PgConnection::connect_with(&database.connect_options())
-            .await
-            .expect("connect");
-        sqlx::raw_sql("BEGIN; SELECT pg_current_xact_id()")
-            .execute(&mut without)
-            .await
-            .expect("begin the transaction without events");
+        let (mut with_event, _) = open_transaction(&database, true).await;
+        let (mut without, _) = open_transaction(&database, false).await;
         insert_events(&store, 3).await;
         let limits = ClaimLimits {
             count: 10,
