@@ -312,6 +312,7 @@ impl RawCeilings {
     }
 }
 
+/// Runs the raw SQL ceilings of a run, with the gateway idle beside them.
 async fn raw_ceilings(
     bench: &Bench,
     gateway: &Gateway,
