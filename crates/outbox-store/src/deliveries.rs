@@ -240,10 +240,11 @@ impl Store {
                             deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
                         }
                     }
+                    // claim_new.sql leaves them unordered (claim_fresh sorts its own); they
+                    // go out in reading order.
+                    deliveries[due_count as usize..]
+                        .sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
                 }
-                // claim_new.sql leaves them unordered; they go out in reading order.
-                deliveries[due_count as usize..]
-                    .sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
             } else if due_count > 0 {
                 sqlx::query(include_str!("queries/count_deliveries.sql"))
                     .bind(subscription_id.0)
