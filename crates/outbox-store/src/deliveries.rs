@@ -1013,15 +1013,22 @@ mod tests {
             .unwrap()
             .unwrap_or_default()
         };
-        // Each claim ran one of the two statements, on a generic plan: the full one only
-        // when the older transaction's event was to be taken. (Transactions of other
-        // tests' databases are remembered too, but leave no events here to take.)
-        let (fresh, fresh_custom) = plans("-- The common claim").await;
+        // Each claim ran the short statement, on a generic plan; the full one ran only when
+        // the older transaction's event was to be taken, after the short one declined
+        // and wrote nothing. (Transactions of other tests' databases are remembered too,
+        // but leave no events here to take.)
+        let (fresh, fresh_custom) = plans("-- The common claim of an unordered").await;
+        let (leased, leased_custom) = plans("-- The common claim's second statement").await;
         let (full, full_custom) = plans("-- Claims the next events of one subscription").await;
         assert_eq!(
-            (fresh, full, fresh_custom, full_custom),
-            (CLAIMS - 1, 1, 0, 0),
-            "plans of the claims"
+            (fresh, leased, full),
+            (CLAIMS, CLAIMS - 1, 1),
+            "generic plans of the claims"
+        );
+        assert_eq!(
+            (fresh_custom, leased_custom, full_custom),
+            (0, 0, 0),
+            "custom plans of the claims"
         );
         let batch_ack = plans("-- Settles first leases held in claim batches").await;
         assert_eq!(batch_ack, (CLAIMS, 0), "plans of the batch ack");
