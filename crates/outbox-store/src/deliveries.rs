@@ -929,6 +929,42 @@ mod tests {
         (connection, id)
     }
 
+    /// A claim whose wait for the subscription's lock fails (here a `lock_timeout`, as a
+    /// deadlock or a cancel would) fails alone: the connection it ran on goes back to the
+    /// pool usable, and the next claim on it leases the events.
+    #[tokio::test]
+    async fn a_claim_that_cannot_take_the_lock_leaves_its_connection_usable() {
+        let (database, store, subscription) = subscription_with_events(1, 3).await;
+        // The pool's one connection gives up waiting for a lock after 100 ms.
+        sqlx::raw_sql("SET lock_timeout = '100ms'")
+            .execute(&store.pool)
+            .await
+            .unwrap();
+        let (mut holder, _) = open_transaction(&database, false).await;
+        sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
+            .bind(crate::locks::SUBSCRIPTION_LOCK_CLASS)
+            .bind(subscription.id.0)
+            .execute(&mut holder)
+            .await
+            .expect("hold the subscription's lock");
+        let limits = ClaimLimits {
+            count: 10,
+            bytes: u64::MAX,
+        };
+        let refused = store.claim(&subscription, 1, limits, false).await;
+        assert!(refused.is_err(), "the claim waits past lock_timeout");
+
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+        let claim = store
+            .claim(&subscription, 2, limits, false)
+            .await
+            .expect("the next claim runs")
+            .expect("the subscription reads this database");
+        assert_eq!(claim.deliveries.len(), 3);
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
     /// An ack id named twice in one call (two callers' acks applied together, or one
     /// caller's repeated) settles its lease once and counts one ack.
     #[tokio::test]

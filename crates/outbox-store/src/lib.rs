@@ -82,33 +82,41 @@ macro_rules! qualified_event_columns {
 /// must therefore be able to run more than once.
 ///
 /// `begin = STATEMENT` opens the transaction with that statement instead of `BEGIN`
-/// (e.g. [`GENERIC_PLANS`]).
+/// (e.g. [`GENERIC_PLANS`]); when it fails after its `BEGIN`, what it opened is rolled
+/// back ([`end_failed_begin`]).
 macro_rules! run_in_transaction {
     ($pool:expr, |$transaction:ident| $body:block) => {
         run_in_transaction!($pool, begin = "BEGIN", |$transaction| $body)
     };
     ($pool:expr, begin = $begin:expr, |$transaction:ident| $body:block) => {
         $crate::run_again_on_conflict(|| async {
-            let mut transaction = $pool.begin_with($begin).await?;
-            let outcome: $crate::Result<_> = async {
-                let $transaction: &mut sqlx::PgConnection = &mut *transaction;
-                $body
-            }
-            .await;
-            match outcome {
-                Ok(value) => {
-                    transaction.commit().await?;
-                    Ok(value)
-                }
-                Err(error) => {
-                    if let Err(rollback_error) = transaction.rollback().await {
-                        // The body's error is the one to report; this often follows from
-                        // it (a connection that broke).
-                        tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+            let mut connection = $pool.acquire().await?;
+            let failed = match sqlx::Connection::begin_with(&mut *connection, $begin).await {
+                Ok(mut transaction) => {
+                    let outcome: $crate::Result<_> = async {
+                        let $transaction: &mut sqlx::PgConnection = &mut *transaction;
+                        $body
                     }
-                    Err(error)
+                    .await;
+                    return match outcome {
+                        Ok(value) => {
+                            transaction.commit().await?;
+                            Ok(value)
+                        }
+                        Err(error) => {
+                            if let Err(rollback_error) = transaction.rollback().await {
+                                // The body's error is the one to report; this often
+                                // follows from it (a connection that broke).
+                                tracing::debug!(error = %rollback_error, "could not roll back a transaction");
+                            }
+                            Err(error)
+                        }
+                    };
                 }
-            }
+                Err(error) => error,
+            };
+            $crate::end_failed_begin(&mut connection).await;
+            Err($crate::StoreError::from(failed))
         })
         .await
     };
@@ -124,6 +132,17 @@ macro_rules! run_in_transaction {
 /// table that has grown since for every row.
 pub(crate) const GENERIC_PLANS: &str =
     "BEGIN; SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off";
+
+/// Rolls back what a failed opening statement of [`run_in_transaction`] may have left.
+/// When a statement after its `BEGIN` fails (the subscription's lock of a claim, see
+/// [`locks::begin_locked`], ended by a `lock_timeout`, a deadlock or a cancel), the
+/// session stays in an aborted transaction that sqlx does not know of, and the pool
+/// would hand it on so: every later statement on it would fail.
+pub(crate) async fn end_failed_begin(connection: &mut PgConnection) {
+    if let Err(error) = sqlx::raw_sql("ROLLBACK").execute(connection).await {
+        tracing::debug!(%error, "could not roll back after a failed BEGIN");
+    }
+}
 
 /// How many times [`run_again_on_conflict`] runs what keeps losing races.
 pub const TRANSACTION_ATTEMPTS: u32 = 3;
