@@ -20,7 +20,7 @@ use super::{
     GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis},
     events::{EventColumns, column_at, event_from_row},
-    locks::{LockMode, lock_subscription},
+    locks::{LockMode, begin_locked, lock_subscription},
     run_again_on_conflict,
 };
 use outbox_domain::{AckId, Delivery, EventFilter, LeaseId, Subscription, SubscriptionId};
@@ -107,8 +107,8 @@ impl Store {
         include_due: bool,
     ) -> Result<Option<Claim>> {
         let subscription_id = subscription.id;
-        run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
-            lock_subscription(transaction, subscription_id, LockMode::Exclusive).await?;
+        let begin = begin_locked(GENERIC_PLANS, subscription_id);
+        run_in_transaction!(self.pool, begin = begin.clone(), |transaction| {
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
                 return Ok(None);
             };

@@ -3,7 +3,7 @@
 //! transaction at a time.
 
 use outbox_domain::SubscriptionId;
-use sqlx::PgConnection;
+use sqlx::{AssertSqlSafe, PgConnection, SqlSafeStr, SqlStr};
 
 use super::Result;
 
@@ -31,4 +31,16 @@ pub(super) async fn lock_subscription(
         .execute(connection)
         .await?;
     Ok(())
+}
+
+/// `begin` (the statements that open a transaction, e.g. [`crate::GENERIC_PLANS`])
+/// followed by taking the subscription's exclusive lock, sent together: a claim's
+/// transaction starts holding it one round trip sooner. Only integers are written into
+/// the text, so it is safe to send as it is.
+pub(super) fn begin_locked(begin: &str, subscription_id: SubscriptionId) -> SqlStr {
+    AssertSqlSafe(format!(
+        "{begin}; SELECT pg_advisory_xact_lock({SUBSCRIPTION_LOCK_CLASS}, {}::int)",
+        subscription_id.0
+    ))
+    .into_sql_str()
 }
