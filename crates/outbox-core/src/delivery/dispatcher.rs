@@ -686,7 +686,6 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             if full_batch {
                 drop(claiming);
                 drop(unproven_turn);
-                tokio::task::yield_now().await;
                 continue;
             }
         }
