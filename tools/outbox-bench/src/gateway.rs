@@ -413,6 +413,11 @@ pub struct CpuSnapshot {
 
 /// utime + stime of a process from /proc/<pid>/stat, in seconds.
 fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    Ok(stat_ticks(pid, &[14, 15])? as f64 / clock_ticks_per_second())
+}
+
+/// The sum of the numbered fields of /proc/<pid>/stat (clock ticks).
+fn stat_ticks(pid: u32, fields: &[usize]) -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) is in parentheses and may contain spaces: count fields
     // after its closing parenthesis, where field 3 (state) comes first.
@@ -420,25 +425,29 @@ fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
         .rfind(')')
         .map(|index| &stat[index + 1..])
         .with_context(|| format!("malformed /proc/{pid}/stat"))?;
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let ticks = |field: usize| -> anyhow::Result<u64> {
-        fields
-            .get(field - 3)
-            .and_then(|value| value.parse().ok())
-            .with_context(|| format!("malformed field {field} of /proc/{pid}/stat"))
-    };
-    Ok((ticks(14)? + ticks(15)?) as f64 / clock_ticks_per_second())
+    let values: Vec<&str> = after_name.split_whitespace().collect();
+    fields
+        .iter()
+        .map(|&field| {
+            values
+                .get(field - 3)
+                .and_then(|value| value.parse::<u64>().ok())
+                .with_context(|| format!("malformed field {field} of /proc/{pid}/stat"))
+        })
+        .sum()
 }
 
-/// CPU seconds of every process named `postgres` (the server and its backends) that is
-/// alive now. Backends that exited meanwhile drop out, so compare snapshots only over
-/// windows in which the connections stay open.
+/// CPU seconds of every process named `postgres`: the server and its backends, and
+/// the backends that exited (see [`processes_cpu_seconds`]).
 fn postgres_cpu_seconds() -> f64 {
     processes_cpu_seconds("postgres")
 }
 
-/// CPU seconds of every process of this name (its `comm`), summed; NaN when /proc
-/// cannot be read.
+/// CPU seconds of every process of this name (its `comm`), summed, with those of the
+/// children they reaped (utime, stime, cutime and cstime); NaN when /proc cannot be
+/// read. A PostgreSQL backend that exits between two readings moves into its server's
+/// children's time, so the difference of two readings keeps its CPU rather than losing
+/// all of it.
 pub fn processes_cpu_seconds(name: &str) -> f64 {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return f64::NAN;
@@ -450,7 +459,8 @@ pub fn processes_cpu_seconds(name: &str) -> f64 {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .is_ok_and(|comm| comm.trim_end() == name)
         })
-        .filter_map(|pid| cpu_seconds(pid).ok())
+        .filter_map(|pid| stat_ticks(pid, &[14, 15, 16, 17]).ok())
+        .map(|ticks| ticks as f64 / clock_ticks_per_second())
         .sum()
 }
 
