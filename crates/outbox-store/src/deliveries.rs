@@ -889,6 +889,14 @@ mod tests {
         (database, store, subscription)
     }
 
+    /// Claim limits of at most `count` deliveries, whatever their bytes.
+    fn up_to(count: usize) -> ClaimLimits {
+        ClaimLimits {
+            count,
+            bytes: u64::MAX,
+        }
+    }
+
     async fn insert_events(store: &Store, events: i64) {
         sqlx::query(
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
@@ -947,10 +955,7 @@ mod tests {
             .execute(&mut holder)
             .await
             .expect("hold the subscription's lock");
-        let limits = ClaimLimits {
-            count: 10,
-            bytes: u64::MAX,
-        };
+        let limits = up_to(10);
         let refused = store.claim(&subscription, 1, limits, false).await;
         assert!(refused.is_err(), "the claim waits past lock_timeout");
 
@@ -970,10 +975,7 @@ mod tests {
     #[tokio::test]
     async fn an_ack_id_named_twice_counts_once() {
         let (database, store, subscription) = subscription_with_events(2, 3).await;
-        let limits = ClaimLimits {
-            count: 10,
-            bytes: u64::MAX,
-        };
+        let limits = up_to(10);
         let claim = store.claim(&subscription, 7, limits, false).await.unwrap();
         let acks: Vec<AckId> = claim.unwrap().deliveries.iter().map(|d| d.ack_id).collect();
         assert_eq!(acks.len(), 3);
@@ -1016,10 +1018,7 @@ mod tests {
             if claim_number == CLAIMS / 2 {
                 sqlx::raw_sql("COMMIT").execute(&mut older).await.unwrap();
             }
-            let limits = ClaimLimits {
-                count: 100,
-                bytes: u64::MAX,
-            };
+            let limits = up_to(100);
             let claim = store
                 .claim(&subscription, claim_number, limits, false)
                 .await
@@ -1126,10 +1125,7 @@ mod tests {
         let (database, store, subscription) = subscription_with_events(1, 0).await;
         let (mut older, older_id) = open_transaction(&database, false).await;
         insert_events(&store, 20).await;
-        let limits = ClaimLimits {
-            count: 10,
-            bytes: u64::MAX,
-        };
+        let limits = up_to(10);
         let remembered = || async {
             let pending: Vec<i64> = sqlx::query_scalar(
                 "SELECT pending_xact_ids FROM outbox_cursors WHERE subscription_id = $1",
@@ -1175,10 +1171,7 @@ mod tests {
         let (mut with_event, _) = open_transaction(&database, true).await;
         let (mut without, _) = open_transaction(&database, false).await;
         insert_events(&store, 3).await;
-        let limits = ClaimLimits {
-            count: 10,
-            bytes: u64::MAX,
-        };
+        let limits = up_to(10);
         let claimed = store.claim(&subscription, 1, limits, false).await.unwrap();
         assert_eq!(claimed.unwrap().deliveries.len(), 3);
         for connection in [&mut with_event, &mut without] {
@@ -1217,10 +1210,7 @@ mod tests {
     #[tokio::test]
     async fn a_claim_after_a_seek_leaves_events_with_records_alone() {
         let (database, store, subscription) = subscription_with_events(2, 10).await;
-        let limits = ClaimLimits {
-            count: 100,
-            bytes: u64::MAX,
-        };
+        let limits = up_to(100);
         let claim = |token| store.claim(&subscription, token, limits, false);
 
         let first = claim(1).await.unwrap().unwrap().deliveries;
