@@ -48,6 +48,8 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
     );
     let mut runs = Vec::new();
     let mut series = Vec::new();
+    // Events/s of the gateway and of the raw ceiling, per number of streams.
+    let mut rates = Vec::new();
     for streams in DELIVER_STREAMS {
         let before = gateway.cpu_snapshot();
         let outcome = bench
@@ -65,6 +67,7 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
         let ceilings = raw_ceilings(bench, gateway, 1, streams, backlog).await?;
         let (raw, per_event) = (ceilings.per_claim, ceilings.per_event);
         let ratio = outcome.per_second() / raw.per_second();
+        rates.push((streams, outcome.per_second(), raw.per_second()));
         report
             .notes
             .push(ceilings.cpu_note(&format!("{streams} stream(s)"), cpu, outcome.acked()));
@@ -128,6 +131,23 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
         bench.database.settle().await?;
     }
     report.tables.push(table);
+    // One subscription's claims follow one another, so more streams add room, not
+    // claims; the raw ceiling's workers, claiming one subscription, show what that
+    // allows on this machine.
+    let rate_with = |count| rates.iter().find(|(streams, _, _)| *streams == count);
+    if let (Some(&(_, one, raw_one)), Some(&(_, four, raw_four))) = (rate_with(1), rate_with(4)) {
+        let (gain, raw_gain) = (four / one, raw_four / raw_one);
+        report.notes.push(format!(
+            "4 streams ÷ 1 stream: gateway {gain:.2}x, raw SQL ceiling (4 workers ÷ 1) {raw_gain:.2}x"
+        ));
+        report.figure(
+            "four_streams_over_one",
+            json!({ "gateway": round(gain, 3), "raw": round(raw_gain, 3) }),
+        );
+        report
+            .targets
+            .push(Target::at_least("4 streams ÷ 1 stream", gain, 1.5, "x"));
+    }
     report.figure("backlog", backlog);
     report.figure("runs", runs);
     bench.time_chart(
