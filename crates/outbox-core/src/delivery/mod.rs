@@ -77,10 +77,7 @@ impl Default for DeliveryConfig {
             default_max_in_flight_bytes: 16 * 1024 * 1024,
             max_in_flight_bytes_limit: 256 * 1024 * 1024,
             max_buffered_bytes: 256 * 1024 * 1024,
-            // A claim's round trips and commit cost the same whatever its size: a
-            // subscription whose streams have room for more claims fewer times (see
-            // "Dispatchers and streams" in docs/design.md).
-            claim_batch_size: 1000,
+            claim_batch_size: 500,
             max_streams: 10_000,
         }
     }
