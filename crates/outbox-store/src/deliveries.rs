@@ -303,27 +303,24 @@ impl Store {
         if summary.try_get::<bool, _>("declined")? {
             return Ok(None);
         }
-        // The batch's rows in reading order, and how many events were read before the
-        // byte budget cut them (the same on each row). Only the columns the lease needs
-        // are read here: the rest are read while the lease statement runs.
-        let mut batch: Vec<(i64, i64, &PgRow)> = Vec::with_capacity(rows.len());
-        let mut columns = None;
+        // The batch's events, and how many events were read before the byte budget cut
+        // them (the same on each row).
+        let mut deliveries = Vec::with_capacity(rows.len());
         let mut candidates = 0;
         if let Some(first) = rows.iter().find(|row| !std::ptr::eq(*row, summary)) {
-            let found = DeliveryColumns::of(first)?;
+            let columns = DeliveryColumns::of(first)?;
             let special = column_at(first, "special")?;
             candidates = first.try_get(column_at(first, "candidates")?)?;
             for row in rows.iter().filter(|row| !std::ptr::eq(*row, summary)) {
                 if row.try_get::<bool, _>(special)? {
                     return Ok(None);
                 }
-                let xact_id = row.try_get(found.event.xact_id())?;
-                batch.push((xact_id, row.try_get(found.position)?, row));
+                deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
             }
-            columns = Some(found);
         }
-        batch.sort_unstable_by_key(|&(xact_id, position, _)| (xact_id, position));
-        let positions: Vec<i64> = batch.iter().map(|&(_, position, _)| position).collect();
+        deliveries.sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
+        let batch = deliveries.len();
+        let positions: Vec<i64> = deliveries.iter().map(|d| d.ack_id.position).collect();
         let last_record: Option<i64> = summary.try_get("last_record_position")?;
         // A record at or past the batch's first position was left from before a seek.
         if let (Some(last_record), Some(first)) = (last_record, positions.iter().min())
@@ -335,10 +332,10 @@ impl Store {
         // The read position moves past the last event taken; past the newest visible
         // row when every event read was taken and fewer than the limit were read.
         let mut cursor_at = (cursor.xact_id, cursor.position);
-        if let Some(&(xact_id, position, _)) = batch.last() {
-            cursor_at = cursor_at.max((xact_id, position));
+        if let Some(last) = deliveries.last() {
+            cursor_at = cursor_at.max((last.event.transaction_id, last.ack_id.position));
         }
-        if candidates < limits.count && batch.len() as i64 == candidates {
+        if candidates < limits.count && batch as i64 == candidates {
             let end_xact_id: Option<i64> = summary.try_get("visible_end_xact_id")?;
             let end_position: Option<i64> = summary.try_get("visible_end_position")?;
             if let (Some(xact_id), Some(position)) = (end_xact_id, end_position) {
@@ -368,40 +365,23 @@ impl Store {
         let moved = cursor_at != (cursor.xact_id, cursor.position)
             || pending_xact_ids != cursor.pending_xact_ids
             || pending_positions != cursor.pending_positions;
-        let lease = async {
-            if moved || !batch.is_empty() || limits.already_leased > 0 {
-                sqlx::query(include_str!("queries/lease_fresh.sql"))
-                    .bind(subscription.id.0)
-                    .bind(&positions)
-                    .bind(lease_token)
-                    .bind(millis(settings.ack_deadline))
-                    .bind(cursor_at.0)
-                    .bind(cursor_at.1)
-                    .bind(pending_xact_ids)
-                    .bind(pending_positions)
-                    .bind(limits.already_leased)
-                    .execute(&mut *transaction)
-                    .await?;
-            }
-            Ok::<_, StoreError>(())
-        };
-        // Polled first, the lease statement is sent before the rows are read into
-        // deliveries, which then takes place while the database runs it: the claim, and
-        // the subscription's lock, last a round trip's worth less.
-        let read = async {
-            let Some(columns) = &columns else {
-                return Ok(Vec::new());
-            };
-            batch
-                .iter()
-                .map(|&(_, _, row)| self.delivery_from_row(row, columns, lease_token))
-                .collect::<Result<Vec<_>>>()
-        };
-        let (leased, deliveries) = tokio::join!(biased; lease, read);
-        leased?;
+        if moved || batch > 0 || limits.already_leased > 0 {
+            sqlx::query(include_str!("queries/lease_fresh.sql"))
+                .bind(subscription.id.0)
+                .bind(&positions)
+                .bind(lease_token)
+                .bind(millis(settings.ack_deadline))
+                .bind(cursor_at.0)
+                .bind(cursor_at.1)
+                .bind(pending_xact_ids)
+                .bind(pending_positions)
+                .bind(limits.already_leased)
+                .execute(&mut *transaction)
+                .await?;
+        }
         Ok(Some(FreshClaim {
-            read_full_batch: batch.len() as i64 >= limits.count,
-            deliveries: deliveries?,
+            deliveries,
+            read_full_batch: batch as i64 >= limits.count,
         }))
     }
 

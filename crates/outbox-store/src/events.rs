@@ -281,11 +281,6 @@ impl EventColumns {
         })
     }
 
-    /// Where the id of the transaction that wrote the event sits.
-    pub(super) fn xact_id(&self) -> usize {
-        self.xact_id
-    }
-
     /// The event in `row`, a row of the result these columns were found in.
     pub(super) fn event(&self, row: &PgRow, source: &SourceName) -> Result<Event> {
         let metadata: Json<BTreeMap<String, String>> = row
