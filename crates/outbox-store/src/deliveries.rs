@@ -949,10 +949,7 @@ mod tests {
             .await
             .unwrap();
         let (mut holder, _) = open_transaction(&database, false).await;
-        sqlx::query("SELECT pg_advisory_xact_lock($1, $2::int)")
-            .bind(crate::locks::SUBSCRIPTION_LOCK_CLASS)
-            .bind(subscription.id.0)
-            .execute(&mut holder)
+        lock_subscription(&mut holder, subscription.id, LockMode::Exclusive)
             .await
             .expect("hold the subscription's lock");
         let limits = up_to(10);
