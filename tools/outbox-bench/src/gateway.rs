@@ -413,11 +413,11 @@ pub struct CpuSnapshot {
 
 /// utime + stime of a process from /proc/<pid>/stat, in seconds.
 fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    Ok(stat_ticks(pid, &[14, 15])? as f64 / clock_ticks_per_second())
+    stat_seconds(pid, &[14, 15])
 }
 
-/// The sum of the numbered fields of /proc/<pid>/stat (clock ticks).
-fn stat_ticks(pid: u32, fields: &[usize]) -> anyhow::Result<u64> {
+/// The sum of the numbered fields of /proc/<pid>/stat (clock ticks), in seconds.
+fn stat_seconds(pid: u32, fields: &[usize]) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // The command name (field 2) is in parentheses and may contain spaces: count fields
     // after its closing parenthesis, where field 3 (state) comes first.
@@ -434,7 +434,8 @@ fn stat_ticks(pid: u32, fields: &[usize]) -> anyhow::Result<u64> {
                 .and_then(|value| value.parse::<u64>().ok())
                 .with_context(|| format!("malformed field {field} of /proc/{pid}/stat"))
         })
-        .sum()
+        .sum::<anyhow::Result<u64>>()
+        .map(|ticks| ticks as f64 / clock_ticks_per_second())
 }
 
 /// CPU seconds of every process named `postgres`: the server and its backends, and
@@ -459,8 +460,7 @@ pub fn processes_cpu_seconds(name: &str) -> f64 {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .is_ok_and(|comm| comm.trim_end() == name)
         })
-        .filter_map(|pid| stat_ticks(pid, &[14, 15, 16, 17]).ok())
-        .map(|ticks| ticks as f64 / clock_ticks_per_second())
+        .filter_map(|pid| stat_seconds(pid, &[14, 15, 16, 17]).ok())
         .sum()
 }
 
