@@ -26,12 +26,14 @@
 //!   consumer that collects N deliveries before it acks any still gets them (after a few
 //!   seconds at most), while a thousand streams that read and never ack cannot lease
 //!   their whole `max_in_flight` each in the moment they attach;
-//! - a claim smaller than half of what the streams may hold waits up to [`CLAIM_LINGER`]
-//!   for more room while every stream still holds at least half its window, so its
-//!   consumer has work meanwhile (Kafka's `fetch.min.bytes` and `fetch.max.wait.ms`).
-//!   Acks free room a hundred at a time; claiming each time would make many small
-//!   claims, and a claim costs the database as much to start as to read a few hundred
-//!   events;
+//! - a claim smaller than half of what the streams may hold, and smaller than
+//!   [`WORTHWHILE_CLAIM`], waits up to [`CLAIM_LINGER`] for more room while every stream
+//!   still holds at least half its window, so its consumer has work meanwhile (Kafka's
+//!   `fetch.min.bytes` and `fetch.max.wait.ms`). Acks free room a hundred at a time;
+//!   claiming each time would make many small claims, and a claim costs the database as
+//!   much to start as to read a few hundred events. The threshold is fixed, not a part
+//!   of the largest claim: a larger `claim_batch_size` lets a claim take more when there
+//!   is room for it, and does not make a stream wait longer before it is refilled;
 //! - a stream is *proven* once it has settled something since it attached or since its
 //!   leases last expired. A dispatcher whose streams with room are all unproven claims
 //!   only in its turn ([`UnprovenClaims`]): one such claim at a time in the process, each
@@ -62,6 +64,10 @@ use crate::{
 pub const INITIAL_WINDOW: usize = 10;
 /// How long a small claim may wait for more room (see the module's rules).
 pub const CLAIM_LINGER: Duration = Duration::from_millis(2);
+
+/// A claim of at least this many deliveries goes at once: its fixed cost, about that of
+/// reading a few hundred events, is already spread thin (see the module's rules).
+pub const WORTHWHILE_CLAIM: usize = 250;
 
 /// A new stream's window doubles each time this passes without a settlement.
 pub const WINDOW_GROWTH: Duration = Duration::from_secs(1);
@@ -382,8 +388,8 @@ impl Streams {
     }
 
     /// Whether a claim within `limits` may wait for more room: it is below half of what
-    /// the streams that can take a delivery may hold (at most `batch`), and each of them
-    /// still holds at least half its window.
+    /// the streams that can take a delivery may hold (at most `batch`), below
+    /// [`WORTHWHILE_CLAIM`], and each of them still holds at least half its window.
     pub fn claim_can_wait(&self, limits: ClaimLimits, batch: usize, budget: &BufferBudget) -> bool {
         if budget.is_spent() {
             return false;
@@ -399,7 +405,7 @@ impl Streams {
                 window.min(usize::try_from(remaining).unwrap_or(window))
             });
         }
-        limits.count * 2 < capacity.min(batch)
+        limits.count < WORTHWHILE_CLAIM && limits.count * 2 < capacity.min(batch)
     }
 
     /// Whether every stream that can take a delivery now is unproven (and one can): a
@@ -746,6 +752,40 @@ mod tests {
             (14, false),
             "a stream with little in flight does not wait for the others"
         );
+    }
+
+    #[test]
+    fn a_claim_worth_its_cost_goes_at_once_however_large_the_batch() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, _) = stream(&mut streams, 1000, u64::MAX);
+        // Each settlement widens the new stream's window by one, up to 1000.
+        let mut position = 0;
+        while streams.claim_limits(usize::MAX, &budget).unwrap().count < 1000 {
+            position += 1;
+            streams.place(delivery(position, 10), &budget).unwrap();
+            assert!(receiver.try_recv().is_ok());
+            streams.forget(key(position));
+        }
+        let mut hand_out = |streams: &mut Streams, count: usize| {
+            for _ in 0..count {
+                position += 1;
+                streams.place(delivery(position, 10), &budget).unwrap();
+                assert!(receiver.try_recv().is_ok());
+            }
+        };
+        let can_wait = |streams: &Streams, batch| {
+            let limits = streams.claim_limits(batch, &budget).unwrap();
+            streams.claim_can_wait(limits, batch, &budget)
+        };
+
+        hand_out(&mut streams, 700);
+        assert!(!can_wait(&streams, 1000), "300 free go at once");
+        assert!(!can_wait(&streams, 500));
+        hand_out(&mut streams, 100);
+        assert!(can_wait(&streams, 1000), "200 free wait for more");
+        assert!(can_wait(&streams, 500));
+        assert!(!can_wait(&streams, 300), "but not past half the batch");
     }
 
     #[test]
