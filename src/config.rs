@@ -219,7 +219,7 @@ pub struct Settings {
     #[arg(long, env = "OUTBOX_MAX_BUFFERED_BYTES")]
     pub max_buffered_bytes: Option<u64>,
 
-    /// Most deliveries one claim leases. [default: 500]
+    /// Most deliveries one claim leases. [default: 1000]
     #[arg(long, env = "OUTBOX_CLAIM_BATCH_SIZE")]
     pub claim_batch_size: Option<usize>,
 

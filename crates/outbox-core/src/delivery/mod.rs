@@ -77,7 +77,7 @@ impl Default for DeliveryConfig {
             default_max_in_flight_bytes: 16 * 1024 * 1024,
             max_in_flight_bytes_limit: 256 * 1024 * 1024,
             max_buffered_bytes: 256 * 1024 * 1024,
-            claim_batch_size: 500,
+            claim_batch_size: 1000,
             max_streams: 10_000,
         }
     }
