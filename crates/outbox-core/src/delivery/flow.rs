@@ -391,7 +391,7 @@ impl Streams {
     /// the streams that can take a delivery may hold (at most `batch`), below
     /// [`WORTHWHILE_CLAIM`], and each of them still holds at least half its window.
     pub fn claim_can_wait(&self, limits: ClaimLimits, batch: usize, budget: &BufferBudget) -> bool {
-        if budget.is_spent() {
+        if budget.is_spent() || limits.count >= WORTHWHILE_CLAIM {
             return false;
         }
         let now = Instant::now();
@@ -405,7 +405,7 @@ impl Streams {
                 window.min(usize::try_from(remaining).unwrap_or(window))
             });
         }
-        limits.count < WORTHWHILE_CLAIM && limits.count * 2 < capacity.min(batch)
+        limits.count * 2 < capacity.min(batch)
     }
 
     /// Whether every stream that can take a delivery now is unproven (and one can): a
