@@ -688,6 +688,25 @@ mod tests {
         (id, receiver, buffered)
     }
 
+    /// Places a delivery at each of `positions`, each read by the stream of `receiver`.
+    fn hand_out(
+        streams: &mut Streams,
+        receiver: &mut mpsc::Receiver<Result<Delivery, Error>>,
+        budget: &BufferBudget,
+        positions: impl IntoIterator<Item = i64>,
+    ) {
+        for position in positions {
+            streams.place(delivery(position, 10), budget).unwrap();
+            assert!(receiver.try_recv().is_ok());
+        }
+    }
+
+    /// The next claim's size for a batch of `batch`, and whether it may wait.
+    fn next_claim(streams: &Streams, budget: &BufferBudget, batch: usize) -> (usize, bool) {
+        let limits = streams.claim_limits(batch, budget).unwrap();
+        (limits.count, streams.claim_can_wait(limits, batch, budget))
+    }
+
     #[test]
     fn a_stream_takes_deliveries_until_its_count_or_bytes_run_out() {
         let budget = BufferBudget::new(u64::MAX);
@@ -715,22 +734,15 @@ mod tests {
         let budget = BufferBudget::new(u64::MAX);
         let mut streams = Streams::default();
         let (_, mut receiver, _) = stream(&mut streams, 10, u64::MAX);
-        // The next claim's size, and whether it may wait, for a batch of `batch`.
-        let next_claim = |streams: &Streams, batch| {
-            let limits = streams.claim_limits(batch, &budget).unwrap();
-            (limits.count, streams.claim_can_wait(limits, batch, &budget))
-        };
-        let mut hand_out = |streams: &mut Streams, positions: std::ops::Range<i64>| {
-            for position in positions {
-                streams.place(delivery(position, 10), &budget).unwrap();
-                assert!(receiver.try_recv().is_ok());
-            }
-        };
-        assert_eq!(next_claim(&streams, 500), (10, false), "nothing in flight");
-        hand_out(&mut streams, 1..10);
-        assert_eq!(next_claim(&streams, 500), (1, true));
         assert_eq!(
-            next_claim(&streams, 2),
+            next_claim(&streams, &budget, 500),
+            (10, false),
+            "nothing in flight"
+        );
+        hand_out(&mut streams, &mut receiver, &budget, 1..10);
+        assert_eq!(next_claim(&streams, &budget, 500), (1, true));
+        assert_eq!(
+            next_claim(&streams, &budget, 2),
             (1, false),
             "half the batch goes at once"
         );
@@ -739,16 +751,16 @@ mod tests {
             streams.forget(key(position));
         }
         assert_eq!(
-            next_claim(&streams, 500),
+            next_claim(&streams, &budget, 500),
             (6, false),
             "half the window free"
         );
-        hand_out(&mut streams, 10..12);
-        assert_eq!(next_claim(&streams, 500), (4, true));
+        hand_out(&mut streams, &mut receiver, &budget, 10..12);
+        assert_eq!(next_claim(&streams, &budget, 500), (4, true));
 
         let (_, _idle, _) = stream(&mut streams, 10, u64::MAX);
         assert_eq!(
-            next_claim(&streams, 500),
+            next_claim(&streams, &budget, 500),
             (14, false),
             "a stream with little in flight does not wait for the others"
         );
@@ -763,26 +775,21 @@ mod tests {
         let mut position = 0;
         while streams.claim_limits(usize::MAX, &budget).unwrap().count < 1000 {
             position += 1;
-            streams.place(delivery(position, 10), &budget).unwrap();
-            assert!(receiver.try_recv().is_ok());
+            hand_out(&mut streams, &mut receiver, &budget, [position]);
             streams.forget(key(position));
         }
-        let mut hand_out = |streams: &mut Streams, count: usize| {
-            for _ in 0..count {
-                position += 1;
-                streams.place(delivery(position, 10), &budget).unwrap();
-                assert!(receiver.try_recv().is_ok());
-            }
-        };
-        let can_wait = |streams: &Streams, batch| {
-            let limits = streams.claim_limits(batch, &budget).unwrap();
-            streams.claim_can_wait(limits, batch, &budget)
-        };
+        let can_wait = |streams: &Streams, batch| next_claim(streams, &budget, batch).1;
 
-        hand_out(&mut streams, 700);
+        let first = position + 1;
+        hand_out(&mut streams, &mut receiver, &budget, first..first + 700);
         assert!(!can_wait(&streams, 1000), "300 free go at once");
         assert!(!can_wait(&streams, 500));
-        hand_out(&mut streams, 100);
+        hand_out(
+            &mut streams,
+            &mut receiver,
+            &budget,
+            first + 700..first + 800,
+        );
         assert!(can_wait(&streams, 1000), "200 free wait for more");
         assert!(can_wait(&streams, 500));
         assert!(!can_wait(&streams, 300), "but not past half the batch");
