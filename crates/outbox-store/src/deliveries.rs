@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
+use futures_util::TryStreamExt;
 use sqlx::{PgConnection, Row, postgres::PgRow};
 
 use super::{
@@ -291,33 +292,46 @@ impl Store {
             .bind(cursor.xact_id)
             .bind(cursor.position)
             .bind(limits.count);
-        let rows = bind_unread(query, settings, cursor)
+        let mut rows = bind_unread(query, settings, cursor)
             .bind(millis(settings.ack_deadline))
             .bind(settings.max_event_age.map(millis))
             .bind(limits.bytes)
-            .fetch_all(&mut *transaction)
-            .await?;
-        let Some(summary) = summary_row(&rows)? else {
-            return Err(StoreError::Corrupt("a claim returned no summary".into()));
-        };
-        if summary.try_get::<bool, _>("declined")? {
-            return Ok(None);
-        }
-        // The batch's events, and how many events were read before the byte budget cut
-        // them (the same on each row).
-        let mut deliveries = Vec::with_capacity(rows.len());
-        let mut candidates = 0;
-        if let Some(first) = rows.iter().find(|row| !std::ptr::eq(*row, summary)) {
-            let columns = DeliveryColumns::of(first)?;
-            let special = column_at(first, "special")?;
-            candidates = first.try_get(column_at(first, "candidates")?)?;
-            for row in rows.iter().filter(|row| !std::ptr::eq(*row, summary)) {
-                if row.try_get::<bool, _>(special)? {
+            .fetch(&mut *transaction);
+        // The rows are decoded as they arrive, while PostgreSQL reads and sends the next:
+        // the batch's events, and whether one of them was the last event read.
+        let mut summary = None;
+        let mut deliveries = Vec::new();
+        let mut last_read_taken = false;
+        let mut columns = None;
+        while let Some(row) = rows.try_next().await? {
+            // Every row has the same columns, the summary's included.
+            let (columns, special, last_read) = match &columns {
+                Some(columns) => columns,
+                None => columns.insert((
+                    DeliveryColumns::of(&row)?,
+                    column_at(&row, "special")?,
+                    column_at(&row, "last_read")?,
+                )),
+            };
+            if row.try_get::<Option<i64>, _>(columns.position)?.is_none() {
+                if row.try_get::<bool, _>("declined")? {
                     return Ok(None);
                 }
-                deliveries.push(self.delivery_from_row(row, &columns, lease_token)?);
+                summary = Some(row);
+                continue;
             }
+            if row.try_get::<bool, _>(*special)? {
+                return Ok(None);
+            }
+            last_read_taken |= row.try_get::<bool, _>(*last_read)?;
+            deliveries.push(self.delivery_from_row(&row, columns, lease_token)?);
         }
+        drop(rows);
+        // The batch holds every event read (the byte budget cut none).
+        let took_all_read = deliveries.is_empty() || last_read_taken;
+        let Some(summary) = summary else {
+            return Err(StoreError::Corrupt("a claim returned no summary".into()));
+        };
         deliveries.sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
         let batch = deliveries.len();
         let positions: Vec<i64> = deliveries.iter().map(|d| d.ack_id.position).collect();
@@ -335,7 +349,7 @@ impl Store {
         if let Some(last) = deliveries.last() {
             cursor_at = cursor_at.max((last.event.transaction_id, last.ack_id.position));
         }
-        if candidates < limits.count && batch as i64 == candidates {
+        if took_all_read && (batch as i64) < limits.count {
             let end_xact_id: Option<i64> = summary.try_get("visible_end_xact_id")?;
             let end_position: Option<i64> = summary.try_get("visible_end_position")?;
             if let (Some(xact_id), Some(position)) = (end_xact_id, end_position) {
@@ -1197,6 +1211,81 @@ mod tests {
 
         with_event.close().await.unwrap();
         without.close().await.unwrap();
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// A claim whose byte budget cuts the events it read leaves the rest for the next
+    /// claim; one that takes every event it read moves past them all.
+    #[tokio::test]
+    async fn a_claim_cut_by_its_bytes_leaves_the_rest_for_the_next() {
+        let (database, store, subscription) = subscription_with_events(1, 5).await;
+        let positions = |claim: Option<Claim>| -> Vec<i64> {
+            let deliveries = claim.expect("the subscription reads here").deliveries;
+            deliveries.iter().map(|d| d.ack_id.position).collect()
+        };
+        // Each event counts its 2-byte payload and 256 bytes more: 600 bytes hold three
+        // (the bytes before each stay within the budget).
+        let cut = ClaimLimits {
+            count: 100,
+            bytes: 600,
+        };
+        let first = positions(store.claim(&subscription, 1, cut, false).await.unwrap());
+        assert_eq!(first.len(), 3, "the byte budget holds three: {first:?}");
+        let rest = positions(
+            store
+                .claim(&subscription, 2, up_to(100), false)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(
+            rest.len(),
+            2,
+            "the next claim takes the other two: {rest:?}"
+        );
+        assert!(first.iter().all(|position| !rest.contains(position)));
+        insert_events(&store, 1).await;
+        let last = positions(
+            store
+                .claim(&subscription, 3, up_to(100), false)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(last.len(), 1, "only the newest is left: {last:?}");
+
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// A scheduled event among those read sends the claim from the short path to the full
+    /// statement, on the same connection, part way through the rows: the events due go
+    /// out and the scheduled one waits.
+    #[tokio::test]
+    async fn a_scheduled_event_among_the_rows_sends_the_claim_down_the_full_path() {
+        let (database, store, subscription) = subscription_with_events(1, 3).await;
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, deliver_at)
+             VALUES ('order', 'later', 'order.created', '\\x7b7d', now() + interval '1 hour')",
+        )
+        .execute(&store.pool)
+        .await
+        .expect("schedule an event");
+        insert_events(&store, 3).await;
+
+        let claim = store.claim(&subscription, 1, up_to(100), false).await;
+        let claim = claim.unwrap().expect("the subscription reads here");
+        let ids: Vec<&str> = claim
+            .deliveries
+            .iter()
+            .map(|d| d.event.aggregate_id.as_str())
+            .collect();
+        assert_eq!(ids.len(), 6, "the events due go out: {ids:?}");
+        assert!(!ids.contains(&"later"), "the scheduled event waits");
+        assert!(
+            claim.next_scheduled.is_some(),
+            "and is known to be due later"
+        );
+
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
     }

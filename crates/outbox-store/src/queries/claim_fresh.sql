@@ -2,10 +2,10 @@
 -- statements: reads the next committed events past the read position once, and
 -- returns those of the batch, whole, with what the caller needs to decide whether this
 -- path may take it. The caller then leases the batch with lease_fresh.sql, in the same
--- transaction, from what this statement saw: its rows, how many it read, the newest
--- visible row and the transactions running in its snapshot. One statement that picked
--- the batch, wrote it and then read the events going out a second time cost half as
--- much again as the two.
+-- transaction, from what this statement saw: its rows, whether it read any it did not
+-- return, the newest visible row and the transactions running in its snapshot. One
+-- statement that picked the batch, wrote it and then read the events going out a second
+-- time cost half as much again as the two.
 --
 -- The caller declines, writing nothing, and runs claim_new.sql instead whenever that
 -- has more to do: a remembered transaction has finished with events not yet taken
@@ -40,7 +40,7 @@ SELECT EXISTS (SELECT 1 FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, t
        v.xact_id AS visible_end_xact_id, v.position AS visible_end_position,
        (SELECT coalesce(array_agg(r::text::bigint), '{}')
         FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) AS running_xact_ids,
-       NULL::bigint AS candidates, NULL::boolean AS special,
+       NULL::boolean AS last_read, NULL::boolean AS special,
        NULL::bigint AS position, NULL::integer AS attempt, NULL::timestamptz AS due_at,
        NULL::uuid AS id, NULL::text AS aggregate_type, NULL::text AS aggregate_id,
        NULL::bigint AS aggregate_version, NULL::text AS event_type, NULL::bytea AS payload,
@@ -57,15 +57,18 @@ LEFT JOIN LATERAL (
 ) v ON true
 UNION ALL
 -- The batch: the first events while the bytes before each stay within $13 (the first is
--- always taken), counted against how many were read. A payload stored out of line is
--- measured without being fetched, and only the events of the batch are sent.
-SELECT NULL, NULL, NULL, NULL, NULL, c.candidates, c.special,
+-- always taken), each saying whether it was the last one read: when the batch's last
+-- does, the byte budget cut nothing. (A count of the rows read, on every row, would make
+-- PostgreSQL hold them all before sending the first, and cost half of the statement
+-- again.) A payload stored out of line is measured without being fetched, and only the
+-- events of the batch are sent.
+SELECT NULL, NULL, NULL, NULL, NULL, c.last_read, c.special,
        c.position, 1, now() + $11 * interval '1 millisecond',
        c.id, c.aggregate_type, c.aggregate_id, c.aggregate_version, c.event_type, c.payload,
        c.content_type, c.metadata, c.occurred_at, c.created_at, c.deliver_at, c.expires_at,
        c.xact_id
 FROM (
-    SELECT r.*, count(*) OVER () AS candidates,
+    SELECT r.*, lead(r.position) OVER w IS NULL AS last_read,
            sum(octet_length(r.payload) + 256) OVER w - (octet_length(r.payload) + 256)
                AS bytes_before,
            row_number() OVER w AS n
