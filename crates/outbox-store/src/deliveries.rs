@@ -1216,13 +1216,21 @@ mod tests {
     }
 
     /// A claim whose byte budget cuts the events it read leaves the rest for the next
-    /// claim; one that takes every event it read moves past them all.
+    /// claim, which takes them and nothing twice.
     #[tokio::test]
     async fn a_claim_cut_by_its_bytes_leaves_the_rest_for_the_next() {
         let (database, store, subscription) = subscription_with_events(1, 5).await;
-        let positions = |claim: Option<Claim>| -> Vec<i64> {
-            let deliveries = claim.expect("the subscription reads here").deliveries;
-            deliveries.iter().map(|d| d.ack_id.position).collect()
+        let (store_ref, subscription) = (&store, &subscription);
+        let claim = |token, limits| async move {
+            let claim = store_ref.claim(subscription, token, limits, false).await;
+            let deliveries = claim
+                .unwrap()
+                .expect("the subscription reads here")
+                .deliveries;
+            deliveries
+                .iter()
+                .map(|d| d.ack_id.position)
+                .collect::<Vec<i64>>()
         };
         // Each event counts its 2-byte payload and 256 bytes more: 600 bytes hold three
         // (the bytes before each stay within the budget).
@@ -1230,14 +1238,9 @@ mod tests {
             count: 100,
             bytes: 600,
         };
-        let first = positions(store.claim(&subscription, 1, cut, false).await.unwrap());
+        let first = claim(1, cut).await;
         assert_eq!(first.len(), 3, "the byte budget holds three: {first:?}");
-        let rest = positions(
-            store
-                .claim(&subscription, 2, up_to(100), false)
-                .await
-                .unwrap(),
-        );
+        let rest = claim(2, up_to(100)).await;
         assert_eq!(
             rest.len(),
             2,
@@ -1245,12 +1248,7 @@ mod tests {
         );
         assert!(first.iter().all(|position| !rest.contains(position)));
         insert_events(&store, 1).await;
-        let last = positions(
-            store
-                .claim(&subscription, 3, up_to(100), false)
-                .await
-                .unwrap(),
-        );
+        let last = claim(3, up_to(100)).await;
         assert_eq!(last.len(), 1, "only the newest is left: {last:?}");
 
         store.pool.close().await;
