@@ -1220,17 +1220,10 @@ mod tests {
     #[tokio::test]
     async fn a_claim_cut_by_its_bytes_leaves_the_rest_for_the_next() {
         let (database, store, subscription) = subscription_with_events(1, 5).await;
-        let (store_ref, subscription) = (&store, &subscription);
-        let claim = |token, limits| async move {
-            let claim = store_ref.claim(subscription, token, limits, false).await;
-            let deliveries = claim
-                .unwrap()
-                .expect("the subscription reads here")
-                .deliveries;
-            deliveries
-                .iter()
-                .map(|d| d.ack_id.position)
-                .collect::<Vec<i64>>()
+        let claim = |token, limits| store.claim(&subscription, token, limits, false);
+        let positions = |claim: Result<Option<Claim>>| -> Vec<i64> {
+            let claim = claim.unwrap().expect("the subscription reads here");
+            claim.deliveries.iter().map(|d| d.ack_id.position).collect()
         };
         // Each event counts its 2-byte payload and 256 bytes more: 600 bytes hold three
         // (the bytes before each stay within the budget).
@@ -1238,9 +1231,9 @@ mod tests {
             count: 100,
             bytes: 600,
         };
-        let first = claim(1, cut).await;
+        let first = positions(claim(1, cut).await);
         assert_eq!(first.len(), 3, "the byte budget holds three: {first:?}");
-        let rest = claim(2, up_to(100)).await;
+        let rest = positions(claim(2, up_to(100)).await);
         assert_eq!(
             rest.len(),
             2,
@@ -1248,7 +1241,7 @@ mod tests {
         );
         assert!(first.iter().all(|position| !rest.contains(position)));
         insert_events(&store, 1).await;
-        let last = claim(3, up_to(100)).await;
+        let last = positions(claim(3, up_to(100)).await);
         assert_eq!(last.len(), 1, "only the newest is left: {last:?}");
 
         store.pool.close().await;
