@@ -328,6 +328,14 @@ async fn metrics_match_a_known_scenario_exactly() {
             metrics.0
         );
     }
+    // How many claims ran depends on when the stream attached; each took some time.
+    let claims = metrics.value("outbox_claim_duration_seconds_count", &orders);
+    let claiming = metrics.value("outbox_claim_duration_seconds_sum", &orders);
+    assert!(
+        claims.is_some_and(|claims| claims >= 1.0)
+            && claiming.is_some_and(|seconds| seconds > 0.0 && seconds < 60.0),
+        "claims of orders timed: {claims:?} taking {claiming:?} s"
+    );
     assert!(
         metrics
             .0

@@ -44,6 +44,13 @@ pub fn describe() {
         Unit::Seconds,
         "time from an event's creation to its first delivery"
     );
+    describe_histogram!(
+        "outbox_claim_duration_seconds",
+        Unit::Seconds,
+        "time one claim of a subscription's deliveries in one source took, commit included; \
+         its claims there run one at a time, so a rate of the sum near 1 means they run back \
+         to back and more streams add no throughput"
+    );
     describe_counter!(
         "outbox_acks_total",
         "deliveries acknowledged (by Ack, or a push endpoint's 2xx answer)"
@@ -214,6 +221,15 @@ pub fn delivered(subscription: &str, source: &str, delivered: u64, redelivered: 
 /// handle is looked up once per claim, not once per event.
 pub fn commit_to_delivery(subscription: &str) -> Histogram {
     histogram!("outbox_commit_to_delivery_seconds", "subscription" => subscription.to_owned())
+}
+
+/// One claim of `subscription` in `source` that ran to its commit, leasing or not.
+pub fn claimed(subscription: &str, source: &str, took: Duration) {
+    histogram!(
+        "outbox_claim_duration_seconds",
+        &per_source(subscription, source)
+    )
+    .record(took.as_secs_f64());
 }
 
 pub fn acked(subscription: &str, source: &str, acks: u64) {

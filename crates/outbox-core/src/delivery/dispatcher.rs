@@ -842,12 +842,20 @@ async fn claim(
         known.news = false;
         due
     };
+    let started = Instant::now();
     let outcome = source
         .store
         .claim(subscription, lease_token, limits, include_due)
         .await;
     let claim = match outcome {
-        Ok(Some(claim)) => claim,
+        Ok(Some(claim)) => {
+            metrics::claimed(
+                subscription.name.as_str(),
+                source.name.as_str(),
+                started.elapsed(),
+            );
+            claim
+        }
         Ok(None) => return Claimed::NotReadingYet,
         Err(error) => {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
