@@ -70,6 +70,31 @@ struct FreshLimits {
     already_leased: i64,
 }
 
+/// Where a claim moves the read position, handed to a claim that follows it before it
+/// commits (see [`Store::claim_following`]).
+#[derive(Debug)]
+pub struct ClaimHandover {
+    cursor: Cursor,
+    /// Deliveries and bytes the claim handing over leases.
+    pub leased: usize,
+    pub bytes: u64,
+}
+
+/// Where a claim that may hand over its read position sends it, once.
+pub type HandoverSender = tokio::sync::oneshot::Sender<ClaimHandover>;
+
+/// How the common claim relates to the claims before and after it.
+enum Sequence<'a> {
+    /// It read the read position under the subscription's lock, which it holds until it
+    /// commits; it hands the position it moves to over to `handover` (when there is one
+    /// and more events may be waiting) before leasing.
+    Leading(Option<&'a std::sync::Mutex<Option<HandoverSender>>>),
+    /// It reads from a position handed over by a claim that may not have committed yet:
+    /// it takes the lock only to lease, and leases only if that position is still the
+    /// subscription's by then.
+    Following,
+}
+
 /// What the common claim leased, in reading order.
 struct FreshClaim {
     deliveries: Vec<Delivery>,
@@ -107,7 +132,24 @@ impl Store {
         limits: ClaimLimits,
         include_due: bool,
     ) -> Result<Option<Claim>> {
+        self.claim_handing_over(subscription, lease_token, limits, include_due, None)
+            .await
+    }
+
+    /// [`Store::claim`], which also sends where it moves the read position to `handover`
+    /// before it leases and commits, when it takes the common path, leases no due
+    /// deliveries and more events may be waiting past its batch: a claim that follows it
+    /// ([`Store::claim_following`]) reads them meanwhile. Dropped unsent otherwise.
+    pub async fn claim_handing_over(
+        &self,
+        subscription: &Subscription,
+        lease_token: i64,
+        limits: ClaimLimits,
+        include_due: bool,
+        handover: Option<HandoverSender>,
+    ) -> Result<Option<Claim>> {
         let subscription_id = subscription.id;
+        let handover = std::sync::Mutex::new(handover);
         let begin = begin_locked(GENERIC_PLANS, subscription_id);
         run_in_transaction!(self.pool, begin = begin.clone(), |transaction| {
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
@@ -179,8 +221,16 @@ impl Store {
                             bytes: remaining_bytes,
                             already_leased: due_count,
                         };
-                        self.claim_fresh(transaction, subscription, &cursor, lease_token, limits)
-                            .await?
+                        let sequence = Sequence::Leading(Some(&handover));
+                        self.claim_fresh(
+                            transaction,
+                            subscription,
+                            &cursor,
+                            lease_token,
+                            limits,
+                            sequence,
+                        )
+                        .await?
                     }
                 };
                 let mut new_rows = Vec::new();
@@ -273,6 +323,50 @@ impl Store {
         })
     }
 
+    /// A claim that reads on from where the claim that handed `handover` over moves the
+    /// read position, while that one leases and commits: so one subscription's claims
+    /// overlap, where they would otherwise run one at a time. It leases within `limits`
+    /// once the claim before it committed, and only if the read position is still where
+    /// that one left it; `None`, having written nothing, when it is not (the claim before
+    /// rolled back, or a seek or a replica moved the position since), or when the
+    /// events need the full claim statement ([`Store::claim`] takes them).
+    pub async fn claim_following(
+        &self,
+        subscription: &Subscription,
+        lease_token: i64,
+        limits: ClaimLimits,
+        handover: ClaimHandover,
+    ) -> Result<Option<Claim>> {
+        let limits = FreshLimits {
+            count: i64::try_from(limits.count).unwrap_or(i64::MAX),
+            bytes: i64::try_from(limits.bytes).unwrap_or(i64::MAX),
+            already_leased: 0,
+        };
+        let fresh = run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
+            let cursor = &handover.cursor;
+            let sequence = Sequence::Following;
+            self.claim_fresh(
+                transaction,
+                subscription,
+                cursor,
+                lease_token,
+                limits,
+                sequence,
+            )
+            .await
+        })?;
+        Ok(fresh.map(|fresh| Claim {
+            deliveries: fresh.deliveries,
+            dead_lettered: 0,
+            expired: 0,
+            filtered: 0,
+            filter_errors: 0,
+            next_scheduled: None,
+            read_full_batch: fresh.read_full_batch,
+            made_due: false,
+        }))
+    }
+
     /// The common claim of an unordered subscription without a CEL filter: reads the
     /// next events once, the batch within `limits` cut by the statement
     /// (`queries/claim_fresh.sql`), then leases it and moves the read position
@@ -285,6 +379,7 @@ impl Store {
         cursor: &Cursor,
         lease_token: i64,
         limits: FreshLimits,
+        sequence: Sequence<'_>,
     ) -> Result<Option<FreshClaim>> {
         let settings = &subscription.settings;
         let query = sqlx::query(include_str!("queries/claim_fresh.sql"))
@@ -379,8 +474,44 @@ impl Store {
         let moved = cursor_at != (cursor.xact_id, cursor.position)
             || pending_xact_ids != cursor.pending_xact_ids
             || pending_positions != cursor.pending_positions;
+        // What the lease statement checks the read position against: the claim that
+        // read it holds the lock since; the one that follows takes it now.
+        let read_from = match sequence {
+            Sequence::Leading(handover) => {
+                let more_waiting = !(took_all_read && (batch as i64) < limits.count);
+                if let Some(sender) = handover
+                    .and_then(|handover| handover.lock().expect("handover lock").take())
+                    .filter(|_| batch > 0 && more_waiting && limits.already_leased == 0)
+                {
+                    // Unsent when nobody waits for it any more.
+                    let _ = sender.send(ClaimHandover {
+                        cursor: Cursor {
+                            xact_id: cursor_at.0,
+                            position: cursor_at.1,
+                            pending_xact_ids: pending_xact_ids.clone(),
+                            pending_positions: pending_positions.clone(),
+                            not_before: cursor.not_before,
+                        },
+                        leased: batch,
+                        bytes: deliveries.iter().map(Delivery::size).sum(),
+                    });
+                }
+                None
+            }
+            // Nothing to lease; the next claim moves the position if it must.
+            Sequence::Following if batch == 0 => {
+                return Ok(Some(FreshClaim {
+                    deliveries,
+                    read_full_batch: false,
+                }));
+            }
+            Sequence::Following => {
+                lock_subscription(transaction, subscription.id, LockMode::Exclusive).await?;
+                Some(cursor)
+            }
+        };
         if moved || batch > 0 || limits.already_leased > 0 {
-            sqlx::query(include_str!("queries/lease_fresh.sql"))
+            let leased: bool = sqlx::query_scalar(include_str!("queries/lease_fresh.sql"))
                 .bind(subscription.id.0)
                 .bind(&positions)
                 .bind(lease_token)
@@ -390,8 +521,15 @@ impl Store {
                 .bind(pending_xact_ids)
                 .bind(pending_positions)
                 .bind(limits.already_leased)
-                .execute(&mut *transaction)
+                .bind(read_from.map(|cursor| cursor.xact_id))
+                .bind(read_from.map(|cursor| cursor.position))
+                .bind(read_from.map(|cursor| &cursor.pending_xact_ids))
+                .bind(read_from.map(|cursor| &cursor.pending_positions))
+                .fetch_one(&mut *transaction)
                 .await?;
+            if !leased {
+                return Ok(None);
+            }
         }
         Ok(Some(FreshClaim {
             deliveries,
@@ -1276,6 +1414,128 @@ mod tests {
             claim.next_scheduled.is_some(),
             "and is known to be due later"
         );
+
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// Positions of the deliveries a claim leased.
+    fn positions_of(claim: Option<Claim>) -> Vec<i64> {
+        let claim = claim.expect("the subscription reads here");
+        claim.deliveries.iter().map(|d| d.ack_id.position).collect()
+    }
+
+    /// A claim hands where it leaves the read position to a claim that follows it, which
+    /// reads the next events while the first leases and commits: the two take
+    /// consecutive batches, the next claim the rest, nothing twice, and every lease
+    /// settles.
+    #[tokio::test]
+    async fn a_following_claim_takes_the_events_after_the_first() {
+        let (database, store, subscription) = subscription_with_events(2, 2500).await;
+        let (handover, handed_over) = tokio::sync::oneshot::channel();
+        let first = store.claim_handing_over(&subscription, 1, up_to(1000), false, Some(handover));
+        let following = async {
+            let handover = handed_over.await.expect("the first claim hands over");
+            assert_eq!(handover.leased, 1000);
+            store
+                .claim_following(&subscription, 2, up_to(1000), handover)
+                .await
+        };
+        let (first, following) = tokio::join!(first, following);
+        let (first, following) = (
+            positions_of(first.unwrap()),
+            positions_of(following.unwrap()),
+        );
+        let rest = positions_of(
+            store
+                .claim(&subscription, 3, up_to(1000), false)
+                .await
+                .unwrap(),
+        );
+        let mut all: Vec<i64> = [&first, &following, &rest]
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        assert_eq!(
+            (first.len(), following.len(), rest.len()),
+            (1000, 1000, 500)
+        );
+        assert!(
+            first.iter().max() < following.iter().min(),
+            "in reading order"
+        );
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 2500, "no event twice");
+        let nothing = store
+            .claim(&subscription, 4, up_to(1000), false)
+            .await
+            .unwrap();
+        assert_eq!(positions_of(nothing), Vec::<i64>::new());
+
+        let (handover, handed_over) = tokio::sync::oneshot::channel();
+        insert_events(&store, 10).await;
+        let last = store.claim_handing_over(&subscription, 5, up_to(1000), false, Some(handover));
+        assert_eq!(positions_of(last.await.unwrap()).len(), 10);
+        assert!(
+            handed_over.await.is_err(),
+            "a claim that read every event hands nothing over"
+        );
+
+        let stats = store
+            .subscription_stats(&subscription)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(stats.in_flight, 2510, "every lease is counted");
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// A following claim whose read position was moved before it could lease (here by
+    /// another gateway's claim, as a seek or a first claim that rolled back would) leases
+    /// nothing and writes nothing; the events it read go to the claims after it.
+    #[tokio::test]
+    async fn a_following_claim_behind_a_moved_position_leases_nothing() {
+        let (database, store, subscription) = subscription_with_events(2, 30).await;
+        let (handover, handed_over) = tokio::sync::oneshot::channel();
+        let first = store.claim_handing_over(&subscription, 1, up_to(10), false, Some(handover));
+        assert_eq!(positions_of(first.await.unwrap()).len(), 10);
+        let handover = handed_over.await.expect("the first claim hands over");
+        let elsewhere = positions_of(
+            store
+                .claim(&subscription, 2, up_to(10), false)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(elsewhere.len(), 10);
+
+        let following = store.claim_following(&subscription, 3, up_to(10), handover);
+        assert!(following.await.unwrap().is_none(), "it leases nothing");
+        let leased: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(cardinality(positions)), 0) FROM outbox_delivery_batches
+             WHERE subscription_id = $1 AND lease_token = 3",
+        )
+        .bind(subscription.id.0)
+        .fetch_one(&store.pool)
+        .await
+        .unwrap();
+        assert_eq!(leased, 0, "no batch of the following claim");
+        let rest = positions_of(
+            store
+                .claim(&subscription, 4, up_to(100), false)
+                .await
+                .unwrap(),
+        );
+        assert_eq!(rest.len(), 10, "the last ten go to the next claim");
+        assert!(rest.iter().all(|position| !elsewhere.contains(position)));
+        let stats = store
+            .subscription_stats(&subscription)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((stats.in_flight, stats.pending), (30, 0));
 
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");

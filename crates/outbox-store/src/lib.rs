@@ -189,7 +189,7 @@ use sqlx::{
 };
 
 pub use consumption::{ConsumedAck, ConsumedAcks};
-pub use deliveries::{Claim, ClaimLimits, NackOutcome};
+pub use deliveries::{Claim, ClaimHandover, ClaimLimits, HandoverSender, NackOutcome};
 pub use events::{PublishConnection, PublishTransaction};
 pub use inspection::{CounterTotals, DeliveryFacts, DeliveryRecord};
 pub use maintenance::{ForceExpired, Reclaimed};
