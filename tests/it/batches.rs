@@ -181,3 +181,70 @@ async fn a_gateway_killed_with_claims_half_acked_delivers_again_only_what_was_no
         (200, 0, 0)
     );
 }
+
+/// Streams with room for several claims at once (here 2 × 1,000 deliveries on each of two
+/// replicas, claims of at most 300) are served by claims that overlap: the next reads on
+/// from where the one before leaves the read position while that one commits, and leases
+/// only if no other claim (here mostly the other replica's) moved the position meanwhile.
+/// A backlog drained that way, acked as it goes, reaches the streams every event exactly
+/// once.
+#[tokio::test]
+async fn overlapping_claims_deliver_a_backlog_exactly_once() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.delivery.claim_batch_size = 300;
+    let first = TestGateway::start_with(&database, config.clone()).await;
+    let second = TestGateway::start_with(&database, config).await;
+    create_subscription(&first, subscription("orders")).await;
+    let mut publisher = first.publisher().await;
+    publish_in_calls(&mut publisher, &events(8000), 1000).await;
+
+    let mut consumers = Vec::new();
+    for gateway in [&first, &second] {
+        for _ in 0..2 {
+            consumers.push(drain(
+                gateway,
+                Consumer::open(gateway, "orders", 1000).await,
+            ));
+        }
+    }
+    let received: Vec<String> = futures_util::future::join_all(consumers)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    let distinct: BTreeSet<&String> = received.iter().collect();
+    assert_eq!(
+        (received.len(), distinct.len()),
+        (8000, 8000),
+        "every event once"
+    );
+    let stats = subscription_stats(&second, "orders").await;
+    assert_eq!(
+        (
+            stats.delivered_total,
+            stats.acked_total,
+            stats.in_flight,
+            stats.pending
+        ),
+        (8000, 8000, 0, 0)
+    );
+}
+
+/// Reads `consumer` until it has been idle for a while (the other streams took the rest),
+/// acking 100 at a time through `gateway`; the aggregates of what it received.
+async fn drain(gateway: &TestGateway, mut consumer: Consumer) -> Vec<String> {
+    let mut received = Vec::new();
+    let mut unacked = Vec::new();
+    while let Some(delivery) = consumer.next(Duration::from_secs(3)).await {
+        received.push(aggregate_of(&delivery));
+        unacked.push(delivery.ack_id);
+        if unacked.len() == 100 {
+            ack_all(gateway, "orders", std::mem::take(&mut unacked)).await;
+        }
+    }
+    if !unacked.is_empty() {
+        ack_all(gateway, "orders", unacked).await;
+    }
+    received
+}

@@ -24,7 +24,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, mpsc};
 
 use super::{
     Relay,
-    flow::{BufferBudget, CLAIM_LINGER, StreamLimits, Streams},
+    flow::{BufferBudget, CLAIM_LINGER, StreamLimits, Streams, WORTHWHILE_CLAIM},
     stream::DeliveryStream,
 };
 use crate::{
@@ -35,7 +35,7 @@ use crate::{
     error::Error,
     metrics,
     sources::{Source, Sources},
-    storage::ClaimLimits,
+    storage::{Claim, ClaimHandover, ClaimLimits, StoreError},
     tasks::SubsystemTasks,
     trace_context,
 };
@@ -526,7 +526,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 unanswered.push(source);
             }
         }
-        let (mut limits, refresh, full, only_unproven) = {
+        let (mut limits, room, refresh, full, only_unproven) = {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             // Only what the sources were asked about: leases that fell due since are the
             // next turn's, which their deadline wakes.
@@ -551,6 +551,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 }
             };
             let mut limits = state.streams.claim_limits(config.claim_batch_size, &budget);
+            // All the streams' room, of which one claim takes at most a batch.
+            let room = state.streams.claim_limits(usize::MAX, &budget);
             let full = limits.is_none() && has_leases;
             // A small claim waits a moment for more room (see the flow control's rules).
             let can_wait = limits.is_some_and(|limits| {
@@ -570,7 +572,7 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 false => linger_deadline = None,
             }
             let only_unproven = state.streams.only_unproven_can_take(&budget);
-            (limits, refresh, full, only_unproven)
+            (limits, room, refresh, full, only_unproven)
         };
 
         // Room freed on another gateway counts before deciding how much to claim. When
@@ -642,6 +644,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
             let count = sources.len().max(1);
             first_source = (first_source + 1) % count;
             let mut remaining = limits;
+            // Unproven streams' claims take one turn at a time: none follows another.
+            let mut room_left = room.filter(|_| unproven_turn.is_none());
             let mut full_batch = false;
             for source in sources
                 .iter()
@@ -652,7 +656,24 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                 if !source.is_connected() || !wants_claim(&dispatcher, source) {
                     continue;
                 }
-                match claim(&dispatcher, &relay, &subscription, source, remaining).await {
+                // A claim may be followed by another when the room left after it holds
+                // a worthwhile one.
+                let follow_room = room_left.filter(|room| {
+                    room.count
+                        >= remaining
+                            .count
+                            .saturating_add(worthwhile_following(&config))
+                });
+                match claim(
+                    &dispatcher,
+                    &relay,
+                    &subscription,
+                    source,
+                    remaining,
+                    follow_room,
+                )
+                .await
+                {
                     Claimed::Some {
                         count,
                         bytes,
@@ -660,6 +681,10 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     } => {
                         remaining.count = remaining.count.saturating_sub(count);
                         remaining.bytes = remaining.bytes.saturating_sub(bytes).max(1);
+                        if let Some(room) = room_left.as_mut() {
+                            room.count = room.count.saturating_sub(count);
+                            room.bytes = room.bytes.saturating_sub(bytes).max(1);
+                        }
                         if let Some(turn) = unproven_turn.as_mut().filter(|_| count > 0) {
                             turn.leased();
                         }
@@ -806,20 +831,48 @@ enum Claimed {
     Failed,
 }
 
+impl Claimed {
+    /// This claim and a `following` one that leased, together.
+    fn and(self, following: Claimed) -> Claimed {
+        match (self, following) {
+            (
+                Claimed::Some {
+                    count,
+                    bytes,
+                    again,
+                },
+                Claimed::Some {
+                    count: more,
+                    bytes: more_bytes,
+                    again: again_too,
+                },
+            ) => Claimed::Some {
+                count: count + more,
+                bytes: bytes + more_bytes,
+                again: again || again_too,
+            },
+            // The first claim's failure still backs the source off.
+            (first, _) => first,
+        }
+    }
+}
+
 /// One claim on one source within `limits`, handed out to the streams. A failure is
 /// logged and backs the source off.
+///
+/// With `follow_room` (all the room the streams have, more than `limits`), a second claim
+/// reads on from where the first leaves the read position while the first leases and
+/// commits ([`crate::storage::Store::claim_following`]), within the room the first
+/// leaves; one subscription's claims then overlap rather than run one at a time.
 async fn claim(
     dispatcher: &Arc<Dispatcher>,
     relay: &Relay,
     subscription: &Subscription,
     source: &Source,
     limits: ClaimLimits,
+    follow_room: Option<ClaimLimits>,
 ) -> Claimed {
-    let lease_token = dispatcher.token_base.wrapping_add(
-        dispatcher
-            .claims
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-    );
+    let lease_token = next_lease_token(dispatcher);
     // Looking for due records walks an index that every ack leaves dead entries in: do
     // it when something made a record due, else now and then (acks and nacks on other
     // gateways, expired leases of crashed ones).
@@ -842,21 +895,51 @@ async fn claim(
         known.news = false;
         due
     };
+    let (handover, handed_over) = tokio::sync::oneshot::channel::<ClaimHandover>();
+    let batch = relay.inner.config.claim_batch_size;
+    let following = async {
+        let handover = handed_over.await.ok()?;
+        let room = follow_room?;
+        let limits = ClaimLimits {
+            count: room.count.saturating_sub(handover.leased).min(batch),
+            bytes: room.bytes.saturating_sub(handover.bytes),
+        };
+        if limits.count < worthwhile_following(&relay.inner.config) || limits.bytes == 0 {
+            return None;
+        }
+        let lease_token = next_lease_token(dispatcher);
+        let started = Instant::now();
+        let outcome = source
+            .store
+            .claim_following(subscription, lease_token, limits, handover)
+            .await;
+        Some((outcome, limits, started))
+    };
     let started = Instant::now();
-    let outcome = source
-        .store
-        .claim(subscription, lease_token, limits, include_due)
-        .await;
-    let claim = match outcome {
+    let leading = source.store.claim_handing_over(
+        subscription,
+        lease_token,
+        limits,
+        include_due,
+        follow_room.map(|_| handover),
+    );
+    let (leading, mut following) = (std::pin::pin!(leading), std::pin::pin!(following));
+    // The following claim may end first, having found nothing to do.
+    let (outcome, followed) = match futures_util::future::select(leading, following.as_mut()).await
+    {
+        futures_util::future::Either::Left((outcome, _)) => (outcome, None),
+        futures_util::future::Either::Right((followed, leading)) => (leading.await, Some(followed)),
+    };
+    let mut claimed = match outcome {
         Ok(Some(claim)) => {
             metrics::claimed(
                 subscription.name.as_str(),
                 source.name.as_str(),
                 started.elapsed(),
             );
-            claim
+            hand_out(dispatcher, relay, subscription, source, limits, claim)
         }
-        Ok(None) => return Claimed::NotReadingYet,
+        Ok(None) => Claimed::NotReadingYet,
         Err(error) => {
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             let known = state.sources.entry(source.id).or_default();
@@ -875,9 +958,71 @@ async fn claim(
             } else {
                 tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
             }
-            return Claimed::Failed;
+            Claimed::Failed
         }
     };
+    // Awaited whatever became of the first: what it leased must reach the streams.
+    let followed = match followed {
+        Some(followed) => followed,
+        None => following.await,
+    };
+    match followed {
+        Some((Ok(Some(claim)), limits, started)) => {
+            metrics::claimed(
+                subscription.name.as_str(),
+                source.name.as_str(),
+                started.elapsed(),
+            );
+            tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, deliveries = claim.deliveries.len(), "following claim leased");
+            let second = hand_out(dispatcher, relay, subscription, source, limits, claim);
+            claimed = claimed.and(second);
+        }
+        // It leased nothing: the next claim reads those events.
+        Some((Ok(None), ..)) | None => {}
+        Some((Err(error), ..)) => log_failed_following(dispatcher, source, &error),
+    }
+    claimed
+}
+
+/// The fewest deliveries a following claim is made for: [`WORTHWHILE_CLAIM`], or a whole
+/// batch when batches are smaller.
+fn worthwhile_following(config: &super::DeliveryConfig) -> usize {
+    WORTHWHILE_CLAIM.min(config.claim_batch_size)
+}
+
+/// A following claim failed, having leased nothing: the next claim reads on from the
+/// read position (and fails in turn, backing off, when the source is in trouble).
+fn log_failed_following(dispatcher: &Dispatcher, source: &Source, error: &StoreError) {
+    dispatcher
+        .state
+        .lock()
+        .expect("dispatcher lock")
+        .sources
+        .entry(source.id)
+        .or_default()
+        .news = true;
+    tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "following claim failed");
+}
+
+/// The next lease token: `token_base + claim number`.
+fn next_lease_token(dispatcher: &Dispatcher) -> i64 {
+    dispatcher.token_base.wrapping_add(
+        dispatcher
+            .claims
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+    )
+}
+
+/// Records what `claim` (made within `limits`) says about its source and hands its
+/// deliveries to the streams.
+fn hand_out(
+    dispatcher: &Arc<Dispatcher>,
+    relay: &Relay,
+    subscription: &Subscription,
+    source: &Source,
+    limits: ClaimLimits,
+    claim: Claim,
+) -> Claimed {
     let count = claim.deliveries.len();
     let bytes: u64 = claim.deliveries.iter().map(Delivery::size).sum();
     {
