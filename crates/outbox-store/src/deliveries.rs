@@ -236,7 +236,11 @@ impl Store {
                 let mut new_rows = Vec::new();
                 let mut verdicts = FilterVerdicts::default();
                 if let Some(fresh) = fresh {
-                    deliveries.extend(fresh.deliveries);
+                    // Nearly always none were due: the batch is taken as it is, not copied.
+                    match deliveries.is_empty() {
+                        true => deliveries = fresh.deliveries,
+                        false => deliveries.extend(fresh.deliveries),
+                    }
                     read_full_batch = fresh.read_full_batch;
                 } else {
                     if let Some(filter) = &settings.filter {
@@ -395,7 +399,9 @@ impl Store {
         // The rows are decoded as they arrive, while PostgreSQL reads and sends the next:
         // the batch's events, and whether one of them was the last event read.
         let mut summary = None;
-        let mut deliveries = Vec::new();
+        // Room for the whole batch from the start (of a sensible size): growing it would
+        // copy it again and again.
+        let mut deliveries = Vec::with_capacity(limits.count.clamp(0, 4096) as usize);
         let mut last_read_taken = false;
         let mut columns = None;
         while let Some(row) = rows.try_next().await? {
