@@ -44,6 +44,10 @@ use crate::{
 const DUE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// First retry delay after a failed claim on a source; doubles up to the poll interval.
 const FAILED_CLAIM_FIRST_DELAY: Duration = Duration::from_millis(100);
+/// How long no claim follows another on a source after one there leased nothing. Most
+/// such are another gateway's claim taking the read position first (it queued for the
+/// subscription's lock earlier), which happens again while the gateways compete.
+const FOLLOWING_REST: Duration = Duration::from_secs(1);
 /// How long releases wait for a busy pool before leaving leases to their deadline.
 const RELEASE_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -106,6 +110,8 @@ struct SourceState {
     failing: Option<(Instant, Duration)>,
     /// The source was down when last looked at (its leases' room was freed then).
     down: bool,
+    /// No claim follows another there before this ([`FOLLOWING_REST`]).
+    no_following_until: Option<Instant>,
 }
 
 impl Default for SourceState {
@@ -118,6 +124,7 @@ impl Default for SourceState {
             more_waiting: false,
             failing: None,
             down: false,
+            no_following_until: None,
         }
     }
 }
@@ -662,7 +669,8 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     room.count
                         >= remaining
                             .count
-                            .saturating_add(worthwhile_following(&config))
+                            .saturating_add(worthwhile_following(config.claim_batch_size))
+                        && may_follow(&dispatcher, source)
                 });
                 match claim(
                     &dispatcher,
@@ -895,26 +903,15 @@ async fn claim(
         known.news = false;
         due
     };
-    let (handover, handed_over) = tokio::sync::oneshot::channel::<ClaimHandover>();
-    let batch = relay.inner.config.claim_batch_size;
-    let following = async {
-        let handover = handed_over.await.ok()?;
-        let room = follow_room?;
-        let limits = ClaimLimits {
-            count: room.count.saturating_sub(handover.leased).min(batch),
-            bytes: room.bytes.saturating_sub(handover.bytes),
-        };
-        if limits.count < worthwhile_following(&relay.inner.config) || limits.bytes == 0 {
-            return None;
-        }
-        let lease_token = next_lease_token(dispatcher);
-        let started = Instant::now();
-        let outcome = source
-            .store
-            .claim_following(subscription, lease_token, limits, handover)
-            .await;
-        Some((outcome, limits, started))
-    };
+    let (handover, handed_over) = tokio::sync::oneshot::channel();
+    let following = follow(
+        dispatcher,
+        relay,
+        subscription,
+        source,
+        follow_room,
+        handed_over,
+    );
     let started = Instant::now();
     let leading = source.store.claim_handing_over(
         subscription,
@@ -930,7 +927,7 @@ async fn claim(
         futures_util::future::Either::Left((outcome, _)) => (outcome, None),
         futures_util::future::Either::Right((followed, leading)) => (leading.await, Some(followed)),
     };
-    let mut claimed = match outcome {
+    let claimed = match outcome {
         Ok(Some(claim)) => {
             metrics::claimed(
                 subscription.name.as_str(),
@@ -940,68 +937,146 @@ async fn claim(
             hand_out(dispatcher, relay, subscription, source, limits, claim)
         }
         Ok(None) => Claimed::NotReadingYet,
-        Err(error) => {
-            let mut state = dispatcher.state.lock().expect("dispatcher lock");
-            let known = state.sources.entry(source.id).or_default();
-            let delay = known
-                .failing
-                .map_or(FAILED_CLAIM_FIRST_DELAY, |(_, delay)| {
-                    (delay * 2).min(relay.inner.config.poll_interval)
-                });
-            known.failing = Some((Instant::now() + delay, delay));
-            known.news = true;
-            known.due_pending = true;
-            drop(state);
-            // A lost connection is logged once, by the health monitor.
-            if source.is_connected() && !error.is_unavailable() {
-                tracing::warn!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
-            } else {
-                tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
-            }
-            Claimed::Failed
-        }
+        Err(error) => claim_failed(dispatcher, relay, source, &error),
     };
     // Awaited whatever became of the first: what it leased must reach the streams.
     let followed = match followed {
         Some(followed) => followed,
         None => following.await,
     };
-    match followed {
-        Some((Ok(Some(claim)), limits, started)) => {
-            metrics::claimed(
-                subscription.name.as_str(),
-                source.name.as_str(),
-                started.elapsed(),
-            );
-            tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, deliveries = claim.deliveries.len(), "following claim leased");
-            let second = hand_out(dispatcher, relay, subscription, source, limits, claim);
-            claimed = claimed.and(second);
-        }
-        // It leased nothing: the next claim reads those events.
-        Some((Ok(None), ..)) | None => {}
-        Some((Err(error), ..)) => log_failed_following(dispatcher, source, &error),
+    match followed.and_then(|followed| followed.hand_out(dispatcher, relay, subscription, source)) {
+        Some(second) => claimed.and(second),
+        None => claimed,
     }
-    claimed
 }
 
-/// The fewest deliveries a following claim is made for: [`WORTHWHILE_CLAIM`], or a whole
-/// batch when batches are smaller.
-fn worthwhile_following(config: &super::DeliveryConfig) -> usize {
-    WORTHWHILE_CLAIM.min(config.claim_batch_size)
+/// Backs `source` off after a failed claim, and logs the failure.
+fn claim_failed(
+    dispatcher: &Dispatcher,
+    relay: &Relay,
+    source: &Source,
+    error: &StoreError,
+) -> Claimed {
+    let mut state = dispatcher.state.lock().expect("dispatcher lock");
+    let known = state.sources.entry(source.id).or_default();
+    let delay = known
+        .failing
+        .map_or(FAILED_CLAIM_FIRST_DELAY, |(_, delay)| {
+            (delay * 2).min(relay.inner.config.poll_interval)
+        });
+    known.failing = Some((Instant::now() + delay, delay));
+    known.news = true;
+    known.due_pending = true;
+    drop(state);
+    // A lost connection is logged once, by the health monitor.
+    if source.is_connected() && !error.is_unavailable() {
+        tracing::warn!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
+    } else {
+        tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, retry_in = ?delay, "claim failed");
+    }
+    Claimed::Failed
 }
 
-/// A following claim failed, having leased nothing: the next claim reads on from the
-/// read position (and fails in turn, backing off, when the source is in trouble).
-fn log_failed_following(dispatcher: &Dispatcher, source: &Source, error: &StoreError) {
-    dispatcher
-        .state
-        .lock()
-        .expect("dispatcher lock")
+/// What a claim that followed another made, within `limits`.
+struct Followed {
+    outcome: Result<Option<Claim>, StoreError>,
+    limits: ClaimLimits,
+    started: Instant,
+}
+
+/// The claim that follows one on `source` once that one handed over its read position
+/// (see [`claim`]), within what it leaves of `room`: `None` when it handed nothing over
+/// or what is left holds no worthwhile claim (250 deliveries, or a whole batch when
+/// batches are smaller).
+async fn follow(
+    dispatcher: &Dispatcher,
+    relay: &Relay,
+    subscription: &Subscription,
+    source: &Source,
+    room: Option<ClaimLimits>,
+    handed_over: tokio::sync::oneshot::Receiver<ClaimHandover>,
+) -> Option<Followed> {
+    let handover = handed_over.await.ok()?;
+    let room = room?;
+    let batch = relay.inner.config.claim_batch_size;
+    let limits = ClaimLimits {
+        count: room.count.saturating_sub(handover.leased).min(batch),
+        bytes: room.bytes.saturating_sub(handover.bytes),
+    };
+    if limits.count < worthwhile_following(batch) || limits.bytes == 0 {
+        return None;
+    }
+    let lease_token = next_lease_token(dispatcher);
+    let started = Instant::now();
+    let outcome = source
+        .store
+        .claim_following(subscription, lease_token, limits, handover)
+        .await;
+    Some(Followed {
+        outcome,
+        limits,
+        started,
+    })
+}
+
+/// Whether a claim on `source` may be followed by another now.
+fn may_follow(dispatcher: &Dispatcher, source: &Source) -> bool {
+    let state = dispatcher.state.lock().expect("dispatcher lock");
+    state
         .sources
-        .entry(source.id)
-        .or_default()
-        .news = true;
-    tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "following claim failed");
+        .get(&source.id)
+        .and_then(|known| known.no_following_until)
+        .is_none_or(|until| Instant::now() >= until)
+}
+
+/// The fewest deliveries a following claim is made for.
+fn worthwhile_following(batch: usize) -> usize {
+    WORTHWHILE_CLAIM.min(batch)
+}
+
+impl Followed {
+    /// Hands out what the claim leased; `None` when it leased nothing (the next claim
+    /// reads those events), a failure logged.
+    fn hand_out(
+        self,
+        dispatcher: &Arc<Dispatcher>,
+        relay: &Relay,
+        subscription: &Subscription,
+        source: &Source,
+    ) -> Option<Claimed> {
+        match self.outcome {
+            Ok(Some(claim)) => {
+                metrics::claimed(
+                    subscription.name.as_str(),
+                    source.name.as_str(),
+                    self.started.elapsed(),
+                );
+                tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, deliveries = claim.deliveries.len(), "following claim leased");
+                Some(hand_out(
+                    dispatcher,
+                    relay,
+                    subscription,
+                    source,
+                    self.limits,
+                    claim,
+                ))
+            }
+            Ok(None) => {
+                let mut state = dispatcher.state.lock().expect("dispatcher lock");
+                let known = state.sources.entry(source.id).or_default();
+                known.no_following_until = Some(Instant::now() + FOLLOWING_REST);
+                None
+            }
+            Err(error) => {
+                // The next claim reads on from the read position, and fails in turn,
+                // backing the source off, when the source is in trouble.
+                let mut state = dispatcher.state.lock().expect("dispatcher lock");
+                state.sources.entry(source.id).or_default().news = true;
+                tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "following claim failed");
+                None
+            }
+        }
+    }
 }
 
 /// The next lease token: `token_base + claim number`.
