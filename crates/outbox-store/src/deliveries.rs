@@ -9,7 +9,9 @@
 //! ordered subscriptions the acks and dead letters that free an aggregate) runs under a
 //! transaction-scoped advisory lock on the subscription. An advisory lock, unlike a row
 //! lock, does not give the claiming transaction an id before its snapshot is taken, so
-//! claimers do not hold back each other's read horizon.
+//! claimers do not hold back each other's read horizon. A claim that follows another
+//! ([`Store::claim_following`]) reads before it holds the lock, and leases under it only
+//! if the read position is still the one it read from.
 
 use std::collections::HashMap;
 
@@ -399,9 +401,9 @@ impl Store {
         // The rows are decoded as they arrive, while PostgreSQL reads and sends the next:
         // the batch's events, and whether one of them was the last event read.
         let mut summary = None;
-        // Room for the whole batch from the start (of a sensible size): growing it would
-        // copy it again and again.
-        let mut deliveries = Vec::with_capacity(limits.count.clamp(0, 4096) as usize);
+        // Room for a few hundred from the start: growing from nothing copied a batch of
+        // 1,000 ten times.
+        let mut deliveries = Vec::with_capacity(limits.count.clamp(0, 256) as usize);
         let mut last_read_taken = false;
         let mut columns = None;
         while let Some(row) = rows.try_next().await? {
