@@ -15,6 +15,17 @@ async fn count(pool: &PgPool, query: &'static str) -> i64 {
     sqlx::query_scalar(query).fetch_one(pool).await.unwrap()
 }
 
+/// The `orders` subscription's delivered and acked totals, in flight and pending.
+async fn delivered_acked_in_flight_pending(gateway: &TestGateway) -> (u64, u64, u64, u64) {
+    let stats = subscription_stats(gateway, "orders").await;
+    (
+        stats.delivered_total,
+        stats.acked_total,
+        stats.in_flight,
+        stats.pending,
+    )
+}
+
 fn events(count: usize) -> Vec<proto::EventInput> {
     (0..count)
         .map(|index| event(&format!("o-{index}"), "order.created"))
@@ -79,14 +90,8 @@ async fn a_claim_is_kept_as_rows_and_acks_through_several_replicas_settle_each_e
         0,
         "settled rows are deleted"
     );
-    let stats = subscription_stats(&second, "orders").await;
     assert_eq!(
-        (
-            stats.delivered_total,
-            stats.acked_total,
-            stats.in_flight,
-            stats.pending
-        ),
+        delivered_acked_in_flight_pending(&second).await,
         (300, 300, 0, 0)
     );
     assert!(
@@ -219,14 +224,8 @@ async fn overlapping_claims_deliver_a_backlog_exactly_once() {
         (8000, 8000),
         "every event once"
     );
-    let stats = subscription_stats(&second, "orders").await;
     assert_eq!(
-        (
-            stats.delivered_total,
-            stats.acked_total,
-            stats.in_flight,
-            stats.pending
-        ),
+        delivered_acked_in_flight_pending(&second).await,
         (8000, 8000, 0, 0)
     );
 }
