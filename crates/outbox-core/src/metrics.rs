@@ -48,8 +48,9 @@ pub fn describe() {
         "outbox_claim_duration_seconds",
         Unit::Seconds,
         "time one claim of a subscription's deliveries in one source took, commit included; \
-         its claims there run one at a time, so a rate of the sum near 1 means they run back \
-         to back and more streams add no throughput"
+         its claims there take turns (a second reading on while the one before commits), so \
+         a rate of the sum of 1 or more means they run back to back and more streams add no \
+         throughput"
     );
     describe_counter!(
         "outbox_acks_total",
