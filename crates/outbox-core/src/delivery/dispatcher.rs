@@ -557,9 +557,12 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                     Vec::new()
                 }
             };
-            let mut limits = state.streams.claim_limits(config.claim_batch_size, &budget);
             // All the streams' room, of which one claim takes at most a batch.
             let room = state.streams.claim_limits(usize::MAX, &budget);
+            let mut limits = room.map(|room| ClaimLimits {
+                count: room.count.min(config.claim_batch_size),
+                ..room
+            });
             let full = limits.is_none() && has_leases;
             // A small claim waits a moment for more room (see the flow control's rules).
             let can_wait = limits.is_some_and(|limits| {
