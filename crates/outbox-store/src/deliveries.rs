@@ -88,9 +88,9 @@ pub type HandoverSender = tokio::sync::oneshot::Sender<ClaimHandover>;
 /// How the common claim relates to the claims before and after it.
 enum Sequence<'a> {
     /// It read the read position under the subscription's lock, which it holds until it
-    /// commits; it hands the position it moves to over to `handover` (when there is one
-    /// and more events may be waiting) before leasing.
-    Leading(Option<&'a std::sync::Mutex<Option<HandoverSender>>>),
+    /// commits; it hands the position it moves to over to the sender, if any (and more
+    /// events may be waiting), before leasing.
+    Leading(&'a std::sync::Mutex<Option<HandoverSender>>),
     /// It reads from a position handed over by a claim that may not have committed yet:
     /// it takes the lock only to lease, and leases only if that position is still the
     /// subscription's by then.
@@ -223,7 +223,7 @@ impl Store {
                             bytes: remaining_bytes,
                             already_leased: due_count,
                         };
-                        let sequence = Sequence::Leading(Some(&handover));
+                        let sequence = Sequence::Leading(&handover);
                         self.claim_fresh(
                             transaction,
                             subscription,
@@ -487,8 +487,7 @@ impl Store {
         let read_from = match sequence {
             Sequence::Leading(handover) => {
                 let more_waiting = !(took_all_read && (batch as i64) < limits.count);
-                if let Some(sender) = handover
-                    .and_then(|handover| handover.lock().expect("handover lock").take())
+                if let Some(sender) = (handover.lock().expect("handover lock").take())
                     .filter(|_| batch > 0 && more_waiting && limits.already_leased == 0)
                 {
                     // Unsent when nobody waits for it any more.
@@ -1367,10 +1366,7 @@ mod tests {
     async fn a_claim_cut_by_its_bytes_leaves_the_rest_for_the_next() {
         let (database, store, subscription) = subscription_with_events(1, 5).await;
         let claim = |token, limits| store.claim(&subscription, token, limits, false);
-        let positions = |claim: Result<Option<Claim>>| -> Vec<i64> {
-            let claim = claim.unwrap().expect("the subscription reads here");
-            claim.deliveries.iter().map(|d| d.ack_id.position).collect()
-        };
+        let positions = |claim: Result<Option<Claim>>| positions_of(claim.unwrap());
         // Each event counts its 2-byte payload and 256 bytes more: 600 bytes hold three
         // (the bytes before each stay within the budget).
         let cut = ClaimLimits {
