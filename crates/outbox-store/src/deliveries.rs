@@ -398,23 +398,17 @@ impl Store {
             .bind(settings.max_event_age.map(millis))
             .bind(limits.bytes)
             .fetch(&mut *transaction);
-        // The rows are decoded as they arrive, while PostgreSQL reads and sends the next:
-        // the batch's events, and whether one of them was the last event read.
+        // The rows are decoded as they arrive, while PostgreSQL reads and sends the next.
         let mut summary = None;
         // Room for a few hundred from the start: growing from nothing copied a batch of
         // 1,000 ten times.
         let mut deliveries = Vec::with_capacity(limits.count.clamp(0, 256) as usize);
-        let mut last_read_taken = false;
         let mut columns = None;
         while let Some(row) = rows.try_next().await? {
             // Every row has the same columns, the summary's included.
-            let (columns, special, last_read) = match &columns {
+            let (columns, special) = match &columns {
                 Some(columns) => columns,
-                None => columns.insert((
-                    DeliveryColumns::of(&row)?,
-                    column_at(&row, "special")?,
-                    column_at(&row, "last_read")?,
-                )),
+                None => columns.insert((DeliveryColumns::of(&row)?, column_at(&row, "special")?)),
             };
             if row.try_get::<Option<i64>, _>(columns.position)?.is_none() {
                 if row.try_get::<bool, _>("declined")? {
@@ -426,15 +420,14 @@ impl Store {
             if row.try_get::<bool, _>(*special)? {
                 return Ok(None);
             }
-            last_read_taken |= row.try_get::<bool, _>(*last_read)?;
             deliveries.push(self.delivery_from_row(&row, columns, lease_token)?);
         }
         drop(rows);
-        // The batch holds every event read (the byte budget cut none).
-        let took_all_read = deliveries.is_empty() || last_read_taken;
         let Some(summary) = summary else {
             return Err(StoreError::Corrupt("a claim returned no summary".into()));
         };
+        // The batch holds every event read (the byte budget cut none).
+        let took_all_read = !summary.try_get::<bool, _>("cut_by_bytes")?;
         deliveries.sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
         let batch = deliveries.len();
         let positions: Vec<i64> = deliveries.iter().map(|d| d.ack_id.position).collect();

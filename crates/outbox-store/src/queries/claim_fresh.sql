@@ -24,8 +24,54 @@
 -- none), $13 byte budget.
 --
 -- The summary comes on a row of its own, without a position, then the batch's events.
+--
+-- How many events the batch takes is settled before any is sent, from a narrow pass over
+-- the rows to read (their count and bytes): all of them when their bytes fit the budget,
+-- the common case; otherwise as many as fit, the first always, counted by a second narrow
+-- pass with running sums that only then runs. The batch's rows are then read a last time,
+-- whole, and streamed: the pages are in memory by then, and a running sum over whole rows
+-- (which held every row in a tuple store) cost PostgreSQL twice as much as the passes.
+-- All three read in the statement's one snapshot, so they see the same rows. A payload
+-- stored out of line is measured without being fetched, and only the batch's events are
+-- sent.
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
+),
+unread AS MATERIALIZED (
+    SELECT count(*) AS events, coalesce(sum(octet_length(r.payload) + 256), 0) AS bytes
+    FROM (SELECT e.payload
+          FROM outbox_events e
+          WHERE (e.xact_id, e.position) > ($2, $3)
+            AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+            AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+            AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+            AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+          ORDER BY e.xact_id, e.position
+          LIMIT $4) r
+),
+-- The first events while the bytes before each stay within $13.
+within_budget AS MATERIALIZED (
+    SELECT count(*) AS events
+    FROM (SELECT row_number() OVER w AS n,
+                 sum(octet_length(r.payload) + 256) OVER w - (octet_length(r.payload) + 256)
+                     AS bytes_before
+          FROM (SELECT e.xact_id, e.position, e.payload
+                FROM outbox_events e
+                WHERE (e.xact_id, e.position) > ($2, $3)
+                  AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+                  AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+                  AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+                  AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+                ORDER BY e.xact_id, e.position
+                LIMIT $4) r
+          WINDOW w AS (ORDER BY r.xact_id, r.position ROWS UNBOUNDED PRECEDING)) c
+    WHERE c.n = 1 OR c.bytes_before < $13
+),
+batch AS MATERIALIZED (
+    SELECT u.events AS read,
+           CASE WHEN u.bytes < $13 THEN u.events
+                ELSE (SELECT events FROM within_budget) END AS taken
+    FROM unread u
 )
 SELECT EXISTS (SELECT 1 FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, taken)
                WHERE pg_visible_in_snapshot(p.xact_id::text::xid8, (SELECT s FROM snapshot))
@@ -40,7 +86,8 @@ SELECT EXISTS (SELECT 1 FROM unnest($9::bigint[], $10::bigint[]) AS p(xact_id, t
        v.xact_id AS visible_end_xact_id, v.position AS visible_end_position,
        (SELECT coalesce(array_agg(r::text::bigint), '{}')
         FROM pg_snapshot_xip((SELECT s FROM snapshot)) r) AS running_xact_ids,
-       NULL::boolean AS last_read, NULL::boolean AS special,
+       -- Whether the byte budget left events read out of the batch.
+       (SELECT taken < read FROM batch) AS cut_by_bytes, NULL::boolean AS special,
        NULL::bigint AS position, NULL::integer AS attempt, NULL::timestamptz AS due_at,
        NULL::uuid AS id, NULL::text AS aggregate_type, NULL::text AS aggregate_id,
        NULL::bigint AS aggregate_version, NULL::text AS event_type, NULL::bytea AS payload,
@@ -56,37 +103,23 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) v ON true
 UNION ALL
--- The batch: the first events while the bytes before each stay within $13 (the first is
--- always taken), each saying whether it was the last one read: when the batch's last
--- does, the byte budget cut nothing. (A count of the rows read, on every row, would make
--- PostgreSQL hold them all before sending the first, and cost half of the statement
--- again.) A payload stored out of line is measured without being fetched, and only the
--- events of the batch are sent.
-SELECT NULL, NULL, NULL, NULL, NULL, c.last_read, c.special,
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, c.special,
        c.position, 1, now() + $11 * interval '1 millisecond',
        c.id, c.aggregate_type, c.aggregate_id, c.aggregate_version, c.event_type, c.payload,
        c.content_type, c.metadata, c.occurred_at, c.created_at, c.deliver_at, c.expires_at,
        c.xact_id
 FROM (
-    SELECT r.*, lead(r.position) OVER w IS NULL AS last_read,
-           sum(octet_length(r.payload) + 256) OVER w - (octet_length(r.payload) + 256)
-               AS bytes_before,
-           row_number() OVER w AS n
-    FROM (
-        SELECT e.*,
-               coalesce(e.deliver_at > now(), false)
-               OR coalesce(e.expires_at <= now(), false)
-               OR coalesce(greatest(e.created_at, e.deliver_at)
-                           + $12::bigint * interval '1 millisecond' <= now(), false) AS special
-        FROM outbox_events e
-        WHERE (e.xact_id, e.position) > ($2, $3)
-          AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
-          AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
-          AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
-          AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
-        ORDER BY e.xact_id, e.position
-        LIMIT $4
-    ) r
-    WINDOW w AS (ORDER BY r.xact_id, r.position ROWS UNBOUNDED PRECEDING)
+    SELECT e.*,
+           coalesce(e.deliver_at > now(), false)
+           OR coalesce(e.expires_at <= now(), false)
+           OR coalesce(greatest(e.created_at, e.deliver_at)
+                       + $12::bigint * interval '1 millisecond' <= now(), false) AS special
+    FROM outbox_events e
+    WHERE (e.xact_id, e.position) > ($2, $3)
+      AND CASE WHEN $5::text IS NULL THEN true ELSE e.event_type ~ $5 END
+      AND CASE WHEN cardinality($6::text[]) = 0 THEN true ELSE e.aggregate_type = ANY ($6) END
+      AND CASE WHEN $7::jsonb IS NULL THEN true ELSE e.metadata @> $7 END
+      AND CASE WHEN $8::timestamptz IS NULL THEN true ELSE e.created_at >= $8 END
+    ORDER BY e.xact_id, e.position
+    LIMIT (SELECT taken FROM batch)
 ) c
-WHERE c.n = 1 OR c.bytes_before < $13
