@@ -374,7 +374,7 @@ impl Store {
     }
 
     /// The common claim of an unordered subscription without a CEL filter: reads the
-    /// next events once, the batch within `limits` cut by the statement
+    /// next events, the batch within `limits` cut by the statement
     /// (`queries/claim_fresh.sql`), then leases it and moves the read position
     /// (`queries/lease_fresh.sql`). `None`, having written nothing, when
     /// `claim_new.sql` must claim instead.

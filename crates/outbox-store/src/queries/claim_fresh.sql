@@ -1,6 +1,6 @@
 -- The common claim of an unordered subscription without a CEL filter, first of two
--- statements: reads the next committed events past the read position once, and
--- returns those of the batch, whole, with what the caller needs to decide whether this
+-- statements: reads the next committed events past the read position and returns
+-- those of the batch, whole, with what the caller needs to decide whether this
 -- path may take it. The caller then leases the batch with lease_fresh.sql, in the same
 -- transaction, from what this statement saw: its rows, whether it read any it did not
 -- return, the newest visible row and the transactions running in its snapshot. One
