@@ -30,10 +30,11 @@
 -- the common case; otherwise as many as fit, the first always, counted by a second narrow
 -- pass with running sums that only then runs. The batch's rows are then read a last time,
 -- whole, and streamed: the pages are in memory by then, and a running sum over whole rows
--- (which held every row in a tuple store) cost PostgreSQL twice as much as the passes.
+-- (which held every row in a tuple store) cost PostgreSQL 1.6 times as much for 1,000.
 -- All three read in the statement's one snapshot, so they see the same rows. A payload
 -- stored out of line is measured without being fetched, and only the batch's events are
--- sent.
+-- sent. Each pass writes the filter out: one shared (inlined) CTE for the three cost
+-- 8–10 % more.
 WITH snapshot AS MATERIALIZED (
     SELECT pg_current_snapshot() AS s
 ),
