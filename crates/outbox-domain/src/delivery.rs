@@ -21,6 +21,11 @@ pub struct Delivery {
 impl Delivery {
     /// What flow control counts for this delivery: its payload and a fixed allowance.
     pub fn size(&self) -> u64 {
-        self.event.payload.len() as u64 + DELIVERY_OVERHEAD_BYTES
+        Delivery::size_of_payload(self.event.payload.len())
+    }
+
+    /// What flow control counts for a delivery whose payload is `payload_bytes` long.
+    pub fn size_of_payload(payload_bytes: usize) -> u64 {
+        payload_bytes as u64 + DELIVERY_OVERHEAD_BYTES
     }
 }

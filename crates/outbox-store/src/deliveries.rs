@@ -85,6 +85,14 @@ pub struct ClaimHandover {
 /// Where a claim that may hand over its read position sends it, once.
 pub type HandoverSender = tokio::sync::oneshot::Sender<ClaimHandover>;
 
+/// An event a claim read: its row as it came, or the delivery decoded from it.
+// Boxing the delivery would allocate once more per event; these live for one claim.
+#[allow(clippy::large_enum_variant)]
+enum Read {
+    Kept(PgRow),
+    Decoded(Delivery),
+}
+
 /// How the common claim relates to the claims before and after it.
 enum Sequence<'a> {
     /// It read the read position under the subscription's lock, which it holds until it
@@ -398,11 +406,18 @@ impl Store {
             .bind(settings.max_event_age.map(millis))
             .bind(limits.bytes)
             .fetch(&mut *transaction);
-        // The rows are decoded as they arrive, while PostgreSQL reads and sends the next.
+        // The rows are decoded as they arrive, while PostgreSQL reads and sends the next;
+        // except by a claim that may hand its read position over, which keeps them and
+        // decodes them after handing over, so that the claim following it reads on
+        // meanwhile instead of after.
+        let hands_over = match sequence {
+            Sequence::Leading(handover) => handover.lock().expect("handover lock").is_some(),
+            Sequence::Following => false,
+        };
         let mut summary = None;
         // Room for a few hundred from the start: growing from nothing copied a batch of
         // 1,000 ten times.
-        let mut deliveries = Vec::with_capacity(limits.count.clamp(0, 256) as usize);
+        let mut batch_rows = Vec::with_capacity(limits.count.clamp(0, 256) as usize);
         let mut columns = None;
         while let Some(row) = rows.try_next().await? {
             // Every row has the same columns, the summary's included.
@@ -410,27 +425,38 @@ impl Store {
                 Some(columns) => columns,
                 None => columns.insert((DeliveryColumns::of(&row)?, column_at(&row, "special")?)),
             };
-            if row.try_get::<Option<i64>, _>(columns.position)?.is_none() {
+            let Some(position) = row.try_get::<Option<i64>, _>(columns.position)? else {
                 if row.try_get::<bool, _>("declined")? {
                     return Ok(None);
                 }
                 summary = Some(row);
                 continue;
-            }
+            };
             if row.try_get::<bool, _>(*special)? {
                 return Ok(None);
             }
-            deliveries.push(self.delivery_from_row(&row, columns, lease_token)?);
+            let place = (columns.event.transaction_id(&row)?, position);
+            batch_rows.push(if hands_over {
+                (place, Read::Kept(row))
+            } else {
+                (
+                    place,
+                    Read::Decoded(self.delivery_from_row(&row, columns, lease_token)?),
+                )
+            });
         }
         drop(rows);
-        let Some(summary) = summary else {
+        let (Some(summary), Some((columns, _))) = (summary, &columns) else {
             return Err(StoreError::Corrupt("a claim returned no summary".into()));
         };
         // The batch holds every event read (the byte budget cut none).
         let took_all_read = !summary.try_get::<bool, _>("cut_by_bytes")?;
-        deliveries.sort_unstable_by_key(|d| (d.event.transaction_id, d.ack_id.position));
-        let batch = deliveries.len();
-        let positions: Vec<i64> = deliveries.iter().map(|d| d.ack_id.position).collect();
+        batch_rows.sort_unstable_by_key(|(place, _)| *place);
+        let batch = batch_rows.len();
+        let positions: Vec<i64> = batch_rows
+            .iter()
+            .map(|((_, position), _)| *position)
+            .collect();
         let last_record: Option<i64> = summary.try_get("last_record_position")?;
         // A record at or past the batch's first position was left from before a seek.
         if let (Some(last_record), Some(first)) = (last_record, positions.iter().min())
@@ -442,8 +468,8 @@ impl Store {
         // The read position moves past the last event taken; past the newest visible
         // row when every event read was taken and fewer than the limit were read.
         let mut cursor_at = (cursor.xact_id, cursor.position);
-        if let Some(last) = deliveries.last() {
-            cursor_at = cursor_at.max((last.event.transaction_id, last.ack_id.position));
+        if let Some((last, _)) = batch_rows.last() {
+            cursor_at = cursor_at.max(*last);
         }
         if took_all_read && (batch as i64) < limits.count {
             let end_xact_id: Option<i64> = summary.try_get("visible_end_xact_id")?;
@@ -475,29 +501,46 @@ impl Store {
         let moved = cursor_at != (cursor.xact_id, cursor.position)
             || pending_xact_ids != cursor.pending_xact_ids
             || pending_positions != cursor.pending_positions;
-        // What the lease statement checks the read position against: the claim that
-        // read it holds the lock since; the one that follows takes it now.
-        let read_from = match sequence {
-            Sequence::Leading(handover) => {
-                let more_waiting = !(took_all_read && (batch as i64) < limits.count);
-                if let Some(sender) = (handover.lock().expect("handover lock").take())
-                    .filter(|_| batch > 0 && more_waiting && limits.already_leased == 0)
-                {
-                    // Unsent when nobody waits for it any more.
-                    let _ = sender.send(ClaimHandover {
-                        cursor: Cursor {
-                            xact_id: cursor_at.0,
-                            position: cursor_at.1,
-                            pending_xact_ids: pending_xact_ids.clone(),
-                            pending_positions: pending_positions.clone(),
-                            not_before: cursor.not_before,
-                        },
-                        leased: batch,
-                        bytes: deliveries.iter().map(Delivery::size).sum(),
-                    });
+        if let Sequence::Leading(handover) = sequence {
+            let more_waiting = !(took_all_read && (batch as i64) < limits.count);
+            if let Some(sender) = (handover.lock().expect("handover lock").take())
+                .filter(|_| batch > 0 && more_waiting && limits.already_leased == 0)
+            {
+                let mut bytes = 0;
+                for (_, read) in &batch_rows {
+                    bytes += match read {
+                        Read::Kept(row) => {
+                            Delivery::size_of_payload(columns.event.payload_len(row)?)
+                        }
+                        Read::Decoded(delivery) => delivery.size(),
+                    };
                 }
-                None
+                // Unsent when nobody waits for it any more.
+                let _ = sender.send(ClaimHandover {
+                    cursor: Cursor {
+                        xact_id: cursor_at.0,
+                        position: cursor_at.1,
+                        pending_xact_ids: pending_xact_ids.clone(),
+                        pending_positions: pending_positions.clone(),
+                        not_before: cursor.not_before,
+                    },
+                    leased: batch,
+                    bytes,
+                });
             }
+        }
+        let deliveries = batch_rows
+            .into_iter()
+            .map(|(_, read)| match read {
+                Read::Kept(row) => self.delivery_from_row(&row, columns, lease_token),
+                Read::Decoded(delivery) => Ok(delivery),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // What the lease statement checks the read position against: the claim that
+        // read it holds the lock since; the one that follows takes it now (having
+        // decoded its events while the claim before it committed).
+        let read_from = match sequence {
+            Sequence::Leading(_) => None,
             // Nothing to lease; the next claim moves the position if it must.
             Sequence::Following if batch == 0 => {
                 return Ok(Some(FreshClaim {

@@ -281,6 +281,16 @@ impl EventColumns {
         })
     }
 
+    /// The id of the transaction that wrote the event in `row`.
+    pub(super) fn transaction_id(&self, row: &PgRow) -> Result<i64> {
+        Ok(row.try_get(self.xact_id)?)
+    }
+
+    /// The length of the payload of the event in `row`, without copying it.
+    pub(super) fn payload_len(&self, row: &PgRow) -> Result<usize> {
+        Ok(row.try_get::<&[u8], _>(self.payload)?.len())
+    }
+
     /// The event in `row`, a row of the result these columns were found in.
     pub(super) fn event(&self, row: &PgRow, source: &SourceName) -> Result<Event> {
         let metadata: Json<BTreeMap<String, String>> = row
