@@ -68,7 +68,7 @@ pub(super) fn event(event: Event) -> proto::Event {
         event_type: event.event_type,
         payload: event.payload,
         content_type: event.content_type,
-        metadata: event.metadata.into_iter().collect(),
+        metadata: event.metadata,
         occurred_at: Some(datetime_to_timestamp(event.occurred_at)),
         created_at: Some(datetime_to_timestamp(event.created_at)),
         deliver_at: event.deliver_at.map(datetime_to_timestamp),

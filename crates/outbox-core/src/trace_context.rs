@@ -92,7 +92,7 @@ pub fn remote_context(traceparent: &str, tracestate: Option<&str>) -> openteleme
 }
 
 /// Links `span` to the producer context an event carries in its metadata.
-pub fn link_to_producer(span: &Span, metadata: &std::collections::BTreeMap<String, String>) {
+pub fn link_to_producer(span: &Span, metadata: &std::collections::HashMap<String, String>) {
     if let Some(traceparent) = metadata.get("traceparent").filter(|t| is_traceparent(t)) {
         let context = remote_context(traceparent, metadata.get("tracestate").map(String::as_str));
         let span_context = context.span().span_context().clone();

@@ -1,6 +1,9 @@
 //! Events as producers send them (`NewEvent`) and as the outbox stores them (`Event`).
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::Duration,
+};
 
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -227,13 +230,15 @@ impl NewEvent {
     /// equal. Trace-context metadata is not part of an event's identity: a retry usually
     /// travels in a new trace.
     pub fn matches_stored(&self, stored: &Event) -> bool {
-        let identity = |metadata: &BTreeMap<String, String>| {
+        fn identity<'a>(
+            metadata: impl IntoIterator<Item = (&'a String, &'a String)>,
+        ) -> BTreeMap<&'a str, &'a str> {
             metadata
-                .iter()
+                .into_iter()
                 .filter(|(key, _)| !TRACE_CONTEXT_KEYS.contains(&key.as_str()))
-                .map(|(key, value)| (key.clone(), value.clone()))
-                .collect::<BTreeMap<_, _>>()
-        };
+                .map(|(key, value)| (key.as_str(), value.as_str()))
+                .collect()
+        }
         self.id.is_none_or(|id| id == stored.id)
             && self.aggregate_type == stored.aggregate_type
             && self.aggregate_id == stored.aggregate_id
@@ -266,7 +271,9 @@ pub struct Event {
     pub event_type: String,
     pub payload: Vec<u8>,
     pub content_type: String,
-    pub metadata: BTreeMap<String, String>,
+    /// A `HashMap`, as the protobuf message it goes out in has it: the map moves there
+    /// as it is instead of being built again for every delivery.
+    pub metadata: HashMap<String, String>,
     pub occurred_at: DateTime<Utc>,
     pub created_at: DateTime<Utc>,
     pub deliver_at: Option<DateTime<Utc>>,

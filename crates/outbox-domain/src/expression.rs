@@ -478,13 +478,7 @@ fn variable(event: &Event, name: &str) -> Value {
         "aggregate_id" => text(&event.aggregate_id),
         "aggregate_version" => event.aggregate_version.map_or(Value::Null, Value::Int),
         "source" => text(event.source.as_str()),
-        "metadata" => Value::from(
-            event
-                .metadata
-                .iter()
-                .map(|(key, value)| (key.clone(), value.clone()))
-                .collect::<HashMap<String, String>>(),
-        ),
+        "metadata" => Value::from(event.metadata.clone()),
         "occurred_at" => time(Some(event.occurred_at)),
         "created_at" => time(Some(event.created_at)),
         "deliver_at" => time(event.deliver_at),

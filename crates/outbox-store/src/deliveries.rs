@@ -22,7 +22,7 @@ use sqlx::{PgConnection, Row, postgres::PgRow};
 use super::{
     GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis},
-    events::{EventColumns, column_at, event_from_row},
+    events::{EventColumns, column_at, event_from_row, typed_column_at},
     locks::{LockMode, begin_locked, lock_subscription},
     run_again_on_conflict,
 };
@@ -423,16 +423,19 @@ impl Store {
             // Every row has the same columns, the summary's included.
             let (columns, special) = match &columns {
                 Some(columns) => columns,
-                None => columns.insert((DeliveryColumns::of(&row)?, column_at(&row, "special")?)),
+                None => columns.insert((
+                    DeliveryColumns::of(&row)?,
+                    typed_column_at::<bool>(&row, "special")?,
+                )),
             };
-            let Some(position) = row.try_get::<Option<i64>, _>(columns.position)? else {
+            let Some(position) = row.try_get_unchecked::<Option<i64>, _>(columns.position)? else {
                 if row.try_get::<bool, _>("declined")? {
                     return Ok(None);
                 }
                 summary = Some(row);
                 continue;
             };
-            if row.try_get::<bool, _>(*special)? {
+            if row.try_get_unchecked::<bool, _>(*special)? {
                 return Ok(None);
             }
             let place = (columns.event.transaction_id(&row)?, position);
@@ -997,9 +1000,9 @@ impl Store {
         columns: &DeliveryColumns,
         lease_token: i64,
     ) -> Result<Delivery> {
-        let position: i64 = row.try_get(columns.position)?;
-        let attempt: i32 = row.try_get(columns.attempt)?;
-        let ack_deadline: Option<DateTime<Utc>> = row.try_get(columns.due_at)?;
+        let position: i64 = row.try_get_unchecked(columns.position)?;
+        let attempt: i32 = row.try_get_unchecked(columns.attempt)?;
+        let ack_deadline: Option<DateTime<Utc>> = row.try_get_unchecked(columns.due_at)?;
         Ok(Delivery {
             ack_id: AckId {
                 source: self.source_id,
@@ -1027,11 +1030,10 @@ struct DeliveryColumns {
 
 impl DeliveryColumns {
     fn of(row: &PgRow) -> Result<DeliveryColumns> {
-        let at = |name| column_at(row, name);
         Ok(DeliveryColumns {
-            position: at("position")?,
-            attempt: at("attempt")?,
-            due_at: at("due_at")?,
+            position: typed_column_at::<i64>(row, "position")?,
+            attempt: typed_column_at::<i32>(row, "attempt")?,
+            due_at: typed_column_at::<DateTime<Utc>>(row, "due_at")?,
             event: EventColumns::of(row)?,
         })
     }

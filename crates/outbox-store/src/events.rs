@@ -1,9 +1,10 @@
 //! Writing and reading outbox events.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
+use chrono::{DateTime, Utc};
 use sqlx::{
-    Column, Connection, PgConnection, PgPool, Postgres, Row,
+    Column, Connection, PgConnection, PgPool, Postgres, Row, Type,
     pool::PoolConnection,
     postgres::{PgArguments, PgRow},
     query::Query,
@@ -240,9 +241,10 @@ pub(super) fn event_from_row(row: &PgRow, source: &SourceName) -> Result<Event> 
     EventColumns::of(row)?.event(row, source)
 }
 
-/// Where the event columns sit in the rows of one result. sqlx finds a column named by
-/// text through a hash of the name, for every row and column; a claim of hundreds of
-/// events finds them once.
+/// Where the event columns sit in the rows of one result, their types checked. sqlx
+/// finds a column named by text through a hash of the name, and checks the type of
+/// every value it decodes, for every row and column; a claim of hundreds of events
+/// does both once.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct EventColumns {
     id: usize,
@@ -263,54 +265,54 @@ pub(super) struct EventColumns {
 impl EventColumns {
     /// The columns of `row`'s result.
     pub(super) fn of(row: &PgRow) -> Result<EventColumns> {
-        let at = |name| column_at(row, name);
         Ok(EventColumns {
-            id: at("id")?,
-            aggregate_type: at("aggregate_type")?,
-            aggregate_id: at("aggregate_id")?,
-            aggregate_version: at("aggregate_version")?,
-            event_type: at("event_type")?,
-            payload: at("payload")?,
-            content_type: at("content_type")?,
-            metadata: at("metadata")?,
-            occurred_at: at("occurred_at")?,
-            created_at: at("created_at")?,
-            deliver_at: at("deliver_at")?,
-            expires_at: at("expires_at")?,
-            xact_id: at("xact_id")?,
+            id: typed_column_at::<Uuid>(row, "id")?,
+            aggregate_type: typed_column_at::<String>(row, "aggregate_type")?,
+            aggregate_id: typed_column_at::<String>(row, "aggregate_id")?,
+            aggregate_version: typed_column_at::<i64>(row, "aggregate_version")?,
+            event_type: typed_column_at::<String>(row, "event_type")?,
+            payload: typed_column_at::<Vec<u8>>(row, "payload")?,
+            content_type: typed_column_at::<String>(row, "content_type")?,
+            metadata: typed_column_at::<Json<HashMap<String, String>>>(row, "metadata")?,
+            occurred_at: typed_column_at::<DateTime<Utc>>(row, "occurred_at")?,
+            created_at: typed_column_at::<DateTime<Utc>>(row, "created_at")?,
+            deliver_at: typed_column_at::<DateTime<Utc>>(row, "deliver_at")?,
+            expires_at: typed_column_at::<DateTime<Utc>>(row, "expires_at")?,
+            xact_id: typed_column_at::<i64>(row, "xact_id")?,
         })
     }
 
     /// The id of the transaction that wrote the event in `row`.
     pub(super) fn transaction_id(&self, row: &PgRow) -> Result<i64> {
-        Ok(row.try_get(self.xact_id)?)
+        Ok(row.try_get_unchecked(self.xact_id)?)
     }
 
     /// The length of the payload of the event in `row`, without copying it.
     pub(super) fn payload_len(&self, row: &PgRow) -> Result<usize> {
-        Ok(row.try_get::<&[u8], _>(self.payload)?.len())
+        Ok(row.try_get_unchecked::<&[u8], _>(self.payload)?.len())
     }
 
-    /// The event in `row`, a row of the result these columns were found in.
+    /// The event in `row`, a row of the result these columns were found in (so the
+    /// values' types need no check).
     pub(super) fn event(&self, row: &PgRow, source: &SourceName) -> Result<Event> {
-        let metadata: Json<BTreeMap<String, String>> = row
-            .try_get(self.metadata)
+        let metadata: Json<HashMap<String, String>> = row
+            .try_get_unchecked(self.metadata)
             .map_err(|error| StoreError::Corrupt(format!("event metadata: {error}")))?;
         Ok(Event {
             source: source.clone(),
-            id: row.try_get(self.id)?,
-            aggregate_type: row.try_get(self.aggregate_type)?,
-            aggregate_id: row.try_get(self.aggregate_id)?,
-            aggregate_version: row.try_get(self.aggregate_version)?,
-            event_type: row.try_get(self.event_type)?,
-            payload: row.try_get(self.payload)?,
-            content_type: row.try_get(self.content_type)?,
+            id: row.try_get_unchecked(self.id)?,
+            aggregate_type: row.try_get_unchecked(self.aggregate_type)?,
+            aggregate_id: row.try_get_unchecked(self.aggregate_id)?,
+            aggregate_version: row.try_get_unchecked(self.aggregate_version)?,
+            event_type: row.try_get_unchecked(self.event_type)?,
+            payload: row.try_get_unchecked(self.payload)?,
+            content_type: row.try_get_unchecked(self.content_type)?,
             metadata: metadata.0,
-            occurred_at: row.try_get(self.occurred_at)?,
-            created_at: row.try_get(self.created_at)?,
-            deliver_at: row.try_get(self.deliver_at)?,
-            expires_at: row.try_get(self.expires_at)?,
-            transaction_id: row.try_get(self.xact_id)?,
+            occurred_at: row.try_get_unchecked(self.occurred_at)?,
+            created_at: row.try_get_unchecked(self.created_at)?,
+            deliver_at: row.try_get_unchecked(self.deliver_at)?,
+            expires_at: row.try_get_unchecked(self.expires_at)?,
+            transaction_id: row.try_get_unchecked(self.xact_id)?,
         })
     }
 }
@@ -318,4 +320,19 @@ impl EventColumns {
 /// Where the column `name` sits in `row`'s result.
 pub(super) fn column_at(row: &PgRow, name: &str) -> Result<usize> {
     Ok(row.try_column(name)?.ordinal())
+}
+
+/// Where the column `name` sits in `row`'s result, checked to hold values of `T` (or
+/// NULL): the result's rows are then decoded with `try_get_unchecked`, which leaves out
+/// the check that `try_get` makes for every value.
+pub(super) fn typed_column_at<T: Type<Postgres>>(row: &PgRow, name: &str) -> Result<usize> {
+    let column = row.try_column(name)?;
+    let found = column.type_info();
+    if !T::compatible(found) {
+        return Err(StoreError::Corrupt(format!(
+            "column {name} holds {found} where {} was expected",
+            T::type_info()
+        )));
+    }
+    Ok(column.ordinal())
 }

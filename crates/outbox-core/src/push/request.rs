@@ -16,7 +16,10 @@
 //!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
 //!   extension; `traceparent` / `tracestate` as plain HTTP headers.
 
-use std::{borrow::Cow, collections::BTreeMap};
+use std::{
+    borrow::Cow,
+    collections::{BTreeMap, HashMap},
+};
 
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -72,16 +75,21 @@ pub fn ce_source(event: &Event) -> String {
     )
 }
 
-/// Metadata entries that become CloudEvents extension attributes.
-fn extensions(metadata: &BTreeMap<String, String>) -> impl Iterator<Item = (&String, &String)> {
-    metadata.iter().filter(|(key, _)| {
-        (1..=20).contains(&key.len())
-            && key
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-            && !CONTEXT_ATTRIBUTES.contains(&key.as_str())
-            && !TRACE_CONTEXT_KEYS.contains(&key.as_str())
-    })
+/// Metadata entries that become CloudEvents extension attributes, by name.
+fn extensions(metadata: &HashMap<String, String>) -> Vec<(&String, &String)> {
+    let mut extensions: Vec<_> = metadata
+        .iter()
+        .filter(|(key, _)| {
+            (1..=20).contains(&key.len())
+                && key
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+                && !CONTEXT_ATTRIBUTES.contains(&key.as_str())
+                && !TRACE_CONTEXT_KEYS.contains(&key.as_str())
+        })
+        .collect();
+    extensions.sort_unstable();
+    extensions
 }
 
 fn ce_time(time: DateTime<Utc>) -> String {
