@@ -2,7 +2,7 @@
 //! itself; scripts only refresh it and show times in the browser's zone. Figures are
 //! `<data>` elements whose `value` is the exact number.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::time::Duration;
 
 use axum::http::StatusCode;
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -997,7 +997,7 @@ pub fn event(frame: &Frame, found: &EventDeliveries) -> Markup {
                 div.table-wrap {
                     table {
                         thead { tr { th scope="col" { "Key" } th scope="col" { "Value" } } }
-                        tbody { @for (key, value) in event.metadata.iter().collect::<BTreeMap<_, _>>() { tr { th scope="row" { code { (key) } } td.mono { (value) } } } }
+                        tbody { @for (key, value) in event.metadata_by_key() { tr { th scope="row" { code { (key) } } td.mono { (value) } } } }
                     }
                 }
             }

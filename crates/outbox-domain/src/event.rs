@@ -283,6 +283,16 @@ pub struct Event {
     pub transaction_id: i64,
 }
 
+impl Event {
+    /// The metadata by key, as every view of the event lists it (the map has no order).
+    pub fn metadata_by_key(&self) -> BTreeMap<&str, &str> {
+        self.metadata
+            .iter()
+            .map(|(key, value)| (key.as_str(), value.as_str()))
+            .collect()
+    }
+}
+
 /// `application/json` and `application/*+json`, parameters ignored; the same rule as the
 /// database function `outbox_is_json_content_type`.
 pub fn is_json_content_type(content_type: &str) -> bool {

@@ -16,10 +16,7 @@
 //!   a valid attribute name (`[a-z0-9]{1,20}`, not a CloudEvents attribute) as an
 //!   extension; `traceparent` / `tracestate` as plain HTTP headers.
 
-use std::{
-    borrow::Cow,
-    collections::{BTreeMap, HashMap},
-};
+use std::{borrow::Cow, collections::BTreeMap};
 
 use base64::{Engine, engine::general_purpose::STANDARD as BASE64};
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -76,20 +73,15 @@ pub fn ce_source(event: &Event) -> String {
 }
 
 /// Metadata entries that become CloudEvents extension attributes, by name.
-fn extensions(metadata: &HashMap<String, String>) -> Vec<(&String, &String)> {
-    let mut extensions: Vec<_> = metadata
-        .iter()
-        .filter(|(key, _)| {
-            (1..=20).contains(&key.len())
-                && key
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-                && !CONTEXT_ATTRIBUTES.contains(&key.as_str())
-                && !TRACE_CONTEXT_KEYS.contains(&key.as_str())
-        })
-        .collect();
-    extensions.sort_unstable();
-    extensions
+fn extensions(event: &Event) -> impl Iterator<Item = (&str, &str)> {
+    event.metadata_by_key().into_iter().filter(|(key, _)| {
+        (1..=20).contains(&key.len())
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+            && !CONTEXT_ATTRIBUTES.contains(key)
+            && !TRACE_CONTEXT_KEYS.contains(key)
+    })
 }
 
 fn ce_time(time: DateTime<Utc>) -> String {
@@ -151,7 +143,7 @@ pub fn binary_attributes(event: &Event, prefix: HeaderPrefix) -> Vec<(Cow<'stati
             version.to_string(),
         ));
     }
-    for (key, value) in extensions(&event.metadata) {
+    for (key, value) in extensions(event) {
         attributes.push((prefix.extension(key), encode(value)));
     }
     attributes
@@ -262,8 +254,8 @@ fn structured(event: &Event) -> serde_json::Value {
     if let Some(version) = event.aggregate_version {
         put("aggregateversion", version.into());
     }
-    for (key, value) in extensions(&event.metadata) {
-        put(key, value.clone().into());
+    for (key, value) in extensions(event) {
+        put(key, value.into());
     }
     let json_data = is_json_content_type(&event.content_type)
         .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())

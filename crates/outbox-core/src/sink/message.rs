@@ -11,7 +11,7 @@
 //!   metadata as a JSON object: keys that are no CloudEvents attribute name are kept
 //!   too), with the payload as published as the body.
 
-use std::{borrow::Cow, collections::BTreeMap, sync::LazyLock};
+use std::{borrow::Cow, sync::LazyLock};
 
 use crate::{
     domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, Template},
@@ -73,9 +73,7 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
     if !event.metadata.is_empty() {
         headers.push(fixed(
             "outbox-metadata",
-            // By key, as the event's other views list it.
-            serde_json::to_string(&event.metadata.iter().collect::<BTreeMap<_, _>>())
-                .expect("a map of strings serializes"),
+            serde_json::to_string(&event.metadata_by_key()).expect("a map of strings serializes"),
         ));
     }
     Ok(SinkMessage {
