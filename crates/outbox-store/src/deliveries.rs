@@ -1479,15 +1479,24 @@ mod tests {
         let following = async {
             let handover = handed_over.await.expect("the first claim hands over");
             assert_eq!(handover.leased, 1000);
-            store
+            let bytes = handover.bytes;
+            let claim = store
                 .claim_following(&subscription, 2, up_to(1000), handover)
-                .await
+                .await;
+            (bytes, claim)
         };
-        let (first, following) = tokio::join!(first, following);
-        let (first, following) = (
-            positions_of(first.unwrap()),
-            positions_of(following.unwrap()),
+        let (first, (handed_over_bytes, following)) = tokio::join!(first, following);
+        let first = first.unwrap();
+        let first_bytes: u64 = first
+            .iter()
+            .flat_map(|c| &c.deliveries)
+            .map(Delivery::size)
+            .sum();
+        assert_eq!(
+            handed_over_bytes, first_bytes,
+            "the handover counts the bytes the first claim's deliveries weigh"
         );
+        let (first, following) = (positions_of(first), positions_of(following.unwrap()));
         let rest = positions_of(
             store
                 .claim(&subscription, 3, up_to(1000), false)
