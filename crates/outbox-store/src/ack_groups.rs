@@ -69,8 +69,11 @@ impl Store {
     }
 }
 
-/// Applies the group's waiting acks, one statement per round, until none wait.
+/// Applies the group's waiting acks, one statement per round, until none wait. The
+/// rounds share a connection: the pool takes a connection back with a round trip of its
+/// own (sqlx pings it), as long as the statement's when acks come one per call.
 async fn apply_while_waiting(store: Store, subscription: Subscription, group: Arc<Mutex<Group>>) {
+    let mut connection = None;
     loop {
         let callers = {
             let mut waiting = group.lock().expect("ack group");
@@ -84,7 +87,10 @@ async fn apply_while_waiting(store: Store, subscription: Subscription, group: Ar
             .iter()
             .flat_map(|(acks, _)| acks.iter().copied())
             .collect();
-        match store.ack_together(&subscription, &all).await {
+        match store
+            .ack_together(&mut connection, &subscription, &all)
+            .await
+        {
             Ok(acked) => {
                 // An ack id named by two callers settled one lease: the first one named it.
                 let mut unclaimed: foldhash::HashSet<AckId> = acked.into_iter().collect();

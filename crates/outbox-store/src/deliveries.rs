@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use futures_util::TryStreamExt;
-use sqlx::{PgConnection, Row, postgres::PgRow};
+use sqlx::{PgConnection, Postgres, Row, pool::PoolConnection, postgres::PgRow};
 
 use super::{
     GENERIC_PLANS, Result, Store, StoreError,
@@ -622,10 +622,12 @@ impl Store {
         Ok(verdicts)
     }
 
-    /// Acks deliveries in one go (see `ack_groups.rs`); returns the ack ids that settled
-    /// a lease (the rest were stale).
+    /// Acks deliveries in one go (see `ack_groups.rs`) on `connection`, taken from the
+    /// pool when there is none, left empty when it failed; returns the ack ids that
+    /// settled a lease (the rest were stale).
     pub(crate) async fn ack_together(
         &self,
+        connection: &mut Option<PoolConnection<Postgres>>,
         subscription: &Subscription,
         acks: &[AckId],
     ) -> Result<Vec<AckId>> {
@@ -649,18 +651,34 @@ impl Store {
             .unzip();
         let mut settled = foldhash::HashSet::default();
         if !positions.is_empty() {
-            let rows = run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
-                Ok(sqlx::query(include_str!("queries/ack_batches.sql"))
+            // One statement, committed on its own: the function runs it on a generic plan.
+            // The connection is lent to each attempt; it is not given back after a failure.
+            let (pool, positions, tokens) = (&self.pool, &positions, &tokens);
+            let (held, rows) = run_again_on_conflict(|| {
+                let held = connection.take();
+                async move {
+                    let mut held = match held {
+                        Some(held) => held,
+                        None => pool.acquire().await?,
+                    };
+                    let rows = sqlx::query(
+                        "SELECT acked_position, acked_lease_token \
+                         FROM outbox_ack_batches($1, $2, $3)",
+                    )
                     .bind(subscription.id.0)
-                    .bind(&positions)
-                    .bind(&tokens)
-                    .fetch_all(&mut *transaction)
-                    .await?)
-            })?;
+                    .bind(positions)
+                    .bind(tokens)
+                    .fetch_all(&mut *held)
+                    .await?;
+                    Ok::<_, sqlx::Error>((held, rows))
+                }
+            })
+            .await?;
+            *connection = Some(held);
             if let Some(first) = rows.first() {
                 let (position, token) = (
-                    column_at(first, "position")?,
-                    column_at(first, "lease_token")?,
+                    column_at(first, "acked_position")?,
+                    column_at(first, "acked_lease_token")?,
                 );
                 for row in &rows {
                     settled.insert(LeaseId {
@@ -675,6 +693,9 @@ impl Store {
             .copied()
             .partition(|ack| ack.attempt == 1 && settled.contains(&ack.lease()));
         if !rest.is_empty() {
+            // Given back first: settling records takes a connection of its own, and the
+            // pool may have no other.
+            *connection = None;
             acked.extend(self.ack_records(subscription, &rest).await?);
         }
         Ok(acked)
@@ -1175,11 +1196,23 @@ mod tests {
         assert_eq!(acks.len(), 3);
 
         let named = [acks[0], acks[0], acks[1]];
-        let acked = store.ack_together(&subscription, &named).await.unwrap();
+        let mut connection = None;
+        let acked = store
+            .ack_together(&mut connection, &subscription, &named)
+            .await
+            .unwrap();
         assert!(acked.iter().all(|ack| acks[..2].contains(ack)));
         assert!(acked.contains(&acks[0]) && acked.contains(&acks[1]));
-        let rest = store.ack_together(&subscription, &acks[2..]).await.unwrap();
+        assert!(
+            connection.is_some(),
+            "the connection is kept for the next round"
+        );
+        let rest = store
+            .ack_together(&mut connection, &subscription, &acks[2..])
+            .await
+            .unwrap();
         assert_eq!(rest, acks[2..]);
+        drop(connection);
 
         let stats = store
             .subscription_stats(&subscription)
@@ -1224,7 +1257,10 @@ mod tests {
                 .iter()
                 .any(|d| d.event.aggregate_id == "late");
             let acks: Vec<AckId> = claim.deliveries.iter().map(|d| d.ack_id).collect();
-            let acked = store.ack_together(&subscription, &acks).await.expect("ack");
+            let acked = store
+                .ack_together(&mut None, &subscription, &acks)
+                .await
+                .expect("ack");
             assert_eq!(acked.len(), 100, "acks of claim {claim_number}");
         }
         assert!(late_taken, "the older transaction's event was delivered");
@@ -1259,8 +1295,19 @@ mod tests {
             (0, 0, 0),
             "custom plans of the claims"
         );
-        let batch_ack = plans("-- Settles first leases held in claim batches").await;
-        assert_eq!(batch_ack, (CLAIMS, 0), "plans of the batch ack");
+        // The batch ack's statement runs in a function whose settings give it the same
+        // cached generic plan, with sequential scans off.
+        let settings: Vec<String> = sqlx::query_scalar(
+            "SELECT unnest(proconfig) FROM pg_proc WHERE proname = 'outbox_ack_batches'",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            settings,
+            ["plan_cache_mode=force_generic_plan", "enable_seqscan=off"],
+            "settings of the batch ack"
+        );
 
         // The generic plans of both claim statements read past the cursor by the
         // relay-order index, as far as their LIMIT.
@@ -1605,7 +1652,7 @@ mod tests {
         assert_eq!(first.len(), 10);
         let ack_ids: Vec<AckId> = first.iter().map(|d| d.ack_id).collect();
         let acked = store
-            .ack_together(&subscription, &ack_ids[..6])
+            .ack_together(&mut None, &subscription, &ack_ids[..6])
             .await
             .unwrap();
         assert_eq!(acked.len(), 6);
@@ -1627,7 +1674,9 @@ mod tests {
             .collect();
         let replayed: Vec<i64> = ack_ids[..6].iter().map(|ack| ack.position).collect();
         assert_eq!(again, replayed, "only the acked events go out again");
-        let still_leased = store.ack_together(&subscription, &ack_ids[8..]).await;
+        let still_leased = store
+            .ack_together(&mut None, &subscription, &ack_ids[8..])
+            .await;
         assert_eq!(
             still_leased.unwrap().len(),
             2,

@@ -123,7 +123,8 @@ macro_rules! run_in_transaction {
 }
 
 /// Opens a transaction whose statements run with cached generic plans, probing tables by
-/// index. For the delivery hot path (claims and acks): their statements are large, and
+/// index. For the delivery hot path (claims; the batch ack's function has the same
+/// settings of its own, see migration 0015): their statements are large, and
 /// planning them anew on every call, as the pool otherwise does ([`claim_options`]), cost
 /// as much PostgreSQL CPU as running them; they are written so that a generic plan
 /// serves them well. A generic plan is made once per connection, when the tables may
@@ -436,7 +437,8 @@ fn connect_options(config: &StoreConfig) -> Result<PgConnectOptions> {
 /// `$n IS NULL OR …` filters of many statements then make it expect one row and read a
 /// whole table (the claim's once bitmap-scanned and sorted the whole backlog: 130 ms
 /// instead of 0.5 ms for 500 of 50,000 events): plan with the actual parameters. The
-/// claim and the batch ack, written for it, run on generic plans ([`GENERIC_PLANS`]).
+/// claim and the batch ack, written for it, run on generic plans ([`GENERIC_PLANS`], and
+/// the settings of the function `outbox_ack_batches`).
 fn claim_options(options: &PgConnectOptions) -> PgConnectOptions {
     options
         .clone()
