@@ -70,8 +70,8 @@ impl Store {
 }
 
 /// Applies the group's waiting acks, one statement per round, until none wait. The
-/// rounds share a connection: the pool takes a connection back with a round trip of its
-/// own (sqlx pings it), as long as the statement's when acks come one per call.
+/// rounds share one connection, given back when none wait: the pool takes a connection
+/// back with a round trip of its own (sqlx pings it), which would double each round's.
 async fn apply_while_waiting(store: Store, subscription: Subscription, group: Arc<Mutex<Group>>) {
     let mut connection = None;
     loop {

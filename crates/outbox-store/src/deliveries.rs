@@ -623,8 +623,8 @@ impl Store {
     }
 
     /// Acks deliveries in one go (see `ack_groups.rs`) on `connection`, taken from the
-    /// pool when there is none, left empty when it failed; returns the ack ids that
-    /// settled a lease (the rest were stale).
+    /// pool when there is none and left empty after a failure or when records are to be
+    /// settled too; returns the ack ids that settled a lease (the rest were stale).
     pub(crate) async fn ack_together(
         &self,
         connection: &mut Option<PoolConnection<Postgres>>,
