@@ -22,7 +22,7 @@ use sqlx::{PgConnection, Postgres, Row, pool::PoolConnection, postgres::PgRow};
 use super::{
     GENERIC_PLANS, Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis},
-    events::{EventColumns, column_at, event_from_row, typed_column_at},
+    events::{EventColumns, column_at, typed_column_at},
     locks::{LockMode, begin_locked, lock_subscription},
     run_again_on_conflict,
 };
@@ -604,12 +604,17 @@ impl Store {
         .fetch_all(&mut *transaction)
         .await?;
         let mut verdicts = FilterVerdicts::default();
+        let Some(first) = rows.first() else {
+            return Ok(verdicts);
+        };
+        // Found (and their types checked) once for the result, not for every row.
+        let columns = EventColumns::of(first)?;
         for row in &rows {
             verdicts.snapshot = Some(row.try_get("snapshot")?);
             let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
                 continue;
             };
-            match filter.matches(&event_from_row(row, &self.source)?) {
+            match filter.matches(&columns.event(row, &self.source)?) {
                 Ok(true) => {}
                 Ok(false) => verdicts.passed.push(position),
                 Err(error) => {

@@ -161,10 +161,7 @@ impl PublishTransaction<'_> {
         .fetch_all(&mut *self.transaction)
         .await;
         let source = self.source.clone();
-        self.broken_on_error(rows)?
-            .iter()
-            .map(|row| event_from_row(row, &source))
-            .collect()
+        events_from_rows(&self.broken_on_error(rows)?, &source)
     }
 
     pub async fn commit(self) -> Result<()> {
@@ -239,6 +236,15 @@ fn column<'q, T>(events: &[&'q NewEvent], field: impl Fn(&'q NewEvent) -> T) -> 
 /// Reads the event columns (`id` through `created_at`) of a row of `source`.
 pub(super) fn event_from_row(row: &PgRow, source: &SourceName) -> Result<Event> {
     EventColumns::of(row)?.event(row, source)
+}
+
+/// The events in `rows`, rows of one result, its columns found once.
+pub(super) fn events_from_rows(rows: &[PgRow], source: &SourceName) -> Result<Vec<Event>> {
+    let Some(first) = rows.first() else {
+        return Ok(Vec::new());
+    };
+    let columns = EventColumns::of(first)?;
+    rows.iter().map(|row| columns.event(row, source)).collect()
 }
 
 /// Where the event columns sit in the rows of one result, their types checked. sqlx

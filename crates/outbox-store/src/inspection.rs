@@ -7,7 +7,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{
-    Result, Store, StoreError, columns::id_values, events::event_from_row,
+    Result, Store, StoreError, columns::id_values, events::events_from_rows,
     operations::bind_selection,
 };
 use outbox_domain::{DeadLetterGroup, DeadLetterSelection, Event, Subscription, SubscriptionId};
@@ -211,8 +211,10 @@ impl Store {
         .bind(limit as i64)
         .fetch_all(&self.pool)
         .await?;
+        let events = events_from_rows(&rows, &self.source)?;
         rows.iter()
-            .map(|row| Ok((row.try_get("position")?, event_from_row(row, &self.source)?)))
+            .zip(events)
+            .map(|(row, event)| Ok((row.try_get("position")?, event)))
             .collect()
     }
 
