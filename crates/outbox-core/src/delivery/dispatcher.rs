@@ -311,6 +311,7 @@ impl Dispatcher {
         let name = &subscription.name;
         let mut elsewhere = Vec::new();
         let deliver_to_ack = metrics::deliver_to_ack(name.as_str());
+        let now = Instant::now();
         let mut state = self.state.lock().expect("dispatcher lock");
         for ack in acks {
             match state
@@ -319,7 +320,8 @@ impl Dispatcher {
             {
                 Some(lease) => {
                     if settlement == Settlement::Acked {
-                        deliver_to_ack.record(lease.leased_at.elapsed().as_secs_f64());
+                        let held = now.saturating_duration_since(lease.leased_at);
+                        deliver_to_ack.record(held.as_secs_f64());
                     }
                 }
                 None => elsewhere.push(*ack),
@@ -442,8 +444,9 @@ impl Dispatcher {
         self.observe(&deliveries);
         let mut state = self.state.lock().expect("dispatcher lock");
         let mut undelivered = Vec::new();
+        let leased_at = Instant::now();
         for delivery in deliveries {
-            if let Err(lease) = state.streams.place(delivery, &self.budget) {
+            if let Err(lease) = state.streams.place(delivery, &self.budget, leased_at) {
                 undelivered.push(lease);
             }
         }

@@ -42,7 +42,7 @@
 //!   queue behind them.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, hash_map::Entry},
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -265,15 +265,30 @@ impl Slot {
         Some(since + Duration::from_millis(u64::try_from(next).unwrap_or(u64::MAX)))
     }
 
+    /// [`Slot::window`] now; the clock is read only while the window grows by itself
+    /// (a proven stream's never does), as this is asked for every delivery placed.
+    fn current_window(&self) -> usize {
+        match self.growing_since {
+            None => self.window,
+            Some(_) => self.window(Instant::now()),
+        }
+    }
+
     fn can_take(&self, budget: &BufferBudget) -> bool {
         self.resting_until.is_none_or(|until| until <= Utc::now())
             && self.remaining != Some(0)
             && !self.sender.is_closed()
             // Full with deliveries whose leases expired before it read them.
             && self.sender.capacity() > 0
-            && self.in_flight < self.window(Instant::now())
+            && self.in_flight < self.current_window()
             && (self.in_flight == 0 || self.in_flight_bytes < self.limits.bytes)
             && (!budget.is_spent() || self.buffered.load(Ordering::Relaxed) == 0)
+    }
+
+    /// Gives back the room `lease` took.
+    fn free(&mut self, lease: &Lease) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(lease.size);
     }
 }
 
@@ -421,12 +436,13 @@ impl Streams {
         any && !proven
     }
 
-    /// Sends a delivery to the next stream that can take it and records its lease; when
-    /// none can, returns its lease (key, token), which nobody holds.
+    /// Sends a delivery to the next stream that can take it and records its lease, taken
+    /// at `leased_at`; when none can, returns its lease (key, token), which nobody holds.
     pub fn place(
         &mut self,
         delivery: Delivery,
         budget: &BufferBudget,
+        leased_at: Instant,
     ) -> Result<(), (LeaseKey, i64)> {
         let size = delivery.size();
         let (key, token, deadline) = (
@@ -463,7 +479,7 @@ impl Streams {
                             stream_id,
                             token,
                             deadline,
-                            leased_at: Instant::now(),
+                            leased_at,
                             size,
                         },
                     );
@@ -481,40 +497,46 @@ impl Streams {
         Err((key, token))
     }
 
-    /// The lease at `key`, when `token` names it.
-    pub fn lease(&self, key: LeaseKey, token: i64) -> Option<&Lease> {
-        self.leases.get(&key).filter(|lease| lease.token == token)
+    /// Forgets the settled lease at `key` when `token` names it, freeing its stream's
+    /// room; a stream that settles is proven, rests no more and may hold one more than
+    /// before, up to its limit.
+    pub fn forget_matching(&mut self, key: LeaseKey, token: i64) -> Option<Lease> {
+        // One lookup: this runs for every ack.
+        let lease = match self.leases.entry(key) {
+            Entry::Occupied(entry) if entry.get().token == token => entry.remove(),
+            _ => return None,
+        };
+        self.settled(&lease);
+        Some(lease)
     }
 
-    /// Forgets the settled lease at `key`, freeing its stream's room; a stream that
-    /// settles is proven, rests no more and may hold one more than before, up to its
-    /// limit.
-    pub fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
-        let lease = self.remove_lease(key)?;
+    /// Frees the room of `lease`, settled and no longer recorded, in its stream.
+    fn settled(&mut self, lease: &Lease) {
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
+            slot.free(lease);
             slot.stalls = 0;
             slot.resting_until = None;
             slot.proven = true;
-            slot.window = (slot.window(Instant::now()) + 1).min(slot.limits.deliveries);
+            slot.window = (slot.current_window() + 1).min(slot.limits.deliveries);
             // From here on settlements widen it, as TCP's acks do.
             slot.growing_since = None;
         }
+    }
+
+    /// [`Streams::forget_matching`] whatever the lease's token.
+    #[cfg(test)]
+    fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
+        let lease = self.leases.remove(&key)?;
+        self.settled(&lease);
         Some(lease)
     }
 
     fn remove_lease(&mut self, key: LeaseKey) -> Option<Lease> {
         let lease = self.leases.remove(&key)?;
         if let Some(slot) = self.slots.iter_mut().find(|s| s.id == lease.stream_id) {
-            slot.in_flight = slot.in_flight.saturating_sub(1);
-            slot.in_flight_bytes = slot.in_flight_bytes.saturating_sub(lease.size);
+            slot.free(&lease);
         }
         Some(lease)
-    }
-
-    /// Forgets the lease at `key` when `token` names it.
-    pub fn forget_matching(&mut self, key: LeaseKey, token: i64) -> Option<Lease> {
-        self.lease(key, token)?;
-        self.forget(key)
     }
 
     pub fn extend(&mut self, key: LeaseKey, token: i64, deadline: DateTime<Utc>) {
@@ -696,7 +718,9 @@ mod tests {
         positions: impl IntoIterator<Item = i64>,
     ) {
         for position in positions {
-            streams.place(delivery(position, 10), budget).unwrap();
+            streams
+                .place(delivery(position, 10), budget, Instant::now())
+                .unwrap();
             assert!(receiver.try_recv().is_ok());
         }
     }
@@ -716,15 +740,23 @@ mod tests {
         assert_eq!((limits.count, limits.bytes), (3, 10_000));
 
         // The first delivery goes out however large; then the stream is over its bytes.
-        streams.place(delivery(1, 50_000), &budget).unwrap();
+        streams
+            .place(delivery(1, 50_000), &budget, Instant::now())
+            .unwrap();
         assert!(streams.claim_limits(500, &budget).is_none());
-        assert!(streams.place(delivery(2, 10), &budget).is_err());
+        assert!(
+            streams
+                .place(delivery(2, 10), &budget, Instant::now())
+                .is_err()
+        );
         assert!(receiver.try_recv().is_ok());
         streams.forget(key(1));
         assert!(streams.claim_limits(500, &budget).is_some());
 
         for position in 2..5 {
-            streams.place(delivery(position, 10), &budget).unwrap();
+            streams
+                .place(delivery(position, 10), &budget, Instant::now())
+                .unwrap();
         }
         assert!(streams.claim_limits(500, &budget).is_none(), "3 in flight");
     }
@@ -807,9 +839,13 @@ mod tests {
         };
         streams.attach(limits, sender, Arc::new(AtomicU64::new(0)));
         assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 2);
-        streams.place(delivery(1, 10), &budget).unwrap();
+        streams
+            .place(delivery(1, 10), &budget, Instant::now())
+            .unwrap();
         assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 1);
-        streams.place(delivery(2, 10), &budget).unwrap();
+        streams
+            .place(delivery(2, 10), &budget, Instant::now())
+            .unwrap();
         assert!(receiver.try_recv().is_ok() && receiver.try_recv().is_ok());
         streams.forget(key(1));
         streams.forget(key(2));
@@ -817,7 +853,11 @@ mod tests {
             streams.claim_limits(500, &budget).is_none(),
             "settling frees no room beyond the total"
         );
-        assert!(streams.place(delivery(3, 10), &budget).is_err());
+        assert!(
+            streams
+                .place(delivery(3, 10), &budget, Instant::now())
+                .is_err()
+        );
     }
 
     #[test]
@@ -826,7 +866,9 @@ mod tests {
         let mut streams = Streams::default();
         let (first, mut first_receiver, _) = stream(&mut streams, 1, u64::MAX);
         let (second, _second_receiver, _) = stream(&mut streams, 1, u64::MAX);
-        streams.place(delivery(1, 10), &budget).unwrap();
+        streams
+            .place(delivery(1, 10), &budget, Instant::now())
+            .unwrap();
         assert_eq!(streams.leases[&key(1)].stream_id, first);
         assert!(first_receiver.try_recv().is_ok());
 
@@ -834,7 +876,7 @@ mod tests {
         let mut again = delivery(1, 10);
         again.ack_id.attempt = 2;
         again.ack_id.lease_token = 8;
-        streams.place(again, &budget).unwrap();
+        streams.place(again, &budget, Instant::now()).unwrap();
         assert_eq!(streams.leases[&key(1)].stream_id, second);
         assert_eq!(
             streams.slots[0].in_flight, 0,
@@ -856,11 +898,17 @@ mod tests {
 
         // Spend the budget: one delivery waits in each channel.
         for position in 1..=2 {
-            streams.place(delivery(position, 400), &budget).unwrap();
+            streams
+                .place(delivery(position, 400), &budget, Instant::now())
+                .unwrap();
         }
         assert!(budget.is_spent());
         assert!(streams.claim_limits(500, &budget).is_none());
-        assert!(streams.place(delivery(3, 400), &budget).is_err());
+        assert!(
+            streams
+                .place(delivery(3, 400), &budget, Instant::now())
+                .is_err()
+        );
 
         // The reading stream takes what waits for it; it may then take one more.
         while let Ok(Ok(taken)) = reading.try_recv() {
@@ -868,7 +916,9 @@ mod tests {
         }
         let limits = streams.claim_limits(500, &budget).unwrap();
         assert_eq!((limits.count, limits.bytes), (1, 1));
-        streams.place(delivery(4, 400), &budget).unwrap();
+        streams
+            .place(delivery(4, 400), &budget, Instant::now())
+            .unwrap();
         assert!(
             reading.try_recv().is_ok(),
             "it went to the stream that reads"
@@ -882,7 +932,7 @@ mod tests {
         let (_, _receiver, _) = stream(&mut streams, 1, u64::MAX);
         let mut late = delivery(1, 10);
         late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
-        streams.place(late, &budget).unwrap();
+        streams.place(late, &budget, Instant::now()).unwrap();
         assert!(
             streams.forget_matching(key(1), 8).is_none(),
             "another token"
@@ -906,7 +956,7 @@ mod tests {
         let mut late = delivery(1, 10);
         late.ack_id.source = down;
         late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
-        streams.place(late, &budget).unwrap();
+        streams.place(late, &budget, Instant::now()).unwrap();
         while receiver.try_recv().is_ok() {}
         // Its source could not be asked whether it was settled: no stall.
         assert_eq!(streams.expire(Utc::now(), &[down]), vec![down]);
@@ -916,8 +966,10 @@ mod tests {
         // A source that goes down gives back the room of every lease it holds.
         let mut held = delivery(2, 10);
         held.ack_id.source = down;
-        streams.place(held, &budget).unwrap();
-        streams.place(delivery(3, 10), &budget).unwrap();
+        streams.place(held, &budget, Instant::now()).unwrap();
+        streams
+            .place(delivery(3, 10), &budget, Instant::now())
+            .unwrap();
         while receiver.try_recv().is_ok() {}
         assert!(streams.claim_limits(500, &budget).is_none());
         assert_eq!(streams.forget_source(down), 1);
@@ -945,7 +997,9 @@ mod tests {
             // Its rest is over (time passed); it takes the next delivery and lets it expire.
             streams.slots[0].resting_until = None;
             streams.round_robin = 0;
-            streams.place(expired(round), &budget).unwrap();
+            streams
+                .place(expired(round), &budget, Instant::now())
+                .unwrap();
             let now = Utc::now();
             streams.expire(now, &[]);
             let slot = &streams.slots[0];
@@ -953,14 +1007,18 @@ mod tests {
         }
         assert_eq!(rests, [1, 2, 4, 8, 16, 32, 60, 60]);
         // The resting stream is skipped; the other takes the next delivery.
-        streams.place(delivery(100, 10), &budget).unwrap();
+        streams
+            .place(delivery(100, 10), &budget, Instant::now())
+            .unwrap();
         assert_eq!(streams.leases[&key(100)].stream_id, reading_id);
         assert!(reading.try_recv().is_ok());
 
         // A settlement by the stalled stream makes it trusted again.
         streams.slots[0].resting_until = None;
         streams.round_robin = 0;
-        streams.place(delivery(101, 10), &budget).unwrap();
+        streams
+            .place(delivery(101, 10), &budget, Instant::now())
+            .unwrap();
         streams.forget(key(101));
         assert_eq!(streams.slots[0].stalls, 0);
         assert!(streams.slots[0].resting_until.is_none());
@@ -974,7 +1032,7 @@ mod tests {
         for position in 0..4 {
             let mut late = delivery(position, 10);
             late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
-            streams.place(late, &budget).unwrap();
+            streams.place(late, &budget, Instant::now()).unwrap();
         }
         streams.expire(Utc::now(), &[]);
         streams.slots[0].resting_until = None;
@@ -989,7 +1047,9 @@ mod tests {
             offered.push(limits.count);
             for _ in 0..limits.count {
                 position += 1;
-                streams.place(delivery(position, 10), &budget).unwrap();
+                streams
+                    .place(delivery(position, 10), &budget, Instant::now())
+                    .unwrap();
                 assert!(receiver.try_recv().is_ok());
                 streams.forget(key(position));
             }
@@ -1014,7 +1074,9 @@ mod tests {
             offered.push(limits.count);
             for _ in 0..limits.count {
                 position += 1;
-                streams.place(delivery(position, 10), &budget).unwrap();
+                streams
+                    .place(delivery(position, 10), &budget, Instant::now())
+                    .unwrap();
             }
             assert!(streams.claim_limits(500, &budget).is_none(), "window full");
             for settled in position - limits.count as i64 + 1..=position {
@@ -1031,7 +1093,9 @@ mod tests {
         let mut streams = Streams::default();
         let (_, mut receiver, _) = stream(&mut streams, 100, u64::MAX);
         for position in 0..INITIAL_WINDOW as i64 {
-            streams.place(delivery(position, 10), &budget).unwrap();
+            streams
+                .place(delivery(position, 10), &budget, Instant::now())
+                .unwrap();
         }
         while receiver.try_recv().is_ok() {}
         // It holds all it may and settled nothing: the dispatcher wakes when it grows.
@@ -1050,7 +1114,9 @@ mod tests {
                 .unwrap_or(ClaimLimits { count: 0, bytes: 0 });
             for _ in 0..limits.count {
                 let position = streams.leases.len() as i64;
-                streams.place(delivery(position, 10), &budget).unwrap();
+                streams
+                    .place(delivery(position, 10), &budget, Instant::now())
+                    .unwrap();
                 assert!(receiver.try_recv().is_ok());
             }
             held.push(streams.slots[0].in_flight);
@@ -1097,7 +1163,9 @@ mod tests {
         );
         let (_, mut receiver, _) = stream(&mut streams, 10, u64::MAX);
         assert!(streams.only_unproven_can_take(&budget), "new");
-        streams.place(delivery(1, 10), &budget).unwrap();
+        streams
+            .place(delivery(1, 10), &budget, Instant::now())
+            .unwrap();
         assert!(receiver.try_recv().is_ok());
         streams.forget(key(1));
         assert!(!streams.only_unproven_can_take(&budget), "it settled");
@@ -1105,7 +1173,7 @@ mod tests {
         // Its leases expire unsettled: unproven again until it settles once more.
         let mut late = delivery(2, 10);
         late.ack_deadline = Utc::now() - chrono::Duration::seconds(1);
-        streams.place(late, &budget).unwrap();
+        streams.place(late, &budget, Instant::now()).unwrap();
         assert!(receiver.try_recv().is_ok());
         streams.expire(Utc::now(), &[]);
         streams.slots[0].resting_until = None;
@@ -1114,7 +1182,9 @@ mod tests {
         // A proven stream beside it claims for both without waiting.
         let (_, mut other, _) = stream(&mut streams, 10, u64::MAX);
         streams.round_robin = 1;
-        streams.place(delivery(3, 10), &budget).unwrap();
+        streams
+            .place(delivery(3, 10), &budget, Instant::now())
+            .unwrap();
         assert!(other.try_recv().is_ok());
         streams.forget(key(3));
         assert!(!streams.only_unproven_can_take(&budget));
