@@ -1078,7 +1078,7 @@ fn summary_row(rows: &[PgRow]) -> Result<Option<&PgRow>> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::{collections::BTreeMap, time::Duration};
 
     use outbox_domain::{StartPosition, SubscriptionName, SubscriptionSettings};
     use sqlx::Connection;
@@ -1688,6 +1688,39 @@ mod tests {
             "the first leases still hold"
         );
 
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// Empty metadata is taken without parsing; any other is parsed, even where it holds
+    /// `{}` as a value.
+    #[tokio::test]
+    async fn claims_read_empty_and_other_metadata() {
+        let (database, store, subscription) = subscription_with_events(2, 1).await;
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, metadata)
+             VALUES ('order', 'o-2', 'order.created', '\\x7b7d', '{\"tenant\": \"t-1\", \"note\": \"{}\"}')",
+        )
+        .execute(&store.pool)
+        .await
+        .expect("insert an event with metadata");
+        let claim = store
+            .claim(&subscription, 1, up_to(10), false)
+            .await
+            .expect("claim")
+            .expect("reading");
+        let metadata: Vec<_> = claim
+            .deliveries
+            .iter()
+            .map(|delivery| delivery.event.metadata_by_key())
+            .collect();
+        assert_eq!(
+            metadata,
+            vec![
+                BTreeMap::new(),
+                BTreeMap::from([("note", "{}"), ("tenant", "t-1")])
+            ]
+        );
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
     }

@@ -298,12 +298,25 @@ impl EventColumns {
         Ok(row.try_get_unchecked::<&[u8], _>(self.payload)?.len())
     }
 
-    /// The event in `row`, a row of the result these columns were found in (so the
-    /// values' types need no check).
-    pub(super) fn event(&self, row: &PgRow, source: &SourceName) -> Result<Event> {
+    /// The metadata of the event in `row`. Most events have none: `{}` is taken as it
+    /// is, without parsing JSON or allocating a map.
+    fn metadata(&self, row: &PgRow) -> Result<HashMap<String, String>> {
+        // The column's bytes as sent: jsonb's binary format is a version byte (1) and
+        // the text.
+        let raw: &[u8] = row.try_get_unchecked(self.metadata)?;
+        if matches!(raw, b"\x01{}" | b"{}") {
+            return Ok(HashMap::new());
+        }
         let metadata: Json<HashMap<String, String>> = row
             .try_get_unchecked(self.metadata)
             .map_err(|error| StoreError::Corrupt(format!("event metadata: {error}")))?;
+        Ok(metadata.0)
+    }
+
+    /// The event in `row`, a row of the result these columns were found in (so the
+    /// values' types need no check).
+    pub(super) fn event(&self, row: &PgRow, source: &SourceName) -> Result<Event> {
+        let metadata = self.metadata(row)?;
         Ok(Event {
             source: source.clone(),
             id: row.try_get_unchecked(self.id)?,
@@ -313,7 +326,7 @@ impl EventColumns {
             event_type: row.try_get_unchecked(self.event_type)?,
             payload: row.try_get_unchecked(self.payload)?,
             content_type: row.try_get_unchecked(self.content_type)?,
-            metadata: metadata.0,
+            metadata,
             occurred_at: row.try_get_unchecked(self.occurred_at)?,
             created_at: row.try_get_unchecked(self.created_at)?,
             deliver_at: row.try_get_unchecked(self.deliver_at)?,
