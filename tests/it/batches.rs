@@ -1,9 +1,17 @@
 //! Delivery bookkeeping per claim: on unordered subscriptions a claim's leases are kept as
 //! rows of `outbox_delivery_batches`, not a record per event. Acks from any stream or
-//! replica settle them exactly once, and a gateway that dies with claims half acked loses
-//! nothing and delivers nothing acked again.
+//! replica settle them exactly once, and neither a gateway that dies with claims half
+//! acked nor claims cut off part-way by the database lose anything or deliver anything
+//! acked again.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::BTreeSet,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use crate::common::*;
 use outbox_gateway::proto::{self, subscriber_client::SubscriberClient};
@@ -246,4 +254,178 @@ async fn drain(gateway: &TestGateway, mut consumer: Consumer) -> Vec<String> {
         ack_all(gateway, "orders", unacked).await;
     }
     received
+}
+
+/// Overlapping claims cut off part-way: while two streams with room for a claim and a
+/// following one drain a backlog (claims of at most 300), the database closes the
+/// gateway's connections each time another fifth of it has been delivered, so claims,
+/// following claims and batch acks fail at whatever statement they were at, some after
+/// their commit. Nothing is lost: every event is delivered and, in the end, acked once;
+/// and no event is delivered again after its ack was answered.
+#[tokio::test]
+async fn overlapping_claims_cut_off_lose_nothing_and_deliver_nothing_acked_again() {
+    const EVENTS: usize = 20_000;
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.delivery.claim_batch_size = 300;
+    let gateway = TestGateway::start_with(&database, config).await;
+    create_subscription(
+        &gateway,
+        proto::Subscription {
+            ack_deadline: seconds(3),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    let mut publisher = gateway.publisher().await;
+    publish_in_calls(&mut publisher, &events(EVENTS), 1000).await;
+
+    let drain = Arc::new(Drain::default());
+    let cutting = tokio::spawn({
+        let (pool, name) = (database.pool().await, database.name().to_owned());
+        let drain = drain.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + WAIT;
+            let mut cut = 0;
+            for fifth in 1..5 {
+                while drain.received.load(Ordering::SeqCst) < fifth * EVENTS / 5
+                    && tokio::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                cut += cut_gateway_sessions(&pool, &name).await;
+            }
+            drain.cuts_over.store(true, Ordering::SeqCst);
+            cut
+        }
+    });
+    let mut consumers = Vec::new();
+    for _ in 0..2 {
+        let consumer = Consumer::open(&gateway, "orders", 1000).await;
+        consumers.push(drain_through_cuts(
+            &gateway,
+            consumer,
+            &drain,
+            EVENTS as u64,
+        ));
+    }
+    let drained = futures_util::future::join_all(consumers).await;
+    assert!(
+        cutting.await.unwrap() > 0,
+        "the gateway's sessions were cut"
+    );
+
+    let received: BTreeSet<&String> = drained.iter().flat_map(|(received, _)| received).collect();
+    assert_eq!(received.len(), EVENTS, "every event was delivered");
+    let again: Vec<&String> = drained.iter().flat_map(|(_, again)| again).collect();
+    assert!(
+        again.is_empty(),
+        "delivered after their ack was answered: {again:?}"
+    );
+    let (_, acked_total, in_flight, pending) = delivered_acked_in_flight_pending(&gateway).await;
+    assert_eq!((acked_total, in_flight, pending), (EVENTS as u64, 0, 0));
+}
+
+/// What the streams of a drain under cuts share.
+#[derive(Default)]
+struct Drain {
+    /// Deliveries received, redeliveries included.
+    received: AtomicUsize,
+    /// Aggregates of the events whose ack was answered.
+    acked: Mutex<BTreeSet<String>>,
+    cuts_over: AtomicBool,
+}
+
+/// Closes the gateway's sessions on database `name`; how many there were.
+async fn cut_gateway_sessions(pool: &PgPool, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = $1 AND application_name = 'outbox-gateway') AS cut",
+    )
+    .bind(name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Reads `consumer`, acking 100 at a time through [`ack_through_cuts`], until the cuts
+/// are over and the subscription has all `events` acked and nothing in flight or
+/// pending (or a minute passed): the aggregates it received, and those it received
+/// after their ack was answered.
+async fn drain_through_cuts(
+    gateway: &TestGateway,
+    mut consumer: Consumer,
+    drain: &Drain,
+    events: u64,
+) -> (Vec<String>, Vec<String>) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let (mut received, mut again) = (Vec::new(), Vec::new());
+    let mut unacked = Vec::new();
+    loop {
+        let delivery = consumer.next(Duration::from_secs(1)).await;
+        if let Some(delivery) = &delivery {
+            drain.received.fetch_add(1, Ordering::SeqCst);
+            let aggregate = aggregate_of(delivery);
+            if drain.acked.lock().unwrap().contains(&aggregate) {
+                again.push(aggregate.clone());
+            }
+            received.push(aggregate.clone());
+            unacked.push((aggregate, delivery.ack_id.clone()));
+        }
+        if unacked.len() == 100 || (delivery.is_none() && !unacked.is_empty()) {
+            let batch = std::mem::take(&mut unacked);
+            let stale = ack_through_cuts(gateway, batch.iter().map(|(_, id)| id.clone())).await;
+            let mut acked = drain.acked.lock().unwrap();
+            for (aggregate, ack_id) in batch {
+                if !stale.contains(&ack_id) {
+                    acked.insert(aggregate);
+                }
+            }
+        } else if delivery.is_none() && drain.cuts_over.load(Ordering::SeqCst) {
+            let (_, acked_total, in_flight, pending) =
+                delivered_acked_in_flight_pending(gateway).await;
+            if (acked_total, in_flight, pending) == (events, 0, 0)
+                || tokio::time::Instant::now() > deadline
+            {
+                return (received, again);
+            }
+        }
+    }
+}
+
+/// Acks `ack_ids`, sending the call again while it fails and the acks it answers as
+/// unavailable (their source could not be reached) until each is answered; the stale
+/// ones. An ack applied by a call whose answer was lost comes back stale.
+async fn ack_through_cuts(
+    gateway: &TestGateway,
+    ack_ids: impl Iterator<Item = String>,
+) -> Vec<String> {
+    let mut request = proto::AckRequest {
+        subscription: "orders".into(),
+        ack_ids: ack_ids.collect(),
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut subscriber = gateway.subscriber().await;
+    let mut stale = Vec::new();
+    loop {
+        match subscriber.ack(request.clone()).await {
+            Ok(response) => {
+                let response = response.into_inner();
+                stale.extend(response.stale_ack_ids);
+                if response.unavailable_ack_ids.is_empty() {
+                    return stale;
+                }
+                request.ack_ids = response.unavailable_ack_ids;
+            }
+            Err(status) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the ack kept failing: {status:?}"
+            ),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "acks stayed unavailable"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
