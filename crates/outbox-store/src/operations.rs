@@ -10,7 +10,7 @@ use super::{
     Result, Store, StoreError,
     columns::{Cursor, bind_unread, cursor, millis, start_columns},
     deliveries::{Moved, split_batches},
-    events::event_from_row,
+    events::{event_from_row, events_from_rows},
     locks::{LockMode, lock_subscription},
     subscriptions::{insert_cursor, subscription_from_row},
 };
@@ -195,8 +195,11 @@ impl Store {
         .bind(limit as i64)
         .fetch_all(&self.pool)
         .await?;
+        // A page of rows: their event columns found once.
+        let events = events_from_rows(&rows, &self.source)?;
         rows.iter()
-            .map(|row| dead_letter_from_row(&subscription.name, &self.source, row))
+            .zip(events)
+            .map(|(row, event)| dead_letter_from_row(&subscription.name, event, row))
             .collect()
     }
 
@@ -229,8 +232,11 @@ impl Store {
         .bind(notes)
         .fetch_optional(&self.pool)
         .await?;
-        row.map(|row| dead_letter_from_row(&subscription.name, &self.source, &row))
-            .transpose()
+        row.map(|row| {
+            let event = event_from_row(&row, &self.source)?;
+            dead_letter_from_row(&subscription.name, event, &row)
+        })
+        .transpose()
     }
 
     /// Moves the subscription's read position in this database, or starts it there at
@@ -431,15 +437,16 @@ pub(super) fn bind_selection<'q>(
         .bind(include_resolved)
 }
 
+/// The dead letter in `row`, whose `event` was decoded from it.
 pub(super) fn dead_letter_from_row(
     subscription: &SubscriptionName,
-    source: &outbox_domain::SourceName,
+    event: Event,
     row: &sqlx::postgres::PgRow,
 ) -> Result<DeadLetter> {
     let attempts: i32 = row.try_get("attempt")?;
     Ok(DeadLetter {
         subscription: subscription.clone(),
-        event: event_from_row(row, source)?,
+        event,
         position: row.try_get("position")?,
         attempts: attempts.max(0) as u32,
         last_error: row.try_get("last_error")?,
