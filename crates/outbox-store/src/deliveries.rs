@@ -1229,6 +1229,64 @@ mod tests {
         database.drop_database().await.expect("drop the database");
     }
 
+    /// A batch ack reads the claim batches of the lease tokens it names, found by the
+    /// primary key, and no others: its cost must not grow with what else the
+    /// subscription has in flight (its first version's plan joined the tokens by hash to
+    /// every batch of the subscription, for every ack).
+    #[tokio::test]
+    async fn a_batch_ack_reads_only_the_batches_it_names() {
+        let (database, store, subscription) = subscription_with_events(1, 3).await;
+        let claim = store
+            .claim(&subscription, 7, up_to(10), false)
+            .await
+            .unwrap();
+        let acks: Vec<AckId> = claim.unwrap().deliveries.iter().map(|d| d.ack_id).collect();
+        assert_eq!(acks.len(), 3);
+        // A thousand other claims in flight, of one batch row each.
+        sqlx::query(
+            "INSERT INTO outbox_delivery_batches (subscription_id, lease_token, chunk, due_at, positions)
+             SELECT $1, 1000 + n, 0, now() + interval '1 hour', ARRAY[1000000 + n]
+             FROM generate_series(1, 1000) n",
+        )
+        .bind(subscription.id.0)
+        .execute(&store.pool)
+        .await
+        .unwrap();
+
+        // A connection of its own: a backend counts what it read until it reports it,
+        // across transactions, and the pool's made the claim.
+        let mut connection = sqlx::PgConnection::connect_with(&database.connect_options())
+            .await
+            .expect("connect");
+        let mut transaction = connection.begin().await.unwrap();
+        let settled: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox_ack_batches($1, $2, $3)")
+                .bind(subscription.id.0)
+                .bind(acks.iter().map(|ack| ack.position).collect::<Vec<_>>())
+                .bind(acks.iter().map(|ack| ack.lease_token).collect::<Vec<_>>())
+                .fetch_one(&mut *transaction)
+                .await
+                .unwrap();
+        // What this transaction read of the table so far.
+        let (sequential_scans, rows_fetched): (i64, i64) = sqlx::query_as(
+            "SELECT seq_scan, idx_tup_fetch FROM pg_stat_xact_user_tables
+             WHERE relname = 'outbox_delivery_batches'",
+        )
+        .fetch_one(&mut *transaction)
+        .await
+        .unwrap();
+        transaction.commit().await.unwrap();
+        connection.close().await.unwrap();
+        assert_eq!(settled, 3, "the three acks settle");
+        assert_eq!(sequential_scans, 0);
+        assert!(
+            rows_fetched <= 3,
+            "the ack read {rows_fetched} batch rows for a claim of one"
+        );
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
     /// Claims and batch acks keep one cached plan per connection instead of planning
     /// anew on every call (planning cost PostgreSQL as much as running them), and the
     /// cached claim plan walks the relay-order index to its LIMIT rather than reading
