@@ -24,6 +24,11 @@ const SINGLE_ACK_BACKLOG: u64 = DELIVER_BACKLOG / 4;
 /// Bounds on the row writes per delivered event: bookkeeping per batch, not per event.
 const BATCHED_ACKS_ROW_WRITES: f64 = 0.1;
 const SINGLE_ACKS_ROW_WRITES: f64 = 1.2;
+/// What each stream holds in the run with deep streams, three times the default.
+const DEEP_MAX_IN_FLIGHT: u32 = 3000;
+/// Bound on what an event costs PostgreSQL with deep streams, against the default: an
+/// ack must cost no more the more deliveries are in flight.
+const DEEP_POSTGRES_CPU_RATIO: f64 = 1.5;
 
 struct Workload {
     label: &'static str,
@@ -81,6 +86,17 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             streams: 4,
             events: backlog,
             consumer: batched,
+            row_writes_bound: BATCHED_ACKS_ROW_WRITES,
+        },
+        Workload {
+            label: "deliver, 4 streams holding 3,000 each, acks of 100",
+            subscriptions: 1,
+            streams: 4,
+            events: backlog,
+            consumer: ConsumerConfig {
+                max_in_flight: DEEP_MAX_IN_FLIGHT,
+                ..batched
+            },
             row_writes_bound: BATCHED_ACKS_ROW_WRITES,
         },
         Workload {
@@ -193,6 +209,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             "subscriptions": cost.workload.subscriptions,
             "streams": cost.workload.streams,
             "ack_batch": cost.workload.consumer.ack_batch,
+            "max_in_flight": cost.workload.consumer.max_in_flight,
             "events": cost.delivered,
             "seconds": round(cost.seconds, 3),
             "events_per_s": round(per_second, 1),
@@ -203,6 +220,14 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             "cpu_s": cost.cpu.to_json(),
         }));
     }
+    // The deep streams' run against the default's (the second and third runs).
+    let postgres_per_event = |cost: &Cost| cost.per_event(cost.cpu.postgres);
+    report.targets.push(Target::at_most(
+        "4 streams holding 3,000 each: PostgreSQL CPU per event ÷ holding 1,000".to_owned(),
+        postgres_per_event(&costs[2]) / postgres_per_event(&costs[1]),
+        DEEP_POSTGRES_CPU_RATIO,
+        "×",
+    ));
     report.tables.push(table);
     report.figure("runs", runs);
     bench.time_chart(
