@@ -293,7 +293,9 @@ async fn overlapping_claims_cut_off_lose_nothing_and_deliver_nothing_acked_again
                 {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                cut += cut_gateway_sessions(&pool, &name).await;
+                cut += outbox_testkit::cut_gateway_sessions(&pool, &name)
+                    .await
+                    .expect("cut the gateway's sessions");
             }
             drain.cuts_over.store(true, Ordering::SeqCst);
             cut
@@ -334,18 +336,6 @@ struct Drain {
     /// Aggregates of the events whose ack was answered.
     acked: Mutex<BTreeSet<String>>,
     cuts_over: AtomicBool,
-}
-
-/// Closes the gateway's sessions on database `name`; how many there were.
-async fn cut_gateway_sessions(pool: &PgPool, name: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = $1 AND application_name = 'outbox-gateway') AS cut",
-    )
-    .bind(name)
-    .fetch_one(pool)
-    .await
-    .unwrap()
 }
 
 /// Reads `consumer`, acking 100 at a time through [`ack_through_cuts`], until the cuts

@@ -168,6 +168,26 @@ pub async fn gateway_row_writes(executor: impl sqlx::PgExecutor<'_>) -> Result<u
     Ok(writes.max(0) as u64)
 }
 
+/// `application_name` of the gateway's database sessions (what a fault injector cuts).
+pub const GATEWAY_APPLICATION: &str = "outbox-gateway";
+
+/// Closes every session the gateway holds on database `database`, as a database restart
+/// or a network cut would; returns how many it closed.
+pub async fn cut_gateway_sessions(
+    executor: impl sqlx::PgExecutor<'_>,
+    database: &str,
+) -> Result<u64, sqlx::Error> {
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = $1 AND application_name = $2",
+    )
+    .bind(database)
+    .bind(GATEWAY_APPLICATION)
+    .fetch_one(executor)
+    .await?;
+    Ok(cut.max(0) as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

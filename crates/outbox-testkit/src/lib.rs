@@ -17,7 +17,9 @@ mod local_server;
 mod poll;
 mod server;
 
-pub use database::{DatabaseError, ThrowawayDatabase, gateway_row_writes};
+pub use database::{
+    DatabaseError, GATEWAY_APPLICATION, ThrowawayDatabase, cut_gateway_sessions, gateway_row_writes,
+};
 pub use poll::{poll_until, settled};
 pub use server::{PostgresServer, ServerError};
 

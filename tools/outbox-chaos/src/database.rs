@@ -8,14 +8,11 @@ use std::{
 };
 
 use anyhow::Context;
-use outbox_testkit::ThrowawayDatabase;
+use outbox_testkit::{GATEWAY_APPLICATION, ThrowawayDatabase};
 use sqlx::{ConnectOptions, PgConnection, PgPool, postgres::PgPoolOptions};
 use uuid::Uuid;
 
 use crate::exactly_once::Effects;
-
-/// `application_name` of the gateways' connections, which the fault injector cuts.
-const GATEWAY_APPLICATION: &str = "outbox-gateway";
 
 #[derive(Debug, Clone)]
 pub struct ChaosDatabase {
@@ -76,15 +73,7 @@ impl ChaosDatabase {
 
     /// Terminates every connection a gateway holds to this database; returns how many.
     pub async fn cut_gateway_connections(&self) -> anyhow::Result<u64> {
-        let cut: i64 = sqlx::query_scalar(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
-             WHERE datname = $1 AND application_name = $2",
-        )
-        .bind(self.name())
-        .bind(GATEWAY_APPLICATION)
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(cut as u64)
+        Ok(outbox_testkit::cut_gateway_sessions(&self.pool, self.name()).await?)
     }
 
     /// Gateway sessions idle inside a transaction for longer than `at_least`, with the
