@@ -526,9 +526,8 @@ impl Streams {
     /// [`Streams::forget_matching`] whatever the lease's token.
     #[cfg(test)]
     fn forget(&mut self, key: LeaseKey) -> Option<Lease> {
-        let lease = self.leases.remove(&key)?;
-        self.settled(&lease);
-        Some(lease)
+        let token = self.leases.get(&key)?.token;
+        self.forget_matching(key, token)
     }
 
     fn remove_lease(&mut self, key: LeaseKey) -> Option<Lease> {
