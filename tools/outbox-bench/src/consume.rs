@@ -34,6 +34,9 @@ pub struct ConsumerConfig {
     pub acks_in_flight: usize,
     /// A partial batch is acked once its oldest delivery is this old.
     pub flush_after: Duration,
+    /// Time the consumer spends on each delivery before acking it, one batch at a time
+    /// and reading nothing meanwhile, as a consumer that does work per event would.
+    pub work_per_event: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -43,6 +46,7 @@ impl Default for ConsumerConfig {
             ack_batch: 100,
             acks_in_flight: 4,
             flush_after: Duration::from_millis(5),
+            work_per_event: Duration::ZERO,
         }
     }
 }
@@ -374,6 +378,9 @@ impl StreamConsumer {
         }
         let ack_ids = std::mem::replace(pending, Vec::with_capacity(self.config.ack_batch));
         let count = ack_ids.len() as u64;
+        if !self.config.work_per_event.is_zero() {
+            tokio::time::sleep(self.config.work_per_event * count as u32).await;
+        }
         let mut client = self.client.clone();
         let progress = self.progress.clone();
         acks.spawn(async move {

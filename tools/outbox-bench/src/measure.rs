@@ -249,6 +249,11 @@ impl CpuUse {
         }
     }
 
+    /// The three processes together.
+    pub fn total(&self) -> f64 {
+        self.gateway + self.postgres + self.bench
+    }
+
     /// Gateway CPU seconds per million events.
     pub fn gateway_per_million(&self, events: u64) -> f64 {
         self.per_million(events).gateway

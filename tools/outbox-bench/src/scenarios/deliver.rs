@@ -4,13 +4,18 @@
 //! Each run is followed by the raw SQL ceiling doing the same work with as many workers
 //! ([`crate::raw_delivery`]), and the report gives gateway ÷ raw. The ceiling records
 //! leases as the gateway does (a row per claim); the raw loop that records them per
-//! event, as the gateway did before claim batches, is reported beside it.
+//! event, as the gateway did before claim batches, is reported beside it. deliver then
+//! drains part of the backlog again through consumers that spend 100 µs per event, with
+//! 1 and 4 streams: there the consumers bound the drain, and four streams should deliver
+//! about four times what one does.
+
+use std::time::Duration;
 
 use serde_json::json;
 
 use super::{Bench, DELIVER_BACKLOG, insert_backlog, progress, yes_no};
 use crate::{
-    consume::GroupOutcome,
+    consume::{ConsumerConfig, GroupOutcome},
     gateway::Gateway,
     measure::{CpuUse, round},
     raw_delivery::{self, Bookkeeping, RawOutcome},
@@ -19,6 +24,11 @@ use crate::{
 
 const DELIVER_STREAMS: [usize; 2] = [1, 4];
 const FANOUT_SUBSCRIPTIONS: usize = 4;
+/// What each working consumer spends per event: one stream of them handles about 10,000
+/// events/s, four about 40,000, well within what the gateway delivers.
+const WORK_PER_EVENT: Duration = Duration::from_micros(100);
+/// Events each run with working consumers acks, of the backlog.
+const WORKING_EVENTS: u64 = 50_000;
 
 pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "deliver";
@@ -44,11 +54,13 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             "raw per-event SQL events/s",
             "drained",
             "gateway CPU s/M ev",
+            "cores busy",
         ],
     );
     let mut runs = Vec::new();
     let mut series = Vec::new();
-    // Events/s of the gateway and of the raw ceiling, per number of streams.
+    // Per number of streams: events/s of the gateway and of the raw ceiling, and the
+    // gateway run's CPU seconds (all three processes) per event.
     let mut rates = Vec::new();
     for streams in DELIVER_STREAMS {
         let before = gateway.cpu_snapshot();
@@ -67,7 +79,15 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
         let ceilings = raw_ceilings(bench, gateway, 1, streams, backlog).await?;
         let (raw, per_event) = (ceilings.per_claim, ceilings.per_event);
         let ratio = outcome.per_second() / raw.per_second();
-        rates.push((streams, outcome.per_second(), raw.per_second()));
+        let cpu_per_event = cpu.total() / outcome.acked().max(1) as f64;
+        rates.push((
+            streams,
+            outcome.per_second(),
+            raw.per_second(),
+            cpu_per_event,
+        ));
+        // The cores the gateway, PostgreSQL and the consumers kept busy together.
+        let cores_busy = cpu.total() / outcome.seconds;
         report
             .notes
             .push(ceilings.cpu_note(&format!("{streams} stream(s)"), cpu, outcome.acked()));
@@ -89,6 +109,7 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             format_number(per_event.per_second()),
             yes_no(outcome.completed()),
             format!("{:.1}", cpu.gateway_per_million(outcome.acked())),
+            format!("{cores_busy:.2}"),
         ]);
         if !outcome.completed() {
             report.notes.push(cut_off_note(&outcome, streams));
@@ -111,6 +132,7 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
             "stale_acks": outcome.subscriptions.iter().map(|s| s.stale).sum::<u64>(),
             "cpu_s": cpu.to_json(),
             "gateway_cpu_s_per_million": round(cpu.gateway_per_million(outcome.acked()), 2),
+            "cores_busy": round(cores_busy, 2),
             "raw": ceilings.cpu_json(),
         }));
         if streams == 4 {
@@ -134,20 +156,35 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
     // One subscription's claims follow one another, so more streams add room, not
     // claims; the raw ceiling's workers, claiming one subscription, show what that
     // allows on this machine.
-    let rate_with = |count| rates.iter().find(|(streams, _, _)| *streams == count);
-    if let (Some(&(_, one, raw_one)), Some(&(_, four, raw_four))) = (rate_with(1), rate_with(4)) {
+    let rate_with = |count| rates.iter().find(|(streams, ..)| *streams == count);
+    if let (Some(&(_, one, raw_one, _)), Some(&(_, four, raw_four, four_cpu))) =
+        (rate_with(1), rate_with(4))
+    {
         let (gain, raw_gain) = (four / one, raw_four / raw_one);
+        // Where one stream already keeps most cores busy, more streams can only add what
+        // is left: 1.5 x one stream's rate, at the CPU per event of the run with four,
+        // takes this many cores for the three processes together.
+        let cores_for_target = 1.5 * one * four_cpu;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         report.notes.push(format!(
-            "4 streams ÷ 1 stream: gateway {gain:.2}x, raw SQL ceiling (4 workers ÷ 1) {raw_gain:.2}x"
+            "4 streams ÷ 1 stream: gateway {gain:.2}x, raw SQL ceiling (4 workers ÷ 1) {raw_gain:.2}x; \
+             1.5x would keep {cores_for_target:.2} cores busy at the CPU per event of the run \
+             with 4 streams, on a machine with {cores}"
         ));
         report.figure(
             "four_streams_over_one",
-            json!({ "gateway": round(gain, 3), "raw": round(raw_gain, 3) }),
+            json!({
+                "gateway": round(gain, 3),
+                "raw": round(raw_gain, 3),
+                "cores_for_one_and_a_half": round(cores_for_target, 2),
+                "cores": cores,
+            }),
         );
         report
             .targets
             .push(Target::at_least("4 streams ÷ 1 stream", gain, 1.5, "x"));
     }
+    working_consumers(bench, gateway, &mut report).await?;
     report.figure("backlog", backlog);
     report.figure("runs", runs);
     bench.time_chart(
@@ -158,6 +195,73 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
         &series,
     )?;
     Ok(report)
+}
+
+/// Drains part of the backlog again through consumers that spend [`WORK_PER_EVENT`] on
+/// each event, with 1 and then 4 streams. The consumers bound these runs, so four streams
+/// deliver four times what one does unless the gateway holds a subscription's streams
+/// back, one behind another.
+async fn working_consumers(
+    bench: &Bench,
+    gateway: &Gateway,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let events = bench.settings.events(WORKING_EVENTS);
+    let micros = WORK_PER_EVENT.as_micros();
+    let mut table = Table::new(
+        format!("consumers spending {micros} µs per event"),
+        &["streams", "events", "seconds", "events/s", "drained"],
+    );
+    let mut rates = Vec::new();
+    for streams in DELIVER_STREAMS {
+        let outcome = bench
+            .deliver_with(
+                gateway,
+                &format!("deliver-working-{streams}s"),
+                1,
+                streams,
+                events,
+                ConsumerConfig {
+                    work_per_event: WORK_PER_EVENT,
+                    ..ConsumerConfig::default()
+                },
+            )
+            .await?;
+        bench.database.settle().await?;
+        table.row(vec![
+            streams.to_string(),
+            format_number(outcome.acked() as f64),
+            format!("{:.2}", outcome.seconds),
+            format_number(outcome.per_second()),
+            yes_no(outcome.completed()),
+        ]);
+        rates.push(outcome.per_second());
+    }
+    report.tables.push(table);
+    let gain = rates[1] / rates[0];
+    progress(
+        report.scenario,
+        format!(
+            "consumers spending {micros} µs per event: 1 stream {} events/s, 4 streams {} ({gain:.2}x)",
+            format_number(rates[0]),
+            format_number(rates[1])
+        ),
+    );
+    report.figure(
+        "working_consumers",
+        json!({
+            "work_per_event_us": micros,
+            "events_per_s": rates.iter().map(|rate| round(*rate, 1)).collect::<Vec<_>>(),
+            "four_streams_over_one": round(gain, 3),
+        }),
+    );
+    report.targets.push(Target::at_least(
+        format!("4 streams ÷ 1 stream, consumers spending {micros} µs per event"),
+        gain,
+        3.5,
+        "x",
+    ));
+    Ok(())
 }
 
 pub async fn fanout(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
