@@ -153,7 +153,8 @@ pub async fn deliver(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report>
         bench.database.settle().await?;
     }
     report.tables.push(table);
-    // One subscription's claims follow one another, so more streams add room, not
+    // One subscription's claims read its events one at a time (a following claim
+    // overlaps only the writes of the one before), so more streams add room more than
     // claims; the raw ceiling's workers, claiming one subscription, show what that
     // allows on this machine.
     let rate_with = |count| rates.iter().find(|(streams, ..)| *streams == count);
@@ -238,6 +239,7 @@ async fn working_consumers(
         rates.push(outcome.per_second());
     }
     report.tables.push(table);
+    // DELIVER_STREAMS: 1, then 4.
     let gain = rates[1] / rates[0];
     progress(
         report.scenario,
