@@ -24,11 +24,12 @@ async fn idle_in_transaction(
 ) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT coalesce(query, '') FROM pg_stat_activity \
-         WHERE datname = $1 AND application_name = 'outbox-gateway' \
+         WHERE datname = $1 AND application_name = $2 \
            AND state LIKE 'idle in transaction%' \
-           AND clock_timestamp() - state_change >= make_interval(secs => $2)",
+           AND clock_timestamp() - state_change >= make_interval(secs => $3)",
     )
     .bind(database)
+    .bind(outbox_testkit::GATEWAY_APPLICATION)
     .bind(for_longer_than.as_secs_f64())
     .fetch_all(pool)
     .await
@@ -253,9 +254,10 @@ async fn wait_for_lock_wait(pool: &PgPool, database: &TestDatabase) {
     loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
-             AND application_name = 'outbox-gateway' AND wait_event_type = 'Lock'",
+             AND application_name = $2 AND wait_event_type = 'Lock'",
         )
         .bind(database.name())
+        .bind(outbox_testkit::GATEWAY_APPLICATION)
         .fetch_one(pool)
         .await
         .unwrap();
@@ -435,9 +437,10 @@ async fn wait_for_advisory_wait(pool: &PgPool, database: &TestDatabase) {
     loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 \
-             AND application_name = 'outbox-gateway' AND wait_event = 'advisory'",
+             AND application_name = $2 AND wait_event = 'advisory'",
         )
         .bind(database.name())
+        .bind(outbox_testkit::GATEWAY_APPLICATION)
         .fetch_one(pool)
         .await
         .unwrap();
