@@ -22,6 +22,7 @@ mod faithful;
 mod first_run;
 mod flow_control;
 mod fuzz;
+mod image;
 mod kafka_sinks;
 mod observability;
 mod operations;
