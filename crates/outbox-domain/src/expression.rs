@@ -2,29 +2,47 @@
 //! `transform` (what payload they carry). Parsing, the checks made when one is set, and
 //! evaluation against one event.
 //!
-//! Cost is bounded before an expression is stored: its length, its size in nodes, and
-//! comprehensions (`all`, `exists`, `map`, `filter`…) whose bodies may not read
-//! `payload` nor loop again. The work of one evaluation is then linear in the size of the
-//! event, whatever the expression, so no event can make a claim slow.
+//! Cost is bounded twice. Before an expression is stored: its length, its size in nodes,
+//! comprehensions (`all`, `exists`, `map`, `filter`…) whose bodies may not read `payload`
+//! nor loop again, and every literal `matches` pattern compiled (refused when the regex
+//! engine cannot compile it). While it runs: the `cel` crate has no cost limit of its own,
+//! so the tree it interprets is a metered copy of the expression ([`meter`]), in which
+//! every value an operation consumes is weighed and charged against a budget that grows
+//! with the size of the event ([`Meter`]), as cel-go's cost limit does. An evaluation
+//! over budget stops at its next charge and is an evaluation error — counted as a filter
+//! error, or dead-lettering for a transform — never a stall. A panic inside the
+//! interpreter is caught and is an evaluation error too.
 //!
 //! CEL has no static types here (the crate interprets), so a type error is found by
 //! evaluating the expression against sample events that differ only in the shape of
 //! their payload: it is refused when it fails with a type error on every one of them.
 
 use std::{
+    cell::{Cell, RefCell},
     collections::{BTreeSet, HashMap},
     fmt,
-    sync::Arc,
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use cel::{
     Context, Env, ExecutionError, Program, Value,
-    common::ast::{EntryExpr, Expr, IdedExpr},
+    common::{
+        ast::{
+            CallExpr, EntryExpr, Expr, IdedEntryExpr, IdedExpr, ListExpr, LiteralValue, operators,
+        },
+        types::{CelBytes, CelInt, CelList, CelMap, CelOptional, CelString, DYN_TYPE, INT_TYPE},
+        value::{CowVal, Val},
+    },
+    parser::ParseError,
 };
 use chrono::{DateTime, Utc};
+use regex::{Regex, RegexBuilder};
 
 use super::{
     event::{Event, is_json_content_type},
+    input::{Echo, check_text},
     refusal::{Refusal, Result},
 };
 
@@ -32,6 +50,11 @@ use super::{
 pub const MAX_EXPRESSION_BYTES: usize = 4096;
 /// Most nodes of an expression once its macros are expanded.
 const MAX_EXPRESSION_NODES: usize = 1000;
+/// Deepest nesting of an expression once its macros are expanded. The interpreter
+/// recurses once per level (twice where its metering wraps an operand), on the stack of
+/// the thread evaluating it; the parser bounds parenthesised nesting only, not a long
+/// chain such as `a + b + c + …`.
+const MAX_EXPRESSION_DEPTH: usize = 50;
 
 /// The variables an expression sees, with what they hold.
 pub const EXPRESSION_VARIABLES: [&str; 14] = [
@@ -52,9 +75,9 @@ pub const EXPRESSION_VARIABLES: [&str; 14] = [
 ];
 
 thread_local! {
-    /// The standard environment, built once per thread: building it is far costlier than
-    /// an evaluation.
-    static ENV: Arc<Env> = Arc::new(Env::stdlib());
+    /// The standard environment and the metering functions, built once per thread:
+    /// building it is far costlier than an evaluation.
+    static ENV: Arc<Env> = Arc::new(metered_env());
 }
 
 /// Why an expression could not be evaluated against one event.
@@ -71,17 +94,26 @@ impl fmt::Display for EvaluationError {
 #[derive(Clone)]
 struct Expression {
     text: String,
+    /// The parsed expression: where each node was written, for messages.
     program: Arc<Program>,
+    /// What is evaluated: the expression with every operation metered (see [`meter`]).
+    metered: Arc<IdedExpr>,
+    /// Its literal `matches` patterns, compiled once, indexed as the metered tree's
+    /// `@matches` calls name them.
+    patterns: Arc<[Pattern]>,
     /// The variables it reads, found once: evaluations bind only these.
     variables: Vec<&'static str>,
 }
 
 impl Expression {
-    /// Parses an expression being set, with every check: size, names, types.
+    /// Parses an expression being set, with every check: size, names, patterns, types.
     fn parse(field: &str, text: &str, kind: Kind) -> Result<Self> {
         if text.trim().is_empty() {
             return Err(Refusal::invalid(field, "is empty"));
         }
+        // Refused here, not by the database: `validate_only` must answer as the real
+        // call does.
+        check_text(field, text)?;
         if text.len() > MAX_EXPRESSION_BYTES {
             return Err(Refusal::invalid(
                 field,
@@ -101,6 +133,16 @@ impl Expression {
                 ),
             ));
         }
+        let depth = depth(expression.program.expression());
+        if depth > MAX_EXPRESSION_DEPTH {
+            return Err(Refusal::invalid(
+                field,
+                format!(
+                    "is nested {depth} levels deep once expanded; at most \
+                     {MAX_EXPRESSION_DEPTH} are allowed"
+                ),
+            ));
+        }
         if let Some((id, name)) = shape.identifiers.iter().find(|(_, name)| {
             !EXPRESSION_VARIABLES.contains(&name.as_str()) && !shape.bound.contains(name.as_str())
         }) {
@@ -113,36 +155,57 @@ impl Expression {
                 ),
             ));
         }
+        expression.check_patterns(field)?;
         expression.check_types(field, kind)?;
         Ok(expression)
     }
 
     /// Compiles `text` and walks it: what the checks of [`Expression::parse`] look at,
-    /// and all an expression stored after them needs.
+    /// and all an expression stored after them needs. A literal pattern the regex engine
+    /// refuses is kept as the error its evaluations give, so that a definition stored
+    /// before patterns were checked stays readable.
     fn compile(field: &str, text: &str) -> Result<(Self, Shape)> {
-        let program = ENV.with(|env| env.compile(text)).map_err(|errors| {
-            let reasons: Vec<String> = errors
-                .errors
-                .iter()
-                .map(|error| format!("{}:{}: {}", error.pos.0, error.pos.1, error.msg))
-                .collect();
-            Refusal::invalid(field, format!("syntax error at {}", reasons.join("; ")))
-        })?;
+        let program = ENV
+            .with(|env| env.compile(text))
+            .map_err(|errors| Refusal::invalid(field, syntax_error(&errors.errors)))?;
         let mut shape = Shape::default();
         shape
             .walk(program.expression(), false)
             .map_err(|(id, reason)| {
                 Refusal::invalid(field, format!("{}{reason}", position(&program, id)))
             })?;
+        let mut literal_patterns = Vec::new();
+        let metered = meter(program.expression(), &mut literal_patterns);
         let expression = Expression {
             text: text.to_owned(),
             variables: EXPRESSION_VARIABLES
                 .into_iter()
                 .filter(|variable| shape.identifiers.iter().any(|(_, name)| name == variable))
                 .collect(),
+            metered: Arc::new(metered),
+            patterns: literal_patterns
+                .into_iter()
+                .map(|(id, text)| Pattern::compile(id, text))
+                .collect(),
             program: Arc::new(program),
         };
         Ok((expression, shape))
+    }
+
+    /// Refuses a literal pattern the regex engine cannot compile: every evaluation would
+    /// fail on it.
+    fn check_patterns(&self, field: &str) -> Result<()> {
+        match self.patterns.iter().find(|pattern| pattern.regex.is_err()) {
+            Some(Pattern {
+                id,
+                regex: Err(reason),
+                ..
+            }) => Err(Refusal::invalid(
+                field,
+                format!("{}{reason}", position(&self.program, *id)),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Refuses the expression when it fails with a type error, or gives a value of the
@@ -162,8 +225,12 @@ impl Expression {
             let refusal = match self.evaluate(&event) {
                 Ok(value) if kind.accepts(&value) => return Ok(()),
                 Ok(value) => format!("{} gives {}", kind.must_give(), value.type_of()),
-                Err(error) if !is_type_error(&error) => return Ok(()),
-                Err(error) => format!("{}{error}", self.position_of(&error)),
+                Err(Failure::Execution(error)) if !is_type_error(&error) => return Ok(()),
+                Err(Failure::Execution(error)) => {
+                    format!("{}{error}", self.position_of(&error))
+                }
+                // Samples are tiny: an expression that cannot finish on them never will.
+                Err(failure) => failure.to_string(),
             };
             first_refusal.get_or_insert(refusal);
         }
@@ -185,15 +252,80 @@ impl Expression {
             .unwrap_or_default()
     }
 
-    fn evaluate(&self, event: &Event) -> std::result::Result<Value, ExecutionError> {
-        ENV.with(|env| {
-            let mut context = Context::with_env(Arc::clone(env));
-            for &name in &self.variables {
-                context.add_variable_from_value(name, variable(event, name));
-            }
-            self.program.execute(&context)
-        })
+    /// Evaluates the metered expression against `event` within the event's budget.
+    fn evaluate(&self, event: &Event) -> std::result::Result<Value, Failure> {
+        self.evaluate_metered(event).0
     }
+
+    /// [`Expression::evaluate`], and the units it spent.
+    fn evaluate_metered(&self, event: &Event) -> (std::result::Result<Value, Failure>, u64) {
+        let budget = budget_for(event);
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            ENV.with(|env| {
+                let mut context = Context::with_env(Arc::clone(env));
+                for &name in &self.variables {
+                    context.add_variable_from_value(name, variable(event, name));
+                }
+                let metering = Metering::start(budget, Arc::clone(&self.patterns));
+                let result = Value::resolve(&self.metered, &context);
+                let (exhausted, spent) = metering.finish();
+                // An exhausted budget fails the evaluation even where `||` or `&&`
+                // absorbed the error of the charge that found it.
+                let result = match exhausted {
+                    Some(exhaustion) => Err(Failure::Exhausted(exhaustion)),
+                    None => result.map_err(Failure::Execution),
+                };
+                (result, spent)
+            })
+        }));
+        outcome.unwrap_or_else(|panic| (Err(Failure::Panicked(panic_message(&*panic))), 0))
+    }
+}
+
+/// Why an evaluation gave no value.
+#[derive(Debug)]
+enum Failure {
+    /// The expression failed on the event: a missing field, a type mismatch…
+    Execution(ExecutionError),
+    /// It would have cost more than the event's budget.
+    Exhausted(Exhaustion),
+    /// The interpreter panicked; the message it panicked with.
+    Panicked(String),
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Execution(error) => write!(f, "{error}"),
+            Failure::Exhausted(Exhaustion::Budget(budget)) => write!(
+                f,
+                "the evaluation exceeded its cost budget ({budget} units for this event): \
+                 the expression does too much work for one event"
+            ),
+            Failure::Exhausted(Exhaustion::Deadline(budget)) => write!(
+                f,
+                "the evaluation took longer than {} ms, the deadline of its budget \
+                 ({budget} units for this event), and was stopped",
+                deadline_for(*budget).as_millis()
+            ),
+            Failure::Panicked(message) => write!(f, "the evaluation failed: {message}"),
+        }
+    }
+}
+
+impl From<Failure> for EvaluationError {
+    fn from(failure: Failure) -> Self {
+        EvaluationError(failure.to_string())
+    }
+}
+
+/// The text a panic carried, when it was a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "the interpreter panicked".to_owned())
 }
 
 impl fmt::Debug for Expression {
@@ -251,15 +383,15 @@ impl EventFilter {
         &self.0.text
     }
 
-    /// Whether the filter selects the event; an error when it cannot tell.
+    /// Whether the filter selects the event; an error when it cannot tell, when telling
+    /// would cost more than the event's budget, or when the interpreter panicked.
     pub fn matches(&self, event: &Event) -> std::result::Result<bool, EvaluationError> {
-        match self.0.evaluate(event) {
-            Ok(Value::Bool(selected)) => Ok(selected),
-            Ok(other) => Err(EvaluationError(format!(
+        match self.0.evaluate(event)? {
+            Value::Bool(selected) => Ok(selected),
+            other => Err(EvaluationError(format!(
                 "the filter gave {}, not a bool",
                 other.type_of()
             ))),
-            Err(error) => Err(EvaluationError(error.to_string())),
         }
     }
 }
@@ -283,12 +415,21 @@ impl PayloadTransform {
         &self.0.text
     }
 
-    /// The payload to deliver for the event: the expression's value as JSON.
+    /// The payload to deliver for the event: the expression's value as JSON, at most
+    /// [`DEFAULT_MAX_TRANSFORM_BYTES`] long (see [`PayloadTransform::apply_within`]).
     pub fn apply(&self, event: &Event) -> std::result::Result<Vec<u8>, EvaluationError> {
-        let value = self
-            .0
-            .evaluate(event)
-            .map_err(|error| EvaluationError(error.to_string()))?;
+        self.apply_within(event, DEFAULT_MAX_TRANSFORM_BYTES)
+    }
+
+    /// The payload to deliver for the event: the expression's value as JSON, refused
+    /// when longer than `max_bytes` (the gateway's `--max-payload-bytes`: no payload it
+    /// delivers is larger than one it would accept).
+    pub fn apply_within(
+        &self,
+        event: &Event,
+        max_bytes: usize,
+    ) -> std::result::Result<Vec<u8>, EvaluationError> {
+        let value = self.0.evaluate(event)?;
         if !Kind::Transform.accepts(&value) {
             return Err(EvaluationError(format!(
                 "the transform gave {}, not a map or a list",
@@ -298,7 +439,16 @@ impl PayloadTransform {
         let json = value
             .json()
             .map_err(|error| EvaluationError(format!("the transform's value: {error}")))?;
-        serde_json::to_vec(&json).map_err(|error| EvaluationError(error.to_string()))
+        let payload =
+            serde_json::to_vec(&json).map_err(|error| EvaluationError(error.to_string()))?;
+        if payload.len() > max_bytes {
+            return Err(EvaluationError(format!(
+                "the transform's value is {} bytes of JSON; a payload may be at most \
+                 {max_bytes} bytes",
+                payload.len()
+            )));
+        }
+        Ok(payload)
     }
 }
 
@@ -418,7 +568,19 @@ fn find_call_or_ident(expr: &IdedExpr, name: &str) -> Option<u64> {
     if found {
         return Some(expr.id);
     }
-    let children: Vec<&IdedExpr> = match &expr.expr {
+    children(expr)
+        .into_iter()
+        .find_map(|child| find_call_or_ident(child, name))
+}
+
+/// The levels of `expr`, itself included.
+fn depth(expr: &IdedExpr) -> usize {
+    1 + children(expr).into_iter().map(depth).max().unwrap_or(0)
+}
+
+/// The nodes directly under `expr`.
+fn children(expr: &IdedExpr) -> Vec<&IdedExpr> {
+    match &expr.expr {
         Expr::Call(call) => call.target.iter().map(|t| &**t).chain(&call.args).collect(),
         Expr::Select(select) => vec![&select.operand],
         Expr::List(list) => list.elements.iter().collect(),
@@ -432,10 +594,7 @@ fn find_call_or_ident(expr: &IdedExpr, name: &str) -> Option<u64> {
             &c.result,
         ],
         Expr::Unspecified | Expr::Literal(_) | Expr::Ident(_) => Vec::new(),
-    };
-    children
-        .into_iter()
-        .find_map(|child| find_call_or_ident(child, name))
+    }
 }
 
 fn entries_of(entries: &[cel::common::ast::IdedEntryExpr]) -> Vec<&IdedExpr> {
@@ -446,6 +605,811 @@ fn entries_of(entries: &[cel::common::ast::IdedEntryExpr]) -> Vec<&IdedExpr> {
             EntryExpr::MapEntry(entry) => vec![&entry.key, &entry.value],
         })
         .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// The cost of one evaluation.
+//
+// The interpreter has no cost limit, and its overloads are plain `fn`s, so the limit is
+// laid over it: `meter` rewrites the tree so that every value an operation consumes
+// passes through `@cost`, which weighs it (bytes of a string, elements of a list, all
+// the way down) and charges the weight against the evaluation's budget before the
+// operation runs. An operation's work is linear in what it consumes, and what it
+// produces is consumed, hence weighed, by the next one; every iteration of a
+// comprehension is charged too. The total work is then within a constant factor of the
+// units charged, whatever the expression. Weighing a value costs as much as the units
+// it charges, and stops once those exceed what is left of the budget, so weighing stays
+// within the budget as well. The names of the metering functions start with `@`, which
+// CEL source cannot spell.
+// ---------------------------------------------------------------------------------------
+
+/// Largest payload a transform may give when the caller names no limit: the gateway's
+/// default `--max-payload-bytes` (`PublishLimits::default`).
+pub const DEFAULT_MAX_TRANSFORM_BYTES: usize = 1024 * 1024;
+
+/// Units every metered operation costs besides what it consumes: a call through the
+/// interpreter (an overload looked up, its arguments collected) takes tens of
+/// nanoseconds, as long as weighing a few dozen values.
+const OPERATION_UNITS: u64 = 8;
+/// Bytes of a string or bytes value weighing one unit: copying or scanning 8 bytes costs
+/// about as much as touching one element of a list.
+const BYTES_PER_UNIT: u64 = 8;
+/// Units per byte a regular expression scans: a match step costs several times a plain
+/// scan's.
+const REGEX_UNITS_PER_BYTE: u64 = 1;
+/// Units of compiling a pattern that is not a literal (read from the event): within
+/// [`DYNAMIC_PATTERN_SIZE_LIMIT`], a compilation takes up to a millisecond or so.
+const DYNAMIC_PATTERN_UNITS: u64 = 100_000;
+/// Compiled size of a pattern that is not a literal: compiled for each evaluation, it
+/// must be cheap to compile. Literal patterns, compiled once, may be as large as the
+/// regex engine allows.
+const DYNAMIC_PATTERN_SIZE_LIMIT: usize = 64 * 1024;
+/// Budget of every evaluation, whatever its event: about a millisecond of work.
+const BASE_BUDGET_UNITS: u64 = 200_000;
+/// Budget per byte of the event's payload and metadata, so that an expression may still
+/// go over all of a large event a few times (a comprehension over its items, say): the
+/// claim reads and decodes those bytes anyway.
+const BUDGET_UNITS_PER_EVENT_BYTE: u64 = 4;
+/// The backstop of the budget: an evaluation still running after this many nanoseconds
+/// per unit of its budget stops at its next charge. Units are calibrated at a few
+/// nanoseconds each, so only work the weights do not see can reach it; it is checked
+/// every [`DEADLINE_CHECK_EVERY`] charges, reading the clock costing more than a charge.
+const DEADLINE_NANOS_PER_UNIT: u64 = if cfg!(debug_assertions) {
+    // Unoptimised, the interpreter runs some twenty times slower.
+    1000
+} else {
+    50
+};
+const DEADLINE_CHECK_EVERY: u32 = 32;
+
+/// The function charging for the value it is given: `@cost(value, units)` charges
+/// [`OPERATION_UNITS`], `units` (known when compiling: the weight of the literals beside
+/// the value) and the value's weight, and gives the value back.
+const COST: &str = "@cost";
+/// `@step(value)`: charges [`OPERATION_UNITS`] only, for a value an operation does not
+/// go through (a list indexed, a map a field is selected from).
+const STEP: &str = "@step";
+/// `@matches(text, index)`: `matches` with the literal pattern of that index, compiled
+/// with the expression.
+const MATCHES_LITERAL: &str = "@matches";
+/// `@matches_dynamic(text, pattern)`: `matches` with a pattern found while evaluating.
+const MATCHES_DYNAMIC: &str = "@matches_dynamic";
+
+/// The standard environment and the metering functions.
+fn metered_env() -> Env {
+    let mut env = Env::stdlib();
+    let declared = [
+        env.add_overload(COST, COST, vec![DYN_TYPE, INT_TYPE], cost),
+        env.add_overload(STEP, STEP, vec![DYN_TYPE], step),
+        env.add_overload(
+            MATCHES_LITERAL,
+            MATCHES_LITERAL,
+            vec![DYN_TYPE, INT_TYPE],
+            matches_literal,
+        ),
+        env.add_overload(
+            MATCHES_DYNAMIC,
+            MATCHES_DYNAMIC,
+            vec![DYN_TYPE, DYN_TYPE],
+            matches_dynamic,
+        ),
+    ];
+    for declaration in declared {
+        declaration.expect("names CEL source cannot spell are free");
+    }
+    env
+}
+
+/// How an evaluation ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exhaustion {
+    /// It spent its budget, of that many units.
+    Budget(u64),
+    /// It ran past the deadline of its budget, of that many units.
+    Deadline(u64),
+}
+
+/// The budget of the evaluation running on this thread. Evaluations are synchronous and
+/// the overloads are plain `fn`s, so a thread-local is where they find it.
+struct Meter {
+    active: Cell<bool>,
+    spent: Cell<u64>,
+    budget: Cell<u64>,
+    charges: Cell<u32>,
+    deadline: Cell<Option<Instant>>,
+    exhausted: Cell<Option<Exhaustion>>,
+    /// The literal patterns of the expression being evaluated.
+    patterns: RefCell<Arc<[Pattern]>>,
+}
+
+thread_local! {
+    static METER: Meter = Meter {
+        active: Cell::new(false),
+        spent: Cell::new(0),
+        budget: Cell::new(0),
+        charges: Cell::new(0),
+        deadline: Cell::new(None),
+        exhausted: Cell::new(None),
+        patterns: RefCell::new(Arc::from(Vec::new())),
+    };
+}
+
+impl Meter {
+    /// Charges `units`: an error once the budget is spent or the deadline passed, and
+    /// for every charge after that, so the evaluation stops at its next operation.
+    fn charge(&self, units: u64) -> std::result::Result<(), ExecutionError> {
+        if !self.active.get() {
+            return Ok(());
+        }
+        if self.exhausted.get().is_some() {
+            return Err(exhausted_error());
+        }
+        let spent = self.spent.get().saturating_add(units);
+        self.spent.set(spent);
+        if spent > self.budget.get() {
+            self.exhausted
+                .set(Some(Exhaustion::Budget(self.budget.get())));
+            return Err(exhausted_error());
+        }
+        let charges = self.charges.get().wrapping_add(1);
+        self.charges.set(charges);
+        if charges.is_multiple_of(DEADLINE_CHECK_EVERY)
+            && self
+                .deadline
+                .get()
+                .is_some_and(|deadline| Instant::now() > deadline)
+        {
+            self.exhausted
+                .set(Some(Exhaustion::Deadline(self.budget.get())));
+            return Err(exhausted_error());
+        }
+        Ok(())
+    }
+
+    /// Units left: how far weighing a value needs to go.
+    fn remaining(&self) -> u64 {
+        if !self.active.get() {
+            return u64::MAX;
+        }
+        self.budget.get().saturating_sub(self.spent.get())
+    }
+}
+
+/// What a charge over budget fails with; the evaluation's result says why in plain words
+/// (see [`Failure`]).
+fn exhausted_error() -> ExecutionError {
+    ExecutionError::function_error("cost", "the evaluation's budget is spent")
+}
+
+/// The metering of one evaluation on this thread, ended when dropped (a panic included).
+struct Metering(std::marker::PhantomData<*const ()>);
+
+impl Metering {
+    fn start(budget: u64, patterns: Arc<[Pattern]>) -> Self {
+        let deadline = Instant::now().checked_add(deadline_for(budget));
+        METER.with(|meter| {
+            meter.active.set(true);
+            meter.spent.set(0);
+            meter.budget.set(budget);
+            meter.charges.set(0);
+            meter.deadline.set(deadline);
+            meter.exhausted.set(None);
+            *meter.patterns.borrow_mut() = patterns;
+        });
+        Metering(std::marker::PhantomData)
+    }
+
+    /// How the evaluation ran out, if it did, and the units it spent.
+    fn finish(self) -> (Option<Exhaustion>, u64) {
+        METER.with(|meter| (meter.exhausted.get(), meter.spent.get()))
+    }
+}
+
+impl Drop for Metering {
+    fn drop(&mut self) {
+        METER.with(|meter| {
+            meter.active.set(false);
+            *meter.patterns.borrow_mut() = Arc::from(Vec::new());
+        });
+    }
+}
+
+/// How long an evaluation with `budget` may run: see [`DEADLINE_NANOS_PER_UNIT`].
+fn deadline_for(budget: u64) -> Duration {
+    Duration::from_nanos(budget.saturating_mul(DEADLINE_NANOS_PER_UNIT))
+}
+
+/// The budget of an evaluation against `event`.
+fn budget_for(event: &Event) -> u64 {
+    let metadata: usize = event
+        .metadata
+        .iter()
+        .map(|(key, value)| key.len() + value.len())
+        .sum();
+    let bytes = (event.payload.len() + metadata) as u64;
+    BASE_BUDGET_UNITS.saturating_add(bytes.saturating_mul(BUDGET_UNITS_PER_EVENT_BYTE))
+}
+
+/// The weight of `value` in units, counted no further than past `limit`.
+fn weigh(value: &dyn Val, limit: u64) -> u64 {
+    if let Some(text) = value.downcast_ref::<CelString>() {
+        return 1 + text.inner().len() as u64 / BYTES_PER_UNIT;
+    }
+    if let Some(bytes) = value.downcast_ref::<CelBytes>() {
+        return 1 + bytes.inner().len() as u64 / BYTES_PER_UNIT;
+    }
+    let mut weight = 1u64;
+    if let Some(list) = value.downcast_ref::<CelList>() {
+        for item in list.inner() {
+            if weight > limit {
+                break;
+            }
+            weight = weight.saturating_add(weigh(item.as_ref(), limit - weight));
+        }
+    } else if let Some(map) = value.downcast_ref::<CelMap>() {
+        for (key, item) in map.inner() {
+            if weight > limit {
+                break;
+            }
+            weight = weight.saturating_add(weigh(key.inner(), limit - weight));
+            weight = weight.saturating_add(weigh(item.as_ref(), limit.saturating_sub(weight)));
+        }
+    } else if let Some(inner) = value
+        .downcast_ref::<CelOptional>()
+        .and_then(|optional| optional.inner())
+    {
+        weight = weight.saturating_add(weigh(inner, limit - weight));
+    }
+    weight
+}
+
+/// `@cost(value, units)`: see [`COST`].
+fn cost<'b, 'v>(
+    mut args: Vec<CowVal<'b, 'v>>,
+) -> std::result::Result<CowVal<'b, 'v>, ExecutionError> {
+    let units = args
+        .get(1)
+        .and_then(|units| units.downcast_ref::<CelInt>())
+        .map_or(0, |units| u64::try_from(*units.inner()).unwrap_or(0));
+    METER.with(|meter| {
+        let weight = weigh(args[0].as_ref(), meter.remaining());
+        meter.charge(OPERATION_UNITS + units + weight)
+    })?;
+    Ok(args.swap_remove(0))
+}
+
+/// `@step(value)`: see [`STEP`].
+fn step<'b, 'v>(
+    mut args: Vec<CowVal<'b, 'v>>,
+) -> std::result::Result<CowVal<'b, 'v>, ExecutionError> {
+    METER.with(|meter| meter.charge(OPERATION_UNITS))?;
+    Ok(args.swap_remove(0))
+}
+
+/// The text `matches` runs on, or the error `matches` gives for another type.
+fn match_text<'a>(args: &'a [CowVal<'_, '_>]) -> std::result::Result<&'a str, ExecutionError> {
+    args[0]
+        .downcast_ref::<CelString>()
+        .map(|text| text.inner())
+        .ok_or_else(|| {
+            ExecutionError::no_such_overload(
+                "matches",
+                args.iter()
+                    .map(|arg| arg.get_type().name().to_owned())
+                    .collect(),
+            )
+        })
+}
+
+/// `@matches(text, index)`: see [`MATCHES_LITERAL`].
+fn matches_literal<'b, 'v>(
+    args: Vec<CowVal<'b, 'v>>,
+) -> std::result::Result<CowVal<'b, 'v>, ExecutionError> {
+    let text = match_text(&args)?;
+    let index = args[1]
+        .downcast_ref::<CelInt>()
+        .and_then(|index| usize::try_from(*index.inner()).ok())
+        .unwrap_or(usize::MAX);
+    let found = METER.with(|meter| {
+        meter.charge(OPERATION_UNITS + text.len() as u64 * REGEX_UNITS_PER_BYTE)?;
+        let patterns = meter.patterns.borrow();
+        match patterns.get(index).map(|pattern| &pattern.regex) {
+            Some(Ok(regex)) => Ok(regex.is_match(text)),
+            Some(Err(reason)) => Err(ExecutionError::function_error("matches", reason)),
+            None => Err(ExecutionError::function_error(
+                "matches",
+                "the pattern was not compiled with the expression",
+            )),
+        }
+    })?;
+    Ok(CowVal::owned(cel::common::types::CelBool::from(found)))
+}
+
+/// `@matches_dynamic(text, pattern)`: see [`MATCHES_DYNAMIC`].
+fn matches_dynamic<'b, 'v>(
+    args: Vec<CowVal<'b, 'v>>,
+) -> std::result::Result<CowVal<'b, 'v>, ExecutionError> {
+    let text = match_text(&args)?;
+    let Some(pattern) = args[1].downcast_ref::<CelString>().map(|p| p.inner()) else {
+        return Err(ExecutionError::no_such_overload(
+            "matches",
+            args.iter()
+                .map(|arg| arg.get_type().name().to_owned())
+                .collect(),
+        ));
+    };
+    METER.with(|meter| {
+        meter.charge(
+            OPERATION_UNITS
+                + DYNAMIC_PATTERN_UNITS
+                + (text.len() + pattern.len()) as u64 * REGEX_UNITS_PER_BYTE,
+        )
+    })?;
+    let regex = RegexBuilder::new(pattern)
+        .size_limit(DYNAMIC_PATTERN_SIZE_LIMIT)
+        .build()
+        .map_err(|error| {
+            ExecutionError::function_error(
+                "matches",
+                pattern_error(pattern, &error, DYNAMIC_PATTERN_SIZE_LIMIT),
+            )
+        })?;
+    Ok(CowVal::owned(cel::common::types::CelBool::from(
+        regex.is_match(text),
+    )))
+}
+
+/// A literal `matches` pattern, compiled once with its expression.
+struct Pattern {
+    /// The `matches` call it is the pattern of, for the position of a refusal.
+    id: u64,
+    /// The compiled pattern, or why the regex engine refused it.
+    regex: std::result::Result<Arc<Regex>, String>,
+}
+
+/// Most patterns kept compiled for the whole process: definitions are compiled again
+/// each time they are read, and a large pattern takes a tenth of a second to compile.
+const MAX_SHARED_PATTERNS: usize = 1024;
+
+/// Compiled patterns shared by every expression holding them, by pattern text.
+static SHARED_PATTERNS: std::sync::LazyLock<Mutex<HashMap<String, Arc<Regex>>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
+impl Pattern {
+    fn compile(id: u64, text: String) -> Self {
+        let shared = |patterns: &mut HashMap<String, Arc<Regex>>| patterns.get(&text).cloned();
+        let known = shared(&mut SHARED_PATTERNS.lock().unwrap_or_else(|p| p.into_inner()));
+        let regex = match known {
+            Some(regex) => Ok(regex),
+            // Compiled outside the lock: it may take long.
+            None => RegexBuilder::new(&text)
+                .build()
+                .map(Arc::new)
+                .map_err(|error| pattern_error(&text, &error, LITERAL_PATTERN_SIZE_LIMIT))
+                .inspect(|regex| {
+                    let mut patterns = SHARED_PATTERNS.lock().unwrap_or_else(|p| p.into_inner());
+                    if patterns.len() < MAX_SHARED_PATTERNS {
+                        patterns.insert(text.clone(), Arc::clone(regex));
+                    }
+                }),
+        };
+        Pattern { id, regex }
+    }
+}
+
+/// The regex engine's own limit on a compiled pattern (`RegexBuilder::size_limit`'s
+/// default), which literal patterns are compiled with: a pattern is refused exactly when
+/// the engine could never run it.
+const LITERAL_PATTERN_SIZE_LIMIT: usize = 10 * (1 << 20);
+
+/// Why the regex engine refused `pattern`, in plain words.
+fn pattern_error(pattern: &str, error: &regex::Error, size_limit: usize) -> String {
+    let quoted = Echo(pattern);
+    match error {
+        regex::Error::Syntax(message) => {
+            let reason = message
+                .lines()
+                .rev()
+                .find_map(|line| line.trim().strip_prefix("error: "))
+                .unwrap_or("cannot be parsed");
+            format!("the pattern {quoted} is not a valid regular expression: {reason}")
+        }
+        regex::Error::CompiledTooBig(_) => format!(
+            "the pattern {quoted} compiles to more than the regular expression engine's \
+             limit of {} KiB: a Unicode class such as \\w, \\d or \\s repeated many times is \
+             large; use an ASCII class such as [A-Za-z0-9_] or (?-u:\\w), or fewer repetitions",
+            size_limit / 1024
+        ),
+        other => format!("the pattern {quoted} cannot be compiled: {other}"),
+    }
+}
+
+/// The metered copy of `expr` that evaluations run (see the section's comment), and the
+/// literal `matches` patterns it names, with the ids of their calls.
+fn meter(expr: &IdedExpr, patterns: &mut Vec<(u64, String)>) -> IdedExpr {
+    Metered {
+        patterns,
+        bound: Vec::new(),
+    }
+    .expr(expr)
+}
+
+/// Rewrites an expression into its metered copy.
+struct Metered<'a> {
+    patterns: &'a mut Vec<(u64, String)>,
+    /// The variables of the comprehensions around the node rewritten.
+    bound: Vec<String>,
+}
+
+impl Metered<'_> {
+    fn expr(&mut self, expr: &IdedExpr) -> IdedExpr {
+        let rewritten = match &expr.expr {
+            Expr::Unspecified | Expr::Literal(_) | Expr::Ident(_) => expr.expr.clone(),
+            // Selecting a field costs the same whatever the value it is selected from.
+            Expr::Select(select) => Expr::Select(cel::common::ast::SelectExpr {
+                operand: Box::new(self.expr(&select.operand)),
+                field: select.field.clone(),
+                test: select.test,
+            }),
+            Expr::Call(call) => return self.call(expr.id, call),
+            Expr::List(list) => Expr::List(ListExpr {
+                elements: list
+                    .elements
+                    .iter()
+                    .map(|element| self.consumed(element, 0))
+                    .collect(),
+                optional_indices: list.optional_indices.clone(),
+            }),
+            Expr::Map(map) => Expr::Map(cel::common::ast::MapExpr {
+                entries: self.entries(&map.entries),
+            }),
+            Expr::Struct(structure) => Expr::Struct(cel::common::ast::StructExpr {
+                type_name: structure.type_name.clone(),
+                entries: self.entries(&structure.entries),
+            }),
+            Expr::Comprehension(comprehension) => {
+                Expr::Comprehension(Box::new(self.comprehension(comprehension)))
+            }
+        };
+        IdedExpr {
+            id: expr.id,
+            expr: rewritten,
+        }
+    }
+
+    /// `expr`, charged for as an operation consumes it (a literal is weighed by the
+    /// operation's `units` instead).
+    fn consumed(&mut self, expr: &IdedExpr, units: u64) -> IdedExpr {
+        let rewritten = self.expr(expr);
+        if matches!(expr.expr, Expr::Literal(_)) && units == 0 {
+            return rewritten;
+        }
+        charged(COST, rewritten, Some(units))
+    }
+
+    fn entries(&mut self, entries: &[IdedEntryExpr]) -> Vec<IdedEntryExpr> {
+        entries
+            .iter()
+            .map(|entry| IdedEntryExpr {
+                id: entry.id,
+                expr: match &entry.expr {
+                    EntryExpr::StructField(field) => {
+                        EntryExpr::StructField(cel::common::ast::StructFieldExpr {
+                            field: field.field.clone(),
+                            value: self.consumed(&field.value, 0),
+                            optional: field.optional,
+                        })
+                    }
+                    EntryExpr::MapEntry(entry) => {
+                        EntryExpr::MapEntry(cel::common::ast::MapEntryExpr {
+                            key: self.consumed(&entry.key, 0),
+                            value: self.consumed(&entry.value, 0),
+                            optional: entry.optional,
+                        })
+                    }
+                },
+            })
+            .collect()
+    }
+
+    fn call(&mut self, id: u64, call: &CallExpr) -> IdedExpr {
+        let call_with = |func_name: &str, target, args| IdedExpr {
+            id,
+            expr: Expr::Call(CallExpr {
+                func_name: func_name.to_owned(),
+                target,
+                args,
+            }),
+        };
+        match call.func_name.as_str() {
+            // Control flow on booleans: constant work, and their operands are charged
+            // where they are computed.
+            operators::LOGICAL_AND
+            | operators::LOGICAL_OR
+            | operators::CONDITIONAL
+            | operators::LOGICAL_NOT
+            | operators::NOT_STRICTLY_FALSE => {
+                let args = call.args.iter().map(|arg| self.expr(arg)).collect();
+                return call_with(&call.func_name, None, args);
+            }
+            // Indexing and optional selection look one element up: the container is
+            // not gone through, and weighing it would charge the size of a list for
+            // each lookup.
+            operators::INDEX | operators::OPT_INDEX | operators::OPT_SELECT
+                if call.args.len() == 2 && call.target.is_none() =>
+            {
+                let container = charged(STEP, self.expr(&call.args[0]), None);
+                let key = self.consumed(&call.args[1], 0);
+                return call_with(&call.func_name, None, vec![container, key]);
+            }
+            "matches" => {
+                if let Some(matches) = self.matches(id, call) {
+                    return matches;
+                }
+            }
+            _ => {}
+        }
+        // Every operand is weighed as the operation consumes it; literals by the units
+        // the first charge carries.
+        let literal_units: u64 = call
+            .target
+            .iter()
+            .map(|target| &**target)
+            .chain(&call.args)
+            .filter_map(|operand| match &operand.expr {
+                Expr::Literal(literal) => Some(literal_weight(literal)),
+                _ => None,
+            })
+            .sum();
+        let mut units = Some(literal_units);
+        let mut operand = |metered: &mut Self, operand: &IdedExpr| {
+            if matches!(operand.expr, Expr::Literal(_)) {
+                return metered.expr(operand);
+            }
+            metered.consumed(operand, units.take().unwrap_or(0))
+        };
+        let target = call.target.as_ref().map(|target| {
+            Box::new(match self.names_a_namespace(target) {
+                true => self.expr(target),
+                false => operand(self, target),
+            })
+        });
+        let args = call.args.iter().map(|arg| operand(self, arg)).collect();
+        let rewritten = call_with(&call.func_name, target, args);
+        match units {
+            // Only literals: the call itself is charged, with their weight.
+            Some(units) => charged(COST, rewritten, Some(units)),
+            None => rewritten,
+        }
+    }
+
+    /// `text.matches(pattern)` or `matches(text, pattern)` as a call to the literal
+    /// pattern compiled with the expression, or to one compiled when evaluated.
+    fn matches(&mut self, id: u64, call: &CallExpr) -> Option<IdedExpr> {
+        let (text, pattern) = match (&call.target, call.args.as_slice()) {
+            (Some(target), [pattern]) => (&**target, pattern),
+            (None, [text, pattern]) => (text, pattern),
+            _ => return None,
+        };
+        // `@matches` charges for the text it scans.
+        let text = self.expr(text);
+        let (func_name, pattern) = match &pattern.expr {
+            Expr::Literal(LiteralValue::String(literal)) => {
+                let index = self.patterns.len();
+                self.patterns.push((id, literal.inner().to_owned()));
+                (MATCHES_LITERAL, int_literal(pattern.id, index as u64))
+            }
+            _ => (MATCHES_DYNAMIC, self.expr(pattern)),
+        };
+        Some(IdedExpr {
+            id,
+            expr: Expr::Call(CallExpr {
+                func_name: func_name.to_owned(),
+                target: None,
+                args: vec![text, pattern],
+            }),
+        })
+    }
+
+    /// Whether `target` spells a namespace (`optional` in `optional.of(x)`), which a call
+    /// on it names a function of, rather than a value.
+    fn names_a_namespace(&self, target: &IdedExpr) -> bool {
+        let mut expr = target;
+        loop {
+            match &expr.expr {
+                Expr::Ident(name) => {
+                    return !EXPRESSION_VARIABLES.contains(&name.as_str())
+                        && !self.bound.iter().any(|bound| bound == name);
+                }
+                Expr::Select(select) if !select.test => expr = &select.operand,
+                _ => return false,
+            }
+        }
+    }
+
+    /// A comprehension whose range is weighed once and each iteration charged, with its
+    /// step kept in the shapes the interpreter recognises (`@result && x`,
+    /// `@result + [x]`, `guard ? step : @result`) so that it appends in place and
+    /// short-circuits as before.
+    fn comprehension(
+        &mut self,
+        comprehension: &cel::common::ast::ComprehensionExpr,
+    ) -> cel::common::ast::ComprehensionExpr {
+        let iter_range = self.consumed(&comprehension.iter_range, 0);
+        let accu_init = self.expr(&comprehension.accu_init);
+        let bound_before = self.bound.len();
+        self.bound.push(comprehension.iter_var.clone());
+        self.bound.extend(comprehension.iter_var2.clone());
+        self.bound.push(comprehension.accu_var.clone());
+        let loop_cond = self.expr(&comprehension.loop_cond);
+        let loop_step = self.loop_step(&comprehension.loop_step, &comprehension.accu_var);
+        let result = self.expr(&comprehension.result);
+        self.bound.truncate(bound_before);
+        cel::common::ast::ComprehensionExpr {
+            iter_range,
+            iter_var: comprehension.iter_var.clone(),
+            iter_var2: comprehension.iter_var2.clone(),
+            accu_var: comprehension.accu_var.clone(),
+            accu_init,
+            loop_cond,
+            loop_step,
+            result,
+        }
+    }
+
+    /// A comprehension's step, in which what each iteration computes is charged, even a
+    /// literal: each iteration costs at least one charge.
+    fn loop_step(&mut self, step: &IdedExpr, accu: &str) -> IdedExpr {
+        let is_accu = |expr: &IdedExpr| matches!(&expr.expr, Expr::Ident(name) if name == accu);
+        let Expr::Call(call) = &step.expr else {
+            return match is_accu(step) {
+                true => step.clone(),
+                false => self.per_iteration(step),
+            };
+        };
+        let args: Vec<IdedExpr> = match (call.func_name.as_str(), call.args.as_slice()) {
+            (
+                operators::LOGICAL_AND | operators::LOGICAL_OR | operators::ADD,
+                [accumulator, operand],
+            ) if call.target.is_none() && is_accu(accumulator) => {
+                let operand = match &operand.expr {
+                    Expr::List(list) if call.func_name == operators::ADD => IdedExpr {
+                        id: operand.id,
+                        expr: Expr::List(ListExpr {
+                            elements: list
+                                .elements
+                                .iter()
+                                .map(|element| self.per_iteration(element))
+                                .collect(),
+                            optional_indices: list.optional_indices.clone(),
+                        }),
+                    },
+                    _ => self.per_iteration(operand),
+                };
+                vec![accumulator.clone(), operand]
+            }
+            (operators::CONDITIONAL, [guard, then, otherwise]) if call.target.is_none() => vec![
+                self.per_iteration(guard),
+                self.loop_step(then, accu),
+                self.loop_step(otherwise, accu),
+            ],
+            _ => return self.per_iteration(step),
+        };
+        IdedExpr {
+            id: step.id,
+            expr: Expr::Call(CallExpr {
+                func_name: call.func_name.clone(),
+                target: None,
+                args,
+            }),
+        }
+    }
+
+    fn per_iteration(&mut self, expr: &IdedExpr) -> IdedExpr {
+        charged(COST, self.expr(expr), Some(0))
+    }
+}
+
+/// `function(expr, units)`, or `function(expr)` without units.
+fn charged(function: &str, expr: IdedExpr, units: Option<u64>) -> IdedExpr {
+    let id = expr.id;
+    let mut args = vec![expr];
+    args.extend(units.map(|units| int_literal(id, units)));
+    IdedExpr {
+        id,
+        expr: Expr::Call(CallExpr {
+            func_name: function.to_owned(),
+            target: None,
+            args,
+        }),
+    }
+}
+
+fn int_literal(id: u64, value: u64) -> IdedExpr {
+    IdedExpr {
+        id,
+        expr: Expr::Literal(LiteralValue::Int(CelInt::from(
+            i64::try_from(value).unwrap_or(i64::MAX),
+        ))),
+    }
+}
+
+/// The weight of a literal, as [`weigh`] would find it.
+fn literal_weight(literal: &LiteralValue) -> u64 {
+    match literal {
+        LiteralValue::String(text) => 1 + text.inner().len() as u64 / BYTES_PER_UNIT,
+        LiteralValue::Bytes(bytes) => 1 + bytes.inner().len() as u64 / BYTES_PER_UNIT,
+        _ => 1,
+    }
+}
+
+/// A syntax error's refusal: the first of the parser's complaints that a caller can act
+/// on (later ones often follow from it), placed, in plain words.
+fn syntax_error(errors: &[ParseError]) -> String {
+    errors
+        .iter()
+        .find_map(|error| {
+            let reason = plain_syntax_reason(&error.msg)?;
+            Some(match error.pos {
+                (line, column) if line > 0 && column > 0 => {
+                    format!("syntax error at {line}:{column}: {reason}")
+                }
+                _ => format!("syntax error: {reason}"),
+            })
+        })
+        .unwrap_or_else(|| "syntax error: the expression cannot be parsed".to_owned())
+}
+
+/// The parser's message in plain words; `None` for its internal notes ("Incomplete
+/// `IndexContext`!"), which only follow another error.
+fn plain_syntax_reason(message: &str) -> Option<String> {
+    let message = message.strip_prefix("Syntax error: ").unwrap_or(message);
+    // A limit the parser stopped at comes wrapped in its error type's debug text.
+    if let Some((_, inner)) = message.split_once("msg: \"") {
+        let inner = inner.split('"').next().unwrap_or_default();
+        return Some(format!("nested too deeply ({})", inner.to_lowercase()));
+    }
+    if message == "UNKNOWN" || (message.contains('`') && message.ends_with('!')) {
+        return None;
+    }
+    let plain = |text: &str| {
+        text.replace("'<EOF>'", "end of the expression")
+            .replace("<EOF>", "end of the expression")
+    };
+    let expecting = |rest: &str| match rest.split_once(" expecting ") {
+        Some((found, expected)) => {
+            let expected = expected.trim_start_matches('{').trim_end_matches('}');
+            let expected = plain(expected);
+            match expected.contains(',') {
+                true => format!("unexpected {}; expected one of {expected}", plain(found)),
+                false => format!("unexpected {}; expected {expected}", plain(found)),
+            }
+        }
+        None => format!("unexpected {}", plain(rest)),
+    };
+    let reason = if let Some(rest) = message.strip_prefix("mismatched input ") {
+        expecting(rest)
+    } else if let Some(rest) = message.strip_prefix("extraneous input ") {
+        expecting(rest)
+    } else if let Some(rest) = message.strip_prefix("token recognition error at: ") {
+        format!("unrecognised text {rest}")
+    } else if let Some(rest) = message.strip_prefix("no viable alternative at input ") {
+        format!("cannot make sense of {}", plain(rest))
+    } else if let Some(rest) = message.strip_prefix("missing ") {
+        format!("missing {}", plain(rest))
+    } else {
+        message.to_owned()
+    };
+    // Control characters the caller typed are shown escaped.
+    Some(
+        reason
+            .chars()
+            .flat_map(|c| match c.is_control() {
+                true => c.escape_default().collect::<Vec<_>>(),
+                false => vec![c],
+            })
+            .collect(),
+    )
 }
 
 /// Errors that come from the expression rather than from the event it ran on.
@@ -640,6 +1604,12 @@ mod tests {
         assert!(refusal(&long).contains("bytes long"));
         let wide = format!("size([{}]) > 0", vec!["1"; 1100].join(","));
         assert!(refusal(&wide).contains("nodes"), "{}", refusal(&wide));
+        let chain = format!("size({}) > 0", vec!["event_type"; 60].join(" + "));
+        assert!(
+            refusal(&chain).contains("is nested 62 levels deep once expanded; at most 50"),
+            "{}",
+            refusal(&chain)
+        );
     }
 
     #[test]
@@ -676,5 +1646,340 @@ mod tests {
         );
         assert!(transform.apply(&event(serde_json::json!({}))).is_err());
         assert!(PayloadTransform::parse("subscription.transform", "event_type").is_err());
+    }
+
+    fn transform(text: &str) -> PayloadTransform {
+        PayloadTransform::parse("subscription.transform", text)
+            .unwrap_or_else(|refusal| panic!("{text}: {refusal}"))
+    }
+
+    #[test]
+    fn the_default_transform_cap_is_the_default_payload_limit() {
+        assert_eq!(
+            DEFAULT_MAX_TRANSFORM_BYTES,
+            crate::PublishLimits::default().max_payload_bytes
+        );
+    }
+
+    #[test]
+    fn patterns_the_regex_engine_refuses_are_refused_when_set() {
+        let unclosed = refusal(r#"event_type.matches("(a")"#);
+        assert!(
+            unclosed.starts_with("subscription.filter: 1:")
+                && unclosed.contains("\"(a\" is not a valid regular expression: unclosed group"),
+            "{unclosed}"
+        );
+        let huge = refusal(r#"matches(event_type, "\\w{1000}")"#);
+        assert!(
+            huge.contains("compiles to more than the regular expression engine's limit")
+                && huge.contains("(?-u:\\w)"),
+            "{huge}"
+        );
+        let email = refusal(
+            r#"metadata.email.matches("^[\\w.+-]{1,64}@[\\w-]{1,63}(\\.[\\w-]{1,63}){1,8}$")"#,
+        );
+        assert!(email.contains("compiles to more than"), "{email}");
+        // The same pattern in ASCII classes is accepted, and works.
+        let ascii = filter(
+            r#"metadata.tenant.matches("^(?-u:[\\w.+-]){1,64}$") && !event_type.matches("^x")"#,
+        );
+        assert_eq!(ascii.matches(&event(serde_json::json!({}))), Ok(true));
+        // Stored before patterns were checked: readable, and failing per event.
+        let stored =
+            EventFilter::from_stored("filter", r#"event_type.matches("(a")"#).expect("compiles");
+        let error = stored.matches(&event(serde_json::json!({}))).unwrap_err();
+        assert!(
+            error.0.contains("not a valid regular expression"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn literal_patterns_are_compiled_once_with_the_expression() {
+        let text = r#"event_type.matches("^order\\.") && matches(metadata.tenant, "^ac")"#;
+        let compiled = filter(text);
+        assert_eq!(compiled.0.patterns.len(), 2);
+        assert!(compiled.0.patterns.iter().all(|p| p.regex.is_ok()));
+        // What is evaluated calls the compiled patterns, never `matches` itself.
+        assert!(find_call_or_ident(&compiled.0.metered, "matches").is_none());
+        assert!(find_call_or_ident(&compiled.0.metered, MATCHES_LITERAL).is_some());
+        // Shared by every expression holding them: reading a definition again does not
+        // compile them again.
+        let again = EventFilter::from_stored("filter", text).expect("compiles");
+        assert!(Arc::ptr_eq(
+            compiled.0.patterns[0].regex.as_ref().unwrap(),
+            again.0.patterns[0].regex.as_ref().unwrap()
+        ));
+        assert_eq!(compiled.matches(&event(serde_json::json!({}))), Ok(true));
+        // A pattern read from the event is compiled when evaluated, within its own limit.
+        let dynamic = filter("event_type.matches(payload.pattern)");
+        assert_eq!(
+            dynamic.matches(&event(serde_json::json!({"pattern": "created$"}))),
+            Ok(true)
+        );
+        let too_big = dynamic
+            .matches(&event(serde_json::json!({"pattern": "\\w{100}"})))
+            .unwrap_err();
+        assert!(too_big.0.contains("compiles to more than"), "{too_big}");
+        // A type error is still the `matches` overload's.
+        assert!(refusal("event_type.matches(1)").contains("matches"));
+    }
+
+    #[test]
+    fn a_nul_character_is_refused_naming_the_field() {
+        assert_eq!(
+            refusal("event_type == \"a\0\""),
+            "subscription.filter: must not contain the NUL character"
+        );
+        assert_eq!(
+            PayloadTransform::parse("subscription.transform", "{\"a\": 1}\0")
+                .unwrap_err()
+                .to_string(),
+            "subscription.transform: must not contain the NUL character"
+        );
+    }
+
+    #[test]
+    fn syntax_errors_are_told_in_plain_words() {
+        assert_eq!(
+            refusal("payload.total >"),
+            "subscription.filter: syntax error at 1:16: unexpected end of the expression; \
+             expected one of '[', '{', '(', '.', '-', '!', 'true', 'false', 'null', \
+             NUM_FLOAT, NUM_INT, NUM_UINT, STRING, BYTES, IDENTIFIER"
+        );
+        // Unoptimised, the parser needs more stack than a test thread has to get there.
+        let deep = std::thread::Builder::new()
+            .stack_size(64 << 20)
+            .spawn(|| refusal(&format!("{}1{}", "(".repeat(100), ")".repeat(100))))
+            .expect("thread")
+            .join()
+            .expect("refused");
+        assert!(
+            deep.contains(
+                "syntax error at 1:97: nested too deeply (recursion limit of 96 exceeded)"
+            ),
+            "{deep}"
+        );
+        let index = refusal("payload[");
+        assert!(
+            !index.contains('`') && index.contains("1:9: unexpected end"),
+            "{index}"
+        );
+        let unknown = refusal("1 = 2");
+        assert!(unknown.contains("1:3: unrecognised text '= '"), "{unknown}");
+        for text in ["(", "a +* b", "'x", "x.map(1, 2)", "{1:", "a ? b"] {
+            let message = refusal(text);
+            assert!(
+                !message.contains("Error(") && !message.contains('`') && !message.contains('\n'),
+                "{text}: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_evaluation_over_budget_stops_and_is_an_error() {
+        // Each `map` doubles the string: 2^10 times the payload, unless stopped.
+        let doubling = format!("[payload.text]{}.size() > 0", ".map(x, x + x)".repeat(10));
+        let stored = EventFilter::from_stored("filter", &doubling).expect("compiles");
+        let big = event(serde_json::json!({"text": "x".repeat(60_000)}));
+        let started = Instant::now();
+        let error = stored.matches(&big).unwrap_err();
+        assert!(error.0.contains("exceeded its cost budget"), "{error}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        // Many literal concatenations, charged though no comprehension loops.
+        let concatenated = format!("size({}) > 0", vec!["payload.text"; 20].join(" + "));
+        let error = filter(&concatenated).matches(&big).unwrap_err();
+        assert!(error.0.contains("exceeded its cost budget"), "{error}");
+        // `||` does not hide a spent budget.
+        let absorbed = format!("{doubling} || true");
+        let error = EventFilter::from_stored("filter", &absorbed)
+            .expect("compiles")
+            .matches(&big)
+            .unwrap_err();
+        assert!(error.0.contains("exceeded its cost budget"), "{error}");
+        // Linear work over a large event fits its budget.
+        let items: Vec<serde_json::Value> = (0..2_000)
+            .map(|i| serde_json::json!({"sku": format!("sku-{i}"), "qty": i}))
+            .collect();
+        let large = event(serde_json::json!({"items": items}));
+        assert_eq!(
+            filter(r#"payload.items.exists(x, x.sku == "sku-1999") && size(payload.items) > 3"#)
+                .matches(&large),
+            Ok(true)
+        );
+        assert_eq!(
+            filter(r#"payload.items.filter(x, x.qty % 2 == 0).size() == 1000"#).matches(&large),
+            Ok(true)
+        );
+    }
+
+    #[test]
+    fn a_transform_is_bounded_by_its_budget_and_the_payload_limit() {
+        // Every item carries all of the metadata: the payload grows with their product.
+        let mut wide = event(serde_json::json!({"items": vec![1; 3000]}));
+        wide.metadata = (0..16)
+            .map(|i| (format!("key-{i}"), "v".repeat(1000)))
+            .collect();
+        let error = transform("payload.items.map(x, metadata)")
+            .apply(&wide)
+            .unwrap_err();
+        assert!(error.0.contains("exceeded its cost budget"), "{error}");
+        let small = event(serde_json::json!({"items": vec![1; 200]}));
+        let spread = transform("payload.items.map(x, metadata)");
+        assert!(spread.apply(&small).is_ok());
+        let error = spread.apply_within(&small, 1000).unwrap_err();
+        assert!(
+            error
+                .0
+                .contains("bytes of JSON; a payload may be at most 1000 bytes"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_panic_while_evaluating_is_an_error_and_the_meter_is_reset() {
+        let mut broken = filter("event_type == 'order.created'");
+        // No expression parses into an unspecified node; the interpreter panics on one.
+        broken.0.metered = Arc::new(IdedExpr::default());
+        let error = broken.matches(&event(serde_json::json!({}))).unwrap_err();
+        assert!(error.0.starts_with("the evaluation failed: "), "{error}");
+        assert!(!METER.with(|meter| meter.active.get()));
+        assert_eq!(
+            filter("event_type == 'order.created'").matches(&event(serde_json::json!({}))),
+            Ok(true)
+        );
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Expressions from pieces that read the event, build values, loop and match.
+        fn expression() -> impl Strategy<Value = String> {
+            let leaf = prop_oneof![
+                Just("payload".to_owned()),
+                Just("payload.items".to_owned()),
+                Just("payload.text".to_owned()),
+                Just("payload.n".to_owned()),
+                Just("metadata".to_owned()),
+                Just("metadata.tenant".to_owned()),
+                Just("event_type".to_owned()),
+                Just("aggregate_version".to_owned()),
+                Just("occurred_at".to_owned()),
+                Just("[1, 2, 3]".to_owned()),
+                Just("'ab'".to_owned()),
+                Just("b'\\x00\\xff'".to_owned()),
+                Just("null".to_owned()),
+                any::<i64>().prop_map(|n| n.to_string()),
+                any::<f64>().prop_map(|n| format!("{n:?}")),
+            ];
+            leaf.prop_recursive(5, 48, 3, |inner| {
+                prop_oneof![
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} + {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} == {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} < {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} / {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} % {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} in {b})")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("{a}[{b}]")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("({a} || {b})")),
+                    (inner.clone(), inner.clone(), inner.clone())
+                        .prop_map(|(a, b, c)| format!("({a} ? {b} : {c})")),
+                    inner.clone().prop_map(|a| format!("size({a})")),
+                    inner.clone().prop_map(|a| format!("string({a})")),
+                    inner.clone().prop_map(|a| format!("int({a})")),
+                    inner.clone().prop_map(|a| format!("-{a}")),
+                    inner.clone().prop_map(|a| format!("has({a}.x)")),
+                    inner
+                        .clone()
+                        .prop_map(|a| format!("{a}.matches('^(a|b)*c$')")),
+                    (inner.clone(), inner.clone()).prop_map(|(a, b)| format!("{a}.matches({b})")),
+                    inner.clone().prop_map(|a| format!("{a}.map(x, x + x)")),
+                    inner.clone().prop_map(|a| format!("{a}.map(x, metadata)")),
+                    inner.clone().prop_map(|a| format!("{a}.filter(x, x == x)")),
+                    inner.clone().prop_map(|a| format!("{a}.exists(x, x > 1)")),
+                    inner
+                        .clone()
+                        .prop_map(|a| format!("{a}.all(x, size(x) > 0)")),
+                    inner.clone().prop_map(|a| format!("{a}.exists_one(x, x)")),
+                    inner.clone().prop_map(|a| format!("[{a}, {a}, {a}, {a}]")),
+                    inner
+                        .clone()
+                        .prop_map(|a| format!("{{'k': {a}, 'l': {a}}}")),
+                    inner.prop_map(|a| format!("optional.of({a}).orValue(1)")),
+                ]
+            })
+        }
+
+        fn payload() -> impl Strategy<Value = serde_json::Value> {
+            let leaf = prop_oneof![
+                Just(serde_json::Value::Null),
+                any::<bool>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<f64>().prop_map(serde_json::Value::from),
+                "[a-c]{0,40}".prop_map(serde_json::Value::from),
+                (1usize..20_000).prop_map(|n| serde_json::Value::from("ab".repeat(n))),
+            ];
+            let value = leaf.prop_recursive(3, 64, 8, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..8).prop_map(serde_json::Value::from),
+                    prop::collection::btree_map("[a-z]{1,4}", inner, 0..6)
+                        .prop_map(|map| { serde_json::Value::Object(map.into_iter().collect()) }),
+                ]
+            });
+            (value.clone(), value.clone(), value, 0usize..2000).prop_map(
+                |(text, n, other, items)| {
+                    serde_json::json!({
+                        "text": text, "n": n, "other": other, "items": vec![7; items]
+                    })
+                },
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(300))]
+
+            #[test]
+            fn evaluation_never_panics_and_stays_within_its_budget(
+                text in expression(),
+                payload in payload(),
+            ) {
+                let Ok(filter) = EventFilter::from_stored("filter", &text) else {
+                    return Ok(());
+                };
+                let event = event(payload);
+                let budget = budget_for(&event);
+                let started = Instant::now();
+                let (result, spent) = filter.0.evaluate_metered(&event);
+                let elapsed = started.elapsed();
+                // Spent past the budget only as the charge that found it spent.
+                if spent > budget {
+                    prop_assert!(
+                        matches!(result, Err(Failure::Exhausted(_))),
+                        "{text}: spent {spent} of {budget} yet {result:?}"
+                    );
+                }
+                prop_assert!(
+                    !matches!(result, Err(Failure::Panicked(_))),
+                    "{text}: {result:?}"
+                );
+                // Stopped by its deadline at the latest, with room for one operation and
+                // a slow test build.
+                prop_assert!(
+                    elapsed < deadline_for(budget) + Duration::from_millis(500),
+                    "{text}: {elapsed:?}"
+                );
+                // The public entry points give an error, never a panic.
+                let _ = filter.matches(&event);
+                if let Ok(transform) = PayloadTransform::from_stored("transform", &text) {
+                    let _ = transform.apply(&event);
+                }
+            }
+        }
     }
 }
