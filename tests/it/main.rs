@@ -19,6 +19,7 @@ mod delivery;
 mod deploy;
 mod examples;
 mod faithful;
+mod filters;
 mod first_run;
 mod flow_control;
 mod fuzz;
