@@ -391,7 +391,8 @@ async fn lock_file(path: &Path) -> File {
 
 /// The root of `debian:bookworm-slim`: Debian's minbase with the image's apt sources.
 async fn minbase_root() -> PathBuf {
-    cached_root("bookworm-minbase", |root| async move {
+    let inputs = format!("{SUITE} {MIRROR} {IMAGE_APT_SOURCES}");
+    cached_root("bookworm-minbase", &inputs, |root| async move {
         let debootstrap = debootstrap().expect("debootstrap");
         run(
             "debootstrap (needs Debian's mirror)",
@@ -415,13 +416,15 @@ async fn minbase_root() -> PathBuf {
 /// installs, with apt's lists removed as it does.
 async fn rust_slim_root() -> PathBuf {
     let minbase = minbase_root().await;
-    cached_root("bookworm-rust-slim", |root| async move {
+    // The rust images clean apt's lists and downloaded packages as they go.
+    let script = format!(
+        "apt-get update && apt-get install -y --no-install-recommends {RUST_SLIM_PACKAGES} \
+         && apt-get clean && rm -rf /var/lib/apt/lists/*"
+    );
+    let inputs = format!("{} {script}", minbase.display());
+    cached_root("bookworm-rust-slim", &inputs, |root| async move {
         copy_tree(&minbase, root.path()).await;
         root.prepare_for_apt();
-        let script = format!(
-            "apt-get update && apt-get install -y --no-install-recommends {RUST_SLIM_PACKAGES} \
-             && rm -rf /var/lib/apt/lists/*"
-        );
         root.run_shell(&User::root(), &[], &script).await;
         root
     })
@@ -430,17 +433,24 @@ async fn rust_slim_root() -> PathBuf {
 
 /// The root `name` under the target directory, built by `build` into a fresh directory
 /// the first time and renamed into place, so a run cut off half-way leaves nothing a
-/// later run would take for a finished root. A lock keeps concurrent tests (and test
-/// processes) from building it twice.
-async fn cached_root<F, Fut>(name: &str, build: F) -> PathBuf
+/// later run would take for a finished root. Its directory's name carries a hash of
+/// `inputs` (what the build depends on), so changing them builds another. A lock keeps
+/// concurrent tests (and test processes) from building it twice.
+async fn cached_root<F, Fut>(name: &str, inputs: &str, build: F) -> PathBuf
 where
     F: FnOnce(Root) -> Fut,
     Fut: std::future::Future<Output = Root>,
 {
     let roots = image_roots();
     std::fs::create_dir_all(&roots).expect("create the image roots' directory");
+    let name = format!("{name}-{:016x}", {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        inputs.hash(&mut hasher);
+        hasher.finish()
+    });
     let _lock = lock_file(&roots.join(format!("{name}.lock"))).await;
-    let finished = roots.join(name);
+    let finished = roots.join(&name);
     if finished.is_dir() {
         return finished;
     }
