@@ -1899,3 +1899,63 @@ async fn filters_transforms_and_push_batches_are_set_from_the_command_line() {
         (&Value::from(""), &Value::from(""))
     );
 }
+
+/// Invalid input exits 2 whichever command carries it: a flag clap refuses, a file
+/// `apply` refuses, or a setting the gateway refuses; a subscription that does not
+/// exist is a failure (1).
+#[tokio::test]
+async fn invalid_settings_exit_2_from_subscriptions_as_from_apply() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let created = cli(&gateway, &["subscriptions", "create", "orders"]).await;
+    assert!(created.success, "{}", created.stderr);
+    let list = || async {
+        gateway
+            .admin()
+            .await
+            .list_subscriptions(outbox_gateway::proto::ListSubscriptionsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .subscriptions
+    };
+    let before = list().await;
+
+    let long_reason = "x".repeat(2000);
+    for args in [
+        &["subscriptions", "create", "Bad Name"][..],
+        &["subscriptions", "create", "other", "--ack-deadline", "0s"],
+        &[
+            "subscriptions",
+            "update",
+            "orders",
+            "--filter",
+            "payload.total >",
+        ],
+        &["subscriptions", "pause", "orders", "--reason", &long_reason],
+    ] {
+        let run = cli(&gateway, args).await;
+        assert_eq!(run.code, Some(2), "{args:?}: {}", run.stderr);
+        assert!(
+            run.stderr.contains("invalid argument: "),
+            "{args:?}: {}",
+            run.stderr
+        );
+        assert_eq!(list().await, before, "{args:?} changed something");
+    }
+    let applied = cli_with_input(
+        &gateway.endpoint(),
+        &["apply", "-f", "-"],
+        Some("subscriptions:\n  - name: Bad Name\n  - name: orders\n"),
+    )
+    .await;
+    assert_eq!(applied.code, Some(2), "{}", applied.stderr);
+    assert_eq!(list().await, before);
+
+    let missing = cli(
+        &gateway,
+        &["subscriptions", "update", "nowhere", "--max-attempts", "3"],
+    )
+    .await;
+    assert_eq!(missing.code, Some(1), "{}", missing.stderr);
+}

@@ -105,8 +105,8 @@ pub struct Target {
 /// Why a client command failed, and the exit code that says so.
 #[derive(Debug)]
 pub enum CliError {
-    /// The command line asks for something the command cannot do (exit code 2, as for
-    /// the usage errors clap finds).
+    /// The input is invalid: the command line, a file it reads, or settings the gateway
+    /// refuses as invalid (exit code 2, as for the usage errors clap finds).
     Usage(String),
     /// The gateway could not be reached or refused the call, or the work failed (1).
     Failed(String),
@@ -136,6 +136,15 @@ impl From<String> for CliError {
 /// A usage error: the command line asks for something the command cannot do.
 fn usage(message: impl Into<String>) -> CliError {
     CliError::Usage(message.into())
+}
+
+/// A call the gateway refused, as the command's error: input it finds invalid is a
+/// usage error (exit code 2), as a bad flag is; anything else is a failure (1).
+fn refused(status: Status) -> CliError {
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange => CliError::Usage(describe(status)),
+        _ => CliError::Failed(describe(status)),
+    }
 }
 
 /// What [`describe`] or [`explain_connect_failure`] noticed about a failure that only the

@@ -7,7 +7,7 @@ use serde_json::json;
 use outbox_client::proto;
 
 use crate::{
-    CliError, Target, confirm, count, describe, parse_key_value, parse_position, parse_until,
+    CliError, Target, confirm, count, parse_key_value, parse_position, parse_until, refused,
     render, usage,
 };
 
@@ -388,14 +388,14 @@ pub(crate) async fn subscriptions(
                     validate_only: false,
                 })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             show(created.into_inner());
         }
         SubscriptionCommand::List => {
             let list = admin
                 .list_subscriptions(proto::ListSubscriptionsRequest {})
                 .await
-                .map_err(describe)?
+                .map_err(refused)?
                 .into_inner()
                 .subscriptions;
             let value = json!(list.iter().map(render::subscription).collect::<Vec<_>>());
@@ -432,7 +432,7 @@ pub(crate) async fn subscriptions(
             let subscription = admin
                 .get_subscription(proto::GetSubscriptionRequest { name: name.clone() })
                 .await
-                .map_err(describe)?
+                .map_err(refused)?
                 .into_inner();
             // The text also says how it is doing, in the words of `stats` and the console.
             let subscription_stats = match target.json {
@@ -496,7 +496,7 @@ pub(crate) async fn subscriptions(
                     validate_only: false,
                 })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             show(updated.into_inner());
         }
         SubscriptionCommand::RotateSecret {
@@ -510,7 +510,7 @@ pub(crate) async fn subscriptions(
                         .and_then(|d| prost_types::Duration::try_from(d).ok()),
                 })
                 .await
-                .map_err(describe)?
+                .map_err(refused)?
                 .into_inner();
             let previous_expires_at = render::timestamp(&rotated.previous_expires_at)
                 .as_str()
@@ -534,7 +534,7 @@ pub(crate) async fn subscriptions(
                         subscription: name.clone(),
                     })
                     .await
-                    .map_err(describe)?
+                    .map_err(refused)?
                     .into_inner();
                 let subscription_stats = stats.subscriptions.first().cloned().unwrap_or_default();
                 confirm(&format!(
@@ -547,7 +547,7 @@ pub(crate) async fn subscriptions(
             admin
                 .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             target.print(json!({ "deleted": name }), || println!("deleted {name}"));
         }
         SubscriptionCommand::Pause {
@@ -562,14 +562,14 @@ pub(crate) async fn subscriptions(
                     until,
                 })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             show(paused.into_inner());
         }
         SubscriptionCommand::Resume { name } => {
             let resumed = admin
                 .resume_subscription(proto::ResumeSubscriptionRequest { name })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             show(resumed.into_inner());
         }
         SubscriptionCommand::Seek { name, to, yes } => {
@@ -583,7 +583,7 @@ pub(crate) async fn subscriptions(
                         subscription: name.clone(),
                     })
                     .await
-                    .map_err(describe)?
+                    .map_err(refused)?
                     .into_inner();
                 let stored = stats.outbox.map_or(0, |outbox| outbox.events_stored);
                 confirm(&format!(
@@ -597,7 +597,7 @@ pub(crate) async fn subscriptions(
                     to: Some(to),
                 })
                 .await
-                .map_err(describe)?;
+                .map_err(refused)?;
             target.print(json!({ "sought": name }), || println!("moved {name}"));
         }
     }
