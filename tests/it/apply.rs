@@ -727,3 +727,211 @@ async fn validate_only_checks_a_create_or_update_and_changes_nothing() {
     assert_eq!(seconds_of(&would_be.ack_deadline), 90);
     assert_eq!(subscriptions(&gateway).await, before);
 }
+
+/// A refused `apply`: exit code 2, and what it says.
+async fn refused(gateway: &TestGateway, file: &str, args: &[&str]) -> String {
+    let run = apply(gateway, file, args).await;
+    assert_eq!(
+        run.code,
+        Some(2),
+        "{file:.200}\nstdout: {}\nstderr: {}",
+        run.stdout,
+        run.stderr
+    );
+    run.stderr
+}
+
+#[tokio::test]
+async fn a_file_without_a_subscriptions_list_prunes_nothing() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway(&database).await;
+    applied(
+        &gateway,
+        "subscriptions:\n  - name: alpha\n  - name: beta\n",
+        &[],
+    )
+    .await;
+    let before = subscriptions(&gateway).await;
+
+    // What a job's `export > file` leaves when the export failed, and near misses.
+    for file in [
+        "",
+        "# exported by the nightly job\n",
+        "subscriptions:\n",
+        "{}\n",
+    ] {
+        let said = refused(&gateway, file, &["--prune", "--yes"]).await;
+        let missing = said.contains("holds no `subscriptions` list")
+            || said.contains("subscriptions: has no value");
+        assert!(
+            said.contains("<stdin>") && missing && said.contains("`subscriptions: []`"),
+            "{file:?}: {said}"
+        );
+        assert_eq!(
+            subscriptions(&gateway).await,
+            before,
+            "{file:?} changed something"
+        );
+    }
+    // A list where the mapping belongs is said in plain words, not a type of the code.
+    let said = refused(&gateway, "- name: alpha\n", &["--prune", "--yes"]).await;
+    assert!(
+        said.contains("<stdin>:1:1: holds a list, not a mapping") && !said.contains("struct"),
+        "{said}"
+    );
+    assert_eq!(subscriptions(&gateway).await, before);
+
+    // Pruning everything is still possible, when the file says so.
+    let pruned = applied(&gateway, "subscriptions: []\n", &["--prune", "--yes"]).await;
+    assert_eq!(names(&pruned, "deleted"), ["alpha", "beta"]);
+    assert!(subscriptions(&gateway).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_pause_the_gateway_would_refuse_refuses_the_file_before_any_change() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway(&database).await;
+    applied(&gateway, "subscriptions:\n  - name: existing\n", &[]).await;
+    let before = subscriptions(&gateway).await;
+
+    let long = "x".repeat(2000);
+    let files = [
+        format!(
+            "subscriptions:\n  - name: fresh\n  - name: existing\n    ack_deadline: 2m\n  - name: paused\n    paused: true\n    pause_reason: {long}\n"
+        ),
+        // A NUL, written as YAML's escape.
+        "subscriptions:\n  - name: fresh\n  - name: existing\n    paused: true\n    pause_reason: \"before\\0after\"\n".to_owned(),
+    ];
+    let expected = [
+        "<stdin>:7:19: subscriptions[2].pause_reason: must be at most 1024 bytes",
+        "<stdin>:5:19: subscriptions[1].pause_reason: must not contain the NUL character",
+    ];
+    for (file, expected) in files.iter().zip(expected) {
+        let said = refused(&gateway, file, &[]).await;
+        assert!(
+            said.contains(expected),
+            "expected {expected:?}, got: {said}"
+        );
+        assert_eq!(
+            subscriptions(&gateway).await,
+            before,
+            "{file:.200} changed something"
+        );
+    }
+}
+
+#[tokio::test]
+async fn durations_out_of_range_and_deep_nesting_are_refused() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway(&database).await;
+    applied(&gateway, "subscriptions:\n  - name: existing\n", &[]).await;
+    let before = subscriptions(&gateway).await;
+
+    let said = refused(
+        &gateway,
+        "subscriptions:\n  - name: existing\n    ack_deadline: 10000000000000000000s\n",
+        &[],
+    )
+    .await;
+    assert!(
+        said.contains("<stdin>:3:19: subscriptions[0].ack_deadline: \"10000000000000000000s\" is longer than any setting takes"),
+        "{said}"
+    );
+    assert_eq!(subscriptions(&gateway).await, before);
+
+    // Parsing time grows with the square of the nesting: 100,000 levels took 40 s.
+    let deep = format!(
+        "subscriptions: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let started = std::time::Instant::now();
+    let said = refused(&gateway, &deep, &["--dry-run"]).await;
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        said.contains("<stdin>:1:80: nested more than 64 deep"),
+        "{said}"
+    );
+    assert_eq!(subscriptions(&gateway).await, before);
+}
+
+#[tokio::test]
+async fn refusals_point_into_the_file_and_every_problem_is_reported() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway(&database).await;
+    applied(
+        &gateway,
+        "subscriptions:\n  - name: existing\n    ordered: true\n",
+        &[],
+    )
+    .await;
+    let before = subscriptions(&gateway).await;
+
+    // The gateway's refusals are located like the parser's: at the field, or at least
+    // at the entry; every entry's problem is reported, in one run.
+    let file = "subscriptions:\n  - name: fresh\n  - name: bad\n    ack_deadline: 0s\n  - name: existing\n    ordered: false\n  - name: worse\n    filter: 'payload.total >'\n";
+    let said = refused(&gateway, file, &[]).await;
+    for expected in [
+        "<stdin>: 3 problems, nothing was changed",
+        "\n<stdin>:4:19: subscriptions[1].ack_deadline: ",
+        // An explicit `false` is said as such, not as "(unset)".
+        "\n<stdin>:6:14: subscriptions[2].ordered: cannot change after creation (it would break the order of the events in flight): it is true and the file says false;",
+        "\n<stdin>:8:13: subscriptions[3].filter: syntax error",
+    ] {
+        assert!(said.contains(expected), "expected {expected:?} in: {said}");
+    }
+    assert_eq!(subscriptions(&gateway).await, before);
+
+    // A dry run still shows what the rest would do, with every problem.
+    let run = apply(&gateway, file, &["--dry-run", "--json"]).await;
+    assert_eq!(run.code, Some(2), "{}", run.stderr);
+    let report: Value = serde_json::from_str(run.stdout.trim()).expect("a JSON report");
+    assert_eq!(names(&report, "created"), ["fresh"], "{report}");
+    assert_eq!(
+        report["problems"].as_array().map(Vec::len),
+        Some(3),
+        "{report}"
+    );
+    assert_eq!(subscriptions(&gateway).await, before);
+}
+
+#[tokio::test]
+async fn a_dry_run_of_the_example_without_its_variable_shows_the_plan_and_the_problem() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway(&database).await;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let example = root.join("examples/subscriptions.yaml");
+    let path = example.to_str().unwrap();
+    // CRM_TOKEN, which the example's push header names, is not set.
+    let run = cli_with_env(
+        &gateway.endpoint(),
+        &["apply", "-f", path, "--dry-run"],
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(run.code, Some(2), "{}\n{}", run.stdout, run.stderr);
+    for planned in [
+        "would create billing.large-orders",
+        "would create shipping.orders",
+    ] {
+        assert!(run.stdout.contains(planned), "{}", run.stdout);
+    }
+    assert!(
+        run.stdout.contains("the file is refused for 1 problem"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stderr.contains(&format!(
+            "{path}:34:24: subscriptions[2].push.headers.Authorization: the environment variable CRM_TOKEN is not set"
+        )),
+        "{}",
+        run.stderr
+    );
+    assert!(subscriptions(&gateway).await.is_empty());
+}

@@ -3,9 +3,10 @@
 //! creates, changes field by field, leaves and deletes; `export` writes the current
 //! ones in the same format.
 //!
-//! Every entry is first checked by the gateway itself (`validate_only`), so one invalid
-//! entry refuses the whole file, named by its path (`subscriptions[3].ack_deadline`),
-//! before anything changes.
+//! Every part of every entry is checked before anything changes: here what needs no
+//! gateway (the file's shape, types, variables, pause reasons), then by the gateway
+//! itself (`validate_only`). One invalid entry refuses the whole file; every problem is
+//! reported, each as `FILE:LINE:COLUMN: subscriptions[3].ack_deadline: ...`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -21,7 +22,7 @@ use outbox_client::{AuthenticatedChannel, proto};
 
 use crate::{
     CliError, Target, confirm, count, describe,
-    manifest::{self, SubscriptionSpec, SubscriptionsFile},
+    manifest::{self, Problem, SubscriptionSpec, SubscriptionsFile},
     usage,
 };
 
@@ -74,16 +75,23 @@ const CHANGEABLE: [&str; 14] = [
     "sink",
 ];
 
-/// Settings chosen at creation, and why they cannot change.
-const FIXED: [(&str, &str); 3] = [
+/// Settings chosen at creation, why they cannot change, and what their absence from
+/// the file means.
+const FIXED: [(&str, &str, &str); 3] = [
     (
         "ordered",
         "it would break the order of the events in flight",
+        "false",
     ),
-    ("sources", "the read positions are kept per source"),
+    (
+        "sources",
+        "the read positions are kept per source",
+        "every source",
+    ),
     (
         "expire_after_idle",
         "it is set when the subscription is created",
+        "never",
     ),
 ];
 
@@ -118,64 +126,144 @@ enum PauseChange {
     Resume,
 }
 
-/// A file entry: where it is, what it asks for.
+/// A subscriptions file as read: its name as messages show it, its text (to find a
+/// field in), and its entries.
+struct SourceFile {
+    shown: String,
+    text: String,
+    entries: Vec<Entry>,
+}
+
+impl SourceFile {
+    /// The problems, each located in the file and on a line of its own.
+    fn lines(&self, problems: &[Problem]) -> Vec<String> {
+        problems
+            .iter()
+            .map(|problem| {
+                let at = problem
+                    .at
+                    .or_else(|| manifest::locate(&self.text, &problem.path));
+                Problem {
+                    at,
+                    ..problem.clone()
+                }
+                .line(&self.shown)
+            })
+            .collect()
+    }
+
+    /// A failure while applying: its problems, located, or the failure itself.
+    fn failure(&self, unplanned: Unplanned) -> CliError {
+        match unplanned {
+            Unplanned::Problems(problems) => usage(self.lines(&problems).join("\n")),
+            Unplanned::Failed(error) => error,
+        }
+    }
+
+    /// The refusal of the file for its problems: every one, so that one run shows all
+    /// there is to fix.
+    fn refusal(&self, problems: &[Problem]) -> CliError {
+        let lines = self.lines(problems);
+        usage(match lines.as_slice() {
+            [one] => one.clone(),
+            _ => format!(
+                "{}: {} problems, nothing was changed:\n{}",
+                self.shown,
+                lines.len(),
+                lines.join("\n")
+            ),
+        })
+    }
+}
+
+/// A file entry: where it is, what it asks for, and what is wrong with it that needs
+/// no gateway to see.
 struct Entry {
     index: usize,
     spec: SubscriptionSpec,
+    problems: Vec<Problem>,
+}
+
+/// Why an entry has no plan: problems of the file, or a failure to ask the gateway.
+enum Unplanned {
+    Problems(Vec<Problem>),
+    Failed(CliError),
+}
+
+impl From<CliError> for Unplanned {
+    fn from(error: CliError) -> Self {
+        Unplanned::Failed(error)
+    }
 }
 
 impl Entry {
-    /// A refusal of the gateway about this entry, named by the entry's path.
-    fn refused(&self, status: Status) -> CliError {
+    /// A refusal of the gateway about this entry, as a problem of the field it names.
+    fn refused(&self, status: Status) -> Unplanned {
         match status.code() {
             Code::InvalidArgument
             | Code::FailedPrecondition
             | Code::AlreadyExists
             | Code::OutOfRange => {
                 let message = status.message();
-                let detail = message
+                let field = message
                     .strip_prefix("subscription.")
-                    .or_else(|| message.strip_prefix("subscription:").map(str::trim_start));
-                usage(match detail {
-                    Some(detail) => format!("subscriptions[{}].{detail}", self.index),
-                    None => format!("subscriptions[{}]: {message}", self.index),
-                })
+                    .and_then(|detail| detail.split_once(": "));
+                let problem = match field {
+                    Some((field, message)) => Problem::of(self.path(field), message),
+                    None => Problem::of(
+                        self.path(""),
+                        message
+                            .strip_prefix("subscription:")
+                            .map_or(message, str::trim_start),
+                    ),
+                };
+                Unplanned::Problems(vec![problem])
             }
-            _ => CliError::Failed(describe(status)),
+            _ => Unplanned::Failed(CliError::Failed(describe(status))),
         }
     }
 
+    /// The path of one of its fields; of the entry itself for "".
     fn path(&self, field: &str) -> String {
-        format!("subscriptions[{}].{field}", self.index)
+        match field {
+            "" => format!("subscriptions[{}]", self.index),
+            field => format!("subscriptions[{}].{field}", self.index),
+        }
     }
 }
 
 pub(crate) async fn apply(target: &Target, args: ApplyArgs) -> Result<(), CliError> {
-    let entries = read_file(&args.file)?;
+    let file = read_file(&args.file)?;
     let mut admin = target.connect(true).await?.admin();
     let current = list(&mut admin).await?;
-    let mut plan = Vec::with_capacity(entries.len());
-    for entry in &entries {
-        let step = plan_entry(&mut admin, entry, current.get(&entry.spec.name)).await?;
-        plan.push(step);
+    // Every entry is checked, the gateway's checks included, before the first change;
+    // all problems are gathered, so one run shows everything there is to fix.
+    let mut plan = Vec::with_capacity(file.entries.len());
+    let mut problems = Vec::new();
+    for entry in &file.entries {
+        match plan_entry(&mut admin, entry, current.get(&entry.spec.name)).await {
+            Ok(step) => plan.push((entry, step)),
+            Err(Unplanned::Problems(found)) => problems.extend(found),
+            Err(Unplanned::Failed(error)) => return Err(error),
+        }
     }
-    let named: BTreeSet<&str> = entries
-        .iter()
-        .map(|entry| entry.spec.name.as_str())
-        .collect();
-    // Subscriptions that delete themselves when idle (those `tail` makes) are not the
-    // file's to keep or prune.
-    let stale: Vec<String> = current
-        .values()
-        .filter(|subscription| {
-            !named.contains(subscription.name.as_str()) && subscription.expire_after_idle.is_none()
-        })
-        .map(|subscription| subscription.name.clone())
-        .collect();
+    let stale = stale(&file.entries, &current);
     let mut report = Report {
         dry_run: args.dry_run,
         ..Report::default()
     };
+    if !problems.is_empty() {
+        // A dry run still shows what the rest of the file would do.
+        if args.dry_run {
+            for (entry, step) in plan {
+                report.record(&entry.spec.name, step);
+            }
+            report.record_stale(stale, args.prune);
+            report.problems = file.lines(&problems);
+            report.print(target);
+        }
+        return Err(file.refusal(&problems));
+    }
     let prune = args.prune && !args.dry_run;
     if prune && !stale.is_empty() && !args.yes {
         confirm(&format!(
@@ -184,29 +272,50 @@ pub(crate) async fn apply(target: &Target, args: ApplyArgs) -> Result<(), CliErr
             stale.join(", ")
         ))?;
     }
-    for (entry, step) in entries.iter().zip(plan) {
+    for (entry, step) in plan {
         let step = match args.dry_run {
             true => step,
-            false => execute(&mut admin, entry, step, &mut report).await?,
+            false => execute(&mut admin, &file, entry, step, &mut report).await?,
         };
         report.record(&entry.spec.name, step);
     }
     if prune {
-        for name in &stale {
-            match admin
-                .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
-                .await
-            {
-                // Deleted meanwhile, by another apply or an operator.
-                Err(status) if status.code() == Code::NotFound => {}
-                other => {
-                    other.map_err(describe)?;
-                }
-            }
-        }
+        delete(&mut admin, &stale).await?;
     }
     report.record_stale(stale, args.prune);
     report.print(target);
+    Ok(())
+}
+
+/// The subscriptions the file does not name. Those that delete themselves when idle
+/// (those `tail` makes) are not the file's to keep or prune.
+fn stale(entries: &[Entry], current: &BTreeMap<String, proto::Subscription>) -> Vec<String> {
+    let named: BTreeSet<&str> = entries
+        .iter()
+        .map(|entry| entry.spec.name.as_str())
+        .collect();
+    current
+        .values()
+        .filter(|subscription| {
+            !named.contains(subscription.name.as_str()) && subscription.expire_after_idle.is_none()
+        })
+        .map(|subscription| subscription.name.clone())
+        .collect()
+}
+
+async fn delete(admin: &mut Admin, names: &[String]) -> Result<(), CliError> {
+    for name in names {
+        match admin
+            .delete_subscription(proto::DeleteSubscriptionRequest { name: name.clone() })
+            .await
+        {
+            // Deleted meanwhile, by another apply or an operator.
+            Err(status) if status.code() == Code::NotFound => {}
+            other => {
+                other.map_err(describe)?;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -242,10 +351,13 @@ async fn exported(target: &Target) -> Result<String, CliError> {
     ))
 }
 
-/// The file's entries, checked for what needs no gateway: YAML and field types, names
-/// given once, environment variables set.
-fn read_file(path: &Path) -> Result<Vec<Entry>, CliError> {
-    let shown = path.display();
+/// The file and its entries, checked for what needs no gateway: YAML and field types,
+/// names given once, environment variables set, pauses the gateway would refuse.
+fn read_file(path: &Path) -> Result<SourceFile, CliError> {
+    let shown = match path.as_os_str() == "-" {
+        true => "<stdin>".to_owned(),
+        false => path.display().to_string(),
+    };
     let mut text = String::new();
     let read = if path.as_os_str() == "-" {
         std::io::stdin().read_to_string(&mut text).map(|_| ())
@@ -253,42 +365,47 @@ fn read_file(path: &Path) -> Result<Vec<Entry>, CliError> {
         std::fs::read_to_string(path).map(|read| text = read)
     };
     read.map_err(|error| usage(format!("cannot read {shown}: {error}")))?;
-    let deserializer = serde_yaml_ng::Deserializer::from_str(&text);
-    let file: SubscriptionsFile =
-        serde_path_to_error::deserialize(deserializer).map_err(|error| {
-            let path = error.path().to_string();
-            let message = error.into_inner().to_string();
-            // The YAML parser starts some messages with a path of its own.
-            let message = match message.split_once(": ") {
-                Some((start, rest)) if start.starts_with("subscriptions") => rest,
-                _ => &message,
-            };
-            match path.as_str() {
-                "." => usage(format!("{shown}: {message}")),
-                _ => usage(format!("{shown}: {path}: {message}")),
-            }
-        })?;
+    let file = manifest::parse(&text).map_err(|problem| usage(problem.line(&shown)))?;
     let mut seen = BTreeMap::new();
     let mut entries = Vec::with_capacity(file.subscriptions.len());
     for (index, mut spec) in file.subscriptions.into_iter().enumerate() {
+        let mut entry_problems = Vec::new();
+        let at = |field: &str| format!("subscriptions[{index}].{field}");
         if let Some(first) = seen.insert(spec.name.clone(), index) {
-            return Err(usage(format!(
-                "{shown}: subscriptions[{index}].name: {:?} is named already by subscriptions[{first}]",
-                spec.name
-            )));
+            entry_problems.push(Problem::of(
+                at("name"),
+                format!("{:?} is named already by subscriptions[{first}]", spec.name),
+            ));
         }
         if let Some(push) = &mut spec.push {
             for (header, value) in &mut push.headers {
-                *value = expand_variables(value).map_err(|message| {
-                    usage(format!(
-                        "{shown}: subscriptions[{index}].push.headers.{header}: {message}"
-                    ))
-                })?;
+                match expand_variables(value) {
+                    Ok(expanded) => *value = expanded,
+                    Err(message) => entry_problems
+                        .push(Problem::of(at(&format!("push.headers.{header}")), message)),
+                }
             }
         }
-        entries.push(Entry { index, spec });
+        // PauseSubscription has no validate_only: its checks are made here, so that a
+        // pause is never refused after the entries before it were applied. An end that
+        // has passed is no pause (see pause_change), so only the reason is checked.
+        let reason = spec.pause_reason.as_deref().unwrap_or_default();
+        if let Err(outbox_domain::Refusal::Invalid { message, .. }) =
+            outbox_domain::Pause::validate(reason, None, Utc::now())
+        {
+            entry_problems.push(Problem::of(at("pause_reason"), message));
+        }
+        entries.push(Entry {
+            index,
+            spec,
+            problems: entry_problems,
+        });
     }
-    Ok(entries)
+    Ok(SourceFile {
+        shown,
+        text,
+        entries,
+    })
 }
 
 /// Replaces each `${NAME}` with the environment variable's value.
@@ -351,9 +468,13 @@ async fn plan_entry(
     admin: &mut Admin,
     entry: &Entry,
     current: Option<&proto::Subscription>,
-) -> Result<Step, CliError> {
+) -> Result<Step, Unplanned> {
     let Some(current) = current else {
-        check_fingerprints(entry, None)?;
+        let mut problems = entry.problems.clone();
+        problems.extend(fingerprint_problems(entry, None));
+        if !problems.is_empty() {
+            return Err(Unplanned::Problems(problems));
+        }
         let checked = admin
             .create_subscription(proto::CreateSubscriptionRequest {
                 subscription: Some(entry.spec.to_proto()),
@@ -373,17 +494,25 @@ async fn plan_entry(
     let existing = SubscriptionSpec::from_proto(current);
     let wanted = serde_json::to_value(&entry.spec).expect("a spec is JSON");
     let stored = serde_json::to_value(&existing).expect("a spec is JSON");
-    for (field, why) in FIXED {
+    let mut problems = entry.problems.clone();
+    for (field, why, unset) in FIXED {
         if wanted.get(field) != stored.get(field) {
-            return Err(usage(format!(
-                "{}: cannot change after creation ({why}): it is {} and the file says {}; delete the subscription, or create one under another name",
+            let value =
+                |value: Option<&Value>| value.map_or(unset.to_owned(), |value| shown(Some(value)));
+            problems.push(Problem::of(
                 entry.path(field),
-                shown(stored.get(field)),
-                shown(wanted.get(field)),
-            )));
+                format!(
+                    "cannot change after creation ({why}): it is {} and the file says {}; delete the subscription, or create one under another name",
+                    value(stored.get(field)),
+                    value(wanted.get(field)),
+                ),
+            ));
         }
     }
-    check_fingerprints(entry, current.push.as_ref())?;
+    problems.extend(fingerprint_problems(entry, current.push.as_ref()));
+    if !problems.is_empty() {
+        return Err(Unplanned::Problems(problems));
+    }
     let would_be = admin
         .update_subscription(proto::UpdateSubscriptionRequest {
             subscription: Some(entry.spec.to_proto()),
@@ -415,7 +544,8 @@ async fn plan_entry(
         };
         changes.push(Change {
             field: "paused".into(),
-            from: existing.paused.map(Value::Bool),
+            // Not paused is `false`, as the file says it, not "(unset)".
+            from: Some(Value::Bool(existing.paused == Some(true))),
             to,
         });
         for field in ["pause_reason", "paused_until"] {
@@ -441,10 +571,11 @@ async fn plan_entry(
 
 /// A header value that is a fingerprint keeps a stored value, so it must be the
 /// fingerprint of the value stored for that header.
-fn check_fingerprints(entry: &Entry, current: Option<&proto::PushConfig>) -> Result<(), CliError> {
+fn fingerprint_problems(entry: &Entry, current: Option<&proto::PushConfig>) -> Vec<Problem> {
     let Some(push) = &entry.spec.push else {
-        return Ok(());
+        return Vec::new();
     };
+    let mut problems = Vec::new();
     for (header, value) in &push.headers {
         // Header names are case-insensitive; the gateway keeps them in lowercase.
         let stored = current.and_then(|current| {
@@ -455,13 +586,13 @@ fn check_fingerprints(entry: &Entry, current: Option<&proto::PushConfig>) -> Res
                 .map(|(_, stored)| stored)
         });
         if is_fingerprint(value) && stored != Some(value) {
-            return Err(usage(format!(
-                "{}: {value} is the fingerprint of a value the gateway does not hold for this header; write the value itself (or ${{VARIABLE}})",
-                entry.path(&format!("push.headers.{header}"))
-            )));
+            problems.push(Problem::of(
+                entry.path(&format!("push.headers.{header}")),
+                format!("{value} is the fingerprint of a value the gateway does not hold for this header; write the value itself (or ${{VARIABLE}})"),
+            ));
         }
     }
-    Ok(())
+    problems
 }
 
 /// The changes of one setting: field by field inside `push` and `sink`.
@@ -480,9 +611,18 @@ fn differences(field: &str, before: Option<&Value>, after: Option<&Value>) -> Ve
         }
         _ => vec![Change {
             field: field.into(),
-            from: before.cloned(),
-            to: after.cloned(),
+            from: switch_or_value(field, before),
+            to: switch_or_value(field, after),
         }],
+    }
+}
+
+/// A setting's value as a change shows it: a switch left out of a spec (which keeps only
+/// what differs from the defaults) is `false`, not unset.
+fn switch_or_value(field: &str, value: Option<&Value>) -> Option<Value> {
+    match (field, value) {
+        ("dead_letter_expired", None) => Some(Value::Bool(false)),
+        (_, value) => value.cloned(),
     }
 }
 
@@ -512,6 +652,7 @@ fn pause_change(wanted: &SubscriptionSpec, existing: &SubscriptionSpec) -> Optio
 /// race with another apply becomes a change).
 async fn execute(
     admin: &mut Admin,
+    file: &SourceFile,
     entry: &Entry,
     step: Step,
     report: &mut Report,
@@ -536,16 +677,20 @@ async fn execute(
                     }
                     let pause = pause_change(&entry.spec, &SubscriptionSpec::default());
                     if let Some(pause) = &pause {
-                        set_pause(admin, entry, pause).await?;
+                        set_pause(admin, entry, pause)
+                            .await
+                            .map_err(|unplanned| file.failure(unplanned))?;
                     }
                     return Ok(Step::Create);
                 }
                 // Another apply created it since this one looked: make it as the file says.
                 Err(status) if status.code() == Code::AlreadyExists => {
                     let current = get(admin, name).await?;
-                    plan_entry(admin, entry, Some(&current)).await?
+                    plan_entry(admin, entry, Some(&current))
+                        .await
+                        .map_err(|unplanned| file.failure(unplanned))?
                 }
-                Err(status) => return Err(entry.refused(status)),
+                Err(status) => return Err(file.failure(entry.refused(status))),
             }
         }
         step => step,
@@ -561,7 +706,7 @@ async fn execute(
                     validate_only: false,
                 })
                 .await
-                .map_err(|status| entry.refused(status))?
+                .map_err(|status| file.failure(entry.refused(status)))?
                 .into_inner();
             if let Some(push) = updated.push.filter(|push| !push.signing_secret.is_empty()) {
                 report
@@ -570,13 +715,15 @@ async fn execute(
             }
         }
         if let Some(pause) = pause {
-            set_pause(admin, entry, pause).await?;
+            set_pause(admin, entry, pause)
+                .await
+                .map_err(|unplanned| file.failure(unplanned))?;
         }
     }
     Ok(step)
 }
 
-async fn set_pause(admin: &mut Admin, entry: &Entry, pause: &PauseChange) -> Result<(), CliError> {
+async fn set_pause(admin: &mut Admin, entry: &Entry, pause: &PauseChange) -> Result<(), Unplanned> {
     let name = entry.spec.name.clone();
     let result = match pause.clone() {
         PauseChange::Pause { reason, until } => admin
@@ -594,15 +741,18 @@ async fn set_pause(admin: &mut Admin, entry: &Entry, pause: &PauseChange) -> Res
     };
     result.map_err(|status| match status.code() {
         Code::InvalidArgument => {
-            let field = status.message().split(':').next().unwrap_or_default();
+            let (field, message) = status
+                .message()
+                .split_once(": ")
+                .unwrap_or(("", status.message()));
             let field = match field {
                 "reason" => "pause_reason",
                 "until" => "paused_until",
                 _ => "paused",
             };
-            usage(format!("{}: {}", entry.path(field), status.message()))
+            Unplanned::Problems(vec![Problem::of(entry.path(field), message)])
         }
-        _ => CliError::Failed(describe(status)),
+        _ => Unplanned::Failed(CliError::Failed(describe(status))),
     })
 }
 
@@ -625,6 +775,9 @@ struct Report {
     deleted: Vec<String>,
     not_in_file: Vec<String>,
     signing_secrets: BTreeMap<String, String>,
+    /// What refuses the file, one located line each; a dry run shows them beside the
+    /// plan of the rest.
+    problems: Vec<String>,
 }
 
 impl Report {
@@ -659,6 +812,7 @@ impl Report {
             "deleted": self.deleted,
             "not_in_file": self.not_in_file,
             "signing_secrets": self.signing_secrets,
+            "problems": self.problems,
         });
         target.print(value, || self.print_text());
     }
@@ -704,9 +858,13 @@ impl Report {
             self.unchanged.len(),
             self.deleted.len()
         );
-        match self.dry_run {
-            true => println!("dry run, nothing was changed: {summary}"),
-            false => println!("{summary}"),
+        match (self.dry_run, self.problems.len()) {
+            (true, 0) => println!("dry run, nothing was changed: {summary}"),
+            (true, problems) => println!(
+                "dry run, nothing was changed: {summary}; the file is refused for {}",
+                count(problems as u64, "problem")
+            ),
+            (false, _) => println!("{summary}"),
         }
     }
 }

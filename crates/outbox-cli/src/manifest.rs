@@ -13,26 +13,33 @@ use outbox_domain::{
     DEFAULT_PUSH_BATCH_BYTES, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, SubscriptionSettings,
 };
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer, de::DeserializeSeed};
 
 use outbox_client::proto;
 
 /// A subscriptions file.
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a mapping with a `subscriptions` list"
+)]
 #[schemars(
     title = "outbox-gateway subscriptions",
     description = "Subscriptions of an outbox-gateway, as `outbox-gateway apply -f FILE` reads them and `outbox-gateway export` writes them."
 )]
 pub struct SubscriptionsFile {
-    /// The subscriptions; with `apply --prune`, those not listed are deleted.
-    #[serde(default)]
+    // Required, not empty by default, so that an empty file (what a failed `export >
+    // file` leaves) never prunes everything.
+    /// The subscriptions; with `apply --prune`, those not listed are deleted. For none, write `subscriptions: []`.
     pub subscriptions: Vec<SubscriptionSpec>,
 }
 
 /// One subscription. Omitted settings take their defaults (as on create).
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a subscription: a mapping with its `name` and settings"
+)]
 pub struct SubscriptionSpec {
     /// Unique name: [a-z0-9][a-z0-9._-]{0,127}.
     #[schemars(regex(pattern = r"^[a-z0-9][a-z0-9._-]{0,127}$"))]
@@ -108,7 +115,10 @@ pub struct SubscriptionSpec {
 /// Push delivery settings. The signing secret is never in the file: it is printed once,
 /// when pushing is turned on.
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "push settings: a mapping with an `endpoint`"
+)]
 pub struct PushSpec {
     /// http:// or https:// URL; its host must be in the gateway's `[push] allowed_hosts`.
     pub endpoint: String,
@@ -152,7 +162,10 @@ pub enum PushFormatName {
 
 /// Sink delivery settings.
 #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "sink settings: a mapping with the sink's `name`"
+)]
 pub struct SinkSpec {
     /// A sink of the gateway's configuration (`outbox-gateway sinks` lists them).
     pub name: String,
@@ -171,7 +184,8 @@ fn is_false(value: &bool) -> bool {
     !value
 }
 
-/// A duration written as text: `30s`, `15m`, `1h 30m`, `250ms`.
+/// A duration written as text: `30s`, `15m`, `1h 30m`, `250ms`; at most
+/// [`LONGEST_INTERVAL`], so that every one is a duration of the API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interval(pub Duration);
 
@@ -184,15 +198,24 @@ impl Serialize for Interval {
 impl<'de> Deserialize<'de> for Interval {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        humantime::parse_duration(&text)
-            .map(Interval)
-            .map_err(|error| {
-                serde::de::Error::custom(format!(
-                    "{text:?} is not a duration such as 30s, 15m or 1h 30m: {error}"
-                ))
-            })
+        let duration = humantime::parse_duration(&text).map_err(|error| {
+            serde::de::Error::custom(format!(
+                "{text:?} is not a duration such as 30s, 15m or 1h 30m: {error}"
+            ))
+        })?;
+        if duration > LONGEST_INTERVAL {
+            return Err(serde::de::Error::custom(format!(
+                "{text:?} is longer than any setting takes (at most 10000 years)"
+            )));
+        }
+        Ok(Interval(duration))
     }
 }
+
+/// The longest duration the API carries (that of `google.protobuf.Duration`, about
+/// 10,000 years); a longer one cannot be sent, so the file refuses it instead of
+/// leaving the setting unset.
+pub const LONGEST_INTERVAL: Duration = Duration::from_secs(315_576_000_000);
 
 impl JsonSchema for Interval {
     fn schema_name() -> std::borrow::Cow<'static, str> {
@@ -267,7 +290,14 @@ pub fn schema() -> String {
 }
 
 fn duration(value: Option<Interval>) -> Option<prost_types::Duration> {
-    value.and_then(|Interval(duration)| prost_types::Duration::try_from(duration).ok())
+    // A file's intervals always fit; one built otherwise is sent as the longest
+    // duration, which the gateway refuses, rather than as none (the default).
+    value.map(|Interval(duration)| {
+        prost_types::Duration::try_from(duration).unwrap_or(prost_types::Duration {
+            seconds: i64::MAX,
+            nanos: 999_999_999,
+        })
+    })
 }
 
 /// A duration of the API; `None` when unset or zero.
@@ -396,6 +426,307 @@ impl SubscriptionSpec {
     }
 }
 
+/// Where in the file something is: 1-based, as editors count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    pub line: usize,
+    pub column: usize,
+}
+
+/// Something wrong with the file: where, the path of the field
+/// (`subscriptions[3].ack_deadline`; empty for the file as a whole), and what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub at: Option<Position>,
+    pub path: String,
+    pub message: String,
+}
+
+impl Problem {
+    /// A problem of a field; [`locate`] finds it in the file.
+    pub fn of(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Problem {
+            at: None,
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The problem as one line, `FILE:LINE:COLUMN: PATH: MESSAGE`, as compilers and
+    /// YAML tools write them, so that editors jump to it.
+    pub fn line(&self, file: &str) -> String {
+        let at = match self.at {
+            Some(Position { line, column }) => format!("{file}:{line}:{column}"),
+            None => file.to_owned(),
+        };
+        match self.path.as_str() {
+            "" => format!("{at}: {}", self.message),
+            path => format!("{at}: {path}: {}", self.message),
+        }
+    }
+}
+
+/// Deepest nesting of flow collections (`[...]`, `{...}`) read. A subscription needs
+/// five levels; the YAML parser's time grows with the square of the nesting (100,000
+/// levels took 40 s to refuse), so deeper is refused before parsing.
+pub const MAX_NESTING: usize = 64;
+
+/// What a file must hold, said where it does not.
+const WHAT_A_FILE_HOLDS: &str = "a subscriptions file is a mapping whose `subscriptions` lists them (`subscriptions: [{name: orders}]`); for none, and with --prune to delete them all, write `subscriptions: []`";
+
+/// Reads a subscriptions file. A file without a `subscriptions` list (empty, only
+/// comments, `subscriptions:` without a value) is refused: it is what a failed
+/// `export > file` leaves, and applied with --prune it would delete everything.
+pub fn parse(text: &str) -> Result<SubscriptionsFile, Problem> {
+    if let Some(at) = too_deep(text) {
+        return Err(Problem {
+            at: Some(at),
+            path: String::new(),
+            message: format!(
+                "nested more than {MAX_NESTING} deep; a subscriptions file needs a few levels"
+            ),
+        });
+    }
+    // The shape first, which the typed reading would take for an empty list or say in
+    // the words of the types.
+    let shape = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text).ok();
+    let missing = |what: &str| Problem::of("", format!("{what}; {WHAT_A_FILE_HOLDS}"));
+    match &shape {
+        Some(serde_yaml_ng::Value::Null) => {
+            return Err(missing(
+                "holds no `subscriptions` list (it is empty, or only comments)",
+            ));
+        }
+        Some(serde_yaml_ng::Value::Mapping(mapping)) => match mapping.get("subscriptions") {
+            Some(serde_yaml_ng::Value::Null) => {
+                return Err(Problem {
+                    at: locate(text, "subscriptions"),
+                    ..Problem::of(
+                        "subscriptions",
+                        "has no value; list the subscriptions, or write `subscriptions: []` for none (with --prune: delete them all)",
+                    )
+                });
+            }
+            None if mapping.is_empty() => return Err(missing("holds no `subscriptions` list")),
+            _ => {}
+        },
+        Some(other) => {
+            let found = match other {
+                serde_yaml_ng::Value::Sequence(_) => "a list",
+                serde_yaml_ng::Value::String(_) => "text",
+                serde_yaml_ng::Value::Number(_) => "a number",
+                serde_yaml_ng::Value::Bool(_) => "true or false",
+                _ => "a tagged value",
+            };
+            return Err(Problem {
+                at: Some(Position { line: 1, column: 1 }),
+                ..missing(&format!("holds {found}, not a mapping"))
+            });
+        }
+        None => {}
+    }
+    let deserializer = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+        let path = match error.path().to_string() {
+            root if root == "." => String::new(),
+            path => path,
+        };
+        let error = error.into_inner();
+        let marked = error.location().map(|location| Position {
+            line: location.line(),
+            column: location.column(),
+        });
+        // The parser marks an error of a field's own checks (a duration) at its entry,
+        // and an unknown key at the key; the later of that and where the path leads is
+        // the field itself.
+        let at = marked.max(locate(text, &path));
+        let mut message = error.to_string();
+        // The parser ends its messages with the location and starts some with its own
+        // path; both are said once, in front.
+        if let Some(Position { line, column }) = marked {
+            let suffix = format!(" at line {line} column {column}");
+            if let Some(bare) = message.strip_suffix(&suffix) {
+                message = bare.to_owned();
+            }
+        }
+        // The parser's path is that of the node it stood at: the field's, or its entry's.
+        if let Some((start, rest)) = message.split_once(": ")
+            && !start.is_empty()
+            && !start.contains(' ')
+            && path.starts_with(start)
+        {
+            message = rest.to_owned();
+        }
+        Problem { at, path, message }
+    })
+}
+
+/// Where the first flow collection nested deeper than [`MAX_NESTING`] opens, if one
+/// does. A cheap scan that skips comments, quoted text and block scalars; a bracket
+/// inside plain text may count, which only matters past 64 unclosed ones.
+fn too_deep(text: &str) -> Option<Position> {
+    let mut depth = 0usize;
+    let (mut line, mut column) = (1usize, 0usize);
+    let mut indent = 0usize;
+    let mut line_start = true;
+    // Inside a quoted scalar: its quote character.
+    let mut quote: Option<char> = None;
+    let mut comment = false;
+    // Inside a block scalar (`|`, `>`): the indentation of the line that began it.
+    let mut block_scalar: Option<usize> = None;
+    let mut skip_line = false;
+    let mut previous = '\n';
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        column += 1;
+        if c == '\n' {
+            (line, column, indent, line_start) = (line + 1, 0, 0, true);
+            (comment, skip_line, previous) = (false, false, c);
+            continue;
+        }
+        if line_start {
+            if c == ' ' {
+                indent += 1;
+                continue;
+            }
+            line_start = false;
+            if let Some(parent) = block_scalar {
+                match indent > parent {
+                    true => skip_line = true,
+                    false => block_scalar = None,
+                }
+            }
+        }
+        if comment || skip_line {
+            continue;
+        }
+        if let Some(open) = quote {
+            match c {
+                '\\' if open == '"' => {
+                    chars.next();
+                    column += 1;
+                }
+                '\'' if open == '\'' && chars.peek() == Some(&'\'') => {
+                    chars.next();
+                    column += 1;
+                }
+                c if c == open => quote = None,
+                _ => {}
+            }
+            previous = c;
+            continue;
+        }
+        let token_start = previous.is_whitespace() || (depth > 0 && "[{,".contains(previous));
+        match c {
+            '#' if previous.is_whitespace() => comment = true,
+            '\'' | '"' if token_start => quote = Some(c),
+            '|' | '>' if token_start && depth == 0 => {
+                block_scalar = Some(indent);
+                skip_line = true;
+            }
+            '[' | '{' if token_start || depth > 0 => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Some(Position { line, column });
+                }
+            }
+            ']' | '}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        previous = c;
+    }
+    None
+}
+
+/// Where the value at `path` (`subscriptions[3].push.endpoint`) is in the file, or the
+/// deepest part of that path the file holds (at least the entry), so that a refusal of
+/// the gateway points into the file as the parser's own errors do.
+pub fn locate(text: &str, path: &str) -> Option<Position> {
+    let steps = steps(path);
+    let deserializer = serde_yaml_ng::Deserializer::from_str(text);
+    // The walk always ends in an error, which the parser marks with where it stood.
+    let error = Seek { steps: &steps }.deserialize(deserializer).err()?;
+    error.location().map(|location| Position {
+        line: location.line(),
+        column: location.column(),
+    })
+}
+
+/// One step of a field's path: a key, or a list index.
+#[derive(Debug, PartialEq)]
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+/// `subscriptions[3].sources[0]` as its steps.
+fn steps(path: &str) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for part in path.split('.').filter(|part| !part.is_empty()) {
+        let mut pieces = part.split('[');
+        if let Some(key) = pieces.next().filter(|key| !key.is_empty()) {
+            steps.push(Step::Key(key.to_owned()));
+        }
+        for index in pieces {
+            match index.trim_end_matches(']').parse() {
+                Ok(index) => steps.push(Step::Index(index)),
+                Err(_) => return steps,
+            }
+        }
+    }
+    steps
+}
+
+/// Walks the document along its steps and stops, with an error, where they end or the
+/// file does.
+struct Seek<'a> {
+    steps: &'a [Step],
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Seek<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Seek<'_> {
+    type Value = ();
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("the rest of the path")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        if let Some((Step::Key(wanted), rest)) = self.steps.split_first() {
+            while let Some(key) = map.next_key::<serde_yaml_ng::Value>()? {
+                // Header names are case-insensitive; the gateway names them in lowercase.
+                if key
+                    .as_str()
+                    .is_some_and(|key| key.eq_ignore_ascii_case(wanted))
+                {
+                    return map.next_value_seed(Seek { steps: rest });
+                }
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Err(serde::de::Error::custom("here"))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        if let Some((Step::Index(wanted), rest)) = self.steps.split_first() {
+            for _ in 0..*wanted {
+                if seq.next_element::<serde::de::IgnoredAny>()?.is_none() {
+                    break;
+                }
+            }
+            seq.next_element_seed(Seek { steps: rest })?;
+        }
+        Err(serde::de::Error::custom("here"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -482,5 +813,113 @@ subscriptions:
             refusal("subscriptions:\n  - name: a\n    start: yesterday\n"),
             "subscriptions[0].start"
         );
+    }
+
+    #[test]
+    fn a_file_without_a_subscriptions_list_is_refused() {
+        for empty in ["", "# only a comment\n", "{}", "---\n"] {
+            let problem = parse(empty).expect_err(empty);
+            assert!(
+                problem.message.contains("holds no `subscriptions` list")
+                    && problem.message.contains("`subscriptions: []`"),
+                "{empty:?}: {problem:?}"
+            );
+        }
+        let unset = parse("# the subscriptions\nsubscriptions:\n").expect_err("no value");
+        assert_eq!(unset.path, "subscriptions");
+        assert!(unset.message.contains("`subscriptions: []`"), "{unset:?}");
+        let list = parse("- name: orders\n").expect_err("a list");
+        assert!(
+            list.message
+                .starts_with("holds a list, not a mapping; a subscriptions file is a mapping"),
+            "{list:?}"
+        );
+        assert!(
+            parse("subscriptions: []\n")
+                .unwrap()
+                .subscriptions
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn refusals_name_no_types_of_the_code() {
+        for file in [
+            "subscriptions: [5]\n",
+            "subscriptions:\n  - name: a\n    push: 5\n",
+            "subscriptions:\n  - name: a\n    sink: [x]\n",
+        ] {
+            let problem = parse(file).expect_err(file);
+            assert!(!problem.message.contains("Spec"), "{problem:?}");
+            assert!(problem.at.is_some(), "{problem:?}");
+        }
+    }
+
+    #[test]
+    fn durations_beyond_the_api_are_refused() {
+        let problem =
+            parse("subscriptions:\n  - name: a\n    ack_deadline: 10000000000000000000s\n")
+                .expect_err("too long");
+        assert_eq!(problem.path, "subscriptions[0].ack_deadline");
+        assert_eq!(
+            problem.at,
+            Some(Position {
+                line: 3,
+                column: 19
+            })
+        );
+        assert!(
+            problem.message.contains("longer than any setting takes"),
+            "{problem:?}"
+        );
+        let longest = "subscriptions:\n  - name: a\n    max_event_age: 315576000000s\n";
+        let file = parse(longest).expect("the longest duration of the API");
+        assert!(file.subscriptions[0].to_proto().max_event_age.is_some());
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_at_once() {
+        let deep = format!(
+            "subscriptions: {}{}\n",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        let started = std::time::Instant::now();
+        let problem = parse(&deep).expect_err("too deep");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            problem.at,
+            Some(Position {
+                line: 1,
+                column: 16 + MAX_NESTING
+            })
+        );
+        assert!(problem.message.contains("nested more than"), "{problem:?}");
+        // Brackets and quotes inside text, comments and block scalars are not nesting.
+        let text = format!(
+            "# {open}\nsubscriptions:\n  - name: a\n    filter: '{open}'\n    transform: |\n      {open}\n      \"\n    pause_reason: \"{open}\"\n",
+            open = "[".repeat(200)
+        );
+        parse(&text).expect("brackets in text");
+    }
+
+    #[test]
+    fn fields_are_located_in_the_file() {
+        let text = "subscriptions:\n  - name: a\n  - name: b\n    push:\n      endpoint: x\n      headers: {Authorization: y}\n    sources: [default, other]\n";
+        let at = |path| locate(text, path).map(|at| (at.line, at.column));
+        assert_eq!(at("subscriptions[1]"), Some((3, 5)));
+        assert_eq!(at("subscriptions[1].push.endpoint"), Some((5, 17)));
+        assert_eq!(
+            at("subscriptions[1].push.headers.authorization"),
+            Some((6, 32))
+        );
+        assert_eq!(at("subscriptions[1].sources[1]"), Some((7, 24)));
+        // What the file does not hold: the deepest part it does.
+        assert_eq!(at("subscriptions[1].ack_deadline"), Some((3, 5)));
+        assert_eq!(at("subscriptions[0].push.timeout"), Some((2, 5)));
     }
 }
