@@ -6,17 +6,20 @@
 //! # Layout
 //! - Owns: finding `initdb` and `pg_ctl` ([`find_binaries`]); a cluster in a directory
 //!   ([`LocalCluster`]): created on first use, started (or adopted when a previous process
-//!   left it running), stopped, and held by one process at a time through a lock file.
+//!   left it running), stopped, and held by one process at a time through a lock file;
+//!   refusing a directory another user can change (`directory`).
 //! - May depend on: nothing of the gateway. Both the gateway and its test kit use it.
 //!
 //! PostgreSQL refuses to run as root: as root the tools run as the `postgres` system user
 //! (which the distributions' packages create), and the cluster's directory belongs to it.
 
+mod directory;
+
 use std::{
     fs::File,
-    io::Write,
+    io::{Read, Seek, Write},
     net::IpAddr,
-    os::unix::process::CommandExt,
+    os::unix::{fs::OpenOptionsExt, process::CommandExt},
     path::{Path, PathBuf},
     process::Command,
 };
@@ -47,6 +50,18 @@ pub enum ClusterError {
         "the socket path {0} is longer than the 103 bytes Unix sockets allow; choose a shorter --data-dir"
     )]
     SocketPathTooLong(PathBuf),
+    #[error(
+        "refusing {} for the private PostgreSQL: {} {reason}, so another user could plant links there for the gateway to follow. Choose a --data-dir that only this user (or root) can change",
+        directory.display(),
+        culprit.display()
+    )]
+    UnsafeDirectory {
+        /// The directory asked for.
+        directory: PathBuf,
+        /// What in or above it is unsafe.
+        culprit: PathBuf,
+        reason: String,
+    },
     #[error("cannot {action} {path}: {source}")]
     Io {
         action: &'static str,
@@ -90,7 +105,9 @@ pub struct LocalCluster {
     /// The data directory (PGDATA), which also holds the Unix socket.
     data: PathBuf,
     options: ClusterOptions,
-    as_postgres: bool,
+    /// As root: the `postgres` user's uid and gid, which the server and its tools run as
+    /// and the data directory belongs to.
+    postgres_user: Option<(u32, u32)>,
     /// Held (locked) for as long as this process uses the cluster.
     _lock: File,
 }
@@ -98,7 +115,8 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Takes `directory` for this process, creates a cluster in `directory/postgres` on
     /// first use and starts it, or adopts the server a previous process left running.
-    /// `bin` overrides where the server binaries are looked for.
+    /// `bin` overrides where the server binaries are looked for. A directory another user
+    /// can change is refused.
     pub fn start(
         directory: &Path,
         bin: Option<&Path>,
@@ -109,42 +127,36 @@ impl LocalCluster {
             Some(bin) => return Err(ClusterError::NotInDirectory(bin.to_owned())),
             None => find_binaries().ok_or(ClusterError::NotInstalled)?,
         };
-        let as_postgres = running_as_root();
-        if as_postgres && !postgres_user_exists() {
-            return Err(ClusterError::RootWithoutPostgresUser);
-        }
-        std::fs::create_dir_all(directory).map_err(io_error("create", directory))?;
-        let directory = directory
-            .canonicalize()
-            .map_err(io_error("resolve", directory))?;
+        let postgres_user = match running_as_root() {
+            true => Some(postgres_user().ok_or(ClusterError::RootWithoutPostgresUser)?),
+            false => None,
+        };
+        let (directory, mut lock) = take_directory(directory)?;
         let data = directory.join("postgres");
+        directory::check_entry(&directory, &data, postgres_user.map(|(uid, _)| uid))?;
         let lock_path = directory.join("postgres.lock");
-        let mut lock = File::options()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io_error("open", &lock_path))?;
         let socket = data.join(format!(".s.PGSQL.{}", options.port()));
         if socket.as_os_str().len() > 103 {
             return Err(ClusterError::SocketPathTooLong(socket));
         }
+        let mut holder = String::new();
+        // Unreadable: no pid to name, nothing else lost.
+        let _ = lock.read_to_string(&mut holder);
         if lock.try_lock().is_err() {
-            let pid = std::fs::read_to_string(&lock_path).unwrap_or_default();
             return Err(ClusterError::Busy {
                 directory,
-                pid: pid.trim().to_owned(),
+                pid: holder.trim().to_owned(),
                 socket_directory: data,
             });
         }
         lock.set_len(0).map_err(io_error("write", &lock_path))?;
+        lock.rewind().map_err(io_error("write", &lock_path))?;
         write!(lock, "{}", std::process::id()).map_err(io_error("write", &lock_path))?;
         let cluster = LocalCluster {
             bin,
             data,
             options,
-            as_postgres,
+            postgres_user,
             _lock: lock,
         };
         if !cluster.data.join("PG_VERSION").exists() {
@@ -200,10 +212,18 @@ impl LocalCluster {
 
     fn create(&self) -> Result<(), ClusterError> {
         std::fs::create_dir_all(&self.data).map_err(io_error("create", &self.data))?;
-        if self.as_postgres {
-            run(Command::new("chown")
-                .arg(format!("{SUPERUSER}:"))
-                .arg(&self.data))?;
+        if let Some((uid, gid)) = self.postgres_user {
+            // A link could point anywhere: only a real directory is handed over.
+            let metadata =
+                std::fs::symlink_metadata(&self.data).map_err(io_error("inspect", &self.data))?;
+            if metadata.is_symlink() {
+                return Err(ClusterError::UnsafeDirectory {
+                    directory: self.data.parent().unwrap_or(&self.data).to_owned(),
+                    culprit: self.data.clone(),
+                    reason: "is a symbolic link, and the cluster's directory is handed to the postgres user only as a real directory".to_owned(),
+                });
+            }
+            directory::give_to(&self.data, uid, gid)?;
         }
         let mut arguments = vec![
             "-D".to_owned(),
@@ -221,10 +241,7 @@ impl LocalCluster {
         let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
         self.tool("initdb", &arguments)?;
         let conf = self.data.join("postgresql.conf");
-        let mut file = File::options()
-            .append(true)
-            .open(&conf)
-            .map_err(io_error("open", &conf))?;
+        let mut file = directory::open_no_follow(&self.data, &conf, File::options().append(true))?;
         writeln!(file, "\ninclude_if_exists = 'outbox-gateway.conf'")
             .map_err(io_error("write", &conf))
     }
@@ -249,12 +266,24 @@ impl LocalCluster {
             settings.push_str("fsync = off\n");
         }
         let path = self.data.join("outbox-gateway.conf");
-        std::fs::write(&path, settings).map_err(io_error("write", &path))
+        // As root, the directory is the postgres user's: a link there is not followed.
+        let mut file = directory::open_no_follow(
+            &self.data,
+            &path,
+            File::options()
+                .create(true)
+                .write(true)
+                .truncate(false)
+                .mode(0o644),
+        )?;
+        file.set_len(0).map_err(io_error("write", &path))?;
+        file.write_all(settings.as_bytes())
+            .map_err(io_error("write", &path))
     }
 
     fn tool(&self, name: &str, arguments: &[&str]) -> Result<(), ClusterError> {
         let program = self.bin.join(name);
-        let mut command = if self.as_postgres {
+        let mut command = if self.postgres_user.is_some() {
             let mut command = Command::new("runuser");
             command.args(["-u", SUPERUSER, "--"]).arg(&program);
             command
@@ -376,15 +405,52 @@ pub fn running_as_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-fn postgres_user_exists() -> bool {
+/// The `postgres` user's uid and gid, when there is one.
+fn postgres_user() -> Option<(u32, u32)> {
     let name = std::ffi::CString::new(SUPERUSER).expect("no NUL in the name");
-    // SAFETY: getpwnam reads a NUL-terminated name; the result is only tested for null
-    // and not kept.
-    unsafe { !libc::getpwnam(name.as_ptr()).is_null() }
+    // SAFETY: getpwnam reads a NUL-terminated name; the entry it returns is read at once
+    // (before any other call could reuse it) and not kept.
+    unsafe {
+        let entry = libc::getpwnam(name.as_ptr());
+        (!entry.is_null()).then(|| ((*entry).pw_uid, (*entry).pw_gid))
+    }
+}
+
+/// Creates `requested` unless it exists, refusing it (before anything is made) when
+/// another user can change it or a directory above it, and opens its lock file: returns
+/// the directory without symbolic links and the lock file, not yet locked.
+fn take_directory(requested: &Path) -> Result<(PathBuf, File), ClusterError> {
+    let requested = std::path::absolute(requested).map_err(io_error("resolve", requested))?;
+    if let Some(existing) = requested.ancestors().find(|path| path.exists()) {
+        let canonical = existing
+            .canonicalize()
+            .map_err(io_error("resolve", existing))?;
+        directory::check_directory(&requested, &canonical)?;
+    }
+    std::fs::create_dir_all(&requested).map_err(io_error("create", &requested))?;
+    let directory = requested
+        .canonicalize()
+        .map_err(io_error("resolve", &requested))?;
+    directory::check_directory(&requested, &directory)?;
+    let lock_path = directory.join("postgres.lock");
+    let lock = directory::open_own_file(
+        &directory,
+        &lock_path,
+        File::options()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .mode(0o644),
+    )?;
+    Ok((directory, lock))
 }
 
 /// Maps an I/O error of `action` on `path` to [`ClusterError::Io`].
-fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ClusterError {
+pub(crate) fn io_error(
+    action: &'static str,
+    path: &Path,
+) -> impl FnOnce(std::io::Error) -> ClusterError {
     let path = path.to_owned();
     move |source| ClusterError::Io {
         action,
