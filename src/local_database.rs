@@ -1,14 +1,20 @@
 //! The private PostgreSQL a gateway runs itself when it is given no database, so that a
 //! first run needs nothing set up: without `--database-url`, when nothing answers at the
-//! default URL (or `--data-dir` is given, or a previous run left a cluster in the data
-//! directory), `serve` starts a cluster of its own under the data directory, reached
-//! through a Unix socket only, and stops it on shutdown. The cluster itself is
-//! [`outbox_local_postgres::LocalCluster`].
+//! default URL (or `--data-dir` is given), `serve` starts a cluster of its own under the
+//! data directory, reached through a Unix socket only, and stops it on shutdown. The
+//! cluster itself is [`outbox_local_postgres::LocalCluster`].
+//!
+//! It never chooses between two databases silently: when a server answers at the
+//! default URL and a cluster an earlier run made is in the default data directory, the
+//! start is refused, naming both, until `--database-url` or `--data-dir` says which.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use outbox_local_postgres::{
-    ClusterError, ClusterOptions, Listen, LocalCluster, running_as_root, socket_url,
+    ClusterError, ClusterOptions, Listen, LocalCluster, Startup, running_as_root, socket_url,
 };
 
 use crate::config::{Config, DEFAULT_DATABASE_URL};
@@ -31,19 +37,45 @@ pub async fn start_if_needed(config: &mut Config) -> Result<Option<LocalDatabase
     if config.database_url_given {
         return Ok(None);
     }
-    let directory = match &config.data_dir {
-        Some(directory) => directory.clone(),
+    let (directory, why) = match &config.data_dir {
+        Some(directory) => (directory.clone(), "--data-dir given".to_owned()),
         None => {
             let directory = default_data_dir()?;
-            let created_before = directory.join("postgres").join("PG_VERSION").exists();
-            if !created_before && default_server_answers().await {
-                return Ok(None);
+            let cluster_exists = directory.join("postgres").join("PG_VERSION").exists();
+            match (cluster_exists, default_server_answers().await) {
+                (true, true) => return Err(two_databases(&directory)),
+                (false, true) => return Ok(None),
+                (_, false) => (
+                    directory,
+                    format!("no --database-url, and none answers at {DEFAULT_DATABASE_URL}"),
+                ),
             }
-            directory
         }
     };
-    let bin = config.postgres_bin.clone();
-    let cluster = tokio::task::spawn_blocking(move || {
+    let cluster = start_cluster(directory, config.postgres_bin.clone()).await?;
+    let url = cluster.url(DATABASE);
+    announce(&cluster, &why);
+    // A line of its own, so that it can be copied whole.
+    tracing::info!("{url}");
+    config.database_url = url;
+    Ok(Some(LocalDatabase { cluster }))
+}
+
+/// Why the gateway will not choose: a server answers at the default URL, and a cluster
+/// is in the default data directory `directory`. Names both, and how to pick one.
+fn two_databases(directory: &Path) -> String {
+    let socket_directory = directory.join("postgres");
+    format!(
+        "two databases could be meant, and the gateway does not guess: PostgreSQL answers at the default URL {DEFAULT_DATABASE_URL}, and a private PostgreSQL cluster an earlier run created is in {} (URL {} while it runs). Choose one: --database-url '{DEFAULT_DATABASE_URL}' for the server, or --data-dir '{}' to run the private cluster (--database-url with its URL shares it while another gateway runs it)",
+        socket_directory.display(),
+        socket_url(&socket_directory, DATABASE),
+        directory.display(),
+    )
+}
+
+/// Starts (or creates, or takes over) the cluster in `directory`.
+async fn start_cluster(directory: PathBuf, bin: Option<PathBuf>) -> Result<LocalCluster, String> {
+    tokio::task::spawn_blocking(move || {
         LocalCluster::start(
             &directory,
             bin.as_deref(),
@@ -66,15 +98,42 @@ pub async fn start_if_needed(config: &mut Config) -> Result<Option<LocalDatabase
             socket_url(&socket_directory, DATABASE)
         ),
         error => error.to_string(),
-    })?;
-    let url = cluster.url(DATABASE);
-    tracing::info!(
-        %url,
-        data_directory = %cluster.data_directory().display(),
-        "no --database-url, and none answers at {DEFAULT_DATABASE_URL} (or --data-dir was given): running a private PostgreSQL, reached through its Unix socket only; services on this machine can use that URL"
-    );
-    config.database_url = url;
-    Ok(Some(LocalDatabase { cluster }))
+    })
+}
+
+/// One line saying what became of the cluster, and `why` it runs at all.
+fn announce(cluster: &LocalCluster, why: &str) {
+    let data_directory = cluster.data_directory().display();
+    match cluster.startup() {
+        Startup::Initialised => tracing::info!(
+            %data_directory,
+            why,
+            "initialised a new private PostgreSQL cluster and started it, reached through its Unix socket only; services on this machine can use the URL on the next line"
+        ),
+        Startup::Reused => tracing::info!(
+            %data_directory,
+            why,
+            "reused the private PostgreSQL cluster an earlier run created, and started it, reached through its Unix socket only; services on this machine can use the URL on the next line"
+        ),
+        Startup::Adopted {
+            previous_pid,
+            left_running: true,
+        } => tracing::warn!(
+            %data_directory,
+            why,
+            previous_pid,
+            "adopted the private PostgreSQL cluster an earlier run left running when it ended without stopping it (a crash): took its server over; services on this machine can use the URL on the next line"
+        ),
+        Startup::Adopted {
+            previous_pid,
+            left_running: false,
+        } => tracing::warn!(
+            %data_directory,
+            why,
+            previous_pid,
+            "adopted the private PostgreSQL cluster of an earlier run that crashed with its server: started it over the stale pid file, recovering what was committed; services on this machine can use the URL on the next line"
+        ),
+    }
 }
 
 impl LocalDatabase {

@@ -6,8 +6,9 @@
 //! # Layout
 //! - Owns: finding `initdb` and `pg_ctl` ([`find_binaries`]); a cluster in a directory
 //!   ([`LocalCluster`]): created on first use, started (or adopted when a previous process
-//!   left it running), stopped, and held by one process at a time through a lock file;
-//!   refusing a directory another user can change (`directory`).
+//!   left it running), stopped, and held by one process at a time through a lock file,
+//!   saying which of these happened ([`Startup`]); refusing a directory another user can
+//!   change (`directory`).
 //! - May depend on: nothing of the gateway. Both the gateway and its test kit use it.
 //!
 //! PostgreSQL refuses to run as root: as root the tools run as the `postgres` system user
@@ -97,6 +98,23 @@ const SOCKET_PORT: u16 = 5432;
 /// The user the cluster's superuser is named after, and runs as under root.
 const SUPERUSER: &str = "postgres";
 
+/// What [`LocalCluster::start`] found in its directory, for the caller to say so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Startup {
+    /// There was no cluster: `initdb` created one, and it was started.
+    Initialised,
+    /// The cluster an earlier run stopped was started again.
+    Reused,
+    /// The run before ended without stopping its cluster (it crashed, or was killed):
+    /// its server, still running, was taken over (`left_running`), or a new server
+    /// replaced its stale pid file and recovered the data.
+    Adopted {
+        /// The process that held the directory before, as its lock file says.
+        previous_pid: Option<u32>,
+        left_running: bool,
+    },
+}
+
 /// A PostgreSQL cluster in a directory of its own, started by this process or adopted
 /// from one that left it running. Stop it with [`LocalCluster::stop`]; dropping it only
 /// gives the directory up to other processes.
@@ -108,15 +126,17 @@ pub struct LocalCluster {
     /// As root: the `postgres` user's uid and gid, which the server and its tools run as
     /// and the data directory belongs to.
     postgres_user: Option<(u32, u32)>,
+    /// Whether the cluster was created, started again or taken over from a crashed run.
+    startup: Startup,
     /// Held (locked) for as long as this process uses the cluster.
     _lock: File,
 }
 
 impl LocalCluster {
     /// Takes `directory` for this process, creates a cluster in `directory/postgres` on
-    /// first use and starts it, or adopts the server a previous process left running.
-    /// `bin` overrides where the server binaries are looked for. A directory another user
-    /// can change is refused.
+    /// first use and starts it, or adopts the server a previous process left running;
+    /// [`LocalCluster::startup`] says which. `bin` overrides where the server binaries are
+    /// looked for. A directory another user can change is refused.
     pub fn start(
         directory: &Path,
         bin: Option<&Path>,
@@ -152,19 +172,34 @@ impl LocalCluster {
         lock.set_len(0).map_err(io_error("write", &lock_path))?;
         lock.rewind().map_err(io_error("write", &lock_path))?;
         write!(lock, "{}", std::process::id()).map_err(io_error("write", &lock_path))?;
-        let cluster = LocalCluster {
+        let mut cluster = LocalCluster {
             bin,
             data,
             options,
             postgres_user,
+            startup: Startup::Reused,
             _lock: lock,
         };
+        // A cleanly stopped server removes its pid file: one still there means the run
+        // before ended without stopping it.
         if !cluster.data.join("PG_VERSION").exists() {
             cluster.create()?;
+            cluster.startup = Startup::Initialised;
+        } else if cluster.data.join("postmaster.pid").exists() {
+            cluster.startup = Startup::Adopted {
+                previous_pid: holder.trim().parse().ok(),
+                left_running: cluster.is_running(),
+            };
         }
         cluster.write_settings()?;
         cluster.start_server()?;
         Ok(cluster)
+    }
+
+    /// Whether [`LocalCluster::start`] created the cluster, started it again, or took it
+    /// over from a run that crashed.
+    pub fn startup(&self) -> Startup {
+        self.startup
     }
 
     /// Starts the server unless it runs, and waits until it accepts connections.
