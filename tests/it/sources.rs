@@ -1145,3 +1145,59 @@ async fn a_source_down_at_start_is_logged_once_and_healthy_ones_are_not_called_b
     let _ = gateway.kill().await;
     let _ = std::fs::remove_file(config_file);
 }
+
+#[tokio::test]
+async fn a_source_down_at_start_is_not_said_to_be_back_when_it_first_answers() {
+    let server = tokio::task::spawn_blocking(PostgresServer::start)
+        .await
+        .unwrap()
+        .expect("a second PostgreSQL server");
+    let late = TestDatabase::create_on(&server.url()).await;
+    let default = TestDatabase::create().await;
+    server.stop().expect("stop the second server");
+    let config_file =
+        std::env::temp_dir().join(format!("outbox-sources-{}.toml", uuid::Uuid::new_v4()));
+    std::fs::write(
+        &config_file,
+        format!(
+            "database_url = {:?}\n\n[[sources]]\nname = \"late\"\ndatabase_url = {:?}\n",
+            default.url(),
+            late.url(),
+        ),
+    )
+    .unwrap();
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_outbox-gateway"));
+    command
+        .args(["serve", "--config"])
+        .arg(&config_file)
+        .args(["--listen", "127.0.0.1:0", "--console-listen", "off"])
+        .args(["--metrics-listen", "off", "--db-acquire-timeout", "1s"])
+        .args(["--health-check-interval", "200ms"])
+        .env_remove("RUST_LOG")
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut gateway = command.spawn().expect("start the gateway");
+    let log = ProcessLog::collect(&mut gateway);
+    let logged = |needle: &str| {
+        log.lines()
+            .into_iter()
+            .filter(|line| line.contains(needle))
+            .count()
+    };
+    eventually("the source down at start is logged", WAIT, || async {
+        logged("source is unreachable") == 1
+    })
+    .await;
+
+    server.resume().expect("start the second server");
+    eventually("the source's first answer is logged", WAIT, || async {
+        logged("source is reachable, for the first time since the start") == 1
+    })
+    .await;
+    assert_eq!(logged("reachable again"), 0, "{}", log.text());
+    let _ = gateway.kill().await;
+    let _ = std::fs::remove_file(config_file);
+}

@@ -46,6 +46,9 @@ pub struct Source {
     /// The ack key is installed here (`default` keeps the original).
     key_installed: std::sync::atomic::AtomicBool,
     health: Mutex<SourceHealth>,
+    /// It answered at least once since the start: answering after being down is then
+    /// "again", and not before.
+    answered_before: std::sync::atomic::AtomicBool,
     /// Bumped whenever the source's health changes; dispatchers resume on it.
     changed: watch::Sender<u64>,
 }
@@ -81,6 +84,9 @@ impl Source {
         let connected = outcome.is_ok();
         let first = !health.checked;
         let changed = health.connected != connected;
+        let answered_before = self
+            .answered_before
+            .fetch_or(connected, std::sync::atomic::Ordering::Relaxed);
         match &outcome {
             // Coming up for the first time is no news.
             Ok(()) if first => {
@@ -89,6 +95,11 @@ impl Source {
             Ok(()) if changed && self.name.is_default() => {
                 tracing::info!("the database is reachable again")
             }
+            // Down at the start, and answering for the first time.
+            Ok(()) if changed && !answered_before => tracing::info!(
+                source = %self.name,
+                "source is reachable, for the first time since the start; its deliveries begin"
+            ),
             Ok(()) if changed => tracing::info!(source = %self.name, "source is reachable again"),
             Err(error) if (changed || first) && self.name.is_default() => {
                 tracing::warn!(%error, "lost the database; calls answer UNAVAILABLE and deliveries pause until it is back")
@@ -430,6 +441,7 @@ impl Source {
                 last_error: (!is_default).then(|| "not checked yet".to_owned()),
                 since: Utc::now(),
             }),
+            answered_before: std::sync::atomic::AtomicBool::new(is_default),
             changed,
         }
     }
