@@ -554,6 +554,116 @@ mod tests {
         );
     }
 
+    /// A cluster directory for one test: its server stopped and the directory removed
+    /// when dropped, even after a failed assertion.
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let data = self.0.join("postgres");
+            if data.join("postmaster.pid").exists()
+                && let Some(bin) = find_binaries()
+            {
+                let mut command = Command::new("setpriv");
+                if running_as_root() {
+                    command.args(["--reuid=postgres", "--regid=postgres", "--clear-groups"]);
+                }
+                let _ = command
+                    .arg(bin.join("pg_ctl"))
+                    .args(["stop", "-m", "immediate", "-w", "-D"])
+                    .arg(&data)
+                    .output();
+            }
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn scratch(what: &str) -> Scratch {
+        Scratch(std::env::temp_dir().join(format!(
+            "outbox-local-postgres-{what}-{}",
+            std::process::id()
+        )))
+    }
+
+    const SOCKET_ONLY: ClusterOptions = ClusterOptions {
+        listen: Listen::UnixSocket,
+        durable: false,
+    };
+
+    /// The pid the server wrote in its pid file.
+    fn server_pid(data: &Path) -> i32 {
+        let pid_file = std::fs::read_to_string(data.join("postmaster.pid")).unwrap();
+        pid_file.lines().next().unwrap().trim().parse().unwrap()
+    }
+
+    /// The process group in a `/proc/<pid>/stat` line: the third field after the
+    /// command, which is in parentheses.
+    fn process_group(stat: &str) -> Option<String> {
+        let (_, rest) = stat.rsplit_once(')')?;
+        rest.split_whitespace().nth(2).map(str::to_owned)
+    }
+
+    fn group_of(pid: i32) -> String {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        process_group(&stat).unwrap()
+    }
+
+    /// Whether a process of `group` is left (a zombie not yet reaped counts: its pid
+    /// still looks alive to `pg_ctl status`).
+    fn group_left(group: &str) -> bool {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|entry| {
+            std::fs::read_to_string(entry.path().join("stat"))
+                .is_ok_and(|stat| process_group(&stat).as_deref() == Some(group))
+        })
+    }
+
+    #[test]
+    fn a_cluster_is_initialised_then_reused() {
+        let scratch = scratch("reused");
+        let cluster = LocalCluster::start(&scratch.0, None, SOCKET_ONLY).unwrap();
+        assert_eq!(cluster.startup(), Startup::Initialised);
+        cluster.stop().unwrap();
+        drop(cluster);
+        let cluster = LocalCluster::start(&scratch.0, None, SOCKET_ONLY).unwrap();
+        assert_eq!(cluster.startup(), Startup::Reused);
+        cluster.stop().unwrap();
+    }
+
+    #[test]
+    fn a_cluster_whose_server_crashed_is_adopted_over_its_stale_pid_file() {
+        let scratch = scratch("crashed");
+        let cluster = LocalCluster::start(&scratch.0, None, SOCKET_ONLY).unwrap();
+        let data = cluster.data_directory().to_owned();
+        let pid = server_pid(&data);
+        // The server and its processes run in a group of their own.
+        let group = group_of(pid);
+        // The holder crashes (giving up the lock), and its server with it.
+        drop(cluster);
+        // SAFETY: kill has no memory preconditions; pid is the server's.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        // The server's processes end on finding it gone; a new server waits for that.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while group_left(&group) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the server's processes outlive it"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(data.join("postmaster.pid").exists(), "no stale pid file");
+
+        let cluster = LocalCluster::start(&scratch.0, None, SOCKET_ONLY).unwrap();
+        assert_eq!(
+            cluster.startup(),
+            Startup::Adopted {
+                previous_pid: Some(std::process::id()),
+                left_running: false
+            }
+        );
+        assert_ne!(server_pid(&data), pid, "a new server runs");
+        cluster.stop().unwrap();
+    }
+
     #[test]
     fn a_directory_without_the_tools_is_named() {
         let error = LocalCluster::start(
