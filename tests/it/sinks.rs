@@ -851,3 +851,142 @@ async fn a_transform_shapes_what_reaches_the_broker() {
         Some("application/json")
     );
 }
+
+/// Whether `subscriber` holds a message now, after a round trip to the server.
+async fn has_pending(client: &async_nats::Client, subscriber: &mut async_nats::Subscriber) -> bool {
+    use futures_util::{FutureExt, StreamExt};
+    client.flush().await.expect("flush");
+    subscriber.next().now_or_never().is_some()
+}
+
+#[tokio::test]
+async fn an_aggregate_type_of_inbox_is_escaped_and_never_reaches_a_request_reply_inbox() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    // Someone waiting for a reply on an inbox whose subject the event could spell.
+    let client = async_nats::connect(SHARED_NATS).await.expect("connect");
+    let mut inbox = client
+        .subscribe(format!("_INBOX.{prefix}"))
+        .await
+        .expect("subscribe to the inbox");
+    client.flush().await.expect("flush");
+    let escaped = TestStream::create(SHARED_NATS, &format!("%5FINBOX.{prefix}")).await;
+    create_subscription(
+        &gateway,
+        sink_subscription("by-type", "{aggregate_type}.{aggregate_id}.{event_type}"),
+    )
+    .await;
+    publish(
+        &gateway,
+        vec![proto::EventInput {
+            aggregate_type: "_INBOX".into(),
+            ..event(&prefix, "created")
+        }],
+    )
+    .await;
+
+    eventually(
+        "the event is stored under the escaped subject",
+        WAIT,
+        || async { escaped.stored().await == 1 },
+    )
+    .await;
+    let stored = escaped.read().await;
+    assert_eq!(
+        stored[0].subject.as_str(),
+        format!("%5FINBOX.{prefix}.created")
+    );
+    eventually("the delivery is acked", WAIT, || async {
+        subscription_stats(&gateway, "by-type").await.acked_total == 1
+    })
+    .await;
+    let stats = subscription_stats(&gateway, "by-type").await;
+    assert_eq!(stats.sink_sent_total, 1, "sent once, there: {stats:?}");
+    assert!(list_dead_letters(&gateway, "by-type").await.is_empty());
+    assert!(
+        !has_pending(&client, &mut inbox).await,
+        "nothing reached the inbox"
+    );
+    escaped.delete().await;
+}
+
+#[tokio::test]
+async fn a_tokens_placeholder_lets_subscribers_match_event_types_with_wildcards() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    let client = async_nats::connect(SHARED_NATS).await.expect("connect");
+    let mut orders = client
+        .subscribe(format!("{prefix}.order.*"))
+        .await
+        .expect("subscribe with a wildcard");
+    client.flush().await.expect("flush");
+    let created = create_subscription(
+        &gateway,
+        sink_subscription("by-tokens", &format!("{prefix}.{{event_type:tokens}}")),
+    )
+    .await;
+    assert_eq!(
+        created.sink.unwrap().subject,
+        format!("{prefix}.{{event_type:tokens}}")
+    );
+    publish(
+        &gateway,
+        [
+            "order.created",
+            "invoice.paid",
+            "order.line.added",
+            "order.shipped",
+        ]
+        .into_iter()
+        .map(|event_type| event("o-1", event_type))
+        .collect(),
+    )
+    .await;
+
+    let mut matched = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while matched.len() < 2 {
+        use futures_util::StreamExt;
+        let message = tokio::time::timeout_at(deadline, orders.next())
+            .await
+            .expect("two messages match order.* in time")
+            .expect("the subscription is open");
+        matched.push(message.subject.to_string());
+    }
+    matched.sort();
+    assert_eq!(
+        matched,
+        [
+            format!("{prefix}.order.created"),
+            format!("{prefix}.order.shipped")
+        ]
+    );
+    eventually("all four are stored", WAIT, || async {
+        stream.stored().await == 4
+    })
+    .await;
+    let mut subjects: Vec<String> = stream
+        .read()
+        .await
+        .iter()
+        .map(|message| message.subject.to_string())
+        .collect();
+    subjects.sort();
+    assert_eq!(
+        subjects,
+        [
+            format!("{prefix}.invoice.paid"),
+            format!("{prefix}.order.created"),
+            format!("{prefix}.order.line.added"),
+            format!("{prefix}.order.shipped"),
+        ]
+    );
+    assert!(
+        !has_pending(&client, &mut orders).await,
+        "order.* matches no other"
+    );
+    stream.delete().await;
+}

@@ -3,8 +3,10 @@
 //!
 //! A template is text with placeholders for event fields — `{aggregate_type}`,
 //! `{aggregate_id}`, `{event_type}`, `{source}` — and `{{` / `}}` for literal braces.
-//! A value put into a subject or topic is escaped so it can neither add tokens nor
-//! reach a system subject (docs/sinks.md lists the escapes).
+//! In a subject, `{field:tokens}` keeps the value's dots as token separators
+//! (`order.created` → `order.created`) instead of escaping them into one token.
+//! A value put into a subject or topic is escaped so it can add no wildcard or empty
+//! token and never reach a system subject (docs/sinks.md lists the escapes).
 
 use std::fmt;
 
@@ -34,6 +36,38 @@ const SUBJECT_VALUE_ESCAPES: &AsciiSet = &CONTROLS
     .add(b'>')
     .add(b'$')
     .add(b'%');
+
+/// What a placeholder's value becomes in a subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// `{field}`: one token, its dots escaped.
+    Token,
+    /// `{field:tokens}`: split on its dots into tokens, each escaped as [`Form::Token`],
+    /// so subscribers can match its parts with `*` (`orders.order.*`).
+    Tokens,
+}
+
+/// The suffix that asks for [`Form::Tokens`].
+const TOKENS_SUFFIX: &str = ":tokens";
+
+/// Whether a subject beginning with `first_token` is one the server or clients reserve
+/// for replies: request-reply inboxes (`_INBOX.…`, and the `_INBOX_…` prefixes clients
+/// are commonly given instead), the server's service-import replies (`_R_.…`) and its
+/// gateway replies (`_GR_.…`). A sink publishing there would answer someone's request.
+/// (`$…` subjects cannot be reached: a value's `$` is always escaped.)
+fn is_reply_token(first_token: &str) -> bool {
+    first_token.starts_with("_INBOX") || first_token == "_R_" || first_token == "_GR_"
+}
+
+/// Appends `value` to a subject as one token: escaped, and `_` when empty (a subject has
+/// no empty tokens).
+fn push_subject_token(value: &str, out: &mut String) {
+    if value.is_empty() {
+        out.push('_');
+    } else {
+        out.extend(utf8_percent_encode(value, SUBJECT_VALUE_ESCAPES));
+    }
+}
 
 /// The broker protocol of a configured sink.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +123,7 @@ impl EventField {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Part {
     Text(String),
-    Field(EventField),
+    Field(EventField, Form),
 }
 
 /// A parsed template, kept with the text it was written as.
@@ -132,19 +166,23 @@ impl Template {
                         Echo(text)
                     ));
                 };
-                let name = &rest[1..end];
+                let placeholder = &rest[1..end];
+                let (name, form) = match placeholder.strip_suffix(TOKENS_SUFFIX) {
+                    Some(name) => (name, Form::Tokens),
+                    None => (placeholder, Form::Token),
+                };
                 let Some((_, field_name)) =
                     EventField::ALL.iter().find(|(known, _)| *known == name)
                 else {
                     return refuse(format!(
-                        "{} is not a field a template can name; use {{aggregate_type}}, {{aggregate_id}}, {{event_type}} or {{source}}",
+                        "{} is not a field a template can name; use {{aggregate_type}}, {{aggregate_id}}, {{event_type}} or {{source}} (in a subject, {{event_type:tokens}} and the like keep the value's dots as tokens)",
                         Echo(&rest[..=end])
                     ));
                 };
                 if !literal.is_empty() {
                     parts.push(Part::Text(std::mem::take(&mut literal)));
                 }
-                parts.push(Part::Field(*field_name));
+                parts.push(Part::Field(*field_name, form));
                 rest = &rest[end + 1..];
             } else if c == '}' {
                 return refuse(format!(
@@ -169,16 +207,24 @@ impl Template {
         &self.text
     }
 
-    /// The template filled in from `event`, each value passed through `escape`.
-    fn render(&self, event: &Event, escape: impl Fn(&str, &mut String)) -> String {
+    /// The template filled in from `event`, each value passed through `escape` with the
+    /// form its placeholder asks for.
+    fn render(&self, event: &Event, escape: impl Fn(&str, Form, &mut String)) -> String {
         let mut rendered = String::new();
         for part in &self.parts {
             match part {
                 Part::Text(text) => rendered.push_str(text),
-                Part::Field(field) => escape(field.value(event), &mut rendered),
+                Part::Field(field, form) => escape(field.value(event), *form, &mut rendered),
             }
         }
         rendered
+    }
+
+    /// Whether a placeholder asks for [`Form::Tokens`]: only a subject has tokens.
+    fn has_tokens_form(&self) -> bool {
+        self.parts
+            .iter()
+            .any(|part| matches!(part, Part::Field(_, Form::Tokens)))
     }
 
     /// The template with every field standing for `value`, unescaped: what its literal
@@ -188,21 +234,43 @@ impl Template {
         for part in &self.parts {
             match part {
                 Part::Text(text) => sample.push_str(text),
-                Part::Field(_) => sample.push_str(value),
+                Part::Field(..) => sample.push_str(value),
             }
         }
         sample
     }
 
-    /// The NATS subject of `event`; an error when it would be too long.
+    /// The NATS subject of `event`; an error when it would be too long, or a reply
+    /// subject that escaping cannot avoid.
     pub fn subject(&self, event: &Event) -> std::result::Result<String, String> {
-        let subject = self.render(event, |value, out| {
-            if value.is_empty() {
-                out.push('_');
-            } else {
-                out.extend(utf8_percent_encode(value, SUBJECT_VALUE_ESCAPES));
+        let mut subject = self.render(event, |value, form, out| match form {
+            Form::Token => push_subject_token(value, out),
+            Form::Tokens => {
+                for (index, token) in value.split('.').enumerate() {
+                    if index > 0 {
+                        out.push('.');
+                    }
+                    push_subject_token(token, out);
+                }
             }
         });
+        let first_token = subject.split('.').next().unwrap_or_default();
+        if is_reply_token(first_token) {
+            // A first token of literal text alone is refused at creation: a value made
+            // this one.
+            if matches!(self.parts.first(), Some(Part::Field(..))) {
+                // The `_` is the value's: escaped, the event lands beside its peers
+                // instead of in someone's inbox.
+                subject.replace_range(..1, "%5F");
+            } else {
+                // The `_` is the template's own (`_{aggregate_type}.…`), and the value
+                // completed it: no escape of the value keeps the subject recognisable.
+                return Err(format!(
+                    "the subject would be {}, a reply subject (_INBOX…, _R_, _GR_) a sink never publishes to",
+                    Echo(&subject)
+                ));
+            }
+        }
         if subject.len() > MAX_SUBJECT_BYTES {
             return Err(format!(
                 "the subject would be {} bytes, more than the {MAX_SUBJECT_BYTES} a subject may have",
@@ -214,7 +282,7 @@ impl Template {
 
     /// The Kafka topic of `event`; an error when it would not be a valid topic name.
     pub fn topic(&self, event: &Event) -> std::result::Result<String, String> {
-        let topic = self.render(event, |value, out| {
+        let topic = self.render(event, |value, _, out| {
             out.extend(
                 value
                     .chars()
@@ -232,11 +300,12 @@ impl Template {
 
     /// The Kafka key of `event`: the values as they are.
     pub fn key(&self, event: &Event) -> String {
-        self.render(event, |value, out| out.push_str(value))
+        self.render(event, |value, _, out| out.push_str(value))
     }
 
     /// Refuses a template whose literal parts could not make a subject one publishes
-    /// to: empty tokens, wildcards, whitespace, or a system subject (`$…`, `_INBOX.…`).
+    /// to: empty tokens, wildcards, whitespace, or a system or reply subject (`$…`,
+    /// `_INBOX.…`, `_R_.…`, `_GR_.…`).
     fn check_subject(&self, field: &str) -> Result<()> {
         let sample = self.sample("x");
         let refuse = |message: String| Err(Refusal::invalid(field, message));
@@ -258,9 +327,10 @@ impl Template {
                 Echo(&self.text)
             ));
         }
-        if sample.starts_with('$') || sample.starts_with("_INBOX.") {
+        let first_token = sample.split('.').next().unwrap_or_default();
+        if sample.starts_with('$') || is_reply_token(first_token) {
             return refuse(format!(
-                "{} is a system subject ($… or _INBOX.…), which a sink must not publish to",
+                "{} is a system subject ($…, _INBOX…, _R_.… or _GR_.…), which a sink must not publish to",
                 Echo(&self.text)
             ));
         }
@@ -374,6 +444,16 @@ impl SinkConfig {
                 if self.subject.is_some() {
                     return foreign("subject", "topic");
                 }
+                for (name, template) in [("topic", &self.topic), ("key", &self.key)] {
+                    if template.as_ref().is_some_and(Template::has_tokens_form) {
+                        return Err(Refusal::invalid(
+                            field(name),
+                            format!(
+                                "{TOKENS_SUFFIX} splits a value into subject tokens, which a kafka sink has none of"
+                            ),
+                        ));
+                    }
+                }
                 match &self.topic {
                     Some(topic) => topic.check_topic(&field("topic")),
                     None => Err(Refusal::invalid(
@@ -433,6 +513,68 @@ mod tests {
     }
 
     #[test]
+    fn a_value_never_makes_a_reply_subject() {
+        let subject = template("{aggregate_type}.{aggregate_id}");
+        let with_type = |aggregate_type: &str| {
+            let mut event = event("o-1", "x");
+            event.aggregate_type = aggregate_type.into();
+            subject.subject(&event)
+        };
+        assert_eq!(with_type("_INBOX").unwrap(), "%5FINBOX.o-1");
+        assert_eq!(with_type("_INBOX_app").unwrap(), "%5FINBOX_app.o-1");
+        assert_eq!(with_type("_R_").unwrap(), "%5FR_.o-1");
+        assert_eq!(with_type("_GR_").unwrap(), "%5FGR_.o-1");
+        assert_eq!(with_type("$JS").unwrap(), "%24JS.o-1");
+        // Only a reply subject is escaped: other values keep their `_`.
+        assert_eq!(with_type("_orders").unwrap(), "_orders.o-1");
+        assert_eq!(with_type("").unwrap(), "_.o-1");
+        // Nor can two values, or an empty one's `_`, spell it together.
+        let joined = template("{aggregate_type}{aggregate_id}.x");
+        let mut event = event("INBOX", "x");
+        event.aggregate_type = String::new();
+        assert_eq!(joined.subject(&event).unwrap(), "%5FINBOX.x");
+        event.aggregate_type = "_IN".into();
+        event.aggregate_id = "BOX".into();
+        assert_eq!(joined.subject(&event).unwrap(), "%5FINBOX.x");
+        // The first of a value's tokens is escaped alike.
+        let tokens = template("{event_type:tokens}");
+        assert_eq!(
+            tokens.subject(&event).unwrap(),
+            "x",
+            "a plain value is unchanged"
+        );
+        let mut reply = event.clone();
+        reply.event_type = "_INBOX.abc".into();
+        assert_eq!(tokens.subject(&reply).unwrap(), "%5FINBOX.abc");
+        // The template's own `_` completed by a value cannot be escaped: not sent.
+        let completed = template("_{aggregate_type}.x");
+        reply.aggregate_type = "INBOX".into();
+        let refused = completed.subject(&reply).unwrap_err();
+        assert!(refused.contains("reply subject"), "{refused}");
+        reply.aggregate_type = "orders".into();
+        assert_eq!(completed.subject(&reply).unwrap(), "_orders.x");
+    }
+
+    #[test]
+    fn a_tokens_placeholder_keeps_the_dots_as_tokens_and_escapes_each() {
+        let subject = template("orders.{event_type:tokens}.{aggregate_id}");
+        let tokens = |event_type: &str| subject.subject(&event("o.1", event_type)).unwrap();
+        assert_eq!(tokens("order.created"), "orders.order.created.o%2E1");
+        assert_eq!(tokens("order"), "orders.order.o%2E1");
+        // No token of a value can be a wildcard, a system prefix, or empty.
+        assert_eq!(tokens("a.*.>"), "orders.a.%2A.%3E.o%2E1");
+        assert_eq!(tokens("$x.b c"), "orders.%24x.b%20c.o%2E1");
+        assert_eq!(tokens("a..b."), "orders.a._.b._.o%2E1");
+        assert_eq!(tokens("."), "orders._._.o%2E1");
+        assert_eq!(tokens(""), "orders._.o%2E1");
+        for name in ["aggregate_type", "aggregate_id", "source"] {
+            Template::parse("f", &format!("a.{{{name}:tokens}}")).unwrap();
+        }
+        let long = "x.".repeat(MAX_SUBJECT_BYTES / 2);
+        assert!(subject.subject(&event("1", &long)).is_err());
+    }
+
+    #[test]
     fn topics_and_keys() {
         let topic = template("orders-{aggregate_type}");
         assert_eq!(topic.topic(&event("1", "x")).unwrap(), "orders-order_line");
@@ -456,6 +598,8 @@ mod tests {
         assert!(refused("a.{event_type").contains("without its `}`"));
         assert!(refused("a}").contains("without its `{`"));
         assert!(refused("a\nb").contains("control"));
+        assert!(refused("a.{event_type:token}").contains("is not a field"));
+        assert!(refused("a.{event_type:}").contains("is not a field"));
         let subject_refusal = |text: &str| {
             let config = SinkConfig {
                 name: "js".into(),
@@ -475,6 +619,9 @@ mod tests {
         assert!(subject_refusal("orders..x").contains("empty token"));
         assert!(subject_refusal("$JS.API.STREAM.DELETE.{aggregate_id}").contains("system"));
         assert!(subject_refusal("_INBOX.x").contains("system"));
+        assert!(subject_refusal("_INBOX_app.{aggregate_id}").contains("system"));
+        assert!(subject_refusal("_R_.{aggregate_id}").contains("system"));
+        assert!(subject_refusal("_GR_.x").contains("system"));
         let config = SinkConfig {
             name: "js".into(),
             subject: None,
@@ -488,5 +635,31 @@ mod tests {
             ..config
         };
         assert!(bad_topic.check_kind("s", SinkKind::Kafka).is_err());
+    }
+
+    /// The refusal of `config` on a Kafka sink: its field and message.
+    fn kafka_refusal(config: SinkConfig) -> (String, String) {
+        match config.check_kind("subscription.sink", SinkKind::Kafka) {
+            Err(Refusal::Invalid { field, message }) => (field, message),
+            other => panic!("{config:?}: {other:?}"),
+        }
+    }
+
+    fn kafka_config(topic: &str, key: Option<&str>) -> SinkConfig {
+        SinkConfig {
+            name: "kafka".into(),
+            subject: None,
+            topic: Some(template(topic)),
+            key: key.map(template),
+        }
+    }
+
+    #[test]
+    fn a_kafka_sink_has_no_tokens_to_split_into() {
+        let (field, message) = kafka_refusal(kafka_config("orders.{event_type:tokens}", None));
+        assert_eq!(field, "subscription.sink.topic");
+        assert!(message.contains(":tokens"), "{message}");
+        let (field, _) = kafka_refusal(kafka_config("orders", Some("{aggregate_id:tokens}")));
+        assert_eq!(field, "subscription.sink.key");
     }
 }
