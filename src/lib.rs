@@ -54,7 +54,7 @@ pub use config::Config;
 pub use outbox_cli as cli;
 pub use outbox_core::{
     audit, delivery, domain, drain, error, maintenance, metrics, operations, publish, push, rates,
-    sink, sources, storage, subscriptions, tasks, trace_context,
+    sink, sources, storage, streams, subscriptions, tasks, trace_context,
 };
 pub use outbox_domain::auth;
 pub use server::{RunError, run, run_with_console};

@@ -21,6 +21,7 @@ use crate::{
     push, push_client, rates, sink, sinks, sources,
     sources::{ConnectError, Sources, SourcesError, connect_within},
     storage::{Store, StoreError},
+    streams,
     subscriptions::Subscriptions,
     tasks::{RestartDelays, TaskName, keep_running},
     telemetry,
@@ -180,6 +181,20 @@ pub async fn run_with_console(
                     stop.clone(),
                 )
             }
+        },
+        |_| {},
+    ));
+    // Stopped with what is left after the relay, so its streams are gone when the
+    // record of them is removed.
+    let (gateway_id, stop_stream_record) = (uuid::Uuid::new_v4(), stop.child_token());
+    tasks.spawn(keep_running(
+        TaskName::single("stream_record"),
+        RestartDelays::default(),
+        stop_stream_record.clone(),
+        {
+            let (relay, stop) = (relay.clone(), stop_stream_record);
+            let poll_interval = config.delivery.poll_interval;
+            move || streams::record(relay.clone(), gateway_id, poll_interval, stop.clone())
         },
         |_| {},
     ));

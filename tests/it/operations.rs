@@ -1259,24 +1259,23 @@ async fn stats_give_each_subscription_its_most_pressing_status() {
         status_of(&gateway, "dead").await.0 == Status::DeadLetters
     })
     .await;
-    // Just created: a consumer may still be on its way.
-    assert_eq!(status_of(&gateway, "orphan").await.0, Status::Delivering);
-    assert_eq!(status_of(&gateway, "late").await.0, Status::Behind);
-
-    // No stream anywhere for minutes.
-    sqlx::query(
-        "UPDATE outbox_subscriptions SET last_attached_at = now() - interval '5 minutes' \
-         WHERE name IN ('orphan', 'late')",
-    )
-    .execute(&pool)
-    .await
-    .expect("age the last attach");
+    // No stream anywhere: the missing consumer is what to fix, late or not.
     let (status, detail) = status_of(&gateway, "orphan").await;
     assert_eq!(status, Status::NoConsumer, "{detail}");
     assert!(detail.contains("no consumer"), "{detail}");
     let (status, detail) = status_of(&gateway, "late").await;
-    assert_eq!(status, Status::Behind, "behind outranks no consumer");
-    assert!(detail.contains("no consumer"), "{detail}");
+    assert_eq!(status, Status::NoConsumer, "no consumer outranks behind");
+    assert!(
+        detail.contains("the oldest due event has waited"),
+        "{detail}"
+    );
+    let _late_consumer = Consumer::open(&gateway, "late", 1).await;
+    eventually(
+        "a late subscription with a consumer is behind",
+        WAIT,
+        || async { status_of(&gateway, "late").await.0 == Status::Behind },
+    )
+    .await;
 
     // A stream attached again: the consumer is back.
     let _orphan_consumer = Consumer::open(&gateway, "orphan", 1).await;
@@ -1284,6 +1283,120 @@ async fn stats_give_each_subscription_its_most_pressing_status() {
         status_of(&gateway, "orphan").await.0 != Status::NoConsumer
     })
     .await;
+}
+
+/// The relay's poll interval in the replicas test, and how long after a stream comes or
+/// goes each replica may take to say so: a poll interval, and slack for a loaded machine
+/// (the old reading took 30 s).
+const REPLICA_POLL: Duration = Duration::from_secs(1);
+const WITHIN_A_POLL: Duration = Duration::from_secs(4);
+
+/// The status every replica gives `name`, read on each within `within`.
+async fn on_every_replica(
+    replicas: [&TestGateway; 2],
+    name: &str,
+    expected: proto::SubscriptionStatus,
+    within: Duration,
+) {
+    for (replica, gateway) in replicas.into_iter().enumerate() {
+        let read = poll_until(within, POLL, || async {
+            let (status, detail) = status_of(gateway, name).await;
+            (status == expected).then_some(detail)
+        })
+        .await;
+        let detail = match read {
+            Some(detail) => detail,
+            None => {
+                let (status, detail) = status_of(gateway, name).await;
+                panic!("replica {replica} reads {status:?} ({detail}), not {expected:?}")
+            }
+        };
+        assert!(!detail.is_empty(), "replica {replica}: no detail");
+    }
+}
+
+/// A pull subscription with due events and no Subscribe stream on any of two gateways
+/// sharing a database reads "no consumer" on both within a poll interval — when it never
+/// had a consumer, and when its only stream, on one of them, ends — and not "behind",
+/// though its oldest event is late; the command line says so too. While the stream is
+/// there, the replica without it knows.
+#[tokio::test]
+async fn no_consumer_shows_on_every_replica_within_a_poll_interval() {
+    use proto::SubscriptionStatus as Status;
+    let database = TestDatabase::create().await;
+    let replica_config = || {
+        let mut config = test_config(database.url());
+        config.delivery.poll_interval = REPLICA_POLL;
+        config
+    };
+    let first = TestGateway::start_with(&database, replica_config()).await;
+    let second = TestGateway::start_with(&database, replica_config()).await;
+    create_subscription(&first, subscription("orders")).await;
+    sqlx::query(
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, created_at) \
+         VALUES ('order', 'o-0', 'order.created', '{}', now() - interval '10 minutes')",
+    )
+    .execute(&database.pool().await)
+    .await
+    .expect("an event ten minutes old");
+    publish(&first, orders(2)).await;
+
+    on_every_replica(
+        [&first, &second],
+        "orders",
+        Status::NoConsumer,
+        WITHIN_A_POLL,
+    )
+    .await;
+    let (_, detail) = status_of(&second, "orders").await;
+    assert!(detail.contains("no consumer"), "{detail}");
+    assert!(
+        detail.contains("the oldest due event has waited"),
+        "{detail}"
+    );
+    let stats = crate::cli::cli(&second, &["stats"]).await;
+    assert!(stats.success, "{}", stats.stderr);
+    assert!(stats.stdout.contains("no consumer"), "{}", stats.stdout);
+    let got = crate::cli::cli(&second, &["subscriptions", "get", "orders"]).await;
+    assert!(got.success, "{}", got.stderr);
+    let status_line = got
+        .stdout
+        .lines()
+        .find(|line| line.starts_with("status:"))
+        .unwrap_or_else(|| panic!("no status in:\n{}", got.stdout));
+    assert!(status_line.contains(" no consumer ("), "{status_line}");
+
+    // A stream on the first: both know a consumer is there, and that it is behind.
+    let mut consumer = Consumer::open(&first, "orders", 1).await;
+    consumer.take(1, WAIT).await;
+    on_every_replica([&first, &second], "orders", Status::Behind, WITHIN_A_POLL).await;
+
+    // It ends: both say so within a poll interval, though a stream was seen a moment ago.
+    drop(consumer);
+    on_every_replica(
+        [&first, &second],
+        "orders",
+        Status::NoConsumer,
+        WITHIN_A_POLL,
+    )
+    .await;
+    let got = crate::cli::cli(&first, &["subscriptions", "get", "orders"]).await;
+    assert!(got.stdout.contains(" no consumer ("), "{}", got.stdout);
+
+    // A replica that stops takes the record of its streams with it.
+    let mut consumer = Consumer::open(&second, "orders", 1).await;
+    consumer.take(1, WAIT).await;
+    on_every_replica([&first, &second], "orders", Status::Behind, WITHIN_A_POLL).await;
+    second.stop().await.expect("the second replica stops");
+    drop(consumer);
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_subscription_streams")
+        .fetch_one(&database.pool().await)
+        .await
+        .expect("count the stream records");
+    assert_eq!(
+        records, 0,
+        "a stopped gateway's record of its streams is left"
+    );
 }
 
 /// With `--no-maintenance` a gateway deletes nothing past retention (nor reclaims or

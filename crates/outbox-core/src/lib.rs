@@ -15,6 +15,8 @@
 //!   through the [`sink::SinkClient`]s the gateway provides.
 //! - [`drain`]: what pushers and sinkers share — one per subscription, its status.
 //! - [`rates`]: delivery and ack rates over the last 15 minutes.
+//! - [`streams`]: the record of the Subscribe streams each gateway holds, by which
+//!   every replica tells a subscription with no consumer anywhere.
 //! - [`audit`]: the audit trail of administrators' changes.
 //! - [`tasks`]: long-lived background tasks restarted after a panic, loudly.
 //! - [`metrics`]: metric names and the calls that record them (the `metrics` facade;
@@ -44,6 +46,7 @@ pub mod push;
 pub mod rates;
 pub mod sink;
 pub mod sources;
+pub mod streams;
 pub mod subscriptions;
 pub mod tasks;
 pub mod trace_context;

@@ -109,6 +109,9 @@ pub struct SubscriptionStatsReport {
     pub sink: Option<DrainStatus>,
     /// Events recorded as consumed with `outbox_consume`, in every source reachable.
     pub consumption_records: u64,
+    /// Subscribe streams open on it in this gateway process (other replicas hold their
+    /// own); whether any is open anywhere shows in `status`.
+    pub streams_here: usize,
     /// Why some of its stats could not be computed (logged in full): shown for this
     /// subscription alone, so one failing query does not fail every shared view.
     pub error: Option<String>,
@@ -681,7 +684,19 @@ impl Operations {
                 *consumption_records.entry(id).or_default() += count;
             }
         }
-        let attached_here = self.relay.attached_subscriptions();
+        let streams_here = self.relay.stream_counts();
+        let attached = match crate::streams::attached_anywhere(&self.relay).await {
+            Ok(attached) => attached,
+            Err(error) => {
+                // Then only this gateway's streams are known: the others' may be there.
+                tracing::warn!(%error, "cannot read which subscriptions have streams");
+                streams_here
+                    .iter()
+                    .filter(|(_, streams)| **streams > 0)
+                    .map(|(id, _)| *id)
+                    .collect()
+            }
+        };
         let now = Utc::now();
         for subscription in &subscriptions {
             let mut per_source = Vec::new();
@@ -713,10 +728,9 @@ impl Operations {
             let total = total(subscription, &per_source);
             let consumers = if subscription.settings.drained_by_gateway() {
                 Consumers::Gateway
-            } else if attached_here.contains(&subscription.id) {
+            } else if attached.contains(&subscription.id) {
                 Consumers::Attached
             } else {
-                // Streams of other gateways show in the time they last recorded.
                 Consumers::Absent {
                     since: subscription.last_attached_at,
                 }
@@ -736,6 +750,10 @@ impl Operations {
                     .as_ref()
                     .map(|_| self.sink_board.get(subscription.id).unwrap_or_default()),
                 consumption_records: consumption_records
+                    .get(&subscription.id)
+                    .copied()
+                    .unwrap_or_default(),
+                streams_here: streams_here
                     .get(&subscription.id)
                     .copied()
                     .unwrap_or_default(),

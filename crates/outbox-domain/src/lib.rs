@@ -42,8 +42,8 @@ pub use input::{
 pub use lease::{LeaseId, LeaseKey};
 pub use operations::{
     BEHIND_AFTER, Consumers, DeadLetter, DeadLetterGroup, DeadLetterSelection, DeliveryState,
-    EventDeliveries, NO_CONSUMER_AFTER, OutboxStats, StatusKind, SubscriptionPatch,
-    SubscriptionStats, SubscriptionStatus,
+    EventDeliveries, OutboxStats, StatusKind, SubscriptionPatch, SubscriptionStats,
+    SubscriptionStatus,
 };
 pub use pattern::{EventTypePattern, PatternSet};
 pub use push::{
@@ -56,6 +56,6 @@ pub use sink::{DEFAULT_KAFKA_KEY, SinkConfig, SinkInput, SinkKind, Template};
 pub use source::{DEFAULT_SOURCE, SourceId, SourceName};
 pub use subscription::{
     ATTACHED_HEARTBEAT, MAX_ACK_DEADLINE, MAX_ATTEMPTS, MAX_BACKOFF, MAX_PAUSE_REASON_BYTES,
-    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, StartPosition, Subscription, SubscriptionId,
-    SubscriptionName, SubscriptionSettings, check_expire_after_idle,
+    MIN_ACK_DEADLINE, MIN_EXPIRE_AFTER_IDLE, Pause, STREAMS_RECORD_LIFETIME, StartPosition,
+    Subscription, SubscriptionId, SubscriptionName, SubscriptionSettings, check_expire_after_idle,
 };

@@ -221,11 +221,6 @@ impl SubscriptionStats {
 /// An oldest due, unacked event older than this makes a subscription behind.
 pub const BEHIND_AFTER: Duration = Duration::from_secs(60);
 
-/// A pull subscription with due events and no Subscribe stream anywhere for this long
-/// has no consumer: well above how often gateways record the streams they hold, so a
-/// consumer that reconnects or sits on another replica is not taken for gone.
-pub const NO_CONSUMER_AFTER: Duration = Duration::from_secs(30);
-
 /// The one thing an operator most needs to know about a subscription: the most pressing
 /// of its states, in this order. GetStats, the console and the CLI all show this one.
 #[derive(Debug, Clone, PartialEq)]
@@ -245,15 +240,18 @@ pub enum SubscriptionStatus {
     DeadLetters {
         count: u64,
     },
+    /// A pull subscription with due events and no Subscribe stream on any gateway; the
+    /// last one was seen (or the subscription created) at `since`. It outranks
+    /// [`SubscriptionStatus::Behind`]: the lag is its consequence, the missing consumer
+    /// what to fix.
+    NoConsumer {
+        since: DateTime<Utc>,
+        /// When the oldest due event became due, when it has waited longer than
+        /// [`BEHIND_AFTER`].
+        behind_since: Option<DateTime<Utc>>,
+    },
     /// The oldest due event has waited longer than [`BEHIND_AFTER`] since `since`.
     Behind {
-        since: DateTime<Utc>,
-        /// Also no consumer attached since then (pull subscriptions).
-        no_consumer_since: Option<DateTime<Utc>>,
-    },
-    /// A pull subscription with due events and no stream attached anywhere since
-    /// `since` (longer than [`NO_CONSUMER_AFTER`]).
-    NoConsumer {
         since: DateTime<Utc>,
     },
     /// Due events are going out, none of them late.
@@ -275,22 +273,34 @@ pub enum StatusKind {
     PushStopped,
     Paused,
     DeadLetters,
-    Behind,
     NoConsumer,
+    Behind,
     Delivering,
     ScheduledOnly,
     CaughtUp,
 }
 
 impl StatusKind {
+    /// Every kind, most pressing first: for views that list them all (a gauge per kind).
+    pub const ALL: [StatusKind; 8] = [
+        StatusKind::PushStopped,
+        StatusKind::Paused,
+        StatusKind::DeadLetters,
+        StatusKind::NoConsumer,
+        StatusKind::Behind,
+        StatusKind::Delivering,
+        StatusKind::ScheduledOnly,
+        StatusKind::CaughtUp,
+    ];
+
     /// The status in the words the console, the CLI and the docs use.
     pub fn label(self) -> &'static str {
         match self {
             StatusKind::PushStopped => "push stopped",
             StatusKind::Paused => "paused",
             StatusKind::DeadLetters => "dead letters",
-            StatusKind::Behind => "behind",
             StatusKind::NoConsumer => "no consumer",
+            StatusKind::Behind => "behind",
             StatusKind::Delivering => "delivering",
             StatusKind::ScheduledOnly => "scheduled only",
             StatusKind::CaughtUp => "caught up",
@@ -304,8 +314,8 @@ impl StatusKind {
             StatusKind::PushStopped
                 | StatusKind::Paused
                 | StatusKind::DeadLetters
-                | StatusKind::Behind
                 | StatusKind::NoConsumer
+                | StatusKind::Behind
         )
     }
 }
@@ -317,7 +327,8 @@ pub enum Consumers {
     Gateway,
     /// A Subscribe stream is attached on some gateway now.
     Attached,
-    /// None attached; the last one left (or the subscription was created) then.
+    /// None attached on any gateway; one was last seen (or the subscription was
+    /// created) then.
     Absent { since: DateTime<Utc> },
 }
 
@@ -351,24 +362,23 @@ impl SubscriptionStatus {
             };
         }
         let waited = |since: DateTime<Utc>| (now - since).to_std().unwrap_or_default();
-        let no_consumer_since = match consumers {
-            Consumers::Absent { since } if waited(since) > NO_CONSUMER_AFTER => Some(since),
-            _ => None,
-        };
-        if let Some(since) = stats.oldest_unacked_at
-            && waited(since) > BEHIND_AFTER
+        let behind_since = stats
+            .oldest_unacked_at
+            .filter(|since| waited(*since) > BEHIND_AFTER);
+        let events = stats.lag_events();
+        if events > 0
+            && let Consumers::Absent { since } = consumers
         {
-            return SubscriptionStatus::Behind {
+            return SubscriptionStatus::NoConsumer {
                 since,
-                no_consumer_since,
+                behind_since,
             };
         }
-        let events = stats.lag_events();
+        if let Some(since) = behind_since {
+            return SubscriptionStatus::Behind { since };
+        }
         if events > 0 {
-            return match no_consumer_since {
-                Some(since) => SubscriptionStatus::NoConsumer { since },
-                None => SubscriptionStatus::Delivering { events },
-            };
+            return SubscriptionStatus::Delivering { events };
         }
         if stats.scheduled > 0 {
             return SubscriptionStatus::ScheduledOnly {
@@ -384,8 +394,8 @@ impl SubscriptionStatus {
             SubscriptionStatus::PushStopped { .. } => StatusKind::PushStopped,
             SubscriptionStatus::Paused { .. } => StatusKind::Paused,
             SubscriptionStatus::DeadLetters { .. } => StatusKind::DeadLetters,
-            SubscriptionStatus::Behind { .. } => StatusKind::Behind,
             SubscriptionStatus::NoConsumer { .. } => StatusKind::NoConsumer,
+            SubscriptionStatus::Behind { .. } => StatusKind::Behind,
             SubscriptionStatus::Delivering { .. } => StatusKind::Delivering,
             SubscriptionStatus::ScheduledOnly { .. } => StatusKind::ScheduledOnly,
             SubscriptionStatus::CaughtUp => StatusKind::CaughtUp,
@@ -421,20 +431,25 @@ impl SubscriptionStatus {
             SubscriptionStatus::DeadLetters { count } => {
                 format!("{count} unresolved dead letter{}", plural(*count))
             }
-            SubscriptionStatus::Behind {
+            SubscriptionStatus::NoConsumer {
                 since,
-                no_consumer_since,
+                behind_since,
             } => {
-                let mut text = format!("the oldest due event has waited since {}", at(since));
-                if let Some(gone) = no_consumer_since {
-                    text.push_str(&format!(", and no consumer is attached since {}", at(gone)));
+                let mut text = format!(
+                    "events are due and no consumer is attached on any gateway (one was last seen at {})",
+                    at(since)
+                );
+                if let Some(waiting) = behind_since {
+                    text.push_str(&format!(
+                        "; the oldest due event has waited since {}",
+                        at(waiting)
+                    ));
                 }
                 text
             }
-            SubscriptionStatus::NoConsumer { since } => format!(
-                "events are due and no consumer is attached since {}",
-                at(since)
-            ),
+            SubscriptionStatus::Behind { since } => {
+                format!("the oldest due event has waited since {}", at(since))
+            }
             SubscriptionStatus::Delivering { events } => {
                 format!("{events} event{} on the way", plural(*events))
             }
@@ -613,13 +628,14 @@ mod tests {
             kind(&subscription, &stats, Consumers::Attached),
             StatusKind::Delivering
         );
-        // A consumer gone only a moment ago may be reconnecting.
+        // No stream anywhere reads as such at once, however recently one left: the
+        // gateways say when their last stream goes, so there is nothing to wait for.
         let just_left = Consumers::Absent {
-            since: now - chrono::Duration::seconds(5),
+            since: now - chrono::Duration::seconds(1),
         };
         assert_eq!(
             kind(&subscription, &stats, just_left),
-            StatusKind::Delivering
+            StatusKind::NoConsumer
         );
         assert_eq!(kind(&subscription, &stats, gone), StatusKind::NoConsumer);
         assert_eq!(
@@ -627,12 +643,19 @@ mod tests {
             StatusKind::Delivering
         );
         stats.oldest_unacked_at = Some(minutes_ago(2));
-        let behind = SubscriptionStatus::of(&subscription, &stats, gone, now);
-        assert_eq!(behind.kind(), StatusKind::Behind);
+        assert_eq!(
+            kind(&subscription, &stats, Consumers::Attached),
+            StatusKind::Behind
+        );
+        // The missing consumer is why it is behind: that is what to show.
+        let orphaned = SubscriptionStatus::of(&subscription, &stats, gone, now);
+        assert_eq!(orphaned.kind(), StatusKind::NoConsumer);
         assert!(
-            behind.detail().contains("no consumer"),
+            orphaned
+                .detail()
+                .contains("the oldest due event has waited since"),
             "{}",
-            behind.detail()
+            orphaned.detail()
         );
         stats.dead_lettered = 1;
         assert_eq!(kind(&subscription, &stats, gone), StatusKind::DeadLetters);

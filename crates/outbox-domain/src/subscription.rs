@@ -344,6 +344,12 @@ pub const MIN_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(10);
 /// How often each gateway records that its streams are still attached.
 pub const ATTACHED_HEARTBEAT: Duration = Duration::from_secs(2);
 
+/// How long a gateway's record of the Subscribe streams it holds counts after it last
+/// refreshed it (every [`ATTACHED_HEARTBEAT`]). A gateway that stops removes its record;
+/// one that dies cannot, and its streams died with it: past this age they are taken for
+/// gone. Several heartbeats long, so a slow database round does not drop a live stream.
+pub const STREAMS_RECORD_LIFETIME: Duration = Duration::from_secs(15);
+
 /// Longest `expire_after_idle`: as for `max_event_age`, the database's time arithmetic
 /// must hold it (the expiry sweep subtracts it from now for every subscription).
 pub const MAX_EXPIRE_AFTER_IDLE: Duration = MAX_EVENT_AGE;

@@ -147,6 +147,66 @@ impl Store {
         Ok(())
     }
 
+    /// Replaces the record of the Subscribe streams `gateway` holds with `streams` (per
+    /// subscription, none of them 0), refreshing its time, and drops the records other
+    /// gateways left more than `lifetime` ago (they died without removing theirs).
+    pub async fn record_streams(
+        &self,
+        gateway: uuid::Uuid,
+        streams: &[(SubscriptionId, u32)],
+        lifetime: Duration,
+    ) -> Result<()> {
+        let ids: Vec<i64> = streams.iter().map(|(id, _)| id.0).collect();
+        let counts: Vec<i32> = streams
+            .iter()
+            .map(|(_, count)| i32::try_from(*count).unwrap_or(i32::MAX))
+            .collect();
+        // Its own rows are never among the dead ones: one statement may not both delete
+        // and upsert a row.
+        sqlx::query(
+            "WITH dropped AS ( \
+                 DELETE FROM outbox_subscription_streams \
+                 WHERE (gateway = $1 AND NOT subscription_id = ANY ($2)) \
+                    OR (gateway <> $1 AND seen_at < now() - $4 * interval '1 millisecond') \
+             ) \
+             INSERT INTO outbox_subscription_streams (subscription_id, gateway, streams, seen_at) \
+             SELECT id, $1, count, now() FROM unnest($2::bigint[], $3::int[]) AS held (id, count) \
+             ON CONFLICT (subscription_id, gateway) \
+             DO UPDATE SET streams = EXCLUDED.streams, seen_at = EXCLUDED.seen_at",
+        )
+        .bind(gateway)
+        .bind(ids)
+        .bind(counts)
+        .bind(millis(lifetime))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Removes the record of `gateway`'s streams: it stops holding any.
+    pub async fn forget_streams(&self, gateway: uuid::Uuid) -> Result<()> {
+        sqlx::query("DELETE FROM outbox_subscription_streams WHERE gateway = $1")
+            .bind(gateway)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Subscriptions a gateway recorded Subscribe streams on within `lifetime`.
+    pub async fn subscriptions_with_streams(
+        &self,
+        lifetime: Duration,
+    ) -> Result<Vec<SubscriptionId>> {
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT DISTINCT subscription_id FROM outbox_subscription_streams \
+             WHERE seen_at >= now() - $1 * interval '1 millisecond'",
+        )
+        .bind(millis(lifetime))
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(from_id_values(ids))
+    }
+
     /// Subscriptions with no stream attached anywhere for longer than their
     /// `expire_after_idle`, leaving out `attached_here` (streams of this process not yet
     /// recorded).
