@@ -337,11 +337,20 @@ impl Template {
         Ok(())
     }
 
-    /// Refuses a template whose literal parts hold characters a topic name cannot.
+    /// Refuses a template whose literal parts hold characters a topic name cannot, or
+    /// that can only make `.` or `..` (names Kafka reserves).
     fn check_topic(&self, field: &str) -> Result<()> {
         let sample = self.sample("x");
         if sample.is_empty() {
             return Err(Refusal::invalid(field, "must not be empty"));
+        }
+        // A placeholder makes the sample longer than its literal text, so only a
+        // template without one can be `.` or `..`, and then every topic it makes is.
+        if sample == "." || sample == ".." {
+            return Err(Refusal::invalid(
+                field,
+                format!("{} is not a valid topic name", Echo(&self.text)),
+            ));
         }
         if let Some(c) = sample.chars().find(|c| !is_topic_char(*c)) {
             return Err(Refusal::invalid(
@@ -651,6 +660,24 @@ mod tests {
             subject: None,
             topic: Some(template(topic)),
             key: key.map(template),
+        }
+    }
+
+    #[test]
+    fn topics_that_can_only_be_dot_or_dot_dot_are_refused_at_creation() {
+        for topic in [".", ".."] {
+            let (field, message) = kafka_refusal(kafka_config(topic, None));
+            assert_eq!(field, "subscription.sink.topic");
+            assert!(message.contains("not a valid topic name"), "{message}");
+        }
+        // With a placeholder, a value makes it a name: sent, or dead-lettered when not.
+        for topic in ["...", ".{aggregate_type}", "{aggregate_type}", ".-"] {
+            assert!(
+                kafka_config(topic, None)
+                    .check_kind("s", SinkKind::Kafka)
+                    .is_ok(),
+                "{topic}"
+            );
         }
     }
 
