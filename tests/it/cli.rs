@@ -1959,3 +1959,49 @@ async fn invalid_settings_exit_2_from_subscriptions_as_from_apply() {
     .await;
     assert_eq!(missing.code, Some(1), "{}", missing.stderr);
 }
+
+/// `outbox-gateway tail SUB --no-ack | head -1` while nothing more is due: tail notices
+/// the reader is gone without waiting for a delivery to write.
+#[tokio::test]
+async fn tail_ends_when_its_reader_goes_away_while_nothing_arrives() {
+    use tokio::io::AsyncBufReadExt;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    // The printed delivery, unacked, comes back only after its deadline: long past the
+    // bound below, so no write can be what ends tail.
+    create_subscription(
+        &gateway,
+        outbox_gateway::proto::Subscription {
+            ack_deadline: Some(prost_types::Duration {
+                seconds: 120,
+                nanos: 0,
+            }),
+            ..subscription("orders")
+        },
+    )
+    .await;
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+    let mut tail = cli_command(&gateway.endpoint(), &["tail", "orders", "--no-ack"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("run tail");
+    let mut lines = tokio::io::BufReader::new(tail.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("a delivery")
+        .unwrap()
+        .expect("a line");
+    assert!(first.contains("order.created"), "{first}");
+    drop(lines);
+    let within = std::time::Duration::from_secs(5);
+    let Ok(output) = tokio::time::timeout(within, tail.wait_with_output()).await else {
+        panic!("tail still runs {within:?} after its reader went away");
+    };
+    let output = output.unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}: {stderr}", output.status);
+    assert_eq!(stderr, "");
+}

@@ -82,6 +82,9 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
     let result = tokio::select! {
         result = stream_deliveries(&gateway, &name, max_in_flight, !args.no_ack, args.limit) => result,
         () = stop.received() => Ok(()),
+        // The reader went away while nothing was being written (`tail | head -1` with the
+        // other deliveries in backoff): a normal end, as a failed write is.
+        () = stdout_reader_gone() => Ok(()),
     };
     if ephemeral
         && let Err(status) = admin
@@ -100,6 +103,75 @@ pub(crate) async fn tail(target: &Target, args: TailArgs) -> Result<(), String> 
 /// (killed with SIGKILL, its machine lost) outlives it: long enough to ride out a gateway
 /// restart while tail reconnects.
 const TAIL_EXPIRE_AFTER_IDLE: Duration = Duration::from_secs(5 * 60);
+
+/// How often [`stdout_reader_gone`] looks at standard output: well within the second a
+/// closed pipe must end tail in, at the cost of a few system calls a second.
+const STDOUT_CHECK_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Resolves once standard output is a pipe (or socket, or terminal) whose other end is
+/// gone, even while no delivery comes to write; never on a system where that cannot be
+/// seen, and never when standard output is a file.
+///
+/// A write is what otherwise notices (EPIPE), and with every delivery in backoff or none
+/// published the next write may be minutes away. So tail asks poll(2) without waiting,
+/// every [`STDOUT_CHECK_INTERVAL`]: Linux reports a pipe without a reader as POLLERR, the
+/// BSDs and macOS as POLLHUP, and a hung-up terminal as POLLHUP everywhere. POLLOUT is
+/// asked for, and ignored, so that a system reporting a pipe's end only alongside an
+/// event it was asked about reports it too. A look with a zero timeout from the runtime, rather than a thread
+/// blocked in poll(2), needs no thread to end and no descriptor made non-blocking (that
+/// would change the file description other processes share). Where poll(2) says
+/// nothing, tail still ends at its next write.
+async fn stdout_reader_gone() {
+    #[cfg(unix)]
+    {
+        let mut checks = tokio::time::interval(STDOUT_CHECK_INTERVAL);
+        checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            checks.tick().await;
+            match stdout_state() {
+                StdoutState::Open => {}
+                StdoutState::ReaderGone => return,
+                // Not a descriptor poll(2) can watch: a failed write is the only sign.
+                StdoutState::Unwatchable => break,
+            }
+        }
+    }
+    std::future::pending::<()>().await
+}
+
+#[cfg(unix)]
+enum StdoutState {
+    Open,
+    ReaderGone,
+    Unwatchable,
+}
+
+/// Standard output's state as a poll(2) that does not wait reports it.
+#[cfg(unix)]
+fn stdout_state() -> StdoutState {
+    let mut descriptor = libc::pollfd {
+        fd: libc::STDOUT_FILENO,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, a count of 1, and a zero timeout; poll writes only
+    // `revents`.
+    let ready = unsafe { libc::poll(&mut descriptor, 1, 0) };
+    if ready < 0 {
+        return match std::io::Error::last_os_error().raw_os_error() {
+            // A signal came first: look again at the next tick.
+            Some(libc::EINTR) | Some(libc::EAGAIN) => StdoutState::Open,
+            _ => StdoutState::Unwatchable,
+        };
+    }
+    if descriptor.revents & libc::POLLNVAL != 0 {
+        return StdoutState::Unwatchable;
+    }
+    if descriptor.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+        return StdoutState::ReaderGone;
+    }
+    StdoutState::Open
+}
 
 /// Whether a call failed because the gateway stopped or the connection broke (a
 /// restart), rather than because the gateway refused it.
