@@ -2005,3 +2005,115 @@ async fn tail_ends_when_its_reader_goes_away_while_nothing_arrives() {
     assert!(output.status.success(), "{}: {stderr}", output.status);
     assert_eq!(stderr, "");
 }
+
+/// `dead-letters`, the console's word, is `dlq`, and a near miss is pointed to it;
+/// `subscriptions list` says how each subscription delivers and what its filter takes.
+#[tokio::test]
+async fn dead_letters_is_dlq_and_the_list_shows_kind_and_filter() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.push.allowed_hosts =
+        outbox_gateway::domain::AllowedHosts::parse(&["127.0.0.1".to_owned()]).unwrap();
+    config.sinks = vec![outbox_gateway::sinks::SinkSettings {
+        name: "js".into(),
+        kind: "nats".into(),
+        servers: vec!["nats://127.0.0.1:4222".into()],
+        ..Default::default()
+    }];
+    let gateway = TestGateway::start_with(&database, config).await;
+    let filter =
+        "payload.total > 1000.0 &&\n  metadata.tenant == \"acme\" && payload.region == \"eu\"";
+    for args in [
+        &[
+            "create",
+            "orders",
+            "--event-type",
+            "order.*",
+            "--filter",
+            filter,
+        ][..],
+        &[
+            "create",
+            "hooks",
+            "--push-endpoint",
+            "http://127.0.0.1:9/hook",
+        ],
+        &[
+            "create",
+            "bus",
+            "--sink",
+            "js",
+            "--subject",
+            "orders.created",
+        ],
+    ] {
+        let created = cli(&gateway, &[&["subscriptions"], args].concat()).await;
+        assert!(created.success, "{args:?}: {}", created.stderr);
+    }
+
+    let by_alias = cli(&gateway, &["dead-letters", "list", "orders", "--json"]).await;
+    assert!(by_alias.success, "{}", by_alias.stderr);
+    let by_name = cli(&gateway, &["dlq", "list", "orders", "--json"]).await;
+    assert_eq!(by_alias.stdout, by_name.stdout);
+    let near_miss = cli(&gateway, &["dead-letter", "list", "orders"]).await;
+    assert_eq!(near_miss.code, Some(2), "{}", near_miss.stderr);
+    assert!(
+        near_miss.stderr.contains("'dead-letters'"),
+        "{}",
+        near_miss.stderr
+    );
+    let help = cli(&gateway, &["--help"]).await;
+    assert!(help.stdout.contains("dead-letters"), "{}", help.stdout);
+
+    let text = cli(&gateway, &["subscriptions", "list"]).await;
+    assert!(text.success, "{}", text.stderr);
+    let lines: Vec<&str> = text.stdout.lines().collect();
+    let header: Vec<&str> = lines[0].split_whitespace().collect();
+    assert!(
+        header.starts_with(&["NAME", "KIND", "EVENT", "TYPES"]) && header.contains(&"FILTER"),
+        "{}",
+        text.stdout
+    );
+    let row = |name: &str| {
+        lines
+            .iter()
+            .find(|line| line.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no row for {name}: {}", text.stdout))
+            .to_string()
+    };
+    let orders = row("orders");
+    assert!(
+        orders.contains(" pull ")
+            && orders.contains("order.*")
+            && orders.contains("payload.total > 1000.0 && metadata.ten")
+            && orders.contains('…')
+            && !orders.contains("eu"),
+        "the filter on one line, shortened: {}",
+        text.stdout
+    );
+    assert!(row("hooks").contains(" push "), "{}", text.stdout);
+    assert!(row("bus").contains(" sink:js "), "{}", text.stdout);
+
+    let listed = cli(&gateway, &["subscriptions", "list", "--json"])
+        .await
+        .json();
+    let kinds: Vec<(&str, &str)> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["kind"].as_str().unwrap()))
+        .collect();
+    for expected in [("bus", "sink"), ("hooks", "push"), ("orders", "pull")] {
+        assert!(kinds.contains(&expected), "{listed}");
+    }
+    let orders = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "orders")
+        .unwrap();
+    assert_eq!(
+        (&orders["filter"], &orders["event_types"][0]),
+        (&Value::from(filter), &Value::from("order.*"))
+    );
+}

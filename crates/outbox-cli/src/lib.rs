@@ -5,7 +5,7 @@
 //! # Layout
 //! - Owns: the client commands' flags (clap) and what each does, one file per command
 //!   (`subscriptions`, `apply` for `apply` and `export` over the [`manifest`] file,
-//!   `dead_letters` for `dlq`, `events`, `requeue`, `stats`,
+//!   `dead_letters` for `dlq` (alias `dead-letters`), `events`, `requeue`, `stats`,
 //!   `publish`, `tail`, `pull`, `sources`, `health`, `token`); the connection
 //!   [`context`] profiles; how answers are rendered. This file keeps what they share:
 //!   the target gateway and how a failure to reach it is explained, the errors, the
@@ -495,6 +495,8 @@ pub enum ClientCommand {
         command: Box<SubscriptionCommand>,
     },
     /// List, summarize, requeue or resolve a subscription's dead letters.
+    // `dead-letters` is the console's word for them.
+    #[command(visible_alias = "dead-letters")]
     Dlq {
         #[command(flatten)]
         target: Target,

@@ -80,9 +80,45 @@ pub fn delivery(delivery: &proto::Delivery) -> Value {
     })
 }
 
+/// How a subscription's events leave the gateway: `pull` (Subscribe streams), `push`
+/// (HTTP requests) or `sink` (into a broker, named in `sink.name`).
+fn kind(subscription: &proto::Subscription) -> &'static str {
+    match (&subscription.push, &subscription.sink) {
+        (Some(_), _) => "push",
+        (None, Some(_)) => "sink",
+        (None, None) => "pull",
+    }
+}
+
+/// [`kind`] for a table cell: a sink with its broker's name, `sink:<name>`.
+pub fn kind_text(subscription: &proto::Subscription) -> String {
+    match &subscription.sink {
+        Some(sink) if subscription.push.is_none() => format!("sink:{}", sink.name),
+        _ => kind(subscription).to_owned(),
+    }
+}
+
+/// `text` on one line of at most `max_chars` characters: whitespace runs (a filter
+/// written over several lines) become one space, and a longer text ends in `…`; `-` for
+/// none.
+pub fn shortened(text: &str, max_chars: usize) -> String {
+    let one_line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one_line.is_empty() {
+        return "-".to_owned();
+    }
+    if one_line.chars().count() <= max_chars {
+        return one_line;
+    }
+    let mut kept: String = one_line.chars().take(max_chars.saturating_sub(1)).collect();
+    kept.truncate(kept.trim_end().len());
+    kept.push('…');
+    kept
+}
+
 pub fn subscription(subscription: &proto::Subscription) -> Value {
     json!({
         "name": subscription.name,
+        "kind": kind(subscription),
         "event_types": subscription.event_types,
         "aggregate_types": subscription.aggregate_types,
         "metadata_match": subscription.metadata_match,
@@ -752,4 +788,46 @@ pub fn event_deliveries_text(deliveries: &proto::EventDeliveries) {
         &["SUBSCRIPTION", "STATE", "ATTEMPT", "DUE AT", "LAST ERROR"],
         &rows,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shortened_texts_keep_to_one_line_and_the_width() {
+        assert_eq!(shortened("", 10), "-");
+        assert_eq!(shortened("  \n ", 10), "-");
+        assert_eq!(shortened("a == 1", 10), "a == 1");
+        assert_eq!(
+            shortened("payload.total > 10\n  && metadata.x == 'y'", 100),
+            "payload.total > 10 && metadata.x == 'y'"
+        );
+        let cut = shortened("payload.total > 1000.0 && region == 'eu'", 16);
+        assert_eq!(cut, "payload.total >…");
+        assert_eq!(cut.chars().count(), 16);
+        assert_eq!(shortened("ééééé", 3).chars().count(), 3);
+    }
+
+    #[test]
+    fn kinds_name_how_events_leave() {
+        let pull = proto::Subscription::default();
+        assert_eq!((kind(&pull), kind_text(&pull)), ("pull", "pull".to_owned()));
+        let push = proto::Subscription {
+            push: Some(proto::PushConfig::default()),
+            ..Default::default()
+        };
+        assert_eq!((kind(&push), kind_text(&push)), ("push", "push".to_owned()));
+        let sink = proto::Subscription {
+            sink: Some(proto::SinkConfig {
+                name: "bus".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            (kind(&sink), kind_text(&sink)),
+            ("sink", "sink:bus".to_owned())
+        );
+    }
 }

@@ -272,7 +272,7 @@ pub enum SubscriptionCommand {
         #[command(flatten)]
         sink: SinkArgs,
     },
-    /// List all subscriptions.
+    /// List all subscriptions: how each delivers (pull, push, sink) and what it takes.
     List,
     /// Show one subscription.
     Get {
@@ -405,8 +405,10 @@ pub(crate) async fn subscriptions(
                     .map(|s| {
                         vec![
                             s.name.clone(),
+                            render::kind_text(s),
                             join_or_all(&s.event_types),
                             join_or_all(&s.aggregate_types),
+                            render::shortened(&s.filter, LISTED_FILTER_CHARS),
                             render::duration(&s.ack_deadline),
                             s.max_attempts.unwrap_or_default().to_string(),
                             s.ordered.to_string(),
@@ -417,8 +419,10 @@ pub(crate) async fn subscriptions(
                 render::table(
                     &[
                         "NAME",
+                        "KIND",
                         "EVENT TYPES",
                         "AGGREGATE TYPES",
+                        "FILTER",
                         "ACK DEADLINE",
                         "MAX ATTEMPTS",
                         "ORDERED",
@@ -603,6 +607,10 @@ pub(crate) async fn subscriptions(
     }
     Ok(())
 }
+
+/// Most characters of a CEL filter `subscriptions list` shows: enough to tell filters
+/// apart, few enough to keep a row on a terminal line; `get` shows the whole.
+const LISTED_FILTER_CHARS: usize = 40;
 
 fn join_or_all(values: &[String]) -> String {
     if values.is_empty() {
