@@ -18,7 +18,17 @@ use opentelemetry_sdk::{
 };
 use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
+use tracing_subscriber::{
+    EnvFilter, Layer,
+    fmt::{
+        FmtContext, FormatEvent, FormatFields,
+        format::{Format, Writer},
+        time::{FormatTime, SystemTime},
+    },
+    layer::SubscriberExt,
+    registry::LookupSpan,
+    util::SubscriberInitExt,
+};
 
 pub use crate::trace_context::exporting;
 use crate::trace_context::{self, TraceHeaders, remote_context};
@@ -64,7 +74,7 @@ impl Telemetry {
             .with_writer(std::io::stderr)
             .with_ansi(colours);
         let logs = match format {
-            LogFormat::Text => logs.boxed(),
+            LogFormat::Text => logs.event_format(TextFormat::default()).boxed(),
             LogFormat::Json => logs.json().flatten_event(true).boxed(),
         };
         let destination = TraceDestination::from_env(|name| std::env::var(name).ok())?;
@@ -102,6 +112,44 @@ impl Telemetry {
         {
             eprintln!("outbox-gateway: could not flush traces: {error}");
         }
+    }
+}
+
+/// Text log lines: tracing's default format, except for audit lines, which leave out
+/// the spans they were logged in. An audit line is read on its own, by a person looking
+/// for who changed what; behind the request's span prefix (some 200 characters of RPC
+/// attributes) its message came last. What those spans say, the RPC method and the
+/// subscription, the audit line says itself; JSON logs keep the spans.
+#[derive(Default)]
+struct TextFormat {
+    default: Format,
+}
+
+impl<S, N> FormatEvent<S, N> for TextFormat
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        context: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let metadata = event.metadata();
+        if metadata.target() != outbox_core::audit::TARGET {
+            return self.default.format_event(context, writer, event);
+        }
+        // The default format's timestamp, level and target, without the spans.
+        SystemTime.format_time(&mut writer)?;
+        write!(
+            writer,
+            " {:>5} {}: ",
+            metadata.level().as_str(),
+            metadata.target()
+        )?;
+        context.format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
     }
 }
 

@@ -965,6 +965,73 @@ async fn piped_text_logs_have_no_colours_and_no_debug_wrappers() {
     }
 }
 
+/// The first audit line under `target` in a gateway's log, waiting for it.
+async fn audit_line(gateway: &GatewayProcess, target: &str) -> String {
+    let found = poll_until(WAIT, Duration::from_millis(50), || async {
+        let lines = gateway.stderr.lock().unwrap();
+        lines.iter().find(|line| line.contains(target)).cloned()
+    })
+    .await;
+    found.unwrap_or_else(|| {
+        panic!(
+            "no audit line: {:#?}",
+            gateway.stderr.lock().unwrap().clone()
+        )
+    })
+}
+
+/// A text audit line reads on its own: timestamp, level, target and message first, then
+/// who did what; the request's spans stay in the JSON logs.
+#[tokio::test]
+async fn text_audit_lines_start_with_what_happened() {
+    let database = TestDatabase::create().await;
+    let gateway = GatewayProcess::start(&database, &["--metrics-listen", "off"], &[]).await;
+    create_subscription_over(gateway.channel().await, subscription("orders")).await;
+    let line = audit_line(&gateway, " audit: ").await;
+    gateway.stop().await;
+    let message = line.find("admin action").expect("the message");
+    assert!(message <= 45, "the message comes at {message}: {line}");
+    let mut words = line.split_whitespace();
+    let timestamp = words.next().unwrap_or_default();
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(timestamp).is_ok(),
+        "{line}"
+    );
+    assert_eq!(
+        words.take(4).collect::<Vec<_>>(),
+        ["INFO", "audit:", "admin", "action"],
+        "{line}"
+    );
+    for said in [
+        "principal=\"anonymous\"",
+        "via=\"grpc\"",
+        "action=\"CreateSubscription\"",
+        "subscription=orders",
+        "changed=1",
+    ] {
+        assert!(line.contains(said), "{said} in {line}");
+    }
+    assert!(!line.contains("rpc{"), "{line}");
+
+    let gateway = GatewayProcess::start(
+        &database,
+        &["--metrics-listen", "off", "--log-format", "json"],
+        &[],
+    )
+    .await;
+    proto::admin_client::AdminClient::new(gateway.channel().await)
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "orders".into(),
+        })
+        .await
+        .expect("delete");
+    let line = audit_line(&gateway, r#""target":"audit""#).await;
+    gateway.stop().await;
+    let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(line["action"], "DeleteSubscription", "{line}");
+    assert_eq!(line["spans"][0]["name"], "rpc", "{line}");
+}
+
 #[tokio::test]
 async fn a_taken_listen_address_says_how_to_choose_another() {
     let database = TestDatabase::create().await;
