@@ -182,8 +182,20 @@ async fn within_grace(
 
 /// Without authentication, refuses a request for a name a DNS server could have pointed
 /// at the console (see [`hosts`]), before any session is made for it. Both the request's
-/// authority (absolute-form) and its Host header must pass.
+/// authority (absolute-form) and its Host header must pass. With or without it, a
+/// request with more than one Host header is refused, as RFC 9112 (3.2) requires: which
+/// one counts is ambiguous, and a proxy in front may have checked another than ours.
 async fn check_host(State(console): State<Console>, request: Request, next: Next) -> Response {
+    if request
+        .headers()
+        .get_all(header::HOST)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        tracing::info!("refused a console request with more than one host header");
+        return ConsoleError::SeveralHosts.into_response();
+    }
     if console.inner.authenticator.is_some() {
         // Tokens guard it: a rebound page has no token to sign in with.
         return next.run(request).await;
@@ -303,6 +315,8 @@ pub enum ConsoleError {
     /// Without tokens, a request for a host name (this one) that is neither a loopback
     /// name, an address nor listed in `console_allowed_hosts`.
     UnknownHost(String),
+    /// A request with more than one Host header.
+    SeveralHosts,
 }
 
 impl From<crate::domain::Refusal> for ConsoleError {
@@ -356,6 +370,11 @@ impl IntoResponse for ConsoleError {
                 format!(
                     "This console has no tokens configured, so it answers only to localhost, *.localhost and IP addresses: a page of another site could otherwise reach it through a name its DNS points at this machine (DNS rebinding). To open it as {host:?}, add that name to --console-allowed-hosts (OUTBOX_CONSOLE_ALLOWED_HOSTS, or console_allowed_hosts in the configuration file), or configure [[tokens]]. Nothing was changed."
                 ),
+            ),
+            ConsoleError::SeveralHosts => (
+                StatusCode::BAD_REQUEST,
+                "Bad request",
+                "The request has more than one Host header. Nothing was changed.".to_owned(),
             ),
             ConsoleError::NoPage => (
                 StatusCode::NOT_FOUND,

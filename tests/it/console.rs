@@ -550,6 +550,52 @@ async fn without_tokens_the_console_answers_only_loopback_names_and_addresses() 
     }
 }
 
+/// Sends `head` (request line and headers, without the blank line) to `console` and
+/// returns the status line of the answer.
+async fn raw_status_line(console: SocketAddr, head: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(console)
+        .await
+        .expect("connect to the console");
+    stream
+        .write_all(format!("{head}Connection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("send the request");
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_string(&mut answer))
+        .await
+        .expect("the console answers in time")
+        .expect("read the answer");
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+#[tokio::test]
+async fn a_request_with_two_host_headers_is_refused_as_bad() {
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start_with_console(&database, test_config(database.url())).await;
+    let console = gateway.console.unwrap();
+    let port = console.port();
+    let allowed = format!("Host: 127.0.0.1:{port}\r\n");
+    assert_eq!(
+        raw_status_line(console, &format!("GET / HTTP/1.1\r\n{allowed}")).await,
+        "HTTP/1.1 200 OK",
+        "one allowed Host is served"
+    );
+    // Whichever comes first, and even when both are allowed: RFC 9112 says 400.
+    for second in ["Host: rebind.example\r\n", allowed.as_str()] {
+        for head in [
+            format!("GET / HTTP/1.1\r\n{allowed}{second}"),
+            format!("GET / HTTP/1.1\r\n{second}{allowed}"),
+        ] {
+            assert_eq!(
+                raw_status_line(console, &head).await,
+                "HTTP/1.1 400 Bad Request",
+                "{head:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn with_tokens_any_host_name_is_sent_to_sign_in() {
     let database = TestDatabase::create().await;
