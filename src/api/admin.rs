@@ -57,6 +57,12 @@ impl AdminService for AdminApi {
         if !request.validate_only {
             let name = &created.subscription.name;
             record(&who, "CreateSubscription", name.into(), &selector, 1);
+            let settings = &created.subscription.settings;
+            if settings.sink.is_some() && settings.max_attempts == 0 {
+                // The default for sinks, unlike every other subscription's: said where
+                // operators look, beside the `max attempts` the answer shows.
+                tracing::info!(subscription = %name, "sink subscription retries its events until the broker confirms them (max_attempts 0): an outage never dead-letters them, a refusal still does at once");
+            }
         }
         Ok(Response::new(convert::changed_subscription(created)))
     }

@@ -172,6 +172,14 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
     let message = message.ok_or_else(|| Error::invalid("subscription", "is required"))?;
     let name = subscription_name("subscription.name", &message.name)?;
     let defaults = SubscriptionSettings::default();
+    let sink = message
+        .sink
+        .map(|sink| sink_config("subscription.sink", sink))
+        .transpose()?;
+    let default_max_attempts = match sink {
+        Some(_) => SinkConfig::DEFAULT_MAX_ATTEMPTS,
+        None => defaults.max_attempts,
+    };
     let settings = SubscriptionSettings {
         event_types: patterns("subscription.event_types", &message.event_types)?,
         aggregate_types: message.aggregate_types,
@@ -187,7 +195,7 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
         )?,
         ack_deadline: optional_duration("subscription.ack_deadline", message.ack_deadline)?
             .unwrap_or(defaults.ack_deadline),
-        max_attempts: message.max_attempts.unwrap_or(defaults.max_attempts),
+        max_attempts: message.max_attempts.unwrap_or(default_max_attempts),
         retry_backoff_min: optional_duration(
             "subscription.retry_backoff_min",
             message.retry_backoff_min,
@@ -209,10 +217,7 @@ pub(super) fn new_subscription(message: Option<proto::Subscription>) -> Result<N
             .push
             .map(|push| push_config("subscription.push", push))
             .transpose()?,
-        sink: message
-            .sink
-            .map(|sink| sink_config("subscription.sink", sink))
-            .transpose()?,
+        sink,
     };
     let start = start_position("subscription.start", message.start)?;
     let sources = message

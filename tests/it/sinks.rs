@@ -990,3 +990,72 @@ async fn a_tokens_placeholder_lets_subscribers_match_event_types_with_wildcards(
     );
     stream.delete().await;
 }
+
+#[tokio::test]
+async fn a_sink_subscription_outlasts_a_jetstream_outage_without_setting_max_attempts() {
+    let database = TestDatabase::create().await;
+    let store = std::env::temp_dir().join(format!("{}-nats-no-js", database.name()));
+    let _ = std::fs::remove_dir_all(&store);
+    // A server without JetStream, as while JetStream restarts: every send fails at
+    // once, as worth retrying.
+    let arguments = ["-a", "127.0.0.1", "-p", "-1"];
+    let nats = OwnNats::start_with(store.clone(), arguments.map(String::from).to_vec()).await;
+    let gateway = gateway_with_sink(&database, &nats.url()).await;
+    let created = create_subscription(
+        &gateway,
+        proto::Subscription {
+            retry_backoff_min: seconds(1),
+            retry_backoff_max: seconds(1),
+            ..sink_subscription("patient", "patient.{aggregate_id}")
+        },
+    )
+    .await;
+    assert_eq!(
+        created.max_attempts,
+        Some(0),
+        "sinks retry forever by default"
+    );
+    publish(&gateway, vec![event("o-1", "order.created")]).await;
+
+    // More attempts than any other subscription gets by default, and still no dead letter.
+    let pool = database.pool().await;
+    let beyond =
+        i32::try_from(outbox_gateway::domain::SubscriptionSettings::default().max_attempts)
+            .unwrap();
+    eventually(
+        "the event is tried more often than the usual max_attempts",
+        WAIT * 2,
+        || async {
+            let records = delivery_records(&pool, "patient").await;
+            assert!(
+                records.iter().all(|(_, state, _)| state != "dead"),
+                "dead-lettered during the outage: {records:?}"
+            );
+            records.iter().any(|(_, _, attempt)| *attempt > beyond)
+        },
+    )
+    .await;
+    assert!(list_dead_letters(&gateway, "patient").await.is_empty());
+    let stats = subscription_stats(&gateway, "patient").await;
+    assert!(
+        stats.sink_last_error.contains("JetStream"),
+        "stats say why: {stats:?}"
+    );
+
+    // JetStream is back: the event is stored and acked.
+    let (store, port) = nats.stop().await;
+    let nats = OwnNats::start(store.clone(), Some(port)).await;
+    let stream = TestStream::create(&nats.url(), "patient").await;
+    eventually(
+        "the event is stored once JetStream is back",
+        WAIT * 2,
+        || async { stream.stored().await == 1 },
+    )
+    .await;
+    eventually("the delivery is acked", WAIT, || async {
+        subscription_stats(&gateway, "patient").await.acked_total == 1
+    })
+    .await;
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+}

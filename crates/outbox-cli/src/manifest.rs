@@ -10,7 +10,8 @@ use std::{collections::BTreeMap, time::Duration};
 
 use chrono::{DateTime, Utc};
 use outbox_domain::{
-    DEFAULT_PUSH_BATCH_BYTES, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, SubscriptionSettings,
+    DEFAULT_PUSH_BATCH_BYTES, DEFAULT_PUSH_CONCURRENCY, DEFAULT_PUSH_TIMEOUT, SinkConfig,
+    SubscriptionSettings,
 };
 use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize, Serializer, de::DeserializeSeed};
@@ -66,7 +67,8 @@ pub struct SubscriptionSpec {
     /// Lease length of a delivery [default: 30s].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ack_deadline: Option<Interval>,
-    /// Deliveries before an event is dead-lettered; 0 retries forever [default: 10].
+    /// Deliveries before an event is dead-lettered; 0 retries forever [default: 10; 0
+    /// with a sink].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
     /// Smallest retry backoff [default: 1s].
@@ -307,6 +309,15 @@ fn interval(value: &Option<prost_types::Duration>) -> Option<Interval> {
     (!duration.is_zero()).then_some(Interval(duration))
 }
 
+/// The gateway's default `max_attempts`, which a sink subscription's differs from.
+fn default_max_attempts(sink: bool) -> u32 {
+    if sink {
+        SinkConfig::DEFAULT_MAX_ATTEMPTS
+    } else {
+        SubscriptionSettings::default().max_attempts
+    }
+}
+
 /// The value unless it is the default.
 fn unless<T: PartialEq>(value: T, default: T) -> Option<T> {
     (value != default).then_some(value)
@@ -333,7 +344,10 @@ impl SubscriptionSpec {
             transform: self.transform.clone().unwrap_or_default(),
             start: self.start.as_ref().map(|start| start.0),
             ack_deadline: or_default(self.ack_deadline, defaults.ack_deadline),
-            max_attempts: Some(self.max_attempts.unwrap_or(defaults.max_attempts)),
+            max_attempts: Some(
+                self.max_attempts
+                    .unwrap_or(default_max_attempts(self.sink.is_some())),
+            ),
             retry_backoff_min: or_default(self.retry_backoff_min, defaults.retry_backoff_min),
             retry_backoff_max: or_default(self.retry_backoff_max, defaults.retry_backoff_max),
             ordered: self.ordered,
@@ -383,9 +397,9 @@ impl SubscriptionSpec {
             transform: text(&subscription.transform),
             start: None,
             ack_deadline: setting(&subscription.ack_deadline, defaults.ack_deadline),
-            max_attempts: subscription
-                .max_attempts
-                .and_then(|attempts| unless(attempts, defaults.max_attempts)),
+            max_attempts: subscription.max_attempts.and_then(|attempts| {
+                unless(attempts, default_max_attempts(subscription.sink.is_some()))
+            }),
             retry_backoff_min: setting(&subscription.retry_backoff_min, defaults.retry_backoff_min),
             retry_backoff_max: setting(&subscription.retry_backoff_max, defaults.retry_backoff_max),
             ordered: subscription.ordered,
@@ -790,6 +804,31 @@ subscriptions:
         let yaml = serde_yaml_ng::to_string(&back).expect("serializes");
         assert!(yaml.contains("max_event_age: 1h 30m"), "{yaml}");
         assert!(yaml.contains("format: structured"), "{yaml}");
+    }
+
+    #[test]
+    fn a_sink_subscription_retries_forever_unless_the_file_says_otherwise() {
+        let file: SubscriptionsFile = serde_yaml_ng::from_str(
+            r#"
+subscriptions:
+  - name: orders-out
+    sink: {name: events-js, subject: "orders.{event_type:tokens}"}
+  - name: orders-limited
+    max_attempts: 10
+    sink: {name: events-js, subject: "orders.{event_type:tokens}"}
+"#,
+        )
+        .expect("a valid file");
+        let [unlimited, limited] = &file.subscriptions[..] else {
+            panic!("two subscriptions");
+        };
+        assert_eq!(unlimited.to_proto().max_attempts, Some(0));
+        assert_eq!(
+            SubscriptionSpec::from_proto(&unlimited.to_proto()),
+            *unlimited
+        );
+        assert_eq!(limited.to_proto().max_attempts, Some(10));
+        assert_eq!(SubscriptionSpec::from_proto(&limited.to_proto()), *limited);
     }
 
     #[test]

@@ -34,7 +34,8 @@ pub struct SubscriptionSettingsArgs {
     /// Lease length of a delivery, e.g. 30s.
     #[arg(long, value_parser = humantime::parse_duration)]
     ack_deadline: Option<Duration>,
-    /// Deliveries before dead-lettering; 0 retries forever.
+    /// Deliveries before dead-lettering; 0 retries forever [default: 10; 0 for a sink
+    /// subscription].
     #[arg(long)]
     max_attempts: Option<u32>,
     /// Smallest retry backoff.

@@ -397,6 +397,12 @@ pub struct SinkInput {
 }
 
 impl SinkConfig {
+    /// `max_attempts` of a sink subscription whose request sets none: unlimited. A sink
+    /// dead-letters what the broker refuses for good at once, whatever the attempts; what
+    /// it retries is the broker being unreachable or slow, the event not at fault, and
+    /// an outage longer than the backoff series must not dead-letter every event of it.
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 0;
+
     /// Validates the shape of the sink settings in the request field `prefix`
     /// (`subscription.sink`); whether they fit the named sink is [`SinkConfig::check_kind`].
     pub fn parse(prefix: &str, input: SinkInput) -> Result<SinkConfig> {
