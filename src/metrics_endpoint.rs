@@ -44,6 +44,7 @@ impl MetricsEndpoint {
             tracing::warn!("metrics are already recorded by another gateway of this process");
         }
         describe();
+        crate::metrics::task_panic_counters();
         Ok(MetricsEndpoint { handle })
     }
 

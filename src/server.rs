@@ -218,8 +218,10 @@ pub async fn run_with_console(
         .set_service_status(PROCESS_HEALTH_SERVICE, ServingStatus::Serving)
         .await;
     // Both loop until told to stop; their token also ends a wait to restart.
+    let sinks_reached = SinksReached::default();
     if config.metrics_listen.is_some() {
         let (sources, operations) = (sources.clone(), operations.clone());
+        let sinks_reached = sinks_reached.clone();
         let (interval, stop_stats) = (config.metrics_refresh_interval, stop.child_token());
         tasks.spawn(keep_running(
             // The task label stays "figures": it is a published metric label.
@@ -227,7 +229,12 @@ pub async fn run_with_console(
             RestartDelays::default(),
             stop_stats.clone(),
             move || {
-                let refresh = refresh_stats(sources.clone(), operations.clone(), interval);
+                let refresh = refresh_stats(
+                    sources.clone(),
+                    operations.clone(),
+                    sinks_reached.clone(),
+                    interval,
+                );
                 let stop = stop_stats.clone();
                 async move {
                     stop.run_until_cancelled(refresh).await;
@@ -246,7 +253,12 @@ pub async fn run_with_console(
                 let (catalog, reporter) = (sink_catalog.clone(), health_reporter.clone());
                 let (interval, stop) = (config.health_check_interval, stop_health.clone());
                 move || {
-                    let monitor = monitor_sinks(catalog.clone(), reporter.clone(), interval);
+                    let monitor = monitor_sinks(
+                        catalog.clone(),
+                        reporter.clone(),
+                        sinks_reached.clone(),
+                        interval,
+                    );
                     let stop = stop.clone();
                     async move {
                         stop.run_until_cancelled(monitor).await;
@@ -500,11 +512,20 @@ async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Du
 
 /// Each sink reports on `outbox.sink.<name>`: SERVING while its broker answers. A
 /// change is logged with the reason.
-async fn monitor_sinks(catalog: sink::SinkCatalog, reporter: HealthReporter, interval: Duration) {
+async fn monitor_sinks(
+    catalog: sink::SinkCatalog,
+    reporter: HealthReporter,
+    reached: SinksReached,
+    interval: Duration,
+) {
     let mut reported: std::collections::HashMap<String, bool> = Default::default();
     loop {
         for status in catalog.statuses().await {
             let reachable = status.reachable.is_ok();
+            reached
+                .lock()
+                .expect("sinks reached lock")
+                .insert(status.name.clone(), reachable);
             if reported.get(&status.name) != Some(&reachable) {
                 match &status.reachable {
                     Ok(()) => tracing::info!(sink = %status.name, "the sink's broker answers"),
@@ -533,10 +554,20 @@ fn serving_status(serving: bool) -> ServingStatus {
     }
 }
 
+/// Whether each sink's broker answered the sink monitor's last check, by sink name: the
+/// stats refresh sets `outbox_sink_up` from it on each of its rounds, which the gauges'
+/// idle timeout follows (the monitor's rounds are another rhythm).
+type SinksReached = std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, bool>>>;
+
 /// Recomputes the per-subscription gauges and the pool gauges. Counting a large backlog
 /// takes the database a while, so the refresh never spends more than about 1/20 of the
 /// time: with a backlog of millions it comes less often than `interval`.
-async fn refresh_stats(sources: Sources, operations: Operations, interval: Duration) {
+async fn refresh_stats(
+    sources: Sources,
+    operations: Operations,
+    sinks_reached: SinksReached,
+    interval: Duration,
+) {
     loop {
         let started = std::time::Instant::now();
         match operations.stats(None).await {
@@ -549,6 +580,9 @@ async fn refresh_stats(sources: Sources, operations: Operations, interval: Durat
                         .collect(),
                 );
                 for report in &subscriptions {
+                    let name = report.total.name.as_str();
+                    metrics::subscription_status(name, report.status.kind());
+                    metrics::subscription_streams(name, report.streams_here);
                     for stats in &report.per_source {
                         metrics::subscription_counters(
                             stats.name.as_str(),
@@ -563,7 +597,13 @@ async fn refresh_stats(sources: Sources, operations: Operations, interval: Durat
         }
         let (size, idle) = sources.default_source().store.pool_usage();
         metrics::pool(size, idle);
-        metrics::build_and_process();
+        for source in sources.iter() {
+            metrics::source_up(source.name.as_str(), source.is_connected());
+        }
+        for (sink, up) in sinks_reached.lock().expect("sinks reached lock").iter() {
+            metrics::sink_up(sink, *up);
+        }
+        metrics::build_and_process(env!("OUTBOX_GIT_COMMIT"));
         tokio::time::sleep(interval.max(started.elapsed() * 20)).await;
     }
 }

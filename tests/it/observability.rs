@@ -1109,7 +1109,10 @@ async fn counters_start_at_zero_beside_build_and_process_figures() {
     assert_eq!(
         metrics.value(
             "outbox_build_info",
-            &[("version", env!("CARGO_PKG_VERSION"))]
+            &[
+                ("version", env!("CARGO_PKG_VERSION")),
+                ("commit", env!("OUTBOX_GIT_COMMIT"))
+            ]
         ),
         Some(1.0)
     );
@@ -1346,4 +1349,173 @@ async fn every_admin_change_leaves_one_audit_line() {
         selector.contains("all") && selector.contains("order.*"),
         "the selector says which dead letters: {selector:?}"
     );
+}
+
+/// A gateway process serving metrics (refreshed every 200 ms) with the sink `down`,
+/// whose NATS broker is not there, and the pull subscription `orders` with one event
+/// due and no consumer; returns it and its metrics URL.
+async fn gateway_with_a_waiting_subscription(database: &TestDatabase) -> (GatewayProcess, String) {
+    let config = std::env::temp_dir().join(format!("{}-down-sink.toml", database.name()));
+    std::fs::write(
+        &config,
+        format!(
+            "[[sinks]]\nname = \"down\"\nkind = \"nats\"\nservers = [\"nats://127.0.0.1:{}\"]\n",
+            free_port()
+        ),
+    )
+    .expect("write the configuration");
+    let mut gateway = GatewayProcess::start(
+        database,
+        &[
+            "--config",
+            config.to_str().expect("a UTF-8 path"),
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--metrics-refresh-interval",
+            "200ms",
+        ],
+        &[],
+    )
+    .await;
+    let metrics = gateway.announced("serving metrics").await;
+    let channel = gateway.channel().await;
+    create_subscription_over(channel.clone(), subscription("orders")).await;
+    proto::publisher_client::PublisherClient::new(channel)
+        .publish(proto::PublishRequest {
+            events: vec![event("o-1", "order.created")],
+            ..Default::default()
+        })
+        .await
+        .expect("publish");
+    (gateway, format!("http://{metrics}/metrics"))
+}
+
+/// The value of `outbox_subscription_status` of `orders` for each status, in the order
+/// the scrape lists them.
+fn statuses_of_orders(metrics: &Metrics) -> Vec<(String, f64)> {
+    metrics
+        .0
+        .iter()
+        .filter(|sample| {
+            sample.metric == "outbox_subscription_status"
+                && sample.labels.get("subscription") == Some("orders")
+        })
+        .filter_map(|sample| {
+            let status = sample.labels.get("status")?.to_owned();
+            match sample.value {
+                prometheus_parse::Value::Gauge(value) => Some((status, value)),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn status_streams_sinks_panics_and_the_build_commit_have_series_to_alert_on() {
+    let database = TestDatabase::create().await;
+    let (gateway, url) = gateway_with_a_waiting_subscription(&database).await;
+    let orders = [("subscription", "orders")];
+    let status_is = |expected: &'static str| {
+        let url = url.clone();
+        async move {
+            let statuses = statuses_of_orders(&Metrics::scrape(&url).await);
+            statuses.len() == 8
+                && statuses
+                    .iter()
+                    .all(|(status, value)| *value == if status == expected { 1.0 } else { 0.0 })
+        }
+    };
+    eventually(
+        "orders reads no_consumer, and 0 for every other status",
+        REFRESH_WAIT,
+        || status_is("no_consumer"),
+    )
+    .await;
+    let metrics = Metrics::scrape(&url).await;
+    let mut labels: Vec<String> = statuses_of_orders(&metrics)
+        .into_iter()
+        .map(|(status, _)| status)
+        .collect();
+    labels.sort();
+    assert_eq!(
+        labels,
+        [
+            "behind",
+            "caught_up",
+            "dead_letters",
+            "delivering",
+            "no_consumer",
+            "paused",
+            "push_stopped",
+            "scheduled_only"
+        ]
+    );
+    assert_eq!(
+        metrics.value("outbox_subscription_streams", &orders),
+        Some(0.0)
+    );
+    assert_eq!(
+        metrics.value("outbox_sink_up", &[("sink", "down")]),
+        Some(0.0)
+    );
+    for task in outbox_gateway::metrics::TASKS {
+        assert_eq!(
+            metrics.value("outbox_task_panics_total", &[("task", task)]),
+            Some(0.0),
+            "{task}"
+        );
+    }
+    let commit = env!("OUTBOX_GIT_COMMIT");
+    let in_a_checkout = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if in_a_checkout {
+        assert!(
+            commit.len() == 40 && commit.chars().all(|c| c.is_ascii_hexdigit()),
+            "{commit}"
+        );
+    }
+    assert_eq!(
+        metrics.value(
+            "outbox_build_info",
+            &[("version", env!("CARGO_PKG_VERSION")), ("commit", commit)]
+        ),
+        Some(1.0)
+    );
+    let help = reqwest::get(&url).await.unwrap().text().await.unwrap();
+    let help = help
+        .lines()
+        .find(|line| line.starts_with("# HELP outbox_subscription_streams "))
+        .expect("a HELP line");
+    assert!(help.contains("per replica"), "{help}");
+
+    // A consumer attaches: one stream here, and the subscription is delivering.
+    let mut consumer = Consumer::from_stream(
+        proto::subscriber_client::SubscriberClient::new(gateway.channel().await)
+            .subscribe(proto::SubscribeRequest {
+                subscription: "orders".into(),
+                max_in_flight: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("subscribe")
+            .into_inner(),
+    );
+    consumer.take(1, WAIT).await;
+    eventually(
+        "orders has one stream and delivers",
+        REFRESH_WAIT,
+        || async {
+            Metrics::scrape(&url)
+                .await
+                .value("outbox_subscription_streams", &orders)
+                == Some(1.0)
+                && status_is("delivering").await
+        },
+    )
+    .await;
+    drop(consumer);
+    gateway.stop().await;
 }

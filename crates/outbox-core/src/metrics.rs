@@ -11,7 +11,7 @@ use std::{
 
 use metrics::{Histogram, counter, gauge, histogram};
 
-use crate::{domain::OutboxStats, domain::SubscriptionStats};
+use crate::domain::{OutboxStats, StatusKind, SubscriptionStats};
 
 /// Distinct event types given their own label; later ones count as "other".
 const MAX_EVENT_TYPE_LABELS: usize = 256;
@@ -118,7 +118,19 @@ pub fn describe() {
     );
     describe_gauge!(
         "outbox_build_info",
-        "always 1, labelled with the version of the running gateway"
+        "always 1, labelled with the version of the running gateway and the git commit it was built from (\"unknown\" when built outside a git checkout)"
+    );
+    describe_gauge!(
+        "outbox_subscription_status",
+        "1 for the subscription's status (as GetStats, the console and the CLI show it), 0 for every other: push_stopped, paused, dead_letters, no_consumer, behind, delivering, scheduled_only, caught_up; every replica computes it from the database"
+    );
+    describe_gauge!(
+        "outbox_subscription_streams",
+        "Subscribe streams open on the subscription in this gateway process (per replica: sum over the replicas for the total; push and sink subscriptions have none)"
+    );
+    describe_gauge!(
+        "outbox_sink_up",
+        "1 while the sink's broker answers this gateway, 0 while it does not"
     );
     describe_counter!(
         "process_cpu_seconds_total",
@@ -363,6 +375,69 @@ pub fn task_panicked(task: &'static str) {
     counter!("outbox_task_panics_total", "task" => task).increment(1);
 }
 
+/// The `task` labels of the gateway's restartable background tasks: a new kind of task
+/// belongs here, so that its panics are counted from 0.
+pub const TASKS: [&str; 10] = [
+    "pusher",
+    "push_supervisor",
+    "sinker",
+    "sink_supervisor",
+    "maintenance",
+    "source_watch",
+    "figures",
+    "sink_health_monitor",
+    "health_monitor",
+    "stream_record",
+];
+
+/// Puts `outbox_task_panics_total` of every task on the endpoint at 0: an alert on its
+/// `increase()` then works from the first panic on.
+pub fn task_panic_counters() {
+    for task in TASKS {
+        counter!("outbox_task_panics_total", "task" => task).increment(0);
+    }
+}
+
+/// The word of a status in `outbox_subscription_status{status}`: the status as every
+/// view names it, with `_` for spaces so PromQL matchers need no quoting surprises.
+pub fn status_label(kind: StatusKind) -> &'static str {
+    match kind {
+        StatusKind::PushStopped => "push_stopped",
+        StatusKind::Paused => "paused",
+        StatusKind::DeadLetters => "dead_letters",
+        StatusKind::NoConsumer => "no_consumer",
+        StatusKind::Behind => "behind",
+        StatusKind::Delivering => "delivering",
+        StatusKind::ScheduledOnly => "scheduled_only",
+        StatusKind::CaughtUp => "caught_up",
+    }
+}
+
+/// A subscription's status: 1 on its own, 0 on every other, so each status's series
+/// is always there (an alert `== 1` then clears when the status changes, rather than
+/// its series vanishing).
+pub fn subscription_status(subscription: &str, status: StatusKind) {
+    for kind in StatusKind::ALL {
+        gauge!(
+            "outbox_subscription_status",
+            "subscription" => subscription.to_owned(),
+            "status" => status_label(kind)
+        )
+        .set(if kind == status { 1.0 } else { 0.0 });
+    }
+}
+
+/// Subscribe streams open on a subscription in this process.
+pub fn subscription_streams(subscription: &str, streams: usize) {
+    gauge!("outbox_subscription_streams", "subscription" => subscription.to_owned())
+        .set(streams as f64);
+}
+
+/// 1 while the sink's broker answers, 0 while it does not.
+pub fn sink_up(sink: &str, up: bool) {
+    gauge!("outbox_sink_up", "sink" => sink.to_owned()).set(if up { 1.0 } else { 0.0 });
+}
+
 /// The labels of a subscription's stats in one source.
 fn per_source(subscription: &str, source: &str) -> [(&'static str, String); 2] {
     [
@@ -401,10 +476,16 @@ pub fn subscription_counters(subscription: &str, source: &str) {
     }
 }
 
-/// The build and the process's own usage. Gauges are set again on every refresh, since
-/// those left alone for a while leave the endpoint.
-pub fn build_and_process() {
-    gauge!("outbox_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+/// The build — its version and `commit`, the git commit the gateway was built from —
+/// and the process's own usage. Gauges are set again on every refresh, since those left
+/// alone for a while leave the endpoint.
+pub fn build_and_process(commit: &'static str) {
+    gauge!(
+        "outbox_build_info",
+        "version" => env!("CARGO_PKG_VERSION"),
+        "commit" => commit
+    )
+    .set(1.0);
     if let Some(usage) = process::read() {
         counter!("process_cpu_seconds_total").absolute(usage.cpu_seconds as u64);
         gauge!("process_resident_memory_bytes").set(usage.resident_bytes as f64);
