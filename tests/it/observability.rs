@@ -1519,3 +1519,167 @@ async fn status_streams_sinks_panics_and_the_build_commit_have_series_to_alert_o
     drop(consumer);
     gateway.stop().await;
 }
+
+/// The rules of deploy/prometheus/alerts.yaml: each alert's name and expression.
+fn alert_rules() -> Vec<(String, String)> {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/alerts.yaml");
+    let text = std::fs::read_to_string(&path).expect("deploy/prometheus/alerts.yaml");
+    let file: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).expect("valid YAML");
+    let groups = file["groups"].as_sequence().expect("a list of groups");
+    let mut rules = Vec::new();
+    for group in groups {
+        for rule in group["rules"].as_sequence().expect("a list of rules") {
+            let alert = rule["alert"].as_str().expect("every rule is an alert");
+            let expr = rule["expr"].as_str().expect("every rule has an expr");
+            rules.push((alert.to_owned(), expr.to_owned()));
+        }
+    }
+    rules
+}
+
+/// A metric name and the `label="value"` matchers of its selector.
+type Selector = (String, Vec<(String, String)>);
+
+/// The gateway's series a PromQL expression selects: each `outbox_` metric name, with
+/// the `label="value"` matchers of its selector. Quoted text is skipped, so a name in a
+/// string is no selector.
+fn gateway_selectors(expr: &str) -> Vec<Selector> {
+    let chars: Vec<char> = expr.chars().collect();
+    let mut selectors = Vec::new();
+    let mut at = 0;
+    while at < chars.len() {
+        let c = chars[at];
+        if matches!(c, '"' | '\'' | '`') {
+            at += 1;
+            while at < chars.len() && chars[at] != c {
+                at += if chars[at] == '\\' { 2 } else { 1 };
+            }
+            at += 1;
+            continue;
+        }
+        if !(c.is_ascii_alphabetic() || c == '_' || c == ':') {
+            at += 1;
+            continue;
+        }
+        let start = at;
+        while at < chars.len()
+            && (chars[at].is_ascii_alphanumeric() || matches!(chars[at], '_' | ':'))
+        {
+            at += 1;
+        }
+        let name: String = chars[start..at].iter().collect();
+        if !name.starts_with("outbox_") {
+            continue;
+        }
+        let mut matchers = Vec::new();
+        let brace = (at..chars.len()).find(|index| !chars[*index].is_whitespace());
+        if let Some(open) = brace.filter(|index| chars[*index] == '{') {
+            let close = (open..chars.len())
+                .find(|index| chars[*index] == '}')
+                .expect("a selector's closing brace");
+            let inside: String = chars[open + 1..close].iter().collect();
+            for matcher in inside.split(',') {
+                let (label, value) = matcher.split_once('=').expect("label matchers");
+                // Only equality names a value that must exist; !=, =~ and !~ do not.
+                if !label.ends_with('!') && !value.starts_with('~') {
+                    matchers.push((
+                        label.trim().to_owned(),
+                        value.trim().trim_matches('"').to_owned(),
+                    ));
+                }
+            }
+            at = close + 1;
+        }
+        selectors.push((name, matchers));
+    }
+    selectors
+}
+
+#[test]
+fn selectors_are_read_out_of_expressions_but_not_out_of_strings() {
+    assert_eq!(
+        gateway_selectors(
+            r#"sum by (subscription) (increase(outbox_dead_letters_total{source!="x", subscription = "a"}[5m])) > 0 or label_replace(vector(1), "l", "outbox_fake", "", "")"#
+        ),
+        [(
+            "outbox_dead_letters_total".to_owned(),
+            vec![("subscription".to_owned(), "a".to_owned())]
+        )]
+    );
+}
+
+/// Every metric (and every label value matched with `=`) the shipped alert rules use is
+/// one a live gateway serves — a renamed metric would make its alert silently never fire
+/// — and promtool, where installed, accepts the file.
+#[tokio::test]
+async fn alert_rules_use_only_series_the_gateway_serves() {
+    let rules = alert_rules();
+    let alerts: Vec<&str> = rules.iter().map(|(alert, _)| alert.as_str()).collect();
+    for expected in [
+        "OutboxSubscriptionNoConsumer",
+        "OutboxPushStopped",
+        "OutboxSinkDown",
+        "OutboxDeadLettersRising",
+        "OutboxOldestUnackedTooOld",
+    ] {
+        assert!(alerts.contains(&expected), "{expected} in {alerts:?}");
+    }
+    let database = TestDatabase::create().await;
+    let (gateway, url) = gateway_with_a_waiting_subscription(&database).await;
+    // By alert.
+    let wanted: Vec<(String, Selector)> = rules
+        .iter()
+        .flat_map(|(alert, expr)| {
+            let selectors = gateway_selectors(expr);
+            assert!(
+                !selectors.is_empty(),
+                "{alert} uses no metric of the gateway: {expr}"
+            );
+            selectors
+                .into_iter()
+                .map(|selector| (alert.clone(), selector))
+        })
+        .collect();
+    let missing = |metrics: &Metrics| -> Vec<String> {
+        wanted
+            .iter()
+            .filter(|(_, (metric, matchers))| {
+                !metrics.0.iter().any(|sample| {
+                    sample.metric == *metric
+                        && matchers
+                            .iter()
+                            .all(|(label, value)| sample.labels.get(label) == Some(value.as_str()))
+                })
+            })
+            .map(|(alert, (metric, matchers))| format!("{alert}: {metric} {matchers:?}"))
+            .collect()
+    };
+    // The per-subscription series come with the first stats refresh.
+    let served = poll_until(REFRESH_WAIT, Duration::from_millis(200), || async {
+        let metrics = Metrics::scrape(&url).await;
+        missing(&metrics).is_empty().then_some(())
+    })
+    .await;
+    if served.is_none() {
+        panic!(
+            "series the alert rules use that the gateway does not serve: {:#?}",
+            missing(&Metrics::scrape(&url).await)
+        );
+    }
+    gateway.stop().await;
+
+    let Ok(promtool) = std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/alerts.yaml"))
+        .output()
+    else {
+        return; // promtool is not installed: the checks above stand alone.
+    };
+    assert!(
+        promtool.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&promtool.stdout),
+        String::from_utf8_lossy(&promtool.stderr)
+    );
+}
