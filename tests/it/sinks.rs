@@ -1001,17 +1001,44 @@ async fn a_sink_subscription_outlasts_a_jetstream_outage_without_setting_max_att
     let arguments = ["-a", "127.0.0.1", "-p", "-1"];
     let nats = OwnNats::start_with(store.clone(), arguments.map(String::from).to_vec()).await;
     let gateway = gateway_with_sink(&database, &nats.url()).await;
-    let created = create_subscription(
+    // Created as operators do, without --max-attempts: the answer says what it got.
+    let created = crate::cli::cli(
         &gateway,
-        proto::Subscription {
-            retry_backoff_min: seconds(1),
-            retry_backoff_max: seconds(1),
-            ..sink_subscription("patient", "patient.{aggregate_id}")
-        },
+        &[
+            "subscriptions",
+            "create",
+            "patient",
+            "--start",
+            "earliest",
+            "--sink",
+            "js",
+            "--subject",
+            "patient.{aggregate_id}",
+            "--retry-backoff-min",
+            "1s",
+            "--retry-backoff-max",
+            "1s",
+        ],
     )
     .await;
+    assert!(created.success, "{}", created.stderr);
+    let shown = created
+        .stdout
+        .lines()
+        .find(|line| line.contains("max attempts"))
+        .unwrap_or_default();
+    assert!(shown.contains("0 (retries forever)"), "{}", created.stdout);
+    let stored = gateway
+        .admin()
+        .await
+        .get_subscription(proto::GetSubscriptionRequest {
+            name: "patient".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(
-        created.max_attempts,
+        stored.max_attempts,
         Some(0),
         "sinks retry forever by default"
     );
