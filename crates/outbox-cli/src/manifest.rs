@@ -171,7 +171,8 @@ pub enum PushFormatName {
 pub struct SinkSpec {
     /// A sink of the gateway's configuration (`outbox-gateway sinks` lists them).
     pub name: String,
-    /// NATS sinks: the subject template, e.g. `orders.{aggregate_type}.{event_type}`.
+    /// NATS sinks: the subject template, e.g. `orders.{aggregate_type}.{event_type}`;
+    /// `{event_type:tokens}` keeps the value's dots as subject tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subject: Option<String>,
     /// Kafka sinks: the topic template.

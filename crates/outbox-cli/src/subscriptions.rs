@@ -192,7 +192,8 @@ pub struct SinkArgs {
     /// sinks` lists them) instead of waiting for Subscribe streams.
     #[arg(long, conflicts_with = "push_endpoint")]
     sink: Option<String>,
-    /// NATS sinks: the subject template, e.g. 'orders.{aggregate_type}.{event_type}'.
+    /// NATS sinks: the subject template, e.g. 'orders.{aggregate_type}.{event_type}';
+    /// '{event_type:tokens}' keeps the value's dots as subject tokens.
     #[arg(long, requires = "sink")]
     subject: Option<String>,
     /// Kafka sinks: the topic template, e.g. 'orders' or 'orders-{aggregate_type}'.
