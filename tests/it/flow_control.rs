@@ -320,6 +320,53 @@ async fn a_new_stream_is_leased_a_few_deliveries_at_first_and_the_rest_in_time_w
     assert_eq!(consumer.take(50, WAIT).await.len(), 50);
 }
 
+/// A consumer that collects a batch before it acks any, with short leases: a new
+/// stream's window grows with its ack deadline, so each batch is complete long before the
+/// first of its leases expires, and nothing is delivered twice. (With a window doubling
+/// each second, this consumer had 10, 20, then 40 over 2 s, its first leases expired
+/// unsettled and the stream was throttled as stalled.)
+#[tokio::test]
+async fn a_consumer_that_collects_a_batch_before_acking_is_not_starved_by_short_leases() {
+    const BATCH: usize = 50;
+    const BATCHES: usize = 4;
+    let database = TestDatabase::create().await;
+    let gateway = TestGateway::start(&database).await;
+    let mut orders = subscription("orders");
+    orders.ack_deadline = seconds(2);
+    create_subscription(&gateway, orders).await;
+    let events: Vec<_> = (0..BATCH * BATCHES)
+        .map(|i| event(&format!("o-{i}"), "order.created"))
+        .collect();
+    publish(&gateway, events).await;
+
+    let mut consumer = Consumer::open(&gateway, "orders", 100).await;
+    let mut delivered = Vec::new();
+    for batch in 0..BATCHES {
+        let collected = consumer.take(BATCH, WAIT).await;
+        assert_eq!(
+            collected.len(),
+            BATCH,
+            "batch {batch}: collected {} of {BATCH}",
+            collected.len()
+        );
+        delivered.extend(collected.iter().map(|d| (aggregate_of(d), d.attempt)));
+        let acks = collected.into_iter().map(|d| d.ack_id).collect();
+        let stale = ack(&gateway, "orders", acks).await;
+        assert!(
+            stale.is_empty(),
+            "batch {batch}: {} leases expired before the batch was complete",
+            stale.len()
+        );
+    }
+    let redelivered: Vec<_> = delivered
+        .iter()
+        .filter(|(_, attempt)| *attempt > 1)
+        .collect();
+    assert!(redelivered.is_empty(), "delivered again: {redelivered:?}");
+    let distinct: std::collections::BTreeSet<_> = delivered.iter().map(|(id, _)| id).collect();
+    assert_eq!(distinct.len(), BATCH * BATCHES);
+}
+
 /// `--claim-batch-size` bounds what one claim leases, however much room the stream has:
 /// the deliveries of one claim share its lease deadline (set in one statement), so no
 /// more than that many share one.

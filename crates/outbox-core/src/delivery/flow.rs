@@ -22,10 +22,14 @@
 //!   work starves the healthy subscriptions;
 //! - a new stream starts the same way, with a window of [`INITIAL_WINDOW`] (or its
 //!   `max_in_flight` when smaller) that each settlement widens by one, and that also
-//!   doubles each [`WINDOW_GROWTH`] it goes without settling, up to `max_in_flight`: a
-//!   consumer that collects N deliveries before it acks any still gets them (after a few
-//!   seconds at most), while a thousand streams that read and never ack cannot lease
-//!   their whole `max_in_flight` each in the moment they attach;
+//!   doubles each growth step it goes without settling, up to `max_in_flight`. The step
+//!   is a sixteenth of the subscription's ack deadline (at most [`LONGEST_GROWTH_STEP`]),
+//!   so the window reaches 100 within a quarter of the deadline and 1,000 within half
+//!   of it: a consumer that collects a batch before it acks any gets it well before its
+//!   first lease expires, whatever the deadline, while a thousand streams that read and
+//!   never ack cannot lease their whole `max_in_flight` each in the moment they attach.
+//!   The window grows into a claim only while the stream has taken out everything it
+//!   was sent: one that does not read is not sent more for its age alone;
 //! - a claim smaller than half of what the streams may hold, and smaller than
 //!   [`WORTHWHILE_CLAIM`], waits up to [`CLAIM_LINGER`] for more room while every stream
 //!   still holds at least half its window, so its consumer has work meanwhile (Kafka's
@@ -69,8 +73,20 @@ pub const CLAIM_LINGER: Duration = Duration::from_millis(2);
 /// reading a few hundred events, is already spread thin (see the module's rules).
 pub const WORTHWHILE_CLAIM: usize = 250;
 
-/// A new stream's window doubles each time this passes without a settlement.
-pub const WINDOW_GROWTH: Duration = Duration::from_secs(1);
+/// A new stream's window doubles each time a sixteenth of its ack deadline passes
+/// without a settlement (see the module's rules)...
+const GROWTH_STEPS_PER_DEADLINE: u32 = 16;
+/// ...and at least this often, so a long deadline does not make a batch consumer wait
+/// long for its window.
+pub const LONGEST_GROWTH_STEP: Duration = Duration::from_secs(1);
+/// The shortest step, whatever the deadline: the dispatcher wakes for each step.
+const SHORTEST_GROWTH_STEP: Duration = Duration::from_millis(10);
+
+/// How long a new stream's window takes to double without a settlement, for leases of
+/// `ack_deadline`.
+fn growth_step(ack_deadline: Duration) -> Duration {
+    (ack_deadline / GROWTH_STEPS_PER_DEADLINE).clamp(SHORTEST_GROWTH_STEP, LONGEST_GROWTH_STEP)
+}
 
 /// Claims made only for unproven streams (new, or whose leases expired unsettled), at
 /// most this many at once in the whole process.
@@ -153,6 +169,9 @@ pub struct StreamLimits {
     pub bytes: u64,
     /// Most deliveries it takes in all; `None`: no end.
     pub total: Option<u64>,
+    /// How long its leases last: a new stream's window grows in time for a consumer
+    /// that collects a batch to have it before the first lease expires.
+    pub ack_deadline: Duration,
 }
 
 /// Bytes of deliveries waiting in this process's memory for their streams, across all
@@ -222,7 +241,7 @@ struct Slot {
     /// [`Slot::window`]).
     window: usize,
     /// Set from attaching until its first settlement or stall: its window doubles each
-    /// [`WINDOW_GROWTH`] since then, so a consumer that acks only after collecting many
+    /// growth step since then, so a consumer that acks only after collecting many
     /// deliveries is never stuck below what it waits for.
     growing_since: Option<Instant>,
     /// It settled something since it attached or since its leases last expired.
@@ -246,23 +265,38 @@ impl Slot {
             return self.window;
         };
         let doublings =
-            now.saturating_duration_since(since).as_millis() / WINDOW_GROWTH.as_millis().max(1);
+            now.saturating_duration_since(since).as_millis() / self.growth_step().as_millis();
         let doublings = u32::try_from(doublings).unwrap_or(u32::MAX).min(32);
         self.window
             .saturating_mul(1usize << doublings)
             .min(self.limits.deliveries)
     }
 
-    /// When its window next grows by itself, if it is full now and will.
+    /// When a claim may next lease more for it without a settlement, if none can now
+    /// and its window still grows: at its next growth step (by which time it may also
+    /// have taken out what it was sent).
     fn next_growth(&self, now: Instant) -> Option<Instant> {
         let since = self.growing_since?;
-        let window = self.window(now);
-        if window >= self.limits.deliveries || self.in_flight < window {
+        if self.in_flight >= self.limits.deliveries || self.room(now) > 0 {
             return None;
         }
-        let step = WINDOW_GROWTH.as_millis().max(1);
+        let step = self.growth_step().as_millis();
         let next = (now.saturating_duration_since(since).as_millis() / step + 1) * step;
         Some(since + Duration::from_millis(u64::try_from(next).unwrap_or(u64::MAX)))
+    }
+
+    fn growth_step(&self) -> Duration {
+        growth_step(self.limits.ack_deadline)
+    }
+
+    /// What a claim may lease for it at `now`: the room in its window, which grows with
+    /// time into a claim only while it has taken out everything it was sent.
+    fn room(&self, now: Instant) -> usize {
+        let window = match self.buffered.load(Ordering::Relaxed) {
+            0 => self.window(now),
+            _ => self.window,
+        };
+        window.saturating_sub(self.in_flight)
     }
 
     /// [`Slot::window`] now; the clock is read only while the window grows by itself
@@ -383,7 +417,7 @@ impl Streams {
         let (mut count, mut bytes) = (0usize, 0u64);
         let now = Instant::now();
         for slot in self.slots.iter().filter(|slot| slot.can_take(budget)) {
-            let room = slot.window(now).saturating_sub(slot.in_flight);
+            let room = slot.room(now);
             count += slot.remaining.map_or(room, |remaining| {
                 room.min(usize::try_from(remaining).unwrap_or(room))
             });
@@ -682,6 +716,9 @@ mod tests {
         }
     }
 
+    /// The leases of the tests' streams: their window grows each second.
+    const ACK_DEADLINE: Duration = Duration::from_secs(16);
+
     /// The key of the lease of the event at `position` in the default source.
     fn key(position: i64) -> LeaseKey {
         LeaseKey {
@@ -702,6 +739,7 @@ mod tests {
                 deliveries,
                 bytes,
                 total: None,
+                ack_deadline: ACK_DEADLINE,
             },
             sender,
             buffered.clone(),
@@ -835,6 +873,7 @@ mod tests {
             deliveries: 5,
             bytes: u64::MAX,
             total: Some(2),
+            ack_deadline: ACK_DEADLINE,
         };
         streams.attach(limits, sender, Arc::new(AtomicU64::new(0)));
         assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 2);
@@ -1090,24 +1129,27 @@ mod tests {
     fn a_new_stream_that_never_settles_still_gets_its_whole_window_in_time() {
         let budget = BufferBudget::new(u64::MAX);
         let mut streams = Streams::default();
-        let (_, mut receiver, _) = stream(&mut streams, 100, u64::MAX);
+        let (_, mut receiver, buffered) = stream(&mut streams, 100, u64::MAX);
         for position in 0..INITIAL_WINDOW as i64 {
             streams
                 .place(delivery(position, 10), &budget, Instant::now())
                 .unwrap();
         }
         while receiver.try_recv().is_ok() {}
+        // Its consumer read them all.
+        buffered.store(0, Ordering::Relaxed);
         // It holds all it may and settled nothing: the dispatcher wakes when it grows.
         assert!(streams.claim_limits(500, &budget).is_none());
         let growth = streams.next_deadline().unwrap() - Utc::now();
         assert!(
-            growth <= chrono::TimeDelta::from_std(WINDOW_GROWTH).unwrap(),
+            growth <= chrono::TimeDelta::from_std(growth_step(ACK_DEADLINE)).unwrap(),
             "{growth}"
         );
         let mut held = Vec::new();
         for elapsed in 1..=5 {
             // A consumer that acks only once it has collected, say, 100 deliveries.
-            streams.slots[0].growing_since = Instant::now().checked_sub(WINDOW_GROWTH * elapsed);
+            streams.slots[0].growing_since =
+                Instant::now().checked_sub(growth_step(ACK_DEADLINE) * elapsed);
             let limits = streams
                 .claim_limits(500, &budget)
                 .unwrap_or(ClaimLimits { count: 0, bytes: 0 });
@@ -1118,6 +1160,7 @@ mod tests {
                     .unwrap();
                 assert!(receiver.try_recv().is_ok());
             }
+            buffered.store(0, Ordering::Relaxed);
             held.push(streams.slots[0].in_flight);
         }
         assert_eq!(
@@ -1129,6 +1172,87 @@ mod tests {
             streams.next_deadline().unwrap() > Utc::now() + chrono::TimeDelta::seconds(20),
             "only its leases' deadlines are left to wake for"
         );
+    }
+
+    /// What a new stream of `max_in_flight` with leases of `ack_deadline`, whose consumer
+    /// reads everything and acks nothing yet, holds once `elapsed` has passed.
+    fn held_after(max_in_flight: usize, ack_deadline: Duration, elapsed: Duration) -> usize {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (sender, mut receiver) = mpsc::channel(max_in_flight);
+        let buffered = Arc::new(AtomicU64::new(0));
+        streams.attach(
+            StreamLimits {
+                deliveries: max_in_flight,
+                bytes: u64::MAX,
+                total: None,
+                ack_deadline,
+            },
+            sender,
+            buffered.clone(),
+        );
+        streams.slots[0].growing_since = Instant::now().checked_sub(elapsed);
+        let limits = streams.claim_limits(10_000, &budget).unwrap();
+        for position in 0..limits.count as i64 {
+            streams
+                .place(delivery(position, 10), &budget, Instant::now())
+                .unwrap();
+            assert!(receiver.try_recv().is_ok());
+        }
+        streams.slots[0].in_flight
+    }
+
+    #[test]
+    fn a_consumer_that_collects_a_batch_has_it_well_inside_its_ack_deadline() {
+        for seconds in [1, 2, 10, 30, 600] {
+            let deadline = Duration::from_secs(seconds);
+            let quarter = (deadline / 4).min(LONGEST_GROWTH_STEP * 4);
+            assert_eq!(
+                held_after(100, deadline, quarter),
+                100,
+                "a batch of 100 with a {seconds} s deadline, after {quarter:?}"
+            );
+            let half = (deadline / 2).min(LONGEST_GROWTH_STEP * 7);
+            assert_eq!(
+                held_after(1_000, deadline, half),
+                1_000,
+                "a batch of 1,000 with a {seconds} s deadline, after {half:?}"
+            );
+        }
+        // Still a slow start: nothing beyond the initial window in the first step.
+        assert_eq!(
+            held_after(100, Duration::from_secs(2), Duration::ZERO),
+            INITIAL_WINDOW
+        );
+        assert_eq!(
+            held_after(100, Duration::from_secs(2), Duration::from_millis(130)),
+            2 * INITIAL_WINDOW
+        );
+    }
+
+    #[test]
+    fn a_new_stream_is_not_sent_more_for_its_age_while_it_does_not_read() {
+        let budget = BufferBudget::new(u64::MAX);
+        let mut streams = Streams::default();
+        let (_, mut receiver, buffered) = stream(&mut streams, 100, u64::MAX);
+        for position in 0..INITIAL_WINDOW as i64 {
+            streams
+                .place(delivery(position, 10), &budget, Instant::now())
+                .unwrap();
+        }
+        // Long enough to have grown to 100, but everything it was sent still waits.
+        streams.slots[0].growing_since = Instant::now().checked_sub(growth_step(ACK_DEADLINE) * 10);
+        assert!(streams.claim_limits(500, &budget).is_none());
+        // The dispatcher looks again at the next step rather than never.
+        let next = streams.next_deadline().unwrap() - Utc::now();
+        assert!(
+            next <= chrono::TimeDelta::from_std(growth_step(ACK_DEADLINE)).unwrap(),
+            "{next}"
+        );
+        // Once it has read them, it gets what its age allows.
+        while receiver.try_recv().is_ok() {}
+        buffered.store(0, Ordering::Relaxed);
+        assert_eq!(streams.claim_limits(500, &budget).unwrap().count, 90);
     }
 
     #[tokio::test(start_paused = true)]

@@ -341,31 +341,28 @@ impl Relay {
         for_drain: bool,
     ) -> Result<DeliveryStream> {
         let config = &self.inner.config;
-        let limits = StreamLimits {
-            deliveries: match max_in_flight {
-                0 => config.default_max_in_flight,
-                n if n > config.max_in_flight_limit => {
-                    return Err(Error::invalid(
-                        "max_in_flight",
-                        format!("must be at most {}, got {n}", config.max_in_flight_limit),
-                    ));
-                }
-                n => n,
-            } as usize,
-            bytes: match max_in_flight_bytes {
-                0 => config.default_max_in_flight_bytes,
-                n if n > config.max_in_flight_bytes_limit => {
-                    return Err(Error::invalid(
-                        "max_in_flight_bytes",
-                        format!(
-                            "must be at most {}, got {n}",
-                            config.max_in_flight_bytes_limit
-                        ),
-                    ));
-                }
-                n => n,
-            },
-            total,
+        let deliveries = match max_in_flight {
+            0 => config.default_max_in_flight,
+            n if n > config.max_in_flight_limit => {
+                return Err(Error::invalid(
+                    "max_in_flight",
+                    format!("must be at most {}, got {n}", config.max_in_flight_limit),
+                ));
+            }
+            n => n,
+        } as usize;
+        let bytes = match max_in_flight_bytes {
+            0 => config.default_max_in_flight_bytes,
+            n if n > config.max_in_flight_bytes_limit => {
+                return Err(Error::invalid(
+                    "max_in_flight_bytes",
+                    format!(
+                        "must be at most {}, got {n}",
+                        config.max_in_flight_bytes_limit
+                    ),
+                ));
+            }
+            n => n,
         };
         if self.inner.shutdown.is_cancelled() {
             return Err(Error::ShuttingDown);
@@ -405,6 +402,12 @@ impl Relay {
                 ));
             }
         }
+        let limits = StreamLimits {
+            deliveries,
+            bytes,
+            total,
+            ack_deadline: subscription.settings.ack_deadline,
+        };
         let mut dispatchers = self.inner.dispatchers.lock().expect("dispatchers lock");
         let permit = match dispatchers.get(&subscription.id) {
             Some(dispatcher) => match dispatcher.attach(limits, permit) {
