@@ -62,6 +62,14 @@ struct RemoteSource {
 impl RemoteSource {
     /// Starts it; the gateway's connection attempts wait at most `acquire_timeout`.
     async fn start(acquire_timeout: Duration) -> RemoteSource {
+        Self::start_with(acquire_timeout, |_| {}).await
+    }
+
+    /// [`RemoteSource::start`], with the gateway's configuration changed by `adjust`.
+    async fn start_with(
+        acquire_timeout: Duration,
+        adjust: impl FnOnce(&mut Config),
+    ) -> RemoteSource {
         let server = tokio::task::spawn_blocking(PostgresServer::start)
             .await
             .unwrap()
@@ -70,6 +78,7 @@ impl RemoteSource {
         let remote = TestDatabase::create_on(&server.url()).await;
         let mut config = config_with(&default, vec![source_config("remote", &remote)]);
         config.db_acquire_timeout = acquire_timeout;
+        adjust(&mut config);
         let gateway = TestGateway::start_with(&default, config).await;
         RemoteSource {
             server,
@@ -1017,6 +1026,81 @@ async fn a_down_source_neither_holds_acks_back_nor_slows_the_others() {
         "no delivery from the source within {:?} of its return",
         resumed.elapsed()
     );
+}
+
+/// Admin calls and shutdown never wait for a source known to be down (its connection
+/// attempts would take the whole acquire timeout): what they would do there is deferred,
+/// and done once it is back.
+#[tokio::test]
+async fn admin_calls_and_shutdown_do_not_wait_for_a_source_known_to_be_down() {
+    const PROMPT: Duration = Duration::from_secs(3);
+    let RemoteSource {
+        server,
+        _databases,
+        gateway,
+    } = RemoteSource::start_with(Duration::from_secs(10), |config| {
+        config.maintenance.interval = Duration::from_millis(500);
+    })
+    .await;
+    create_subscription(&gateway, subscription("all")).await;
+    create_subscription(&gateway, subscription("doomed")).await;
+    let mut consumer = Consumer::open(&gateway, "all", 10).await;
+    publish_to(&gateway, "remote", "r-1", "order.created").await;
+    assert_eq!(aggregate_of(&consumer.take(1, WAIT).await[0]), "r-1");
+
+    server.stop().expect("stop the second server");
+    let unavailable = proto::SourceStatus::Unavailable as i32;
+    eventually("the gateway knows the source is down", WAIT, || async {
+        source_state(&gateway, "remote").await.0 == unavailable
+    })
+    .await;
+    let started = std::time::Instant::now();
+    create_subscription(&gateway, subscription("late")).await;
+    let took = started.elapsed();
+    assert!(took < PROMPT, "CreateSubscription waited {took:?}");
+    let started = std::time::Instant::now();
+    gateway
+        .admin()
+        .await
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "doomed".into(),
+        })
+        .await
+        .expect("delete");
+    let took = started.elapsed();
+    assert!(took < PROMPT, "DeleteSubscription waited {took:?}");
+
+    // Back: the subscription created meanwhile reads the source from where it started.
+    server.resume().expect("start the second server again");
+    let connected = proto::SourceStatus::Connected as i32;
+    eventually("the source is reachable again", WAIT, || async {
+        source_state(&gateway, "remote").await.0 == connected
+    })
+    .await;
+    let mut late = Consumer::open(&gateway, "late", 10).await;
+    publish_to(&gateway, "remote", "r-2", "order.created").await;
+    let arrived: Vec<String> = late.take(2, WAIT).await.iter().map(aggregate_of).collect();
+    assert_eq!(
+        arrived,
+        ["r-1", "r-2"],
+        "the late subscription starts at the earliest"
+    );
+
+    // Down again, with a remote lease held: the gateway still stops at once.
+    publish_to(&gateway, "remote", "r-3", "order.created").await;
+    consumer.take(2, WAIT).await;
+    server.stop().expect("stop the second server again");
+    eventually(
+        "the gateway knows the source is down again",
+        WAIT,
+        || async { source_state(&gateway, "remote").await.0 == unavailable },
+    )
+    .await;
+    drop((consumer, late));
+    let started = std::time::Instant::now();
+    gateway.stop().await.expect("the gateway stops");
+    let took = started.elapsed();
+    assert!(took < PROMPT, "shutdown waited {took:?}");
 }
 
 #[tokio::test]

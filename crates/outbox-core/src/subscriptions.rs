@@ -7,7 +7,9 @@
 //! way ([`Subscription::late_start`]). [`Subscriptions::reconcile`] repairs what a source
 //! missed while it was down.
 
-use std::{collections::HashSet, time::Duration};
+use std::{collections::HashSet, sync::Arc, time::Duration};
+
+use futures_util::future::join_all;
 
 use chrono::{DateTime, Utc};
 
@@ -207,28 +209,23 @@ impl Subscriptions {
             result => result?,
         };
         // Its other sources start reading now; one that is down starts when it is back.
-        for source in self
-            .relay
-            .sources()
-            .of(&subscription)
-            .iter()
-            .skip(usize::from(reads_default))
-        {
-            if let Err(error) = source.store.create_cursor(subscription.id, start).await {
-                tracing::info!(subscription = %subscription.name, source = %source.name, %error, "the subscription starts reading the source once it is reachable");
-            }
-        }
-        // Consumers may record its ack ids in any source at once; one that is down
-        // learns of it when it is back (see `reconcile`).
-        for source in self.relay.sources().iter() {
-            if let Err(error) = source
-                .store
-                .add_consumer_subscription(subscription.id, subscription.name.as_str())
-                .await
-            {
-                tracing::info!(subscription = %subscription.name, source = %source.name, %error, "consumers there can record the subscription's ack ids once the source is reachable");
-            }
-        }
+        let id = subscription.id;
+        let reading = self.relay.sources().of(&subscription);
+        on_each_reachable(
+            reading.iter().skip(usize::from(reads_default)),
+            &subscription.name,
+            "the subscription starts reading the source",
+            |store| store.create_cursor(id, start),
+        )
+        .await;
+        // Consumers may record its ack ids in any source at once.
+        on_each_reachable(
+            self.relay.sources().iter(),
+            &subscription.name,
+            "consumers there can record the subscription's ack ids",
+            |store| store.add_consumer_subscription(id, subscription.name.as_str()),
+        )
+        .await;
         if subscription.settings.drained_by_gateway() {
             self.relay.subscription_changed(subscription.id);
         }
@@ -370,15 +367,19 @@ impl Subscriptions {
         let Some(id) = self.definitions().delete_subscription(name).await? else {
             return Err(Error::subscription_not_found(name));
         };
-        for source in self.relay.sources().iter() {
-            let forgotten = match source.store.remove_consumer_subscription(id).await {
-                Ok(()) if !source.name.is_default() => source.store.delete_cursor(id).await,
-                outcome => outcome,
-            };
-            if let Err(error) = forgotten {
-                tracing::info!(subscription = %name, source = %source.name, %error, "the subscription's records there go once the source is reachable");
-            }
-        }
+        on_each_reachable(
+            self.relay.sources().iter(),
+            name,
+            "the subscription's records there go",
+            |store| async move {
+                store.remove_consumer_subscription(id).await?;
+                match store.source().is_default() {
+                    true => Ok(()),
+                    false => store.delete_cursor(id).await,
+                }
+            },
+        )
+        .await;
         self.relay.subscription_changed(id);
         Ok(())
     }
@@ -423,6 +424,38 @@ impl Subscriptions {
         }
         Ok(())
     }
+}
+
+/// Runs `step` in each of `sources` side by side, and in none known to be down: what it
+/// would do there is left to [`Subscriptions::reconcile`], which the maintenance pass
+/// runs once the source is back. An admin call never waits for a source that cannot
+/// answer (its connection attempts would take the whole acquire timeout). `deferred`
+/// says what waits for the source, in the log line of each deferral.
+async fn on_each_reachable<'a, Step, Done>(
+    sources: impl IntoIterator<Item = &'a Arc<Source>>,
+    subscription: &SubscriptionName,
+    deferred: &str,
+    step: Step,
+) where
+    Step: Fn(&'a Store) -> Done,
+    Done: Future<Output = std::result::Result<(), StoreError>>,
+{
+    join_all(sources.into_iter().map(|source| {
+        let done = source.is_connected().then(|| step(&source.store));
+        async move {
+            match done {
+                None => {
+                    tracing::info!(%subscription, source = %source.name, "source is unreachable: {deferred} once it is back");
+                }
+                Some(done) => {
+                    if let Err(error) = done.await {
+                        tracing::info!(%subscription, source = %source.name, %error, "{deferred} once the source is reachable");
+                    }
+                }
+            }
+        }
+    }))
+    .await;
 }
 
 async fn roll_back(seeks: impl IntoIterator<Item = PreparedSeek>) {

@@ -407,6 +407,12 @@ impl Dispatcher {
                 let Some(source) = self.sources.get(source_id).cloned() else {
                     continue;
                 };
+                if !source.is_connected() {
+                    // Its leases expire there by themselves; asking would only wait for
+                    // a connection attempt to time out (at shutdown too).
+                    tracing::debug!(subscription_id = self.subscription_id.0, source = %source.name, "source is unreachable; its leases expire at their deadline");
+                    continue;
+                }
                 match source
                     .store
                     .release_leases(self.subscription_id, &leases)
