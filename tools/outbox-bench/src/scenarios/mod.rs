@@ -3,6 +3,7 @@
 //! and an empty database, so its figures do not depend on what ran before it.
 
 mod backlog;
+mod batch_consumer;
 mod consume_in_transaction;
 mod cost;
 mod deliver;
@@ -46,6 +47,7 @@ pub enum Scenario {
     Latency,
     HeldTransaction,
     StalledConsumers,
+    BatchConsumer,
     SourceOutage,
     ManySubscriptions,
     Replicas,
@@ -60,7 +62,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 20] = [
+    pub const ALL: [Scenario; 21] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -70,6 +72,7 @@ impl Scenario {
         Scenario::Latency,
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
+        Scenario::BatchConsumer,
         Scenario::SourceOutage,
         Scenario::ManySubscriptions,
         Scenario::Replicas,
@@ -94,6 +97,7 @@ impl Scenario {
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
+            Scenario::BatchConsumer => "batch-consumer",
             Scenario::SourceOutage => "source-outage",
             Scenario::ManySubscriptions => "many-subscriptions",
             Scenario::Replicas => "replicas",
@@ -122,6 +126,7 @@ impl Scenario {
             | Scenario::Latency
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
+            | Scenario::BatchConsumer
             | Scenario::SourceOutage
             | Scenario::ManySubscriptions
             | Scenario::Replicas
@@ -146,6 +151,7 @@ impl Scenario {
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
+            Scenario::BatchConsumer => batch_consumer::run(bench, gateway).await,
             Scenario::SourceOutage => source_outage::run(bench).await,
             Scenario::ManySubscriptions => many_subscriptions::run(bench, gateway).await,
             Scenario::Replicas => replicas::run(bench, gateway).await,
