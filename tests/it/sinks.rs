@@ -168,6 +168,70 @@ pub(crate) fn assert_in_order_per_aggregate(stored: impl Iterator<Item = (String
     }
 }
 
+/// Two sink subscriptions publishing the same events into one JetStream stream each store
+/// every event: JetStream's deduplication tells them apart, and still drops a re-send of
+/// one subscription's delivery (a requeue of acked events).
+#[tokio::test]
+async fn two_sink_subscriptions_into_one_stream_both_store_every_event_and_a_re_send_once() {
+    let database = TestDatabase::create().await;
+    let gateway = gateway_with_sink(&database, SHARED_NATS).await;
+    let prefix = database.name().to_owned();
+    let stream = TestStream::create(SHARED_NATS, &prefix).await;
+    for name in ["audit", "billing"] {
+        create_subscription(
+            &gateway,
+            sink_subscription(name, &format!("{prefix}.{name}.{{aggregate_type}}")),
+        )
+        .await;
+    }
+    let ids = publish_ids(&gateway, orders(30)).await;
+    eventually("both subscriptions settle all 30", WAIT, || async {
+        let audit = subscription_stats(&gateway, "audit").await;
+        let billing = subscription_stats(&gateway, "billing").await;
+        audit.acked_total == 30 && billing.acked_total == 30
+    })
+    .await;
+    let per_subject = |messages: &[StreamMessage]| {
+        let mut counts: HashMap<String, usize> = HashMap::new();
+        for message in messages {
+            let subscription = message.subject.as_str().split('.').nth(1).unwrap();
+            *counts.entry(subscription.to_owned()).or_default() += 1;
+        }
+        counts
+    };
+    let stored = per_subject(&stream.read().await);
+    assert_eq!(stored.get("audit"), Some(&30), "{stored:?}");
+    assert_eq!(stored.get("billing"), Some(&30), "{stored:?}");
+
+    // Requeue five of audit's acked events: they are sent again, and JetStream drops them.
+    for id in &ids[..5] {
+        gateway
+            .admin()
+            .await
+            .requeue_event(proto::RequeueEventRequest {
+                id: id.clone(),
+                subscription: "audit".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("requeue");
+    }
+    eventually("audit sends the five again", WAIT, || async {
+        subscription_stats(&gateway, "audit")
+            .await
+            .sink_confirmed_total
+            >= 35
+    })
+    .await;
+    let stored = per_subject(&stream.read().await);
+    assert_eq!(
+        stored.get("audit"),
+        Some(&30),
+        "re-sends dropped: {stored:?}"
+    );
+    stream.delete().await;
+}
+
 #[tokio::test]
 async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_headers() {
     let database = TestDatabase::create().await;
@@ -206,12 +270,16 @@ async fn events_reach_jetstream_with_their_subject_msg_id_and_cloudevents_header
     let messages = stream.read().await;
     let by_id: HashMap<String, &StreamMessage> = messages
         .iter()
-        .map(|message| (header(message, "Nats-Msg-Id").unwrap(), message))
+        .map(|message| (header(message, "ce-id").unwrap(), message))
         .collect();
     assert_eq!(by_id.len(), 20, "each event once");
     for (index, id) in ids.iter().enumerate() {
         let message = by_id[id];
-        assert_eq!(header(message, "ce-id").as_deref(), Some(id.as_str()));
+        assert_eq!(
+            header(message, "Nats-Msg-Id"),
+            Some(format!("{id}/orders-out")),
+            "the event id and the subscription's name"
+        );
         assert_eq!(header(message, "ce-type").as_deref(), Some("order.created"));
         assert_eq!(header(message, "ce-specversion").as_deref(), Some("1.0"));
         assert!(

@@ -1,9 +1,11 @@
 //! What one message into a broker carries (also in docs/sinks.md). Pure: no I/O, so it
 //! is tested on its own.
 //!
-//! - NATS: the subject from the subscription's template; `Nats-Msg-Id` = the event id,
-//!   so JetStream's duplicate window drops a re-send; the CloudEvents attributes in
-//!   `ce-` headers (the NATS binding's binary mode) and `content-type`.
+//! - NATS: the subject from the subscription's template; `Nats-Msg-Id` = the event id
+//!   and the subscription's name, so JetStream's duplicate window drops a re-send of one
+//!   subscription's delivery but keeps what two subscriptions publish of one event into
+//!   the same stream; the CloudEvents attributes in `ce-` headers (the NATS binding's
+//!   binary mode) and `content-type`.
 //! - Kafka: the topic and key from their templates; the attributes in `ce_` headers (the
 //!   Kafka binding's binary mode) and `content-type`.
 //! - Both: `traceparent` / `tracestate`, and `outbox-event-id`, `outbox-source`,
@@ -14,7 +16,7 @@
 use std::{borrow::Cow, sync::LazyLock};
 
 use crate::{
-    domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, Template},
+    domain::{DEFAULT_KAFKA_KEY, Event, SinkConfig, SinkKind, SubscriptionName, Template},
     push::request::{HeaderPrefix, binary_attributes, trace_headers},
 };
 
@@ -35,9 +37,14 @@ pub struct SinkMessage {
     pub payload: Vec<u8>,
 }
 
-/// The message for `event`; an error (the event can never be sent) when its subject or
-/// topic would be invalid.
-pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkMessage, String> {
+/// The message for `event` of `subscription`; an error (the event can never be sent) when
+/// its subject or topic would be invalid.
+pub fn build(
+    event: &Event,
+    subscription: &SubscriptionName,
+    config: &SinkConfig,
+    kind: SinkKind,
+) -> Result<SinkMessage, String> {
     let missing = |what: &str| format!("the subscription's sink has no {what}");
     let (destination, key, prefix) = match kind {
         SinkKind::Nats => {
@@ -54,7 +61,7 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
     let id = headers[1].1.clone();
     let fixed = |name: &'static str, value: String| (Cow::Borrowed(name), value);
     if kind == SinkKind::Nats {
-        headers.push(fixed("Nats-Msg-Id", id.clone()));
+        headers.push(fixed("Nats-Msg-Id", nats_msg_id(&id, subscription)));
     }
     headers.push(fixed("content-type", event.content_type.clone()));
     for (name, value) in trace_headers(event) {
@@ -82,6 +89,12 @@ pub fn build(event: &Event, config: &SinkConfig, kind: SinkKind) -> Result<SinkM
         headers,
         payload: event.payload.clone(),
     })
+}
+
+/// `<event id>/<subscription>`: stable across re-sends of one subscription's delivery,
+/// and different for each subscription (a name never holds `/`).
+fn nats_msg_id(event_id: &str, subscription: &SubscriptionName) -> String {
+    format!("{event_id}/{subscription}")
 }
 
 /// A value as a header can carry it: line breaks and other control characters (which
@@ -142,10 +155,26 @@ mod tests {
         }
     }
 
+    fn subscription(name: &str) -> SubscriptionName {
+        SubscriptionName::parse("name", name).unwrap()
+    }
+
+    #[test]
+    fn two_subscriptions_publish_one_event_under_two_msg_ids_and_a_re_send_under_the_same() {
+        let nats = config(Some("orders.{aggregate_type}"), None);
+        let msg_id = |name: &str| {
+            let message = build(&event(), &subscription(name), &nats, SinkKind::Nats).unwrap();
+            header(&message, "Nats-Msg-Id").unwrap().to_owned()
+        };
+        assert_ne!(msg_id("audit"), msg_id("billing"));
+        assert_eq!(msg_id("audit"), msg_id("audit"));
+    }
+
     #[test]
     fn nats_messages_carry_the_msg_id_and_cloudevents_headers() {
         let message = build(
             &event(),
+            &subscription("orders-out"),
             &config(Some("orders.{aggregate_type}.{event_type}"), None),
             SinkKind::Nats,
         )
@@ -153,7 +182,10 @@ mod tests {
         assert_eq!(message.destination, "orders.order.order%2Ecreated");
         assert_eq!(message.key, None);
         let id = uuid::Uuid::from_u128(7).to_string();
-        assert_eq!(header(&message, "Nats-Msg-Id"), Some(id.as_str()));
+        assert_eq!(
+            header(&message, "Nats-Msg-Id"),
+            Some(format!("{id}/orders-out").as_str())
+        );
         assert_eq!(header(&message, "ce-id"), Some(id.as_str()));
         assert_eq!(header(&message, "ce-type"), Some("order.created"));
         assert_eq!(header(&message, "ce-subject"), Some("o-1%0Ax"));
@@ -171,13 +203,20 @@ mod tests {
 
     #[test]
     fn kafka_messages_take_topic_key_and_underscore_headers() {
-        let message = build(&event(), &config(None, Some("orders")), SinkKind::Kafka).unwrap();
+        let message = build(
+            &event(),
+            &subscription("orders-out"),
+            &config(None, Some("orders")),
+            SinkKind::Kafka,
+        )
+        .unwrap();
         assert_eq!(message.destination, "orders");
         assert_eq!(message.key.as_deref(), Some("order/o-1\nx"));
         assert_eq!(header(&message, "ce_type"), Some("order.created"));
         assert_eq!(header(&message, "Nats-Msg-Id"), None);
         let unfit = build(
             &event(),
+            &subscription("orders-out"),
             &config(None, Some("{aggregate_id}{aggregate_id}")),
             SinkKind::Kafka,
         );

@@ -300,7 +300,7 @@ impl Sinker {
             return;
         }
         let started = std::time::Instant::now();
-        let outcome = match message::build(&delivery.event, config, client.kind()) {
+        let outcome = match message::build(&delivery.event, name, config, client.kind()) {
             Ok(message) => client.send(message).await,
             Err(reason) => Err(SinkFailure::Permanent(reason)),
         };
