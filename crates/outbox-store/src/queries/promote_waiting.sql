@@ -4,20 +4,33 @@
 -- the events became visible to the subscription (`seq`). The caller holds the
 -- subscription lock so a concurrent claim cannot slip a new waiting record past this
 -- check.
+-- Each aggregate costs two index probes (0018's partial indexes): whether it is busy,
+-- and its earliest waiting record, so the statement's cost follows the aggregates
+-- named, not the events waiting behind them.
 -- $1 subscription id, $2 ordering keys.
+WITH free AS (
+    SELECT DISTINCT k.ordering_key
+    FROM unnest($2::bigint[]) AS k(ordering_key)
+    WHERE NOT EXISTS (SELECT 1 FROM outbox_deliveries busy
+                      WHERE busy.subscription_id = $1
+                        AND busy.ordering_key = k.ordering_key
+                        AND busy.state IN ('in_flight', 'retry')
+                        AND busy.ordering_key IS NOT NULL)
+), next AS (
+    SELECT first.position, e.deliver_at
+    FROM free
+    CROSS JOIN LATERAL (
+        SELECT w.position
+        FROM outbox_deliveries w
+        WHERE w.subscription_id = $1
+          AND w.ordering_key = free.ordering_key
+          AND w.state = 'waiting'
+        ORDER BY w.seq
+        LIMIT 1
+    ) first
+    JOIN outbox_events e ON e.position = first.position
+)
 UPDATE outbox_deliveries d
 SET state = 'retry', due_at = greatest(now(), next.deliver_at), updated_at = now()
-FROM (
-    SELECT DISTINCT ON (w.ordering_key) w.position, e.deliver_at
-    FROM outbox_deliveries w
-    JOIN outbox_events e ON e.position = w.position
-    WHERE w.subscription_id = $1
-      AND w.ordering_key = ANY ($2::bigint[])
-      AND w.state = 'waiting'
-      AND NOT EXISTS (SELECT 1 FROM outbox_deliveries busy
-                      WHERE busy.subscription_id = $1
-                        AND busy.ordering_key = w.ordering_key
-                        AND busy.state IN ('in_flight', 'retry'))
-    ORDER BY w.ordering_key, w.seq
-) next
+FROM next
 WHERE d.subscription_id = $1 AND d.position = next.position
