@@ -14,6 +14,7 @@ mod held;
 mod latency;
 mod many_subscriptions;
 mod memory;
+mod ordered_backlog;
 mod publish;
 mod push;
 mod replicas;
@@ -48,6 +49,7 @@ pub enum Scenario {
     HeldTransaction,
     StalledConsumers,
     BatchConsumer,
+    OrderedBacklog,
     SourceOutage,
     ManySubscriptions,
     Replicas,
@@ -62,7 +64,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 21] = [
+    pub const ALL: [Scenario; 22] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -73,6 +75,7 @@ impl Scenario {
         Scenario::HeldTransaction,
         Scenario::StalledConsumers,
         Scenario::BatchConsumer,
+        Scenario::OrderedBacklog,
         Scenario::SourceOutage,
         Scenario::ManySubscriptions,
         Scenario::Replicas,
@@ -98,6 +101,7 @@ impl Scenario {
             Scenario::HeldTransaction => "held-transaction",
             Scenario::StalledConsumers => "stalled-consumers",
             Scenario::BatchConsumer => "batch-consumer",
+            Scenario::OrderedBacklog => "ordered-backlog",
             Scenario::SourceOutage => "source-outage",
             Scenario::ManySubscriptions => "many-subscriptions",
             Scenario::Replicas => "replicas",
@@ -127,6 +131,7 @@ impl Scenario {
             | Scenario::HeldTransaction
             | Scenario::StalledConsumers
             | Scenario::BatchConsumer
+            | Scenario::OrderedBacklog
             | Scenario::SourceOutage
             | Scenario::ManySubscriptions
             | Scenario::Replicas
@@ -152,6 +157,7 @@ impl Scenario {
             Scenario::HeldTransaction => held::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
             Scenario::BatchConsumer => batch_consumer::run(bench, gateway).await,
+            Scenario::OrderedBacklog => ordered_backlog::run(bench, gateway).await,
             Scenario::SourceOutage => source_outage::run(bench).await,
             Scenario::ManySubscriptions => many_subscriptions::run(bench, gateway).await,
             Scenario::Replicas => replicas::run(bench, gateway).await,
