@@ -357,6 +357,8 @@ pub struct Store {
     /// One connection of its own for health checks: whether the database answers must
     /// not depend on whether the main pool has a connection free. A pool busy with work
     /// is back-pressure; only this probe failing means the database is lost.
+    probe: std::sync::Arc<Probe>,
+    /// For the schema checks, which take a connection of their own the same way.
     probe_pool: PgPool,
     /// Concurrent ack calls, applied together per subscription.
     ack_groups: std::sync::Arc<ack_groups::AckGroups>,
@@ -389,12 +391,18 @@ impl Store {
         // its connections are its own: a committer keeps one while it publishes.
         let publish_pool = pool_options(PUBLISH_CONNECTIONS as u32, config.acquire_timeout)
             .connect_lazy_with(options.clone());
+        let probe = std::sync::Arc::new(Probe {
+            connection: tokio::sync::Mutex::new(None),
+            options: options.clone(),
+            timeout: config.acquire_timeout,
+        });
         let probe_pool = pool_options(1, config.acquire_timeout).connect_lazy_with(options);
         Store {
             source: config.source.clone(),
             source_id: config.source_id,
             pool,
             publish_pool,
+            probe,
             probe_pool,
             ack_groups: Default::default(),
         }
@@ -477,8 +485,7 @@ impl Store {
     /// Whether the database answers, on the health probe's own connection: a main pool
     /// whose connections are all busy does not make it look lost.
     pub async fn ping(&self) -> Result<()> {
-        self.probe_pool.execute("SELECT 1").await?;
-        Ok(())
+        self.probe.ping().await
     }
 
     /// Connections open and, of those, idle.
@@ -487,6 +494,7 @@ impl Store {
     }
 
     pub async fn close(&self) {
+        self.probe.close();
         tokio::join!(
             self.pool.close(),
             self.publish_pool.close(),
@@ -712,6 +720,49 @@ async fn create_database_if_missing(options: &PgConnectOptions) -> Result<()> {
     }
     let _ = maintenance.close().await;
     Ok(())
+}
+
+/// The health probe's connection. Not a pool: a pool keeps retrying a refused connection
+/// until its acquire timeout, so a server that went away would look alive that long, and
+/// every call waiting for it would wait as long. The probe connects once per check, and
+/// a refusal is an answer at once.
+#[derive(Debug)]
+struct Probe {
+    connection: tokio::sync::Mutex<Option<PgConnection>>,
+    options: PgConnectOptions,
+    /// Longest wait for a connection (or an answer) from a server that does not refuse.
+    timeout: Duration,
+}
+
+impl Probe {
+    async fn ping(&self) -> Result<()> {
+        let mut held = self.connection.lock().await;
+        if let Some(connection) = held.as_mut() {
+            match tokio::time::timeout(self.timeout, connection.ping()).await {
+                Ok(Ok(())) => return Ok(()),
+                // Broken (the server restarted, or cut it): a new one answers for the
+                // server as it is now.
+                _ => *held = None,
+            }
+        }
+        let connection = tokio::time::timeout(self.timeout, async {
+            let mut connection = PgConnection::connect_with(&self.options).await?;
+            connection.ping().await?;
+            Ok::<_, sqlx::Error>(connection)
+        })
+        .await
+        .map_err(|_| StoreError::Unavailable(sqlx::Error::PoolTimedOut))??;
+        *held = Some(connection);
+        Ok(())
+    }
+
+    /// Drops the connection; one in use by a check is dropped with it (closing politely
+    /// could wait for a server that went away).
+    fn close(&self) {
+        if let Ok(mut held) = self.connection.try_lock() {
+            held.take();
+        }
+    }
 }
 
 fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOptions {
