@@ -1103,6 +1103,75 @@ async fn admin_calls_and_shutdown_do_not_wait_for_a_source_known_to_be_down() {
     assert!(took < PROMPT, "shutdown waited {took:?}");
 }
 
+/// Calls caught waiting for a source as it goes down answer once it is found down, not
+/// after a connection attempt's whole timeout: Publish to it, Ack of its ids, and the
+/// claims of the other sources queued behind its own.
+#[tokio::test]
+async fn calls_waiting_for_a_source_that_goes_down_answer_once_it_is_found_down() {
+    const PROMPT: Duration = Duration::from_secs(3);
+    let RemoteSource {
+        server,
+        _databases,
+        gateway,
+    } = RemoteSource::start(Duration::from_secs(10)).await;
+    create_subscription(&gateway, subscription("all")).await;
+    let mut consumer = Consumer::open(&gateway, "all", 100).await;
+    publish_to(&gateway, "remote", "r-1", "order.created").await;
+    let remote_delivery = consumer.take(1, WAIT).await.remove(0);
+
+    server.stop().expect("stop the second server");
+    for attempt in 0..3 {
+        let started = std::time::Instant::now();
+        let published = gateway
+            .publisher()
+            .await
+            .publish(proto::PublishRequest {
+                events: vec![event(&format!("r-{attempt}"), "order.created")],
+                source: "remote".into(),
+            })
+            .await;
+        let took = started.elapsed();
+        assert!(
+            took < PROMPT,
+            "Publish {attempt} to the down source waited {took:?}"
+        );
+        if let Err(status) = published {
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        }
+        let started = std::time::Instant::now();
+        let answer = gateway
+            .subscriber()
+            .await
+            .ack(proto::AckRequest {
+                subscription: "all".into(),
+                ack_ids: vec![remote_delivery.ack_id.clone()],
+            })
+            .await
+            .expect("an ack is answered");
+        let took = started.elapsed();
+        assert!(
+            took < PROMPT,
+            "Ack {attempt} naming the down source waited {took:?}"
+        );
+        assert!(answer.into_inner().stale_ack_ids.is_empty());
+    }
+    // The default source's events keep flowing meanwhile.
+    for index in 0..5 {
+        publish_to(&gateway, "", &format!("d-{index}"), "order.created").await;
+        let started = std::time::Instant::now();
+        let delivery = consumer
+            .next(WAIT)
+            .await
+            .expect("the default source's event is delivered");
+        let took = started.elapsed();
+        assert_eq!(source_of(&delivery), "default");
+        assert!(
+            took < PROMPT,
+            "a default event waited {took:?} behind the down source"
+        );
+    }
+}
+
 #[tokio::test]
 async fn an_ack_for_a_source_whose_database_is_gone_is_unavailable_and_says_why() {
     let default = TestDatabase::create().await;

@@ -166,7 +166,19 @@ impl Publisher {
             .map(|event| (event.id.expect("resolved"), event.event_type.clone()))
             .collect();
 
+        // A source known to be down answers at once rather than after a connection
+        // attempt's whole timeout; so does one found down while the call waits (what it
+        // wrote, if anything, is then unknown, as with any UNAVAILABLE: retrying with the
+        // same ids is safe).
+        let source = self
+            .sources
+            .by_name(source.as_str())
+            .expect("looked up above");
+        let unavailable = || Error::SourceUnavailable(source.name.clone());
         let (reply, answer) = oneshot::channel();
+        if !source.is_connected() {
+            return Err(unavailable());
+        }
         queue
             .try_send(Call {
                 events: unique,
@@ -175,7 +187,11 @@ impl Publisher {
             .map_err(|_| {
                 Error::Overloaded("too many Publish calls are waiting; retry shortly".into())
             })?;
-        let inserted = answer.await.map_err(|_| Error::ShuttingDown)??;
+        let inserted = source
+            .unless_down(answer)
+            .await
+            .ok_or_else(unavailable)?
+            .map_err(|_| Error::ShuttingDown)??;
         metrics::published(
             event_types
                 .iter()

@@ -14,7 +14,7 @@ use std::{
 };
 
 use chrono::{DateTime, Utc};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
@@ -51,6 +51,9 @@ pub struct Source {
     answered_before: std::sync::atomic::AtomicBool,
     /// Bumped whenever the source's health changes; dispatchers resume on it.
     changed: watch::Sender<u64>,
+    /// Asks the health watch to check this source now rather than at its next round: a
+    /// call just found it unreachable.
+    check_now: Notify,
 }
 
 impl Source {
@@ -58,6 +61,7 @@ impl Source {
     pub fn error(&self, error: StoreError) -> Error {
         if error.is_unavailable() {
             tracing::debug!(source = %self.name, %error, "source unavailable");
+            self.check_now.notify_one();
             Error::SourceUnavailable(self.name.clone())
         } else {
             error.into()
@@ -75,6 +79,35 @@ impl Source {
     /// A receiver that changes whenever the source goes down or comes back.
     pub fn watch(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
+    }
+
+    /// What `work` on this source yields, or `None` at once when the source is known to be
+    /// down, or as soon as it is found down while `work` waits. A connection attempt to a
+    /// server that went away takes the whole acquire timeout: nothing should wait that
+    /// long for a source the health watch has given up on, least of all the claims of
+    /// the other sources queued behind it.
+    pub async fn unless_down<F: Future>(&self, work: F) -> Option<F::Output> {
+        let mut changes = self.changed.subscribe();
+        if !self.is_connected() {
+            return None;
+        }
+        let went_down = async {
+            while changes.changed().await.is_ok() {
+                if !self.is_connected() {
+                    return;
+                }
+            }
+            // The sources are being dropped: let `work` finish.
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            biased;
+            output = work => Some(output),
+            () = went_down => {
+                tracing::debug!(source = %self.name, "gave up waiting for a source found unreachable");
+                None
+            }
+        }
     }
 
     /// Records the outcome of a check; logs one line when the state changes, and one
@@ -338,8 +371,15 @@ impl Sources {
                 source.record(outcome);
             }))
             .await;
+            let asked = self
+                .list
+                .iter()
+                .map(|source| Box::pin(source.check_now.notified()));
             tokio::select! {
                 _ = tokio::time::sleep(interval) => {}
+                // A call found a source unreachable: confirm it now, so that the others'
+                // calls stop waiting for it (see `Source::unless_down`).
+                _ = futures_util::future::select_all(asked) => {}
                 _ = stop.cancelled() => return,
             }
         }
@@ -443,6 +483,7 @@ impl Source {
             }),
             answered_before: std::sync::atomic::AtomicBool::new(is_default),
             changed,
+            check_now: Notify::new(),
         }
     }
 

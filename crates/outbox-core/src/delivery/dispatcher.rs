@@ -684,16 +684,20 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                             .saturating_add(worthwhile_following(config.claim_batch_size))
                         && may_follow(&dispatcher, source)
                 });
-                match claim(
-                    &dispatcher,
-                    &relay,
-                    &subscription,
-                    source,
-                    remaining,
-                    follow_room,
-                )
-                .await
-                {
+                // Given up when the source is found down meanwhile: a claim waiting for a
+                // connection to it would hold back every other source's.
+                let claimed = source
+                    .unless_down(claim(
+                        &dispatcher,
+                        &relay,
+                        &subscription,
+                        source,
+                        remaining,
+                        follow_room,
+                    ))
+                    .await
+                    .unwrap_or(Claimed::Failed);
+                match claimed {
                     Claimed::Some {
                         count,
                         bytes,
@@ -1281,12 +1285,14 @@ async fn reread_leases(
     if !source.is_connected() {
         return false;
     }
-    match source
-        .store
-        .live_leases(dispatcher.subscription_id, &leases)
-        .await
-    {
-        Ok(live) => {
+    let live = source.unless_down(
+        source
+            .store
+            .live_leases(dispatcher.subscription_id, &leases),
+    );
+    match live.await {
+        None => false,
+        Some(Ok(live)) => {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             for lease in leases {
@@ -1301,7 +1307,7 @@ async fn reread_leases(
             }
             true
         }
-        Err(error) => {
+        Some(Err(error)) => {
             tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "lease refresh failed");
             false
         }
