@@ -625,6 +625,8 @@ impl Config {
                 max_streams: settings
                     .max_subscribe_streams
                     .unwrap_or(delivery_defaults.max_streams),
+                // `limits.max_payload_bytes`, given to the relay when it starts.
+                ..delivery_defaults
             },
             maintenance: MaintenanceConfig {
                 enabled: !settings.no_maintenance.unwrap_or(false),

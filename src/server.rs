@@ -13,7 +13,7 @@ use crate::{
     Config, api,
     api::{AdminApi, PublisherApi, SubscriberApi},
     auth, config, connections, console,
-    delivery::Relay,
+    delivery::{DeliveryConfig, Relay},
     drain, maintenance, metrics, metrics_endpoint,
     operations::Operations,
     proto,
@@ -134,7 +134,11 @@ pub async fn run_with_console(
     }
     let relay = Relay::start(
         sources.clone(),
-        config.delivery.clone(),
+        DeliveryConfig {
+            // What a transform may make of a payload: no more than may be published.
+            max_payload_bytes: config.limits.max_payload_bytes,
+            ..config.delivery.clone()
+        },
         stop.child_token(),
         &tasks,
     );

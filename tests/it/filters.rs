@@ -129,3 +129,43 @@ async fn a_filter_over_its_budget_counts_errors_and_the_subscription_keeps_deliv
         started.elapsed()
     );
 }
+
+/// A transform's result is capped at the gateway's `--max-payload-bytes`: what it would
+/// make larger is dead-lettered with the reason, and what fits is delivered.
+#[tokio::test]
+async fn a_transform_larger_than_the_payload_limit_is_dead_lettered_with_the_reason() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.limits.max_payload_bytes = 2_000;
+    let gateway = TestGateway::start_with(&database, config).await;
+    let doubled = proto::Subscription {
+        transform: r#"{"twice": [payload.text, payload.text]}"#.into(),
+        ..subscription("doubled")
+    };
+    create_subscription(&gateway, doubled).await;
+    publish(
+        &gateway,
+        vec![
+            event("large", serde_json::json!({"text": "x".repeat(1_500)})),
+            event("small", serde_json::json!({"text": "x".repeat(10)})),
+        ],
+    )
+    .await;
+    let mut consumer = Consumer::open(&gateway, "doubled", 10).await;
+    let delivered = consumer.take(1, Duration::from_secs(15)).await;
+    assert_eq!(aggregate_of(&delivered[0]), "small");
+    eventually(
+        "the event it would make too large is dead-lettered",
+        Duration::from_secs(15),
+        || async { !list_dead_letters(&gateway, "doubled").await.is_empty() },
+    )
+    .await;
+    let dead = list_dead_letters(&gateway, "doubled").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event.as_ref().unwrap().aggregate_id, "large");
+    assert!(
+        dead[0].last_error.contains("at most 2000 bytes"),
+        "{}",
+        dead[0].last_error
+    );
+}

@@ -1170,24 +1170,27 @@ fn transformed(
         return deliveries;
     };
     let mut failed = Vec::new();
+    let max_bytes = relay.inner.config.max_payload_bytes;
     let deliveries = deliveries
         .into_iter()
-        .filter_map(|mut delivery| match transform.apply(&delivery.event) {
-            Ok(payload) => {
-                delivery.event.payload = payload;
-                delivery.event.content_type = DEFAULT_CONTENT_TYPE.to_owned();
-                Some(delivery)
-            }
-            Err(error) => {
-                let reason: String = format!("transform: {error}")
-                    .replace('\0', " ")
-                    .chars()
-                    .take(1000)
-                    .collect();
-                failed.push((delivery.ack_id, reason));
-                None
-            }
-        })
+        .filter_map(
+            |mut delivery| match transform.apply_within(&delivery.event, max_bytes) {
+                Ok(payload) => {
+                    delivery.event.payload = payload;
+                    delivery.event.content_type = DEFAULT_CONTENT_TYPE.to_owned();
+                    Some(delivery)
+                }
+                Err(error) => {
+                    let reason: String = format!("transform: {error}")
+                        .replace('\0', " ")
+                        .chars()
+                        .take(1000)
+                        .collect();
+                    failed.push((delivery.ack_id, reason));
+                    None
+                }
+            },
+        )
         .collect();
     if !failed.is_empty() {
         let (relay, name) = (relay.clone(), subscription.name.clone());

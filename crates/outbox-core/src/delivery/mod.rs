@@ -66,6 +66,10 @@ pub struct DeliveryConfig {
     pub claim_batch_size: usize,
     /// Most Subscribe streams open at once in this process.
     pub max_streams: usize,
+    /// Largest payload a subscription's transform may make: a larger one is
+    /// dead-lettered with the reason. The gateway sets it to `--max-payload-bytes` as the
+    /// relay starts, so that it never delivers a payload larger than it would accept.
+    pub max_payload_bytes: usize,
 }
 
 impl Default for DeliveryConfig {
@@ -79,6 +83,7 @@ impl Default for DeliveryConfig {
             max_buffered_bytes: 256 * 1024 * 1024,
             claim_batch_size: 1000,
             max_streams: 10_000,
+            max_payload_bytes: crate::domain::PublishLimits::default().max_payload_bytes,
         }
     }
 }
