@@ -609,21 +609,31 @@ impl Store {
         };
         // Found (and their types checked) once for the result, not for every row.
         let columns = EventColumns::of(first)?;
-        for row in &rows {
-            verdicts.snapshot = Some(row.try_get("snapshot")?);
-            let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
-                continue;
-            };
-            match filter.matches(&columns.event(row, &self.source)?) {
-                Ok(true) => {}
-                Ok(false) => verdicts.passed.push(position),
-                Err(error) => {
-                    verdicts.passed.push(position);
-                    verdicts.failed.push(position);
-                    verdicts.errors.insert(position, error.to_string());
+        let mut evaluate = || -> Result<()> {
+            for row in &rows {
+                verdicts.snapshot = Some(row.try_get("snapshot")?);
+                let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
+                    continue;
+                };
+                match filter.matches(&columns.event(row, &self.source)?) {
+                    Ok(true) => {}
+                    Ok(false) => verdicts.passed.push(position),
+                    Err(error) => {
+                        verdicts.passed.push(position);
+                        verdicts.failed.push(position);
+                        verdicts.errors.insert(position, error.to_string());
+                    }
                 }
             }
-        }
+            Ok(())
+        };
+        // Each evaluation may take up to its cost budget: on a multi-threaded runtime the
+        // worker hands its other tasks to another thread meanwhile, so a costly filter
+        // slows only its own subscription's claim, never the calls served beside it.
+        match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(evaluate),
+            _ => evaluate(),
+        }?;
         Ok(verdicts)
     }
 
