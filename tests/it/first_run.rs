@@ -476,6 +476,8 @@ enum Network {
 /// setting of its own pointing it elsewhere.
 struct PlainHome {
     root: PathBuf,
+    /// The gateway binary, where the user it runs as can reach it.
+    binary: PathBuf,
     _cleanup: ClusterCleanup,
 }
 
@@ -484,7 +486,15 @@ impl PlainHome {
         let root = temporary_directory("plain-serve");
         std::fs::create_dir(&root).unwrap();
         let cleanup = ClusterCleanup(root.clone());
+        let mut binary = PathBuf::from(env!("CARGO_BIN_EXE_outbox-gateway"));
         if outbox_local_postgres::running_as_root() {
+            // The checkout may sit where only root can reach (under /root): the postgres
+            // user runs a link to (or a copy of) the binary in its own home.
+            let reachable = root.join("outbox-gateway-bin");
+            if std::fs::hard_link(&binary, &reachable).is_err() {
+                std::fs::copy(&binary, &reachable).expect("copy the gateway binary");
+            }
+            binary = reachable;
             let chown = std::process::Command::new("chown")
                 .arg("postgres:")
                 .arg(&root)
@@ -494,6 +504,7 @@ impl PlainHome {
         }
         PlainHome {
             root,
+            binary,
             _cleanup: cleanup,
         }
     }
@@ -529,7 +540,8 @@ impl PlainHome {
             program.push("setpriv");
             program.extend(AS_POSTGRES);
         }
-        program.push(env!("CARGO_BIN_EXE_outbox-gateway"));
+        let binary = self.binary.to_str().expect("a UTF-8 path");
+        program.push(binary);
         let mut command = Command::new(program[0]);
         command
             .args(&program[1..])
