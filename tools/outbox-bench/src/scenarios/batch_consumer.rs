@@ -145,6 +145,9 @@ async fn consume(gateway: &Gateway, name: &str, deadline: Duration) -> anyhow::R
             .subscribe(proto::SubscribeRequest {
                 subscription: name.to_owned(),
                 max_in_flight: BATCH as u32,
+                // Exactly what it will read: nothing is left leased to give back when it
+                // closes, which the next stream would get again as a second attempt.
+                max_deliveries: (BATCH * BATCHES_PER_STREAM) as u32,
                 ..Default::default()
             })
             .await
