@@ -46,6 +46,10 @@ pub(crate) fn status_from(error: impl Into<Error>) -> Status {
             tracing::debug!(error = %source, "database unavailable");
             Status::unavailable("the database is unavailable; retry later")
         }
+        // A gateway with one database names no source.
+        Error::SourceUnavailable(source) if source.is_default() => {
+            Status::unavailable("the database is unavailable; retry later")
+        }
         Error::SourceUnavailable(source) => Status::unavailable(format!(
             "source {source:?} cannot be reached right now; retry later"
         )),
