@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 20] = [
+const SCENARIOS: [&str; 22] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -23,6 +23,8 @@ const SCENARIOS: [&str; 20] = [
     "latency",
     "held-transaction",
     "stalled-consumers",
+    "batch-consumer",
+    "ordered-backlog",
     "source-outage",
     "many-subscriptions",
     "replicas",

@@ -7,12 +7,14 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use hdrhistogram::Histogram;
 use outbox_client::proto;
 use serde_json::json;
 
 use super::{Bench, insert_backlog, progress};
 use crate::{
     gateway::Gateway,
+    measure::{new_histogram, record},
     report::{Report, Table, Target},
 };
 
@@ -20,6 +22,8 @@ use crate::{
 const BATCH: usize = 100;
 /// New streams per ack deadline, each taking [`BATCHES_PER_STREAM`] batches.
 const STREAMS: usize = 5;
+/// With `--quick`: one stream per deadline.
+const QUICK_STREAMS: usize = 1;
 const BATCHES_PER_STREAM: usize = 2;
 const DEADLINES: [Duration; 3] = [
     Duration::from_secs(1),
@@ -42,13 +46,17 @@ struct Outcome {
 
 pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "batch-consumer";
-    let per_subscription = (STREAMS * BATCHES_PER_STREAM * BATCH) as u64;
+    let streams = match bench.settings.quick {
+        true => QUICK_STREAMS,
+        false => STREAMS,
+    };
+    let per_subscription = (streams * BATCHES_PER_STREAM * BATCH) as u64;
     insert_backlog(bench, scenario, per_subscription).await?;
     let mut outcomes = Vec::new();
     for deadline in DEADLINES {
         let name = format!("batch-{}s", deadline.as_secs());
         create_subscription(gateway, &name, deadline).await?;
-        let outcome = consume(gateway, &name, deadline).await?;
+        let outcome = consume(gateway, &name, deadline, streams).await?;
         progress(
             scenario,
             format!(
@@ -67,7 +75,7 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let mut report = Report::new(
         scenario,
         format!(
-            "new streams whose consumer collects {BATCH} deliveries before acking (max_in_flight {BATCH}), {STREAMS} streams of {BATCHES_PER_STREAM} batches per ack deadline"
+            "new streams whose consumer collects {BATCH} deliveries before acking (max_in_flight {BATCH}), {streams} streams of {BATCHES_PER_STREAM} batches per ack deadline"
         ),
     );
     let mut table = Table::new(
@@ -123,12 +131,40 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         );
     }
     report.tables.push(table);
+    let histograms: Vec<(String, Histogram<u64>)> = outcomes
+        .iter()
+        .map(|outcome| {
+            let mut histogram = new_histogram();
+            for took in outcome.first.iter().chain(&outcome.later) {
+                record(&mut histogram, *took);
+            }
+            (
+                format!("{} s leases", outcome.deadline.as_secs()),
+                histogram,
+            )
+        })
+        .collect();
+    let curves: Vec<(String, &Histogram<u64>)> = histograms
+        .iter()
+        .map(|(label, histogram)| (label.clone(), histogram))
+        .collect();
+    bench.latency_chart(
+        &mut report,
+        "batch-consumer-batches.svg",
+        "batch-consumer: time to collect a batch of 100",
+        &curves,
+    )?;
     Ok(report)
 }
 
-/// Opens [`STREAMS`] new streams one after another; each collects [`BATCH`] deliveries,
+/// Opens `streams` new streams one after another; each collects [`BATCH`] deliveries,
 /// acks them all at once, [`BATCHES_PER_STREAM`] times, then closes.
-async fn consume(gateway: &Gateway, name: &str, deadline: Duration) -> anyhow::Result<Outcome> {
+async fn consume(
+    gateway: &Gateway,
+    name: &str,
+    deadline: Duration,
+    streams: usize,
+) -> anyhow::Result<Outcome> {
     let mut outcome = Outcome {
         deadline,
         first: Vec::new(),
@@ -138,7 +174,7 @@ async fn consume(gateway: &Gateway, name: &str, deadline: Duration) -> anyhow::R
     };
     // A batch that never completes is reported, not waited for forever.
     let give_up = deadline * 4 + Duration::from_secs(10);
-    for _ in 0..STREAMS {
+    for _ in 0..streams {
         let mut started = Instant::now();
         let mut stream = gateway
             .subscriber()

@@ -14,6 +14,7 @@ use std::{
 };
 
 use anyhow::Context;
+use hdrhistogram::Histogram;
 use outbox_client::proto;
 use serde_json::json;
 use tokio::task::JoinSet;
@@ -22,13 +23,14 @@ use super::{Bench, progress};
 use crate::{
     database::Notify,
     gateway::Gateway,
+    measure::{new_histogram, record},
     report::{Report, Table, Target, format_number},
 };
 
 /// Aggregates × events per aggregate.
 const CASES: [(u64, u64); 3] = [(60, 100), (75, 300), (100, 1_000)];
-/// With `--quick`: the first case only.
-const QUICK_CASES: usize = 1;
+/// With `--quick`: a small case only.
+const QUICK_CASES: [(u64, u64); 1] = [(10, 20)];
 const STREAMS: usize = 4;
 /// Ack ids per Ack call at most; a stream acks what it has once deliveries pause.
 const ACK_BATCH: usize = 100;
@@ -60,9 +62,10 @@ impl Drain {
 pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let scenario = "ordered-backlog";
     let cases = match bench.settings.quick {
-        true => &CASES[..QUICK_CASES],
+        true => &QUICK_CASES[..],
         false => &CASES[..],
     };
+    let mut ack_histograms: Vec<(String, Histogram<u64>)> = Vec::new();
     let limit = bench.settings.deliver_limit;
     let mut report = Report::new(
         scenario,
@@ -120,6 +123,13 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
             100.0,
             " ms",
         ));
+        for (kind, drain) in [("unordered", &unordered), ("ordered", &ordered)] {
+            let mut histogram = new_histogram();
+            for latency in &drain.ack_latencies {
+                record(&mut histogram, *latency);
+            }
+            ack_histograms.push((format!("{kind}, {aggregates} × {per_aggregate}"), histogram));
+        }
         report.figure(
             &label,
             json!({
@@ -130,6 +140,16 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         );
     }
     report.tables.push(table);
+    let curves: Vec<(String, &Histogram<u64>)> = ack_histograms
+        .iter()
+        .map(|(label, histogram)| (label.clone(), histogram))
+        .collect();
+    bench.latency_chart(
+        &mut report,
+        "ordered-backlog-acks.svg",
+        "ordered-backlog: Ack round trips",
+        &curves,
+    )?;
     Ok(report)
 }
 
