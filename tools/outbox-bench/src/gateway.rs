@@ -232,25 +232,42 @@ impl Gateway {
     /// Creates a subscription to every event type, starting at the earliest retained
     /// event (`earliest`) or at the latest.
     pub async fn create_subscription(&self, name: &str, earliest: bool) -> anyhow::Result<()> {
-        let boundary = if earliest {
-            proto::Boundary::Earliest
-        } else {
-            proto::Boundary::Latest
-        };
+        let mut subscription = Gateway::from_earliest(name);
+        if !earliest {
+            subscription.start = Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Latest as i32,
+                )),
+            });
+        }
+        self.create(subscription).await
+    }
+
+    /// Creates `subscription` as it is.
+    pub async fn create(&self, subscription: proto::Subscription) -> anyhow::Result<()> {
+        let name = subscription.name.clone();
         self.admin()
             .create_subscription(proto::CreateSubscriptionRequest {
-                subscription: Some(proto::Subscription {
-                    name: name.into(),
-                    start: Some(proto::StartPosition {
-                        position: Some(proto::start_position::Position::Boundary(boundary as i32)),
-                    }),
-                    ..Default::default()
-                }),
+                subscription: Some(subscription),
                 validate_only: false,
             })
             .await
             .with_context(|| format!("CreateSubscription {name:?} failed"))?;
         Ok(())
+    }
+
+    /// The settings of a subscription to every event type from the earliest retained
+    /// event, to fill in with what a scenario sets.
+    pub fn from_earliest(name: &str) -> proto::Subscription {
+        proto::Subscription {
+            name: name.into(),
+            start: Some(proto::StartPosition {
+                position: Some(proto::start_position::Position::Boundary(
+                    proto::Boundary::Earliest as i32,
+                )),
+            }),
+            ..Default::default()
+        }
     }
 
     pub async fn delete_subscription(&self, name: &str) -> anyhow::Result<()> {

@@ -55,7 +55,12 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     let mut outcomes = Vec::new();
     for deadline in DEADLINES {
         let name = format!("batch-{}s", deadline.as_secs());
-        create_subscription(gateway, &name, deadline).await?;
+        gateway
+            .create(proto::Subscription {
+                ack_deadline: prost_types::Duration::try_from(deadline).ok(),
+                ..Gateway::from_earliest(&name)
+            })
+            .await?;
         let outcome = consume(gateway, &name, deadline, streams).await?;
         progress(
             scenario,
@@ -227,31 +232,6 @@ async fn consume(
         }
     }
     Ok(outcome)
-}
-
-async fn create_subscription(
-    gateway: &Gateway,
-    name: &str,
-    ack_deadline: Duration,
-) -> anyhow::Result<()> {
-    gateway
-        .admin()
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(proto::Subscription {
-                name: name.into(),
-                ack_deadline: prost_types::Duration::try_from(ack_deadline).ok(),
-                start: Some(proto::StartPosition {
-                    position: Some(proto::start_position::Position::Boundary(
-                        proto::Boundary::Earliest as i32,
-                    )),
-                }),
-                ..Default::default()
-            }),
-            validate_only: false,
-        })
-        .await
-        .with_context(|| format!("CreateSubscription {name:?} failed"))?;
-    Ok(())
 }
 
 fn millis(duration: Option<&Duration>) -> f64 {

@@ -180,22 +180,11 @@ async fn drain_new(
     limit: Duration,
 ) -> anyhow::Result<Drain> {
     gateway
-        .admin()
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(proto::Subscription {
-                name: name.into(),
-                ordered,
-                start: Some(proto::StartPosition {
-                    position: Some(proto::start_position::Position::Boundary(
-                        proto::Boundary::Earliest as i32,
-                    )),
-                }),
-                ..Default::default()
-            }),
-            validate_only: false,
+        .create(proto::Subscription {
+            ordered,
+            ..Gateway::from_earliest(name)
         })
-        .await
-        .with_context(|| format!("CreateSubscription {name:?} failed"))?;
+        .await?;
     let acked = Arc::new(AtomicU64::new(0));
     let latencies = Arc::new(Mutex::new(Vec::new()));
     let started = Instant::now();
