@@ -64,7 +64,9 @@ pub struct Settings {
     /// gateway runs itself when nothing answers at the default URL (in `postgres/` under
     /// it, reached through a Unix socket only). Given, that cluster is used even when a
     /// server answers at the default URL. When not given: $XDG_DATA_HOME/outbox-gateway
-    /// (~/.local/share/outbox-gateway), or /var/lib/outbox-gateway as root.
+    /// (~/.local/share/outbox-gateway), or /var/lib/outbox-gateway as root; a cluster
+    /// there while a server also answers at the default URL is refused, naming both. A
+    /// directory another user can change is refused.
     #[arg(long, env = "OUTBOX_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
 
