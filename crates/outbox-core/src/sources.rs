@@ -82,10 +82,11 @@ impl Source {
     }
 
     /// What `work` on this source yields, or `None` at once when the source is known to be
-    /// down, or as soon as it is found down while `work` waits. A connection attempt to a
-    /// server that went away takes the whole acquire timeout: nothing should wait that
-    /// long for a source the health watch has given up on, least of all the claims of
-    /// the other sources queued behind it.
+    /// down, or as soon as it is found down while `work` waits: a connection attempt to a
+    /// server that went away takes the whole acquire timeout. `work` is dropped then, so
+    /// it must not hold a transaction of its own (a dropped transaction stays open on its
+    /// connection until the connection's next use): wait this way for what another task
+    /// carries out, such as a publish committer's answer.
     pub async fn unless_down<F: Future>(&self, work: F) -> Option<F::Output> {
         let mut changes = self.changed.subscribe();
         if !self.is_connected() {

@@ -684,20 +684,16 @@ pub(super) async fn run(dispatcher: Arc<Dispatcher>, relay: Relay) {
                             .saturating_add(worthwhile_following(config.claim_batch_size))
                         && may_follow(&dispatcher, source)
                 });
-                // Given up when the source is found down meanwhile: a claim waiting for a
-                // connection to it would hold back every other source's.
-                let claimed = source
-                    .unless_down(claim(
-                        &dispatcher,
-                        &relay,
-                        &subscription,
-                        source,
-                        remaining,
-                        follow_room,
-                    ))
-                    .await
-                    .unwrap_or(Claimed::Failed);
-                match claimed {
+                match claim(
+                    &dispatcher,
+                    &relay,
+                    &subscription,
+                    source,
+                    remaining,
+                    follow_room,
+                )
+                .await
+                {
                     Claimed::Some {
                         count,
                         bytes,
@@ -1288,14 +1284,12 @@ async fn reread_leases(
     if !source.is_connected() {
         return false;
     }
-    let live = source.unless_down(
-        source
-            .store
-            .live_leases(dispatcher.subscription_id, &leases),
-    );
-    match live.await {
-        None => false,
-        Some(Ok(live)) => {
+    match source
+        .store
+        .live_leases(dispatcher.subscription_id, &leases)
+        .await
+    {
+        Ok(live) => {
             let live: HashMap<i64, DateTime<Utc>> = live.into_iter().collect();
             let mut state = dispatcher.state.lock().expect("dispatcher lock");
             for lease in leases {
@@ -1310,7 +1304,7 @@ async fn reread_leases(
             }
             true
         }
-        Some(Err(error)) => {
+        Err(error) => {
             tracing::debug!(subscription_id = dispatcher.subscription_id.0, source = %source.name, %error, "lease refresh failed");
             false
         }

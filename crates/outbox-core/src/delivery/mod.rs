@@ -461,13 +461,7 @@ impl Relay {
                 // Known to be down: answer at once rather than wait for a connection
                 // attempt to time out; the health probe notices when it is back.
                 Some(source) if !source.is_connected() => Err(None),
-                Some(source) => match source
-                    .unless_down(source.store.ack(subscription, &acks))
-                    .await
-                {
-                    Some(applied) => applied.map_err(Some),
-                    None => Err(None),
-                },
+                Some(source) => source.store.ack(subscription, &acks).await.map_err(Some),
                 None => Ok(Vec::new()),
             };
             (source_id, acks, outcome)
