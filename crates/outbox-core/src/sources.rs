@@ -18,7 +18,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    domain::{AckSeal, DEFAULT_SOURCE, SourceId, SourceName, Subscription},
+    domain::{AckSeal, DEFAULT_SOURCE, EngineProblem, SourceId, SourceName, Subscription},
     error::Error,
     storage::{Store, StoreConfig, StoreError},
 };
@@ -201,6 +201,11 @@ pub enum ConnectError {
         humantime::format_duration(*timeout)
     )]
     Timeout { target: String, timeout: Duration },
+    #[error("cannot use PostgreSQL at {target}: {problem}")]
+    Engine {
+        target: String,
+        problem: EngineProblem,
+    },
 }
 
 /// Connects to a database at start-up (creating it when missing), saying what it waits
@@ -213,8 +218,16 @@ pub async fn connect_within(
     let target = crate::storage::describe_target(&store_config.database_url);
     // Not `target`: JSON logs already have a key of that name (the module).
     tracing::info!(database = %target, "connecting to PostgreSQL");
-    match tokio::time::timeout(timeout, Store::connect(store_config)).await {
-        Ok(Ok(store)) => Ok(store),
+    let connect = async {
+        let facts = crate::storage::inspect_engine_at(store_config).await?;
+        if let Some(problem) = facts.problem() {
+            return Ok(Err(problem));
+        }
+        Store::connect(store_config).await.map(Ok)
+    };
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(Ok(store))) => Ok(store),
+        Ok(Ok(Err(problem))) => Err(ConnectError::Engine { target, problem }),
         Ok(Err(source)) => Err(ConnectError::Connect { target, source }),
         Err(_) => Err(ConnectError::Timeout { target, timeout }),
     }
@@ -229,6 +242,11 @@ pub enum SourcesError {
         "source {name:?}: its outbox schema is missing or older than this gateway's; run `outbox-gateway migrate --source {name}` or set migrate = true"
     )]
     NotMigrated { name: String },
+    #[error("source {name:?}: {problem}")]
+    Engine {
+        name: String,
+        problem: EngineProblem,
+    },
 }
 
 impl Sources {
@@ -345,6 +363,12 @@ impl Sources {
                         name: source.name.to_string(),
                     });
                 }
+                Err(PrepareError::Engine(problem)) => {
+                    return Err(SourcesError::Engine {
+                        name: source.name.to_string(),
+                        problem,
+                    });
+                }
                 Err(PrepareError::Store(error)) => {
                     source.record(Err(probe_failure(&error)));
                 }
@@ -367,6 +391,7 @@ impl Sources {
                     Err(PrepareError::NotMigrated) => Err(
                         "its outbox schema is missing or older than this gateway's; run `outbox-gateway migrate`".to_owned(),
                     ),
+                    Err(PrepareError::Engine(problem)) => Err(problem.to_string()),
                     Err(PrepareError::Store(error)) => Err(probe_failure(&error)),
                 };
                 source.record(outcome);
@@ -443,7 +468,17 @@ pub async fn migrate(config: &SourcesSettings, only: Option<&str>) -> Result<Vec
 
 async fn migrate_store(store: &Store, database_url: &str) -> Result<String, String> {
     let target = crate::storage::describe_target(database_url);
-    let outcome = store.migrate().await;
+    let outcome = match store.inspect_engine().await.map(|facts| facts.problem()) {
+        Ok(Some(problem)) => {
+            store.close().await;
+            return Err(format!(
+                "source {:?}: cannot use PostgreSQL at {target}: {problem}",
+                store.source().as_str()
+            ));
+        }
+        Ok(None) => store.migrate().await,
+        Err(error) => Err(error),
+    };
     store.close().await;
     outcome.map_err(|error| {
         format!(
@@ -460,6 +495,8 @@ async fn migrate_store(store: &Store, database_url: &str) -> Result<String, Stri
 
 enum PrepareError {
     NotMigrated,
+    /// A server the relay cannot serve: it stays down until it is replaced.
+    Engine(EngineProblem),
     Store(StoreError),
 }
 
@@ -497,6 +534,14 @@ impl Source {
             if !(key_missing && seal.is_some()) {
                 return self.store.ping().await.map_err(PrepareError::Store);
             }
+        } else if let Some(problem) = self
+            .store
+            .inspect_engine()
+            .await
+            .map_err(PrepareError::Store)?
+            .problem()
+        {
+            return Err(PrepareError::Engine(problem));
         } else if self.migrate {
             self.store.migrate().await.map_err(PrepareError::Store)?;
         } else {

@@ -14,6 +14,7 @@
 mod ack;
 pub mod auth;
 mod delivery;
+mod engine;
 mod event;
 mod expression;
 mod input;
@@ -28,6 +29,7 @@ mod subscription;
 
 pub use ack::{AckId, AckSeal};
 pub use delivery::{DELIVERY_OVERHEAD_BYTES, Delivery};
+pub use engine::{EngineFacts, EngineProblem, OLDEST_SUPPORTED_VERSION_NUM};
 pub use event::{
     DEFAULT_CONTENT_TYPE, Event, NewEvent, PublishLimits, TRACE_CONTEXT_KEYS, check_event_key,
     is_json_content_type, parse_event_id,

@@ -125,7 +125,7 @@ macro_rules! run_in_transaction {
 /// Opens a transaction whose statements run with cached generic plans, probing tables by
 /// index. For the delivery hot path (claims; the batch ack's function has the same
 /// settings of its own, see migration 0015): their statements are large, and
-/// planning them anew on every call, as the pool otherwise does ([`claim_options`]), cost
+/// planning them anew on every call, as the pool otherwise does ([`CLAIM_SETTINGS`]), cost
 /// as much PostgreSQL CPU as running them; they are written so that a generic plan
 /// serves them well. A generic plan is made once per connection, when the tables may
 /// still be empty, and kept until their statistics change; with sequential scans off it
@@ -185,7 +185,7 @@ mod subscriptions;
 use std::{str::FromStr, time::Duration};
 
 use sqlx::{
-    Connection, Executor, PgConnection,
+    Connection, Executor, PgConnection, Row,
     postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode},
 };
 
@@ -198,7 +198,7 @@ pub use operations::{PreparedSeek, RequeueRefusal};
 pub use reading::{PositionMove, ReadPosition, ScannedRow, ScannedRows, SubscriptionPosition};
 pub use subscriptions::NewDefinition;
 
-use outbox_domain::{LeaseId, SourceId, SourceName, SubscriptionId};
+use outbox_domain::{EngineFacts, LeaseId, SourceId, SourceName, SubscriptionId};
 
 /// Result alias of the storage layer.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -370,8 +370,8 @@ impl Store {
     pub async fn connect(config: &StoreConfig) -> Result<Store> {
         let options = connect_options(config)?;
         create_database_if_missing(&options).await?;
-        let pool = pool_options(config.max_connections, config.acquire_timeout)
-            .connect_with(claim_options(&options))
+        let pool = pool_options(config, CLAIM_SETTINGS)
+            .connect_with(options.clone())
             .await?;
         Ok(Store::with_pool(config, pool, options))
     }
@@ -380,8 +380,7 @@ impl Store {
     /// down when the gateway starts does not stop it. Its database is never created.
     pub fn connect_lazy(config: &StoreConfig) -> Result<Store> {
         let options = connect_options(config)?;
-        let pool = pool_options(config.max_connections, config.acquire_timeout)
-            .connect_lazy_with(claim_options(&options));
+        let pool = pool_options(config, CLAIM_SETTINGS).connect_lazy_with(options.clone());
         Ok(Store::with_pool(config, pool, options))
     }
 
@@ -389,14 +388,27 @@ impl Store {
         // The publishing INSERT plans the same way whatever its arrays hold, so it keeps
         // PostgreSQL's cached plan (re-planning cost 0.2 ms of a 100-event call), and
         // its connections are its own: a committer keeps one while it publishes.
-        let publish_pool = pool_options(PUBLISH_CONNECTIONS as u32, config.acquire_timeout)
-            .connect_lazy_with(options.clone());
+        let publish_pool = pool_options(
+            &StoreConfig {
+                max_connections: PUBLISH_CONNECTIONS as u32,
+                ..config.clone()
+            },
+            &[],
+        )
+        .connect_lazy_with(options.clone());
         let probe = std::sync::Arc::new(Probe {
             connection: tokio::sync::Mutex::new(None),
             options: options.clone(),
             timeout: config.acquire_timeout,
         });
-        let probe_pool = pool_options(1, config.acquire_timeout).connect_lazy_with(options);
+        let probe_pool = pool_options(
+            &StoreConfig {
+                max_connections: 1,
+                ..config.clone()
+            },
+            &[],
+        )
+        .connect_lazy_with(options);
         Store {
             source: config.source.clone(),
             source_id: config.source_id,
@@ -418,39 +430,49 @@ impl Store {
     }
 }
 
-/// How the gateway connects to a database.
+/// How the gateway connects to a database. Its session settings are set after
+/// connecting ([`pool_options`]), not in the startup packet: PgBouncer refuses startup
+/// parameters it does not know (`options`, and sqlx's `extra_float_digits`, which
+/// servers since PostgreSQL 12 need not be told).
 fn connect_options(config: &StoreConfig) -> Result<PgConnectOptions> {
     let mut options = PgConnectOptions::from_str(&config.database_url)
         .map_err(StoreError::Database)?
-        .application_name("outbox-gateway");
+        .application_name("outbox-gateway")
+        .extra_float_digits(None);
     // TLS to a database on this machine protects nothing, and sqlx splits statements
     // over 16 KiB into two TLS writes, the second waiting ~40 ms for a delayed ACK.
     if !config.database_url.contains("sslmode") && is_loopback(options.get_host()) {
         options = options.ssl_mode(PgSslMode::Disable);
     }
-    // The gateway wakes its relay in process; its inserts must not NOTIFY. Every
-    // transaction the gateway opens is ended on every path; should one ever be left open,
-    // PostgreSQL ends the session rather than let it hold back vacuum.
-    let idle_in_transaction = format!("{}", config.idle_in_transaction_timeout.as_millis());
-    Ok(options.options([
+    Ok(options)
+}
+
+/// Settings of the main pool's sessions besides [`session_settings`]: a generic plan
+/// cannot see the parameters, and the `$n IS NULL OR …` filters of many statements then
+/// make it expect one row and read a whole table (the claim's once bitmap-scanned and
+/// sorted the whole backlog: 130 ms instead of 0.5 ms for 500 of 50,000 events): plan
+/// with the actual parameters. The claim and the batch ack, written for it, run on
+/// generic plans ([`GENERIC_PLANS`], and the settings of the function
+/// `outbox_ack_batches`).
+const CLAIM_SETTINGS: &[(&str, &str)] = &[("plan_cache_mode", "force_custom_plan")];
+
+/// What every gateway session sets first, then `extra`. The gateway wakes its relay in
+/// process; its inserts must not NOTIFY. Every transaction the gateway opens is ended on
+/// every path; should one ever be left open, PostgreSQL ends the session rather than let
+/// it hold back vacuum.
+fn session_settings(config: &StoreConfig, extra: &[(&str, &str)]) -> String {
+    let idle_in_transaction = config.idle_in_transaction_timeout.as_millis().to_string();
+    [
         ("outbox.suppress_notify", "on"),
         (
             "idle_in_transaction_session_timeout",
             idle_in_transaction.as_str(),
         ),
-    ]))
-}
-
-/// The options of the main pool: a generic plan cannot see the parameters, and the
-/// `$n IS NULL OR …` filters of many statements then make it expect one row and read a
-/// whole table (the claim's once bitmap-scanned and sorted the whole backlog: 130 ms
-/// instead of 0.5 ms for 500 of 50,000 events): plan with the actual parameters. The
-/// claim and the batch ack, written for it, run on generic plans ([`GENERIC_PLANS`], and
-/// the settings of the function `outbox_ack_batches`).
-fn claim_options(options: &PgConnectOptions) -> PgConnectOptions {
-    options
-        .clone()
-        .options([("plan_cache_mode", "force_custom_plan")])
+    ]
+    .iter()
+    .chain(extra)
+    .map(|(name, value)| format!("SET {name} = '{value}';"))
+    .collect()
 }
 
 impl Store {
@@ -537,6 +559,76 @@ impl Store {
             .await?;
         Ok(EventListener { listener })
     }
+}
+
+impl Store {
+    /// What the server says of itself, for the start to refuse one the relay cannot serve
+    /// ([`EngineFacts::problem`]).
+    pub async fn inspect_engine(&self) -> Result<EngineFacts> {
+        inspect_engine(&self.probe.options).await
+    }
+}
+
+/// [`Store::inspect_engine`] before the store exists: when its database does not exist
+/// yet, the server's maintenance database answers.
+pub async fn inspect_engine_at(config: &StoreConfig) -> Result<EngineFacts> {
+    let options = connect_options(config)?;
+    match inspect_engine(&options).await {
+        Err(StoreError::Unavailable(sqlx::Error::Database(db)))
+            if db.code().as_deref() == Some("3D000") =>
+        {
+            inspect_engine(&options.database("postgres")).await
+        }
+        other => other,
+    }
+}
+
+/// Asks on two connections of its own, in the simple query protocol (a pooler in
+/// transaction mode breaks named prepared statements before it could be recognised).
+async fn inspect_engine(options: &PgConnectOptions) -> Result<EngineFacts> {
+    const BACKEND: &str = "SELECT pg_backend_pid()::text";
+    let text = |row: &sqlx::postgres::PgRow, column: usize| row.try_get::<String, _>(column);
+    let mut first = PgConnection::connect_with(options).await?;
+    let about = sqlx::raw_sql("SELECT version(), current_setting('server_version_num')")
+        .fetch_one(&mut first)
+        .await?;
+    let version_num = text(&about, 1)?;
+    let mut facts = EngineFacts {
+        version: text(&about, 0)?,
+        version_num: version_num.parse().map_err(|_| {
+            StoreError::Corrupt(format!(
+                "server_version_num {version_num:?} is not a number"
+            ))
+        })?,
+        read_only: false,
+        in_recovery: false,
+        sessions_shared: false,
+    };
+    // An engine that is not PostgreSQL, or an old one, may lack what is asked next.
+    if facts.problem().is_some() {
+        return Ok(facts);
+    }
+    let state = sqlx::raw_sql(
+        "SELECT current_setting('transaction_read_only'), pg_is_in_recovery()::text, pg_backend_pid()::text",
+    )
+    .fetch_one(&mut first)
+    .await?;
+    facts.read_only = text(&state, 0)? == "on";
+    facts.in_recovery = text(&state, 1)? == "true";
+    let first_backend = text(&state, 2)?;
+    // A pooler in transaction mode lends a server session to a client for one
+    // transaction. While a second client holds one open, the first is lent either that
+    // same session (which it used last: PgBouncer lends the most recent first) or,
+    // asking again, another: directly, or pooled per session, it keeps its own.
+    let mut second = PgConnection::connect_with(options).await?;
+    sqlx::raw_sql("BEGIN").execute(&mut second).await?;
+    let held = text(&sqlx::raw_sql(BACKEND).fetch_one(&mut second).await?, 0)?;
+    let again = text(&sqlx::raw_sql(BACKEND).fetch_one(&mut first).await?, 0)?;
+    facts.sessions_shared = held == first_backend || again != first_backend;
+    let _ = sqlx::raw_sql("ROLLBACK").execute(&mut second).await;
+    let _ = second.close().await;
+    let _ = first.close().await;
+    Ok(facts)
 }
 
 /// The newest migration this build knows.
@@ -765,10 +857,20 @@ impl Probe {
     }
 }
 
-fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOptions {
+fn pool_options(config: &StoreConfig, extra_settings: &[(&str, &str)]) -> PgPoolOptions {
+    let settings: std::sync::Arc<str> = session_settings(config, extra_settings).into();
     PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(acquire_timeout)
+        .max_connections(config.max_connections)
+        .acquire_timeout(config.acquire_timeout)
+        .after_connect(move |connection, _| {
+            let settings = settings.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(settings.to_string()))
+                    .execute(connection)
+                    .await?;
+                Ok(())
+            })
+        })
         // sqlx pings every connection it hands out: a round trip before each statement.
         // Only a connection that sat idle may have been dropped meanwhile; one in steady
         // use would have failed its last statement already.

@@ -7,7 +7,8 @@
 //!   sleeping a guessed time; [`settled`]: for a figure to stop moving.
 //! - [`gateway`]: the `outbox-gateway` binary as a child process: a free port,
 //!   migrating, waiting until it serves, stopping it.
-//! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start.
+//! - [`PostgresServer`]: a second PostgreSQL server a test can stop and start (or a hot
+//!   standby of one); [`Pooler`]: PgBouncer in front of one.
 //! - [`test_server_url`]: the server tests use, started here when none runs.
 //! - [`gateway_row_writes`]: the rows the gateway has written in its own tables.
 
@@ -21,7 +22,7 @@ pub use database::{
     DatabaseError, GATEWAY_APPLICATION, ThrowawayDatabase, cut_gateway_sessions, gateway_row_writes,
 };
 pub use poll::{poll_until, settled};
-pub use server::{PostgresServer, ServerError};
+pub use server::{PoolMode, Pooler, PostgresServer, ServerError};
 
 /// The PostgreSQL server tests create their databases on: `TEST_POSTGRES_URL`, or the
 /// local server as user `postgres`. When nothing answers there, this process starts a
