@@ -8,10 +8,13 @@ use chrono::{DateTime, Utc};
 
 use super::refusal::{Refusal, Result};
 
-/// Deepest nesting of arrays and objects a JSON payload may have. PostgreSQL's JSON
-/// parser recurses per level and fails with "stack depth limit exceeded" somewhere past
-/// ten thousand; common consumer libraries stop far earlier (serde_json at 128).
-pub const MAX_JSON_DEPTH: usize = 512;
+/// Deepest nesting of arrays and objects a JSON payload may have: serde_json's (its
+/// recursion limit of 128 admits 127 levels), which
+/// parses payloads for filters, transforms and push bodies, so that every payload
+/// Publish accepts is one they can read (a deeper one would fail each filter, and be
+/// delivered as text by a transform). Common consumer libraries stop near there too;
+/// PostgreSQL's own parser goes past ten thousand.
+pub const MAX_JSON_DEPTH: usize = 127;
 
 /// Earliest and latest instants accepted anywhere: the range of protobuf's `Timestamp`
 /// (years 1 to 9999), well inside PostgreSQL's `timestamptz`.
@@ -148,6 +151,16 @@ mod tests {
         let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
         assert!(check_json(deep(MAX_JSON_DEPTH).as_bytes()).is_ok());
         assert!(check_json(deep(MAX_JSON_DEPTH + 1).as_bytes()).is_err());
+        // What Publish accepts, a filter or transform can parse: one limit everywhere.
+        let deepest_object = format!(
+            "{}1{}",
+            r#"{"a":"#.repeat(MAX_JSON_DEPTH),
+            "}".repeat(MAX_JSON_DEPTH)
+        );
+        assert!(check_json(deepest_object.as_bytes()).is_ok());
+        assert!(serde_json::from_str::<serde_json::Value>(&deepest_object).is_ok());
+        assert!(serde_json::from_str::<serde_json::Value>(&deep(MAX_JSON_DEPTH)).is_ok());
+        assert!(serde_json::from_str::<serde_json::Value>(&deep(MAX_JSON_DEPTH + 1)).is_err());
         // Brackets inside strings do not count.
         let quoted = format!("[\"{}\"]", "[".repeat(10_000));
         assert!(check_json(quoted.as_bytes()).is_ok());
