@@ -17,6 +17,8 @@ mod console_browser;
 mod consumption;
 mod delivery;
 mod deploy;
+mod docs;
+mod engines;
 mod examples;
 mod faithful;
 mod filters;

@@ -24,7 +24,7 @@ pub struct SubscriptionSettingsArgs {
     metadata_match: Vec<(String, String)>,
     /// A CEL expression the event must satisfy, e.g.
     /// 'payload.total > 1000.0 && metadata.tenant == "acme"' (see "Filters and
-    /// transforms" in the README).
+    /// transforms" in docs/subscriptions.md).
     #[arg(long)]
     filter: Option<String>,
     /// A CEL expression whose value (a map or a list) is delivered as the JSON payload,

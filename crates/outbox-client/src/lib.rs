@@ -60,7 +60,7 @@
 //!   uses them, clients do not need them.
 //! - `sqlx`: [`Subscriber::run_exactly_once`], handlers that run inside a transaction of
 //!   the consumer's own database, recorded with `outbox_consume` (exactly-once
-//!   consumption, see the gateway's README).
+//!   consumption, see docs/exactly-once.md in the gateway's repository).
 
 #![warn(missing_docs)]
 

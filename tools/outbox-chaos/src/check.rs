@@ -663,8 +663,9 @@ impl<'a> Checker<'a> {
                 )),
                 (Some(dead), false) => {
                     // Any event's leases may run out (a killed gateway's), its last attempt
-                    // may be given back by a stream that closed (the README's rule: it is
-                    // dead-lettered, not delivered once more), or it may expire.
+                    // may be given back by a stream that closed (the rule of
+                    // docs/subscriptions.md: it is dead-lettered, not delivered once more),
+                    // or it may expire.
                     const ANY_EVENT: [&str; 3] = [
                         "ack deadline exceeded",
                         "stream closed before settling",
