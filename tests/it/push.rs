@@ -545,6 +545,20 @@ async fn gone_stops_pushing_until_push_is_set_again() {
         "{}",
         stats.status_detail
     );
+    // What happened stays to be seen: the answer, and the event's own last error.
+    assert_eq!(stats.push_last_status, 410, "{stats:?}");
+    assert!(stats.push_requests_total >= 1, "{stats:?}");
+    let last_error: Option<String> = sqlx::query_scalar(
+        "SELECT d.last_error FROM outbox_delivery_records d \
+         JOIN outbox_subscriptions s ON s.id = d.subscription_id WHERE s.name = 'gone'",
+    )
+    .fetch_one(&database.pool().await)
+    .await
+    .unwrap();
+    assert_eq!(
+        last_error.as_deref(),
+        Some("the endpoint answered 410 Gone")
+    );
     publish(&gateway, vec![event("o-2", "order.created")]).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(

@@ -778,7 +778,12 @@ pub fn event_deliveries_text(deliveries: &proto::EventDeliveries) {
                     "{}{resolved}",
                     delivery_state(entry.state).replace('_', " ")
                 ),
-                entry.attempt.to_string(),
+                // 0: not delivered yet, or settled for good (an acked event's record
+                // is gone, with its count).
+                match entry.attempt {
+                    0 => "-".to_owned(),
+                    attempt => attempt.to_string(),
+                },
                 time(&entry.due_at),
                 entry.last_error.clone(),
             ]

@@ -141,13 +141,6 @@ impl StatusBoard {
                 .or_default(),
         );
     }
-
-    pub(crate) fn forget(&self, subscription_id: SubscriptionId) {
-        self.inner
-            .lock()
-            .expect("drain statuses lock")
-            .remove(&subscription_id);
-    }
 }
 
 /// One kind of drained subscription (push, sinks): which subscriptions want a drainer
@@ -167,10 +160,10 @@ pub(crate) trait Drains: Clone + Send + Sync + 'static {
     /// Called on every round for each wanted subscription, running or not.
     fn refresh(&self, _subscription: &Subscription) {}
 
-    /// Drops what this process keeps of a subscription it no longer drains.
-    fn forget(&self, subscription_id: SubscriptionId) {
-        self.board().forget(subscription_id);
-    }
+    /// Drops what this process keeps of a subscription it no longer drains, besides its
+    /// status: what was sent and the last answer stay to be seen (a push stopped by a
+    /// 410 still shows that answer), and counting goes on if draining starts again.
+    fn forget(&self, _subscription_id: SubscriptionId) {}
 
     /// Drains the subscription until `stop`, or until its stream ends (on a clone).
     fn drain(

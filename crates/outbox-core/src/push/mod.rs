@@ -137,7 +137,6 @@ impl Drains for PushDrains {
     }
 
     fn forget(&self, subscription_id: SubscriptionId) {
-        self.board.statuses.forget(subscription_id);
         self.board
             .keys
             .lock()
@@ -387,8 +386,16 @@ impl Pusher {
                 .await
                 .map(|_| ()),
             Verdict::Gone => {
-                // The delivery stays unsettled: its lease goes back when the pusher
-                // stops, and it is pushed again once pushing resumes.
+                // Given back at once, as the pusher's stop gives back the others, but
+                // with the answer as its last error; it is pushed again once pushing
+                // resumes.
+                if let Err(error) = self
+                    .relay
+                    .nack(name, ack_id, GONE_REASON, Some(Duration::ZERO), false)
+                    .await
+                {
+                    tracing::debug!(subscription = %name, %error, "cannot give back the delivery the endpoint refused; its lease is given back with the pusher's");
+                }
                 let store = &self.relay.sources().default_source().store;
                 match store.stop_push(subscription.id, GONE_REASON).await {
                     Ok(_) => {
