@@ -168,7 +168,12 @@ pub async fn run_with_console(
         sink_board.clone(),
         config.push.poll_interval,
     );
-    let operations = Operations::new(relay.clone(), push_board.clone(), sink_board);
+    let operations = Operations::new(
+        relay.clone(),
+        push_board.clone(),
+        sink_board,
+        sink_catalog.clone(),
+    );
     let stop_maintenance = stop.child_token();
     tasks.spawn(keep_running(
         TaskName::single("maintenance"),
@@ -222,10 +227,9 @@ pub async fn run_with_console(
         .set_service_status(PROCESS_HEALTH_SERVICE, ServingStatus::Serving)
         .await;
     // Both loop until told to stop; their token also ends a wait to restart.
-    let sinks_reached = SinksReached::default();
     if config.metrics_listen.is_some() {
         let (sources, operations) = (sources.clone(), operations.clone());
-        let sinks_reached = sinks_reached.clone();
+        let sinks = sink_catalog.clone();
         let (interval, stop_stats) = (config.metrics_refresh_interval, stop.child_token());
         tasks.spawn(keep_running(
             // The task label stays "figures": it is a published metric label.
@@ -233,12 +237,8 @@ pub async fn run_with_console(
             RestartDelays::default(),
             stop_stats.clone(),
             move || {
-                let refresh = refresh_stats(
-                    sources.clone(),
-                    operations.clone(),
-                    sinks_reached.clone(),
-                    interval,
-                );
+                let refresh =
+                    refresh_stats(sources.clone(), operations.clone(), sinks.clone(), interval);
                 let stop = stop_stats.clone();
                 async move {
                     stop.run_until_cancelled(refresh).await;
@@ -257,12 +257,7 @@ pub async fn run_with_console(
                 let (catalog, reporter) = (sink_catalog.clone(), health_reporter.clone());
                 let (interval, stop) = (config.health_check_interval, stop_health.clone());
                 move || {
-                    let monitor = monitor_sinks(
-                        catalog.clone(),
-                        reporter.clone(),
-                        sinks_reached.clone(),
-                        interval,
-                    );
+                    let monitor = monitor_sinks(catalog.clone(), reporter.clone(), interval);
                     let stop = stop.clone();
                     async move {
                         stop.run_until_cancelled(monitor).await;
@@ -515,21 +510,13 @@ async fn monitor_health(sources: Sources, reporter: HealthReporter, interval: Du
 }
 
 /// Each sink reports on `outbox.sink.<name>`: SERVING while its broker answers. A
-/// change is logged with the reason.
-async fn monitor_sinks(
-    catalog: sink::SinkCatalog,
-    reporter: HealthReporter,
-    reached: SinksReached,
-    interval: Duration,
-) {
+/// change is logged with the reason. The catalog keeps each answer, for the status of
+/// the sink's subscriptions and the `outbox_sink_up` gauge.
+async fn monitor_sinks(catalog: sink::SinkCatalog, reporter: HealthReporter, interval: Duration) {
     let mut reported: std::collections::HashMap<String, bool> = Default::default();
     loop {
         for status in catalog.statuses().await {
             let reachable = status.reachable.is_ok();
-            reached
-                .lock()
-                .expect("sinks reached lock")
-                .insert(status.name.clone(), reachable);
             if reported.get(&status.name) != Some(&reachable) {
                 match &status.reachable {
                     Ok(()) => tracing::info!(sink = %status.name, "the sink's broker answers"),
@@ -558,18 +545,13 @@ fn serving_status(serving: bool) -> ServingStatus {
     }
 }
 
-/// Whether each sink's broker answered the sink monitor's last check, by sink name: the
-/// stats refresh sets `outbox_sink_up` from it on each of its rounds, which the gauges'
-/// idle timeout follows (the monitor's rounds are another rhythm).
-type SinksReached = std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, bool>>>;
-
 /// Recomputes the per-subscription gauges and the pool gauges. Counting a large backlog
 /// takes the database a while, so the refresh never spends more than about 1/20 of the
 /// time: with a backlog of millions it comes less often than `interval`.
 async fn refresh_stats(
     sources: Sources,
     operations: Operations,
-    sinks_reached: SinksReached,
+    sinks: sink::SinkCatalog,
     interval: Duration,
 ) {
     loop {
@@ -604,8 +586,10 @@ async fn refresh_stats(
         for source in sources.iter() {
             metrics::source_up(source.name.as_str(), source.is_connected());
         }
-        for (sink, up) in sinks_reached.lock().expect("sinks reached lock").iter() {
-            metrics::sink_up(sink, *up);
+        // Set on each of these rounds, which the gauges' idle timeout follows (the sink
+        // monitor's rounds are another rhythm).
+        for (sink, up) in sinks.last_checks() {
+            metrics::sink_up(&sink, up);
         }
         metrics::build_and_process(env!("OUTBOX_GIT_COMMIT"));
         tokio::time::sleep(interval.max(started.elapsed() * 20)).await;

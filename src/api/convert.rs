@@ -791,6 +791,7 @@ pub(super) fn stats(
 fn subscription_status(kind: StatusKind) -> proto::SubscriptionStatus {
     match kind {
         StatusKind::PushStopped => proto::SubscriptionStatus::PushStopped,
+        StatusKind::SinkUnreachable => proto::SubscriptionStatus::SinkUnreachable,
         StatusKind::Paused => proto::SubscriptionStatus::Paused,
         StatusKind::DeadLetters => proto::SubscriptionStatus::DeadLetters,
         StatusKind::Behind => proto::SubscriptionStatus::Behind,

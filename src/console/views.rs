@@ -215,7 +215,10 @@ fn overview_row(row: &OverviewRow, outbox: &OutboxStats, now: DateTime<Utc>) -> 
     let stats = &row.stats;
     let name = stats.name.as_str();
     let kind = row.status.kind();
-    let alert = matches!(kind, StatusKind::PushStopped | StatusKind::DeadLetters);
+    let alert = matches!(
+        kind,
+        StatusKind::PushStopped | StatusKind::SinkUnreachable | StatusKind::DeadLetters
+    );
     html! {
         tr.alert[alert].warn[kind.needs_attention() && !alert] data-subscription=(name) {
             th scope="row" { a href=(subscription_href(&stats.name)) { (name) } }
@@ -248,7 +251,7 @@ fn overview_row(row: &OverviewRow, outbox: &OutboxStats, now: DateTime<Utc>) -> 
 fn status_badge(status: &SubscriptionStatus) -> Markup {
     let kind = status.kind();
     let class = match kind {
-        StatusKind::PushStopped | StatusKind::DeadLetters => "bad",
+        StatusKind::PushStopped | StatusKind::SinkUnreachable | StatusKind::DeadLetters => "bad",
         StatusKind::Paused | StatusKind::Behind | StatusKind::NoConsumer => "warn",
         StatusKind::Delivering => "busy",
         StatusKind::ScheduledOnly => "muted",
@@ -538,12 +541,12 @@ fn subscription_cards(view: &SubscriptionView) -> Markup {
                     dd { code { (error) } span.sub { " " (time(*at)) } }
                 }
             }
-            div.card { dt { "Delivered in total" } dd { (figure(name, "delivered_total", stats.delivered_total)) } }
+            div.card { dt { (handed_out_word(view)) " in total" } dd { (figure(name, "delivered_total", stats.delivered_total)) } }
             div.card { dt { "Acked in total" } dd { (figure(name, "acked_total", stats.acked_total)) } }
             div.card { dt { "Streams on this gateway" } dd { (view.streams) } }
             div.card.wide {
                 dt { "Deliveries and acks per second, last 15 min" }
-                dd { (rate_chart(view.rates, view.now)) }
+                dd { (rate_chart(view.rates, view.now, handed_out_word(view))) }
             }
         }
     }
@@ -1389,7 +1392,18 @@ fn sparkline(rates: Option<&SubscriptionRates>, now: DateTime<Utc>) -> Markup {
     }
 }
 
-fn rate_chart(rates: Option<&SubscriptionRates>, now: DateTime<Utc>) -> Markup {
+/// What each hand-out of an event is, in words: a delivery to a consumer, or — where the
+/// gateway sends it itself, to an endpoint or a broker — an attempt, which may fail and be
+/// made again (a broker that is down is tried again and again).
+fn handed_out_word(view: &SubscriptionView) -> &'static str {
+    if view.subscription.settings.drained_by_gateway() {
+        "Send attempts"
+    } else {
+        "Delivered"
+    }
+}
+
+fn rate_chart(rates: Option<&SubscriptionRates>, now: DateTime<Utc>, handed_out: &str) -> Markup {
     let Some(rates) = rates else {
         return html! { span.sub { "Measuring: rates appear after the first two samples." } };
     };
@@ -1406,7 +1420,7 @@ fn rate_chart(rates: Option<&SubscriptionRates>, now: DateTime<Utc>) -> Markup {
                 polyline.acked points=(points(rates, now, size, top, |p| p.acked_per_second)) {}
             }
             figcaption {
-                span.key.delivered { "Delivered " (rate(rates.delivered_per_second)) }
+                span.key.delivered { (handed_out) " " (rate(rates.delivered_per_second)) }
                 span.key.acked { "Acked " (rate(rates.acked_per_second)) }
                 span.sub { "peak " (rate(top)) " · averages over " (duration(rates.covered)) }
             }

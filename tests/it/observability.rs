@@ -1419,7 +1419,7 @@ async fn status_streams_sinks_panics_and_the_build_commit_have_series_to_alert_o
         let url = url.clone();
         async move {
             let statuses = statuses_of_orders(&Metrics::scrape(&url).await);
-            statuses.len() == 8
+            statuses.len() == 9
                 && statuses
                     .iter()
                     .all(|(status, value)| *value == if status == expected { 1.0 } else { 0.0 })
@@ -1447,7 +1447,8 @@ async fn status_streams_sinks_panics_and_the_build_commit_have_series_to_alert_o
             "no_consumer",
             "paused",
             "push_stopped",
-            "scheduled_only"
+            "scheduled_only",
+            "sink_unreachable"
         ]
     );
     assert_eq!(

@@ -1136,6 +1136,18 @@ async fn a_sink_subscription_outlasts_a_jetstream_outage_without_setting_max_att
         stats.sink_last_error.contains("JetStream"),
         "stats say why: {stats:?}"
     );
+    // The status says so in plain words, naming the sink and its broker, not "behind".
+    eventually("the status says the sink is unreachable", WAIT, || async {
+        let stats = subscription_stats(&gateway, "patient").await;
+        stats.status() == proto::SubscriptionStatus::SinkUnreachable
+    })
+    .await;
+    let detail = subscription_stats(&gateway, "patient").await.status_detail;
+    assert!(
+        detail.starts_with("sink \"js\" cannot reach its broker (JetStream at ")
+            && detail.contains(&nats.url()),
+        "{detail}"
+    );
 
     // JetStream is back: the event is stored and acked.
     let (store, port) = nats.stop().await;
@@ -1149,6 +1161,11 @@ async fn a_sink_subscription_outlasts_a_jetstream_outage_without_setting_max_att
     .await;
     eventually("the delivery is acked", WAIT, || async {
         subscription_stats(&gateway, "patient").await.acked_total == 1
+    })
+    .await;
+    eventually("the status says the sink answers again", WAIT, || async {
+        subscription_stats(&gateway, "patient").await.status()
+            == proto::SubscriptionStatus::CaughtUp
     })
     .await;
     drop(nats);

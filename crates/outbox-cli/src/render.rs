@@ -431,6 +431,7 @@ pub fn status_kind(stats: &proto::SubscriptionStats) -> Option<StatusKind> {
     Some(match stats.status() {
         proto::SubscriptionStatus::Unspecified => return None,
         proto::SubscriptionStatus::PushStopped => StatusKind::PushStopped,
+        proto::SubscriptionStatus::SinkUnreachable => StatusKind::SinkUnreachable,
         proto::SubscriptionStatus::Paused => StatusKind::Paused,
         proto::SubscriptionStatus::DeadLetters => StatusKind::DeadLetters,
         proto::SubscriptionStatus::Behind => StatusKind::Behind,

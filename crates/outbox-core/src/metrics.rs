@@ -403,6 +403,7 @@ pub fn task_panic_counters() {
 pub fn status_label(kind: StatusKind) -> &'static str {
     match kind {
         StatusKind::PushStopped => "push_stopped",
+        StatusKind::SinkUnreachable => "sink_unreachable",
         StatusKind::Paused => "paused",
         StatusKind::DeadLetters => "dead_letters",
         StatusKind::NoConsumer => "no_consumer",

@@ -17,6 +17,7 @@ use crate::{
     error::{Error, Result},
     metrics,
     push::PushBoard,
+    sink::SinkCatalog,
     sources::{Source, SourceHealth},
     storage::{DeliveryFacts, RequeueRefusal},
 };
@@ -143,14 +144,22 @@ pub struct Operations {
     push_board: PushBoard,
     /// What this process's sinkers report.
     sink_board: StatusBoard,
+    /// Whether each sink's broker answers.
+    sinks: SinkCatalog,
 }
 
 impl Operations {
-    pub fn new(relay: Relay, push_board: PushBoard, sink_board: StatusBoard) -> Self {
+    pub fn new(
+        relay: Relay,
+        push_board: PushBoard,
+        sink_board: StatusBoard,
+        sinks: SinkCatalog,
+    ) -> Self {
         Operations {
             relay,
             push_board,
             sink_board,
+            sinks,
         }
     }
 
@@ -726,7 +735,14 @@ impl Operations {
                 }
             }
             let total = total(subscription, &per_source);
-            let consumers = if subscription.settings.drained_by_gateway() {
+            let unreachable = subscription.settings.sink.as_ref().and_then(|sink| {
+                self.sinks
+                    .unreachable(&sink.name)
+                    .map(|reason| (sink.name.clone(), reason))
+            });
+            let consumers = if let Some((sink, reason)) = unreachable {
+                Consumers::SinkUnreachable { sink, reason }
+            } else if subscription.settings.drained_by_gateway() {
                 Consumers::Gateway
             } else if attached.contains(&subscription.id) {
                 Consumers::Attached

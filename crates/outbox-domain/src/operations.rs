@@ -230,6 +230,13 @@ pub enum SubscriptionStatus {
         at: DateTime<Utc>,
         reason: String,
     },
+    /// A sink subscription whose sink's broker does not answer: its events wait, and
+    /// resends count as attempts, not as the event's fault.
+    SinkUnreachable {
+        sink: String,
+        /// What the last check of the broker found, naming the broker.
+        reason: String,
+    },
     /// Paused by an operator (or by the gateway itself); nothing new goes out.
     Paused {
         reason: String,
@@ -271,6 +278,7 @@ pub enum SubscriptionStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum StatusKind {
     PushStopped,
+    SinkUnreachable,
     Paused,
     DeadLetters,
     NoConsumer,
@@ -282,8 +290,9 @@ pub enum StatusKind {
 
 impl StatusKind {
     /// Every kind, most pressing first: for views that list them all (a gauge per kind).
-    pub const ALL: [StatusKind; 8] = [
+    pub const ALL: [StatusKind; 9] = [
         StatusKind::PushStopped,
+        StatusKind::SinkUnreachable,
         StatusKind::Paused,
         StatusKind::DeadLetters,
         StatusKind::NoConsumer,
@@ -297,6 +306,7 @@ impl StatusKind {
     pub fn label(self) -> &'static str {
         match self {
             StatusKind::PushStopped => "push stopped",
+            StatusKind::SinkUnreachable => "sink unreachable",
             StatusKind::Paused => "paused",
             StatusKind::DeadLetters => "dead letters",
             StatusKind::NoConsumer => "no consumer",
@@ -312,6 +322,7 @@ impl StatusKind {
         matches!(
             self,
             StatusKind::PushStopped
+                | StatusKind::SinkUnreachable
                 | StatusKind::Paused
                 | StatusKind::DeadLetters
                 | StatusKind::NoConsumer
@@ -321,10 +332,13 @@ impl StatusKind {
 }
 
 /// Where a subscription's consumers stand, for its status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Consumers {
     /// A push or sink subscription: the gateway itself delivers.
     Gateway,
+    /// A sink subscription whose sink's broker did not answer the last check: why, in
+    /// words naming the broker.
+    SinkUnreachable { sink: String, reason: String },
     /// A Subscribe stream is attached on some gateway now.
     Attached,
     /// None attached on any gateway; one was last seen (or the subscription was
@@ -347,6 +361,12 @@ impl SubscriptionStatus {
             return SubscriptionStatus::PushStopped {
                 at: stopped.at,
                 reason: stopped.reason.clone(),
+            };
+        }
+        if let Consumers::SinkUnreachable { sink, reason } = &consumers {
+            return SubscriptionStatus::SinkUnreachable {
+                sink: sink.clone(),
+                reason: reason.clone(),
             };
         }
         if let Some(pause) = subscription.pause_in_force(now) {
@@ -392,6 +412,7 @@ impl SubscriptionStatus {
     pub fn kind(&self) -> StatusKind {
         match self {
             SubscriptionStatus::PushStopped { .. } => StatusKind::PushStopped,
+            SubscriptionStatus::SinkUnreachable { .. } => StatusKind::SinkUnreachable,
             SubscriptionStatus::Paused { .. } => StatusKind::Paused,
             SubscriptionStatus::DeadLetters { .. } => StatusKind::DeadLetters,
             SubscriptionStatus::NoConsumer { .. } => StatusKind::NoConsumer,
@@ -413,6 +434,9 @@ impl SubscriptionStatus {
             } => format!(
                 "{reason} at {}: pushing stopped until it is resumed",
                 at(stopped)
+            ),
+            SubscriptionStatus::SinkUnreachable { sink, reason } => format!(
+                "sink {sink:?} cannot reach its broker ({reason}): its events wait and are sent once the broker answers"
             ),
             SubscriptionStatus::Paused {
                 reason,
@@ -619,9 +643,15 @@ mod tests {
 
         let mut subscription = subscription(minutes_ago(10));
         let mut stats = stats();
-        assert_eq!(kind(&subscription, &stats, gone), StatusKind::CaughtUp);
+        assert_eq!(
+            kind(&subscription, &stats, gone.clone()),
+            StatusKind::CaughtUp
+        );
         stats.scheduled = 3;
-        assert_eq!(kind(&subscription, &stats, gone), StatusKind::ScheduledOnly);
+        assert_eq!(
+            kind(&subscription, &stats, gone.clone()),
+            StatusKind::ScheduledOnly
+        );
         stats.pending = 2;
         stats.oldest_unacked_at = Some(now - chrono::Duration::seconds(5));
         assert_eq!(
@@ -637,7 +667,10 @@ mod tests {
             kind(&subscription, &stats, just_left),
             StatusKind::NoConsumer
         );
-        assert_eq!(kind(&subscription, &stats, gone), StatusKind::NoConsumer);
+        assert_eq!(
+            kind(&subscription, &stats, gone.clone()),
+            StatusKind::NoConsumer
+        );
         assert_eq!(
             kind(&subscription, &stats, Consumers::Gateway),
             StatusKind::Delivering
@@ -648,7 +681,7 @@ mod tests {
             StatusKind::Behind
         );
         // The missing consumer is why it is behind: that is what to show.
-        let orphaned = SubscriptionStatus::of(&subscription, &stats, gone, now);
+        let orphaned = SubscriptionStatus::of(&subscription, &stats, gone.clone(), now);
         assert_eq!(orphaned.kind(), StatusKind::NoConsumer);
         assert!(
             orphaned
@@ -658,13 +691,16 @@ mod tests {
             orphaned.detail()
         );
         stats.dead_lettered = 1;
-        assert_eq!(kind(&subscription, &stats, gone), StatusKind::DeadLetters);
+        assert_eq!(
+            kind(&subscription, &stats, gone.clone()),
+            StatusKind::DeadLetters
+        );
         subscription.pause = Some(Pause {
             reason: "deploy".into(),
             since: minutes_ago(1),
             until: Some(now + chrono::Duration::minutes(30)),
         });
-        let paused = SubscriptionStatus::of(&subscription, &stats, gone, now);
+        let paused = SubscriptionStatus::of(&subscription, &stats, gone.clone(), now);
         assert_eq!(paused.kind(), StatusKind::Paused);
         assert!(paused.detail().ends_with(": deploy"), "{}", paused.detail());
         assert!(paused.detail().contains(" until "), "{}", paused.detail());
@@ -673,7 +709,10 @@ mod tests {
             at: minutes_ago(1),
             reason: "the endpoint answered 410 Gone".into(),
         });
-        assert_eq!(kind(&subscription, &stats, gone), StatusKind::Paused);
+        assert_eq!(
+            kind(&subscription, &stats, gone.clone()),
+            StatusKind::Paused
+        );
         subscription.settings.push = Some(crate::PushConfig {
             endpoint: "https://example.com/hook".parse().unwrap(),
             headers: BTreeMap::new(),
@@ -691,6 +730,26 @@ mod tests {
             stopped.detail().contains("410 Gone"),
             "{}",
             stopped.detail()
+        );
+        // A sink's broker that does not answer outranks a pause and dead letters.
+        subscription.push_stopped = None;
+        subscription.settings.push = None;
+        let unreachable = SubscriptionStatus::of(
+            &subscription,
+            &stats,
+            Consumers::SinkUnreachable {
+                sink: "events".into(),
+                reason: "Kafka at k1:9092 does not answer: timed out".into(),
+            },
+            now,
+        );
+        assert_eq!(unreachable.kind(), StatusKind::SinkUnreachable);
+        assert!(
+            unreachable
+                .detail()
+                .starts_with("sink \"events\" cannot reach its broker (Kafka at k1:9092"),
+            "{}",
+            unreachable.detail()
         );
         // A pause that has ended is no pause.
         subscription.push_stopped = None;

@@ -9,7 +9,11 @@
 
 pub mod message;
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use futures_util::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
 use tokio::sync::mpsc;
@@ -62,17 +66,41 @@ pub trait SinkClient: Send + Sync + 'static {
     fn check(&self) -> BoxFuture<'static, std::result::Result<(), String>>;
 }
 
-/// The gateway's sinks, by name. Cheap to clone.
+/// The gateway's sinks, by name, with what the last check of each broker found. Cheap
+/// to clone.
 #[derive(Clone, Default)]
 pub struct SinkCatalog {
     sinks: Arc<BTreeMap<String, Arc<dyn SinkClient>>>,
+    /// By sink name: the last [`SinkCatalog::statuses`] answer (none before the first).
+    last_checks: Arc<Mutex<BTreeMap<String, std::result::Result<(), String>>>>,
 }
 
 impl SinkCatalog {
     pub fn new(sinks: impl IntoIterator<Item = (String, Arc<dyn SinkClient>)>) -> Self {
         SinkCatalog {
             sinks: Arc::new(sinks.into_iter().collect()),
+            last_checks: Arc::default(),
         }
+    }
+
+    /// Why the last check found the broker of `sink` unreachable; `None` when it
+    /// answered, or was not checked yet.
+    pub fn unreachable(&self, sink: &str) -> Option<String> {
+        self.last_checks
+            .lock()
+            .expect("sink checks lock")
+            .get(sink)
+            .and_then(|outcome| outcome.clone().err())
+    }
+
+    /// Whether each checked sink's broker answered its last check, by sink name.
+    pub fn last_checks(&self) -> Vec<(String, bool)> {
+        self.last_checks
+            .lock()
+            .expect("sink checks lock")
+            .iter()
+            .map(|(name, outcome)| (name.clone(), outcome.is_ok()))
+            .collect()
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<dyn SinkClient>> {
@@ -86,7 +114,8 @@ impl SinkCatalog {
             .map(|(name, client)| (name.as_str(), client))
     }
 
-    /// Every sink, in name order, with whether its broker answers now (checked at once).
+    /// Every sink, in name order, with whether its broker answers now (checked at once,
+    /// and kept for [`SinkCatalog::unreachable`]).
     pub async fn statuses(&self) -> Vec<SinkStatus> {
         let checks = self.iter().map(|(name, client)| {
             let (name, kind, check) = (name.to_owned(), client.kind(), client.check());
@@ -98,7 +127,13 @@ impl SinkCatalog {
                 }
             }
         });
-        futures_util::future::join_all(checks).await
+        let statuses = futures_util::future::join_all(checks).await;
+        let mut last_checks = self.last_checks.lock().expect("sink checks lock");
+        for status in &statuses {
+            last_checks.insert(status.name.clone(), status.reachable.clone());
+        }
+        drop(last_checks);
+        statuses
     }
 
     /// Checks that the sink settings in the request field `prefix` name a sink of this
