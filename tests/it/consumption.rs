@@ -121,14 +121,45 @@ async fn consume(
         .await
 }
 
-/// A second consumer: `outbox_consume` of `ack_id` in a transaction of its own, which
-/// the task's answer reports once it is over.
+/// The `application_name` of the second consumer's session, by which the tests find it
+/// in `pg_stat_activity`.
+const SECOND_CONSUMER: &str = "second-consumer";
+
+/// A second consumer: `outbox_consume` of `ack_id` in a transaction of its own, in a
+/// session named [`SECOND_CONSUMER`], which the task's answer reports once it is over.
 fn consume_on_a_connection_of_its_own(url: &str, ack_id: &str) -> tokio::task::JoinHandle<bool> {
-    let (url, ack_id) = (url.to_owned(), ack_id.to_owned());
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(SECOND_CONSUMER);
+    let ack_id = ack_id.to_owned();
     tokio::spawn(async move {
-        let mut connection = PgConnection::connect(&url).await.unwrap();
+        let mut connection = PgConnection::connect_with(&options).await.unwrap();
         consume(&mut connection, "shipping", &ack_id).await.unwrap()
     })
+}
+
+/// Waits until the second consumer's session waits for a lock (the first consumer's
+/// record of the same event, not committed yet): the race is then set, whatever the
+/// machine's speed.
+async fn second_consumer_waits_for_a_lock(database: &TestDatabase) {
+    let pool = database.pool().await;
+    eventually(
+        "the second consumer waits for the first one's lock",
+        WAIT,
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity \
+                 WHERE datname = $1 AND application_name = $2 AND wait_event_type = 'Lock')",
+            )
+            .bind(database.name())
+            .bind(SECOND_CONSUMER)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
 }
 
 async fn shipments(pool: &PgPool) -> Vec<String> {
@@ -197,49 +228,65 @@ async fn a_committed_consumption_settles_its_delivery_without_an_ack() {
 async fn a_rolled_back_consumption_records_nothing_and_the_lease_runs_on() {
     let services = Services::start().await;
     services.subscribe_to_orders("shipping").await;
-    services.publish_orders(&["o-1"]).await;
+    services.publish_orders(&["o-1", "o-2"]).await;
     let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
-    let first = consumer.take(1, WAIT).await.remove(0);
+    let deliveries = consumer.take(2, WAIT).await;
+    let (rolled_back, committed) = match aggregate_of(&deliveries[0]).as_str() {
+        "o-1" => (&deliveries[0], &deliveries[1]),
+        _ => (&deliveries[1], &deliveries[0]),
+    };
 
     let mut connection = PgConnection::connect(&services.shipping.url())
         .await
         .unwrap();
     let mut transaction = connection.begin().await.unwrap();
     assert!(
-        consume(&mut transaction, "shipping", &first.ack_id)
+        consume(&mut transaction, "shipping", &rolled_back.ack_id)
             .await
             .unwrap()
     );
     transaction.rollback().await.unwrap();
-    drop(connection);
 
-    // Still in flight, on its lease: the consumer can nack it.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A consumption committed after the rollback: once the gateway has settled it, it
+    // has read the queue of consumed acks since the rollback, and the rolled-back one
+    // is still in flight, on its lease: the consumer can nack it.
+    assert!(
+        consume_and_ship(&mut connection, "shipping", committed)
+            .await
+            .unwrap()
+    );
+    eventually("the committed consumption is settled", WAIT, || async {
+        subscription_stats(&services.gateway, "shipping")
+            .await
+            .acked_total
+            >= 1
+    })
+    .await;
     let stats = subscription_stats(&services.gateway, "shipping").await;
-    assert_eq!((stats.in_flight, stats.acked_total), (1, 0));
-    assert_eq!(stats.consumption_records, 0);
+    assert_eq!((stats.in_flight, stats.acked_total), (1, 1));
+    assert_eq!(stats.consumption_records, 1);
     nack(
         &services.gateway,
         proto::NackRequest {
             subscription: "shipping".into(),
-            ack_id: first.ack_id.clone(),
+            ack_id: rolled_back.ack_id.clone(),
             ..Default::default()
         },
     )
     .await;
 
     let again = consumer.take(1, WAIT).await.remove(0);
-    assert_eq!(again.attempt, 2);
-    let mut connection = PgConnection::connect(&services.shipping.url())
-        .await
-        .unwrap();
+    assert_eq!((aggregate_of(&again).as_str(), again.attempt), ("o-1", 2));
     assert!(
         consume_and_ship(&mut connection, "shipping", &again)
             .await
             .unwrap()
     );
-    settled(&services.gateway, "shipping", 1).await;
-    assert_eq!(shipments(&services.shipping.pool().await).await, ["o-1"]);
+    settled(&services.gateway, "shipping", 2).await;
+    assert_eq!(
+        shipments(&services.shipping.pool().await).await,
+        ["o-1", "o-2"]
+    );
 }
 
 #[tokio::test]
@@ -260,7 +307,7 @@ async fn of_two_racing_consumers_exactly_one_gets_true() {
             .unwrap()
     );
     let second = consume_on_a_connection_of_its_own(&url, &deliveries[0].ack_id);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    second_consumer_waits_for_a_lock(&services.shipping).await;
     assert!(!second.is_finished(), "the second call waits for the first");
     first_transaction.commit().await.unwrap();
     assert!(!second.await.unwrap());
@@ -273,7 +320,7 @@ async fn of_two_racing_consumers_exactly_one_gets_true() {
             .unwrap()
     );
     let second = consume_on_a_connection_of_its_own(&url, &deliveries[1].ack_id);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    second_consumer_waits_for_a_lock(&services.shipping).await;
     first_transaction.rollback().await.unwrap();
     assert!(second.await.unwrap());
     settled(&services.gateway, "shipping", 2).await;
@@ -459,6 +506,175 @@ async fn bad_arguments_raise_errors_naming_them_and_record_nothing() {
     .await
     .unwrap();
     assert_eq!(records, (0, 0));
+}
+
+/// A subscription deleted and created again under its name is another subscription: an
+/// ack id of the first names a lease the second never granted, though of the same event
+/// at the same attempt. The Ack RPC reports it stale, a nack and an extension are
+/// refused, and `outbox_consume` refuses it as not issued for the subscription: none of
+/// them settles or records anything of the second.
+#[tokio::test]
+async fn ack_ids_of_a_deleted_subscription_are_refused_by_its_namesake() {
+    let services = Services::start().await;
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let old = Consumer::open(&services.gateway, "shipping", 10)
+        .await
+        .take(1, WAIT)
+        .await
+        .remove(0);
+    services
+        .gateway
+        .admin()
+        .await
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "shipping".into(),
+        })
+        .await
+        .unwrap();
+    services.subscribe_to_orders("shipping").await;
+    let mut consumer = Consumer::open(&services.gateway, "shipping", 10).await;
+    let new = consumer.take(1, WAIT).await.remove(0);
+    assert_eq!(new.event, old.event, "the same event, from the start again");
+    assert_eq!((new.attempt, old.attempt), (1, 1));
+    assert_ne!(new.ack_id, old.ack_id);
+
+    let gateway = &services.gateway;
+    assert_eq!(
+        ack(gateway, "shipping", vec![old.ack_id.clone()]).await,
+        std::slice::from_ref(&old.ack_id),
+        "the Ack RPC reports the old ack id stale"
+    );
+    assert_eq!(
+        extend(
+            gateway,
+            "shipping",
+            vec![old.ack_id.clone()],
+            Duration::from_secs(60)
+        )
+        .await,
+        std::slice::from_ref(&old.ack_id)
+    );
+    let nacked = gateway
+        .subscriber()
+        .await
+        .nack(proto::NackRequest {
+            subscription: "shipping".into(),
+            ack_id: old.ack_id.clone(),
+            ..Default::default()
+        })
+        .await;
+    assert_status(nacked, tonic::Code::FailedPrecondition, &old.ack_id);
+
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    let error = consume(&mut connection, "shipping", &old.ack_id)
+        .await
+        .expect_err("an ack id of the deleted subscription");
+    let database_error = error.as_database_error().expect("a database error");
+    assert_eq!(database_error.code().as_deref(), Some("22023"), "{error}");
+    assert!(
+        database_error
+            .message()
+            .contains("not issued for subscription 'shipping'"),
+        "{error}"
+    );
+
+    // Nothing of the new subscription moved: its delivery is in flight on its lease,
+    // nothing is recorded or queued for settling.
+    let stats = subscription_stats(gateway, "shipping").await;
+    assert_eq!(
+        (
+            stats.in_flight,
+            stats.acked_total,
+            stats.consumption_records
+        ),
+        (1, 0, 0)
+    );
+    let recorded: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM outbox_consumptions), \
+                (SELECT count(*) FROM outbox_consumed_acks)",
+    )
+    .fetch_one(&mut connection)
+    .await
+    .unwrap();
+    assert_eq!(recorded, (0, 0));
+
+    // Its own ack id is taken.
+    assert!(
+        consume_and_ship(&mut connection, "shipping", &new)
+            .await
+            .unwrap()
+    );
+    let stats = settled(gateway, "shipping", 1).await;
+    assert_eq!(stats.consumption_records, 1);
+    assert_eq!(shipments(&services.shipping.pool().await).await, ["o-1"]);
+}
+
+/// The same, when the consumer's database could not be reached while the subscription was
+/// deleted, so it still lists the deleted subscription when its namesake is created: the
+/// creation replaces it there at once, rather than leaving it to the next maintenance
+/// pass (which runs once here, at start, so that only the creation can do it).
+#[tokio::test]
+async fn ack_ids_of_a_deleted_subscription_are_refused_by_its_namesake_after_an_outage() {
+    let proxy = crate::common::proxy::TcpProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let services = Services::start_with(|config| {
+        config.maintenance.interval = Duration::from_secs(3600);
+        let shipping = &mut config.sources[1];
+        let name = shipping.database_url.rsplit('/').next().unwrap().to_owned();
+        shipping.database_url = proxy.database_url(&name);
+    })
+    .await;
+    let gateway = &services.gateway;
+    let shipping_serves = |expected: bool| async move {
+        let what = format!("outbox.source.shipping serving is {expected}");
+        eventually(&what, WAIT, || async {
+            (gateway.health_of("outbox.source.shipping").await == Some(ServingStatus::Serving))
+                == expected
+        })
+        .await;
+    };
+    services.subscribe_to_orders("shipping").await;
+    services.publish_orders(&["o-1"]).await;
+    let old = Consumer::open(gateway, "shipping", 10)
+        .await
+        .take(1, WAIT)
+        .await
+        .remove(0);
+
+    proxy.cut();
+    shipping_serves(false).await;
+    gateway
+        .admin()
+        .await
+        .delete_subscription(proto::DeleteSubscriptionRequest {
+            name: "shipping".into(),
+        })
+        .await
+        .unwrap();
+    proxy.restore();
+    shipping_serves(true).await;
+    services.subscribe_to_orders("shipping").await;
+    let mut consumer = Consumer::open(gateway, "shipping", 10).await;
+    let new = consumer.take(1, WAIT).await.remove(0);
+
+    let mut connection = PgConnection::connect(&services.shipping.url())
+        .await
+        .unwrap();
+    let refused = consume(&mut connection, "shipping", &old.ack_id).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|error| error.to_string().contains("not issued for subscription")),
+        "the old ack id: {refused:?}"
+    );
+    assert!(
+        consume(&mut connection, "shipping", &new.ack_id)
+            .await
+            .unwrap(),
+        "the new ack id"
+    );
 }
 
 #[tokio::test]

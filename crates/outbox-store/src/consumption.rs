@@ -90,16 +90,36 @@ impl Store {
         Ok(())
     }
 
-    /// Lets consumers of this database record ack ids of the subscription.
+    /// Lets consumers of this database record ack ids of the subscription. A deleted
+    /// subscription of the same name still listed (it was deleted while this database was
+    /// down, and no maintenance pass has caught up since) goes first, with its records:
+    /// left there, it would keep the name, so the new subscription's ack ids would be
+    /// refused and the old one's accepted.
     pub async fn add_consumer_subscription(&self, id: SubscriptionId, name: &str) -> Result<()> {
+        let mut transaction = self.pool.begin().await?;
+        sqlx::query(
+            "WITH stale AS ( \
+                 DELETE FROM outbox_consumer_subscriptions \
+                 WHERE name = $2 AND id <> $1 RETURNING id), \
+             forgotten AS ( \
+                 DELETE FROM outbox_consumptions \
+                 WHERE subscription_id IN (SELECT id FROM stale)) \
+             DELETE FROM outbox_consumed_acks \
+             WHERE subscription_id IN (SELECT id FROM stale)",
+        )
+        .bind(id.0)
+        .bind(name)
+        .execute(&mut *transaction)
+        .await?;
         sqlx::query(
             "INSERT INTO outbox_consumer_subscriptions (id, name) VALUES ($1, $2) \
              ON CONFLICT DO NOTHING",
         )
         .bind(id.0)
         .bind(name)
-        .execute(&self.pool)
+        .execute(&mut *transaction)
         .await?;
+        transaction.commit().await?;
         Ok(())
     }
 
