@@ -1006,6 +1006,235 @@ async fn expired_leases_of_a_crashed_gateway_are_reclaimed_without_any_stream() 
     assert_eq!(letters.dead_letters[0].last_error, "ack deadline exceeded");
 }
 
+/// Arguments of a gateway process that only serves consumers: no maintenance (what
+/// reclaims leases is the test's own gateway), no metrics port.
+const SERVES_CONSUMERS_ONLY: [&str; 3] = ["--no-maintenance", "--metrics-listen", "off"];
+
+/// A Subscribe stream on the gateway behind `channel`.
+async fn consumer_through(channel: Channel, subscription: &str) -> Consumer {
+    let stream = proto::subscriber_client::SubscriberClient::new(channel)
+        .subscribe(proto::SubscribeRequest {
+            subscription: subscription.into(),
+            max_in_flight: 10,
+            ..Default::default()
+        })
+        .await
+        .expect("subscribe")
+        .into_inner();
+    Consumer::from_stream(stream)
+}
+
+/// Where the event stands on each subscription, as GetEvent tells: its name, the state,
+/// the attempts made and the last error.
+async fn standing(
+    gateway: &TestGateway,
+    id: &str,
+) -> Vec<(String, proto::DeliveryState, u32, String)> {
+    gateway
+        .admin()
+        .await
+        .get_event(proto::GetEventRequest {
+            id: id.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("get the event")
+        .into_inner()
+        .subscriptions
+        .into_iter()
+        .map(|on| {
+            (
+                on.subscription.clone(),
+                on.state(),
+                on.attempt,
+                on.last_error,
+            )
+        })
+        .collect()
+}
+
+/// Leases held in claim batches, and delivery records of their own, of every
+/// subscription.
+async fn leases_in_batches_and_records(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT coalesce(sum(cardinality(positions)), 0) FROM outbox_delivery_batches), \
+                (SELECT count(*) FROM outbox_deliveries)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Consumers that take claims and vanish with their gateway replica (scaled to zero
+/// without a chance to give their leases back) leave claim batches that no stream will
+/// ever ask for again. The maintenance of the gateway that stays, with no stream of its
+/// own, takes them out once expired: a retry while attempts are left, counted, for the
+/// next consumer to attach; a dead letter once the last attempt expired too.
+#[tokio::test]
+async fn expired_claim_batches_go_through_retries_to_dead_letters_with_no_stream_attached() {
+    let database = TestDatabase::create().await;
+    let mut config = test_config(database.url());
+    config.maintenance.interval = Duration::from_millis(200);
+    let gateway = TestGateway::start_with(&database, config).await;
+    for (name, max_attempts) in [("orders", 2), ("audit", 1)] {
+        create_subscription(
+            &gateway,
+            proto::Subscription {
+                // Short, yet long enough on a loaded machine for the claims to be taken
+                // and the acks below made well within it.
+                ack_deadline: seconds(8),
+                max_attempts: Some(max_attempts),
+                ..subscription(name)
+            },
+        )
+        .await;
+    }
+    let ids = publish_ids(&gateway, orders(4)).await;
+    let pool = database.pool().await;
+    let reclaim_within = Duration::from_secs(30);
+
+    // A replica's consumers take a claim of each subscription; the replica dies.
+    let (mut first_replica, _first_log, _, first_channel) =
+        start_gateway_process(&database, &SERVES_CONSUMERS_ONLY).await;
+    let mut attached = Vec::new();
+    for name in ["orders", "audit"] {
+        let mut consumer = consumer_through(first_channel.clone(), name).await;
+        let attempts: Vec<u32> = consumer
+            .take(4, WAIT)
+            .await
+            .iter()
+            .map(|delivery| delivery.attempt)
+            .collect();
+        assert_eq!(attempts, [1, 1, 1, 1]);
+        attached.push(consumer);
+    }
+    assert_eq!(
+        leases_in_batches_and_records(&pool).await,
+        (8, 0),
+        "every lease is in a claim batch"
+    );
+    first_replica.start_kill().expect("SIGKILL");
+    first_replica.wait().await.unwrap();
+    drop(attached);
+
+    eventually(
+        "maintenance reclaims the expired claim batches",
+        reclaim_within,
+        || async {
+            leases_in_batches_and_records(&pool).await == (0, 8)
+                && delivery_records(&pool, "orders")
+                    .await
+                    .iter()
+                    .all(|(_, state, attempt)| (state.as_str(), *attempt) == ("retry", 1))
+                && delivery_records(&pool, "audit")
+                    .await
+                    .iter()
+                    .all(|(_, state, attempt)| (state.as_str(), *attempt) == ("dead", 1))
+        },
+    )
+    .await;
+    let expired = || "ack deadline exceeded".to_owned();
+    for id in &ids {
+        assert_eq!(
+            standing(&gateway, id).await,
+            [
+                ("audit".into(), proto::DeliveryState::Dead, 1, expired()),
+                (
+                    "orders".into(),
+                    proto::DeliveryState::AwaitingRetry,
+                    1,
+                    expired()
+                ),
+            ]
+        );
+    }
+    let retrying = subscription_stats(&gateway, "orders").await;
+    assert_eq!(
+        (
+            retrying.in_flight,
+            retrying.awaiting_retry,
+            retrying.dead_lettered,
+            retrying.delivered_total
+        ),
+        (0, 4, 0, 4)
+    );
+    let audit_letters = crate::common::list_dead_letters(&gateway, "audit").await;
+    assert_eq!(audit_letters.len(), 4, "{audit_letters:?}");
+    assert!(
+        audit_letters
+            .iter()
+            .all(|letter| letter.attempts == 1 && letter.last_error == expired()),
+        "{audit_letters:?}"
+    );
+
+    // A consumer attaching later, on another replica, gets the retries on their last
+    // attempt; it acks two and its replica dies with the other two.
+    let (mut second_replica, _second_log, _, second_channel) =
+        start_gateway_process(&database, &SERVES_CONSUMERS_ONLY).await;
+    let mut consumer = consumer_through(second_channel.clone(), "orders").await;
+    let mut retried = consumer.take(4, WAIT).await;
+    retried.sort_by_key(aggregate_of);
+    let retried_as: Vec<(String, u32)> = retried
+        .iter()
+        .map(|delivery| (aggregate_of(delivery), delivery.attempt))
+        .collect();
+    assert_eq!(
+        retried_as,
+        [("o-0", 2), ("o-1", 2), ("o-2", 2), ("o-3", 2)].map(|(a, n)| (a.to_owned(), n))
+    );
+    let stale = proto::subscriber_client::SubscriberClient::new(second_channel)
+        .ack(proto::AckRequest {
+            subscription: "orders".into(),
+            ack_ids: retried[..2].iter().map(|d| d.ack_id.clone()).collect(),
+        })
+        .await
+        .expect("ack")
+        .into_inner()
+        .stale_ack_ids;
+    assert!(stale.is_empty(), "{stale:?}");
+    second_replica.start_kill().expect("SIGKILL");
+    second_replica.wait().await.unwrap();
+    drop(consumer);
+
+    eventually(
+        "maintenance dead-letters the leases that used the last attempt",
+        reclaim_within,
+        || async {
+            delivery_records(&pool, "orders").await
+                == [("o-2", "dead", 2), ("o-3", "dead", 2)]
+                    .map(|(aggregate, state, attempt)| (aggregate.into(), state.into(), attempt))
+        },
+    )
+    .await;
+    let letters = crate::common::list_dead_letters(&gateway, "orders").await;
+    let lettered: Vec<(String, u32, String)> = letters
+        .iter()
+        .map(|letter| {
+            let event = letter.event.as_ref().expect("event");
+            (
+                event.aggregate_id.clone(),
+                letter.attempts,
+                letter.last_error.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        lettered,
+        [("o-2".into(), 2, expired()), ("o-3".into(), 2, expired())]
+    );
+    let finished = subscription_stats(&gateway, "orders").await;
+    assert_eq!(
+        (
+            finished.in_flight,
+            finished.awaiting_retry,
+            finished.dead_lettered,
+            finished.acked_total,
+            finished.delivered_total
+        ),
+        (0, 0, 2, 2, 8)
+    );
+}
+
 /// Dead rows of the delivery table, and how often it has been vacuumed by hand.
 async fn delivery_table_vacuum_stats(pool: &PgPool) -> (i64, i64) {
     sqlx::query_as(
