@@ -323,9 +323,39 @@ impl BenchDatabase {
             .await
             .context("cannot open the held transaction")?;
         Ok(HeldTransaction {
-            database,
+            database: Some(database),
             connection,
         })
+    }
+
+    /// Opens a transaction in this database that writes a row of a table of its own and
+    /// stays open until released: it holds this database's xmin horizon, so that no row
+    /// version of the outbox tables made meanwhile can be vacuumed away.
+    pub async fn hold_transaction_here(&self) -> anyhow::Result<HeldTransaction> {
+        let mut connection = self.connect().await?;
+        connection
+            .execute(
+                "CREATE TABLE IF NOT EXISTS bench_batch_job (id serial PRIMARY KEY, note text); \
+                 BEGIN; INSERT INTO bench_batch_job (note) VALUES ('held open');",
+            )
+            .await
+            .context("cannot open the held transaction")?;
+        Ok(HeldTransaction {
+            database: None,
+            connection,
+        })
+    }
+
+    /// Dead and live row versions of each outbox table, as the statistics collector last
+    /// counted them, by table name.
+    pub async fn row_versions(&self) -> anyhow::Result<Vec<(String, i64, i64)>> {
+        let mut connection = self.connect().await?;
+        Ok(sqlx::query_as(
+            "SELECT relname::text, n_dead_tup, n_live_tup FROM pg_stat_user_tables \
+             WHERE relname LIKE 'outbox%' ORDER BY n_dead_tup DESC, relname",
+        )
+        .fetch_all(&mut connection)
+        .await?)
     }
 
     /// Drops the database, cutting off any connection left.
@@ -357,19 +387,23 @@ impl BenchDatabase {
     }
 }
 
-/// A transaction open in another database; see
-/// [`BenchDatabase::hold_transaction_elsewhere`].
+/// A transaction held open; see [`BenchDatabase::hold_transaction_elsewhere`] and
+/// [`BenchDatabase::hold_transaction_here`].
 pub struct HeldTransaction {
-    database: ThrowawayDatabase,
+    /// The other database it was opened in, if any.
+    database: Option<ThrowawayDatabase>,
     connection: PgConnection,
 }
 
 impl HeldTransaction {
-    /// Rolls the transaction back and drops its database.
+    /// Rolls the transaction back and drops its database, if it has one of its own.
     pub async fn release(mut self) -> anyhow::Result<()> {
         self.connection.execute("ROLLBACK").await?;
         self.connection.close().await?;
-        Ok(self.database.drop_database().await?)
+        if let Some(database) = self.database {
+            database.drop_database().await?;
+        }
+        Ok(())
     }
 }
 

@@ -13,7 +13,7 @@ use std::{
 use outbox_testkit::gateway;
 use serde_json::Value;
 
-const SCENARIOS: [&str; 22] = [
+const SCENARIOS: [&str; 23] = [
     "publish-batch",
     "publish-single",
     "deliver",
@@ -22,6 +22,7 @@ const SCENARIOS: [&str; 22] = [
     "fan-in",
     "latency",
     "held-transaction",
+    "held-horizon",
     "stalled-consumers",
     "batch-consumer",
     "ordered-backlog",

@@ -254,6 +254,9 @@ pub(super) struct LatencyRun {
     end_to_end: Histogram<u64>,
     call: Histogram<u64>,
     delivered: Series,
+    /// Commit-to-delivery of the measured window's successive parts, when asked for
+    /// ([`measure_windows`]), by when each event was scheduled.
+    pub(super) by_window: Vec<Histogram<u64>>,
 }
 
 impl LatencyRun {
@@ -309,13 +312,65 @@ enum Observer {
     Broker(ArrivalWatch),
 }
 
+/// How long a run publishes, and in which parts its latency is told apart.
+#[derive(Clone, Copy)]
+struct Shape {
+    warmup: Duration,
+    duration: Duration,
+    window: Option<Duration>,
+}
+
+impl Shape {
+    fn of(bench: &Bench) -> Shape {
+        Shape {
+            warmup: bench.settings.timing.warmup,
+            duration: bench.settings.timing.duration,
+            window: None,
+        }
+    }
+}
+
 pub(super) async fn measure_run(
     bench: &Bench,
     gateway: &Gateway,
     writer: Writer,
     rate: u64,
 ) -> anyhow::Result<LatencyRun> {
-    measure(bench, gateway, writer, rate, Arrival::Consumer).await
+    measure(
+        bench,
+        gateway,
+        writer,
+        rate,
+        Arrival::Consumer,
+        Shape::of(bench),
+    )
+    .await
+}
+
+/// Publishes through the gateway at `rate` for `duration` after the usual warm-up, and
+/// keeps the commit-to-delivery latency of each successive `window` apart
+/// ([`LatencyRun::by_window`]).
+pub(super) async fn measure_windows(
+    bench: &Bench,
+    gateway: &Gateway,
+    rate: u64,
+    duration: Duration,
+    window: Duration,
+) -> anyhow::Result<LatencyRun> {
+    let shape = Shape {
+        duration,
+        window: Some(window),
+        ..Shape::of(bench)
+    };
+    measure(
+        bench,
+        gateway,
+        Writer::Gateway,
+        rate,
+        Arrival::Consumer,
+        shape,
+    )
+    .await
 }
 
 /// Publishes through the gateway at `rate` into a sink subscription, and measures from
@@ -326,7 +381,16 @@ pub(super) async fn measure_sink_run(
     rate: u64,
     broker: &Broker,
 ) -> anyhow::Result<LatencyRun> {
-    measure(bench, gateway, Writer::Gateway, rate, Arrival::Sink(broker)).await
+    let shape = Shape::of(bench);
+    measure(
+        bench,
+        gateway,
+        Writer::Gateway,
+        rate,
+        Arrival::Sink(broker),
+        shape,
+    )
+    .await
 }
 
 async fn measure(
@@ -335,10 +399,11 @@ async fn measure(
     writer: Writer,
     rate: u64,
     arrival: Arrival<'_>,
+    shape: Shape,
 ) -> anyhow::Result<LatencyRun> {
     let timing = bench.settings.timing;
-    let warmup_events = (rate as f64 * timing.warmup.as_secs_f64()) as u64;
-    let total = warmup_events + (rate as f64 * timing.duration.as_secs_f64()).max(1.0) as u64;
+    let warmup_events = (rate as f64 * shape.warmup.as_secs_f64()) as u64;
+    let total = warmup_events + (rate as f64 * shape.duration.as_secs_f64()).max(1.0) as u64;
     let into_sink = match arrival {
         Arrival::Consumer => None,
         Arrival::Sink(broker) => Some(broker.label()),
@@ -461,7 +526,10 @@ async fn measure(
         end_to_end: measure::new_histogram(),
         call: measure::new_histogram(),
         delivered,
+        by_window: Vec::new(),
     };
+    let window_nanos = shape.window.map(|window| window.as_nanos().max(1) as u64);
+    let warmup_nanos = probe.scheduled_nanos(warmup_events);
     let nanos = |value: u64| Duration::from_nanos(value);
     for sequence in warmup_events..total {
         let returned = probe.returned[sequence as usize].load(Ordering::Relaxed);
@@ -485,6 +553,16 @@ async fn measure(
             &mut run.commit_to_delivery,
             nanos(received.saturating_sub(returned)),
         );
+        if let Some(window_nanos) = window_nanos {
+            let index = ((scheduled - warmup_nanos) / window_nanos) as usize;
+            if run.by_window.len() <= index {
+                run.by_window.resize_with(index + 1, measure::new_histogram);
+            }
+            measure::record(
+                &mut run.by_window[index],
+                nanos(received.saturating_sub(returned)),
+            );
+        }
         measure::record(
             &mut run.end_to_end,
             nanos(received.saturating_sub(scheduled)),

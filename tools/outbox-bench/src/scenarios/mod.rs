@@ -11,6 +11,7 @@ mod delivery_cost;
 mod fan_in;
 mod filtered;
 mod held;
+mod held_horizon;
 mod latency;
 mod many_subscriptions;
 mod memory;
@@ -47,6 +48,7 @@ pub enum Scenario {
     FanIn,
     Latency,
     HeldTransaction,
+    HeldHorizon,
     StalledConsumers,
     BatchConsumer,
     OrderedBacklog,
@@ -64,7 +66,7 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 22] = [
+    pub const ALL: [Scenario; 23] = [
         Scenario::PublishBatch,
         Scenario::PublishSingle,
         Scenario::Deliver,
@@ -73,6 +75,7 @@ impl Scenario {
         Scenario::FanIn,
         Scenario::Latency,
         Scenario::HeldTransaction,
+        Scenario::HeldHorizon,
         Scenario::StalledConsumers,
         Scenario::BatchConsumer,
         Scenario::OrderedBacklog,
@@ -99,6 +102,7 @@ impl Scenario {
             Scenario::FanIn => "fan-in",
             Scenario::Latency => "latency",
             Scenario::HeldTransaction => "held-transaction",
+            Scenario::HeldHorizon => "held-horizon",
             Scenario::StalledConsumers => "stalled-consumers",
             Scenario::BatchConsumer => "batch-consumer",
             Scenario::OrderedBacklog => "ordered-backlog",
@@ -129,6 +133,7 @@ impl Scenario {
             | Scenario::FanIn
             | Scenario::Latency
             | Scenario::HeldTransaction
+            | Scenario::HeldHorizon
             | Scenario::StalledConsumers
             | Scenario::BatchConsumer
             | Scenario::OrderedBacklog
@@ -155,6 +160,7 @@ impl Scenario {
             Scenario::FanIn => fan_in::run(bench).await,
             Scenario::Latency => latency::run(bench, gateway).await,
             Scenario::HeldTransaction => held::run(bench, gateway).await,
+            Scenario::HeldHorizon => held_horizon::run(bench, gateway).await,
             Scenario::StalledConsumers => stalled::run(bench, gateway).await,
             Scenario::BatchConsumer => batch_consumer::run(bench, gateway).await,
             Scenario::OrderedBacklog => ordered_backlog::run(bench, gateway).await,
