@@ -386,18 +386,8 @@ impl Pusher {
                 .await
                 .map(|_| ()),
             Verdict::Gone => {
-                // Given back at once, as the pusher's stop gives back the others, but
-                // with the answer as its last error; it is pushed again once pushing
-                // resumes.
-                if let Err(error) = self
-                    .relay
-                    .nack(name, ack_id, GONE_REASON, Some(Duration::ZERO), false)
-                    .await
-                {
-                    tracing::debug!(subscription = %name, %error, "cannot give back the delivery the endpoint refused; its lease is given back with the pusher's");
-                }
                 let store = &self.relay.sources().default_source().store;
-                match store.stop_push(subscription.id, GONE_REASON).await {
+                let stopped = match store.stop_push(subscription.id, GONE_REASON).await {
                     Ok(_) => {
                         tracing::warn!(subscription = %name, "the endpoint answered 410 Gone: pushing stopped");
                         self.relay.subscription_changed(subscription.id);
@@ -405,7 +395,20 @@ impl Pusher {
                         Ok(())
                     }
                     Err(error) => Err(Error::from(error)),
+                };
+                // Given back with the answer as its last error (the pusher's stop gives
+                // back the others), due after the subscription's backoff: not at once,
+                // or the stream, still open until this request ends, could take it again
+                // and give it back as merely unsettled. Pushed again once pushing
+                // resumes.
+                if let Err(error) = self
+                    .relay
+                    .nack(name, ack_id, GONE_REASON, None, false)
+                    .await
+                {
+                    tracing::debug!(subscription = %name, %error, "cannot give back the delivery the endpoint refused; its lease is given back with the pusher's");
                 }
+                stopped
             }
         };
         if let Err(error) = settled {
