@@ -317,14 +317,7 @@ impl LocalCluster {
     }
 
     fn tool(&self, name: &str, arguments: &[&str]) -> Result<(), ClusterError> {
-        let program = self.bin.join(name);
-        let mut command = if self.postgres_user.is_some() {
-            let mut command = Command::new("runuser");
-            command.args(["-u", SUPERUSER, "--"]).arg(&program);
-            command
-        } else {
-            Command::new(&program)
-        };
+        let mut command = as_server_user(&self.bin.join(name));
         // A process group of its own: a Ctrl-C at the terminal interrupts the gateway,
         // which then stops the server in order, not the server at once.
         command.process_group(0);
@@ -494,7 +487,20 @@ pub(crate) fn io_error(
     }
 }
 
-fn run(command: &mut Command) -> Result<(), ClusterError> {
+/// `program` run as PostgreSQL's tools run: as the `postgres` user when this process is
+/// root (PostgreSQL refuses to run as root), as this user otherwise.
+pub fn as_server_user(program: &Path) -> Command {
+    if running_as_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", SUPERUSER, "--"]).arg(program);
+        command
+    } else {
+        Command::new(program)
+    }
+}
+
+/// Runs `command` to completion; when it fails, the error names it and holds its output.
+pub fn run(command: &mut Command) -> Result<(), ClusterError> {
     let described = format!("{command:?}");
     let output = command.output().map_err(|error| ClusterError::Command {
         command: described.clone(),

@@ -11,7 +11,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use outbox_local_postgres::{ClusterOptions, Listen, LocalCluster, running_as_root};
+use outbox_local_postgres::{
+    ClusterOptions, Listen, LocalCluster, as_server_user, run, running_as_root,
+};
 
 pub use outbox_local_postgres::ClusterError as ServerError;
 
@@ -39,7 +41,7 @@ impl PostgresServer {
             .map_err(|error| failed("restricting", &data, error))?;
         let data_text = data.to_string_lossy().into_owned();
         if running_as_root() {
-            tool(Command::new("chown").args(["postgres:postgres", &data_text]))?;
+            run(Command::new("chown").args(["postgres:postgres", &data_text]))?;
         }
         // Where the server's tools really are: `initdb` and `pg_ctl` may be links in a
         // directory without pg_basebackup.
@@ -50,7 +52,7 @@ impl PostgresServer {
             std::fs::canonicalize(&pg_ctl).map_err(|error| failed("resolving", &pg_ctl, error))?;
         let pg_basebackup = pg_ctl.with_file_name("pg_basebackup");
         let port = self.port.to_string();
-        tool(as_postgres(&pg_basebackup).args([
+        run(as_server_user(&pg_basebackup).args([
             "-D",
             &data_text,
             "-R",
@@ -214,31 +216,6 @@ fn failed(doing: &str, path: &Path, error: std::io::Error) -> ServerError {
         command: format!("{doing} {}", path.display()),
         detail: error.to_string(),
     }
-}
-
-/// `program`, run as the `postgres` user when this process is root (as the server runs).
-fn as_postgres(program: &Path) -> Command {
-    if running_as_root() {
-        let mut command = Command::new("runuser");
-        command.args(["-u", "postgres", "--"]).arg(program);
-        command
-    } else {
-        Command::new(program)
-    }
-}
-
-fn tool(command: &mut Command) -> Result<(), ServerError> {
-    let output = command.output().map_err(|error| ServerError::Command {
-        command: format!("{command:?}"),
-        detail: error.to_string(),
-    })?;
-    if output.status.success() {
-        return Ok(());
-    }
-    Err(ServerError::Command {
-        command: format!("{command:?}"),
-        detail: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
-    })
 }
 
 impl Drop for PostgresServer {

@@ -104,22 +104,18 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
         1.5,
         "x",
     ));
-    let p99 = Series {
-        label: "p99".into(),
+    let by_window = |label: &str, figure: fn(&LatencySummary) -> f64| Series {
+        label: label.into(),
         points: windows
             .iter()
             .enumerate()
-            .map(|(index, summary)| ((index + 1) as f64 * window.as_secs_f64(), summary.p99))
+            .map(|(index, summary)| ((index + 1) as f64 * window.as_secs_f64(), figure(summary)))
             .collect(),
     };
-    let p50 = Series {
-        label: "p50".into(),
-        points: windows
-            .iter()
-            .enumerate()
-            .map(|(index, summary)| ((index + 1) as f64 * window.as_secs_f64(), summary.p50))
-            .collect(),
-    };
+    let (p50, p99) = (
+        by_window("p50", |summary| summary.p50),
+        by_window("p99", |summary| summary.p99),
+    );
     bench.time_chart(
         &mut report,
         "held-horizon.svg",
