@@ -358,8 +358,6 @@ pub struct Store {
     /// not depend on whether the main pool has a connection free. A pool busy with work
     /// is back-pressure; only this probe failing means the database is lost.
     probe: std::sync::Arc<Probe>,
-    /// For the schema checks, which take a connection of their own the same way.
-    probe_pool: PgPool,
     /// Concurrent ack calls, applied together per subscription.
     ack_groups: std::sync::Arc<ack_groups::AckGroups>,
 }
@@ -398,24 +396,15 @@ impl Store {
         .connect_lazy_with(options.clone());
         let probe = std::sync::Arc::new(Probe {
             connection: tokio::sync::Mutex::new(None),
-            options: options.clone(),
+            options,
             timeout: config.acquire_timeout,
         });
-        let probe_pool = pool_options(
-            &StoreConfig {
-                max_connections: 1,
-                ..config.clone()
-            },
-            &[],
-        )
-        .connect_lazy_with(options);
         Store {
             source: config.source.clone(),
             source_id: config.source_id,
             pool,
             publish_pool,
             probe,
-            probe_pool,
             ack_groups: Default::default(),
         }
     }
@@ -492,22 +481,32 @@ impl Store {
     /// The newest migration applied to this database (0: none), asked on the health
     /// probe's own connection.
     pub async fn schema_version(&self) -> Result<i64> {
-        let applied: Option<i64> =
-            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                .fetch_one(&self.probe_pool)
-                .await
-                .or_else(|error| match &error {
-                    // No migrations table yet.
-                    sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
-                    _ => Err(error),
-                })?;
+        let applied: Option<i64> = self
+            .probe
+            .check(|connection| {
+                Box::pin(async move {
+                    sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+                        .fetch_one(connection)
+                        .await
+                        .or_else(|error| match &error {
+                            // No migrations table yet.
+                            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
+                                Ok(None)
+                            }
+                            _ => Err(error),
+                        })
+                })
+            })
+            .await?;
         Ok(applied.unwrap_or_default())
     }
 
     /// Whether the database answers, on the health probe's own connection: a main pool
     /// whose connections are all busy does not make it look lost.
     pub async fn ping(&self) -> Result<()> {
-        self.probe.ping().await
+        self.probe
+            .check(|connection| Box::pin(connection.ping()))
+            .await
     }
 
     /// Connections open and, of those, idle.
@@ -517,11 +516,7 @@ impl Store {
 
     pub async fn close(&self) {
         self.probe.close();
-        tokio::join!(
-            self.pool.close(),
-            self.publish_pool.close(),
-            self.probe_pool.close()
-        );
+        tokio::join!(self.pool.close(), self.publish_pool.close());
     }
 
     /// Tells every gateway listening on this database that events were committed (when
@@ -827,25 +822,38 @@ struct Probe {
 }
 
 impl Probe {
-    async fn ping(&self) -> Result<()> {
+    /// Runs `check` on the probe's connection, connecting first when there is none. When
+    /// the connection turns out broken (the server restarted, or cut it), a new one
+    /// answers for the server as it is now; any other failure is the check's answer.
+    async fn check<T>(
+        &self,
+        check: impl for<'c> Fn(
+            &'c mut PgConnection,
+        ) -> futures_util::future::BoxFuture<'c, sqlx::Result<T>>,
+    ) -> Result<T> {
         let mut held = self.connection.lock().await;
         if let Some(connection) = held.as_mut() {
-            match tokio::time::timeout(self.timeout, connection.ping()).await {
-                Ok(Ok(())) => return Ok(()),
-                // Broken (the server restarted, or cut it): a new one answers for the
-                // server as it is now.
-                _ => *held = None,
+            match tokio::time::timeout(self.timeout, check(connection)).await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(error)) => {
+                    let error = StoreError::from(error);
+                    if !error.is_unavailable() {
+                        return Err(error);
+                    }
+                    *held = None;
+                }
+                Err(_) => *held = None,
             }
         }
-        let connection = tokio::time::timeout(self.timeout, async {
+        let (connection, value) = tokio::time::timeout(self.timeout, async {
             let mut connection = PgConnection::connect_with(&self.options).await?;
-            connection.ping().await?;
-            Ok::<_, sqlx::Error>(connection)
+            let value = check(&mut connection).await?;
+            Ok::<_, sqlx::Error>((connection, value))
         })
         .await
         .map_err(|_| StoreError::Unavailable(sqlx::Error::PoolTimedOut))??;
         *held = Some(connection);
-        Ok(())
+        Ok(value)
     }
 
     /// Drops the connection; one in use by a check is dropped with it (closing politely
