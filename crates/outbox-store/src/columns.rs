@@ -21,7 +21,7 @@ pub(super) fn from_id_values(values: Vec<i64>) -> Vec<SubscriptionId> {
 }
 
 /// How far a subscription has read in one database.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Cursor {
     pub xact_id: i64,
     pub position: i64,

@@ -11,7 +11,8 @@
 //! lock, does not give the claiming transaction an id before its snapshot is taken, so
 //! claimers do not hold back each other's read horizon. A claim that follows another
 //! ([`Store::claim_following`]) reads before it holds the lock, and leases under it only
-//! if the read position is still the one it read from.
+//! if the read position is still the one it read from. A claim of a subscription with a
+//! CEL filter evaluates it on the events it will consider before it takes the lock.
 
 use std::collections::HashMap;
 
@@ -26,7 +27,9 @@ use super::{
     locks::{LockMode, begin_locked, lock_subscription},
     run_again_on_conflict,
 };
-use outbox_domain::{AckId, Delivery, EventFilter, LeaseId, Subscription, SubscriptionId};
+use outbox_domain::{
+    AckId, Delivery, EventFilter, LeaseId, SourceName, Subscription, SubscriptionId,
+};
 
 /// What one claim produced.
 #[derive(Debug)]
@@ -112,6 +115,29 @@ struct FreshClaim {
     read_full_batch: bool,
 }
 
+/// How many times a claim of a filtered subscription peeks at its events outside the
+/// lock before it evaluates them under it: each time the read position moved meanwhile
+/// (another gateway's claim), the verdicts were for events already taken.
+const FILTER_PEEKS: u32 = 3;
+
+/// One claim's part: what [`Store::claim_handing_over`] asks of each attempt.
+struct ClaimAttempt<'a> {
+    lease_token: i64,
+    limits: ClaimLimits,
+    include_due: bool,
+    handover: &'a std::sync::Mutex<Option<HandoverSender>>,
+    /// The filter's verdicts on the events past the read position, evaluated before the
+    /// attempt began (`None` without a filter, or when they are to be found under the
+    /// lock).
+    peeked: Option<&'a FilteredPeek>,
+}
+
+/// The events past a read position, and the filter's verdicts on them.
+struct FilteredPeek {
+    cursor: Cursor,
+    verdicts: FilterVerdicts,
+}
+
 /// What a subscription's filter made of the events a claim considers.
 #[derive(Debug, Default)]
 struct FilterVerdicts {
@@ -158,13 +184,62 @@ impl Store {
         include_due: bool,
         handover: Option<HandoverSender>,
     ) -> Result<Option<Claim>> {
-        let subscription_id = subscription.id;
         let handover = std::sync::Mutex::new(handover);
+        let mut peeks = 0;
+        loop {
+            // A filter is evaluated before the claim takes the subscription's lock, with no
+            // transaction open: however long it takes (within its cost budget), it holds up
+            // no ack, claim or admin call of the subscription. The last attempt, after the
+            // read position moved under every earlier one, evaluates under the lock.
+            let peeked = match &subscription.settings.filter {
+                Some(filter) if peeks < FILTER_PEEKS => {
+                    peeks += 1;
+                    match self
+                        .peek_filtered(subscription, limits.count, filter)
+                        .await?
+                    {
+                        Some(peeked) => Some(peeked),
+                        None => return Ok(None),
+                    }
+                }
+                _ => None,
+            };
+            let attempt = ClaimAttempt {
+                lease_token,
+                limits,
+                include_due,
+                handover: &handover,
+                peeked: peeked.as_ref(),
+            };
+            if let Some(claim) = self.claim_once(subscription, attempt).await? {
+                return Ok(claim);
+            }
+        }
+    }
+
+    /// One claim in one transaction; `None` when the read position moved since the
+    /// events were peeked at (nothing was written).
+    async fn claim_once(
+        &self,
+        subscription: &Subscription,
+        attempt: ClaimAttempt<'_>,
+    ) -> Result<Option<Option<Claim>>> {
+        let ClaimAttempt {
+            lease_token,
+            limits,
+            include_due,
+            handover,
+            peeked,
+        } = attempt;
+        let subscription_id = subscription.id;
         let begin = begin_locked(GENERIC_PLANS, subscription_id);
         run_in_transaction!(self.pool, begin = begin.clone(), |transaction| {
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
-                return Ok(None);
+                return Ok(Some(None));
             };
+            if peeked.is_some_and(|peeked| peeked.cursor != cursor) {
+                return Ok(None);
+            }
             let settings = &subscription.settings;
             let max_event_age = settings.max_event_age.map(millis);
             let limit = i64::try_from(limits.count).unwrap_or(i64::MAX);
@@ -231,7 +306,7 @@ impl Store {
                             bytes: remaining_bytes,
                             already_leased: due_count,
                         };
-                        let sequence = Sequence::Leading(&handover);
+                        let sequence = Sequence::Leading(handover);
                         self.claim_fresh(
                             transaction,
                             subscription,
@@ -244,7 +319,8 @@ impl Store {
                     }
                 };
                 let mut new_rows = Vec::new();
-                let mut verdicts = FilterVerdicts::default();
+                let evaluated_here;
+                let mut verdicts = &FilterVerdicts::default();
                 if let Some(fresh) = fresh {
                     // Nearly always none were due: the batch is taken as it is, not copied.
                     match deliveries.is_empty() {
@@ -254,9 +330,17 @@ impl Store {
                     read_full_batch = fresh.read_full_batch;
                 } else {
                     if let Some(filter) = &settings.filter {
-                        verdicts = self
-                            .filter_next(transaction, subscription, &cursor, remaining, filter)
-                            .await?;
+                        // The events peeked at, from this read position in the snapshot
+                        // they were read in, begin with the ones this claim considers.
+                        verdicts = match peeked {
+                            Some(peeked) => &peeked.verdicts,
+                            None => {
+                                let rows =
+                                    peek_new(transaction, subscription, &cursor, remaining).await?;
+                                evaluated_here = evaluate(&self.source, filter, &rows)?;
+                                &evaluated_here
+                            }
+                        };
                     }
                     let query = sqlx::query(include_str!("queries/claim_new.sql"))
                         .bind(subscription_id.0)
@@ -324,7 +408,7 @@ impl Store {
                     .execute(&mut *transaction)
                     .await?;
             }
-            Ok(Some(Claim {
+            Ok(Some(Some(Claim {
                 deliveries,
                 dead_lettered,
                 expired,
@@ -333,7 +417,7 @@ impl Store {
                 next_scheduled,
                 read_full_batch,
                 made_due,
-            }))
+            })))
         })
     }
 
@@ -583,58 +667,30 @@ impl Store {
         }))
     }
 
-    /// Evaluates the subscription's filter on the events its next claim considers (see
-    /// `queries/peek_new.sql`).
-    async fn filter_next(
+    /// Reads the subscription's position and the events its next claim considers, in a
+    /// short read-only transaction of their own without the subscription's lock, and
+    /// evaluates `filter` on them once it has ended; `None` when the subscription has no
+    /// read position here.
+    async fn peek_filtered(
         &self,
-        transaction: &mut PgConnection,
         subscription: &Subscription,
-        cursor: &Cursor,
-        limit: i64,
+        limit: usize,
         filter: &EventFilter,
-    ) -> Result<FilterVerdicts> {
-        let rows = bind_unread(
-            sqlx::query(include_str!("queries/peek_new.sql"))
-                .bind(cursor.xact_id)
-                .bind(cursor.position)
-                .bind(limit),
-            &subscription.settings,
-            cursor,
-        )
-        .fetch_all(&mut *transaction)
-        .await?;
-        let mut verdicts = FilterVerdicts::default();
-        let Some(first) = rows.first() else {
-            return Ok(verdicts);
+    ) -> Result<Option<FilteredPeek>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // On the claim's generic plans, as the claim itself reads.
+        let peeked = run_in_transaction!(self.pool, begin = GENERIC_PLANS, |transaction| {
+            let Some(cursor) = cursor(transaction, subscription.id).await? else {
+                return Ok(None);
+            };
+            let rows = peek_new(transaction, subscription, &cursor, limit).await?;
+            Ok(Some((cursor, rows)))
+        });
+        let Some((cursor, rows)) = peeked? else {
+            return Ok(None);
         };
-        // Found (and their types checked) once for the result, not for every row.
-        let columns = EventColumns::of(first)?;
-        let mut evaluate = || -> Result<()> {
-            for row in &rows {
-                verdicts.snapshot = Some(row.try_get("snapshot")?);
-                let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
-                    continue;
-                };
-                match filter.matches(&columns.event(row, &self.source)?) {
-                    Ok(true) => {}
-                    Ok(false) => verdicts.passed.push(position),
-                    Err(error) => {
-                        verdicts.passed.push(position);
-                        verdicts.failed.push(position);
-                        verdicts.errors.insert(position, error.to_string());
-                    }
-                }
-            }
-            Ok(())
-        };
-        // Each evaluation may take up to its cost budget: on a multi-threaded runtime the
-        // worker hands its other tasks to another thread meanwhile, so a costly filter
-        // slows only its own subscription's claim, never the calls served beside it.
-        match tokio::runtime::Handle::current().runtime_flavor() {
-            tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(evaluate),
-            _ => evaluate(),
-        }?;
-        Ok(verdicts)
+        let verdicts = evaluate(&self.source, filter, &rows)?;
+        Ok(Some(FilteredPeek { cursor, verdicts }))
     }
 
     /// Acks deliveries in one go (see `ack_groups.rs`) on `connection`, taken from the
@@ -996,6 +1052,59 @@ pub(super) async fn promote_waiting(
     Ok(())
 }
 
+/// The events the next claim from `cursor` considers, at most `limit`, with the snapshot
+/// they were read in (see `queries/peek_new.sql`).
+async fn peek_new(
+    connection: &mut PgConnection,
+    subscription: &Subscription,
+    cursor: &Cursor,
+    limit: i64,
+) -> Result<Vec<PgRow>> {
+    let query = sqlx::query(include_str!("queries/peek_new.sql"))
+        .bind(cursor.xact_id)
+        .bind(cursor.position)
+        .bind(limit);
+    Ok(bind_unread(query, &subscription.settings, cursor)
+        .fetch_all(connection)
+        .await?)
+}
+
+/// Evaluates `filter` on the rows [`peek_new`] read.
+fn evaluate(source: &SourceName, filter: &EventFilter, rows: &[PgRow]) -> Result<FilterVerdicts> {
+    let mut verdicts = FilterVerdicts::default();
+    let Some(first) = rows.first() else {
+        return Ok(verdicts);
+    };
+    // Found (and their types checked) once for the result, not for every row.
+    let columns = EventColumns::of(first)?;
+    let mut evaluate = || -> Result<()> {
+        for row in rows {
+            verdicts.snapshot = Some(row.try_get("snapshot")?);
+            let Some(position) = row.try_get::<Option<i64>, _>("position")? else {
+                continue;
+            };
+            match filter.matches(&columns.event(row, source)?) {
+                Ok(true) => {}
+                Ok(false) => verdicts.passed.push(position),
+                Err(error) => {
+                    verdicts.passed.push(position);
+                    verdicts.failed.push(position);
+                    verdicts.errors.insert(position, error.to_string());
+                }
+            }
+        }
+        Ok(())
+    };
+    // Each evaluation may take up to its cost budget: on a multi-threaded runtime the
+    // worker hands its other tasks to another thread meanwhile, so a costly filter slows
+    // only its own subscription's claim, never the calls served beside it.
+    match tokio::runtime::Handle::current().runtime_flavor() {
+        tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(evaluate),
+        _ => evaluate(),
+    }?;
+    Ok(verdicts)
+}
+
 fn count(row: &PgRow, column: &str) -> Result<u64> {
     Ok(row.try_get::<i64, _>(column)?.max(0) as u64)
 }
@@ -1196,6 +1305,177 @@ mod tests {
             .expect("the next claim runs")
             .expect("the subscription reads this database");
         assert_eq!(claim.deliveries.len(), 3);
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// A claim of a filtered subscription evaluates the filter before it waits for the
+    /// subscription's lock (which acks, other claims and admin calls take too), with no
+    /// transaction open, so a costly filter holds none of them up. It then leases what it
+    /// evaluated: an event committed while it waited is left to the next claim.
+    #[tokio::test]
+    async fn a_filtered_claim_evaluates_its_filter_before_it_waits_for_the_lock() {
+        let (database, store) = throwaway_store(4, Duration::from_secs(60)).await;
+        store.migrate().await.expect("migrate");
+        let settings = SubscriptionSettings {
+            filter: Some(EventFilter::parse("filter", "event_type == 'order.created'").unwrap()),
+            ..SubscriptionSettings::default()
+        };
+        let subscription = store
+            .create_subscription(
+                &NewDefinition {
+                    name: &SubscriptionName::parse("name", "filtered").unwrap(),
+                    settings: &settings,
+                    sources: &[],
+                    start: StartPosition::Earliest,
+                    expire_after_idle: None,
+                    secrets: &[],
+                },
+                true,
+            )
+            .await
+            .expect("create the subscription");
+        insert_events(&store, 2).await;
+        let (mut holder, _) = open_transaction(&database, false).await;
+        lock_subscription(&mut holder, subscription.id, LockMode::Exclusive)
+            .await
+            .expect("hold the subscription's lock");
+
+        let claim = tokio::spawn({
+            let (store, subscription) = (store.clone(), subscription.clone());
+            async move { store.claim(&subscription, 1, up_to(10), false).await }
+        });
+        let waiting = outbox_testkit::poll_until(
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            || async {
+                sqlx::query_scalar::<_, bool>(
+                    "SELECT EXISTS (SELECT 1 FROM pg_locks
+                                    WHERE locktype = 'advisory' AND NOT granted
+                                      AND objid = $1::bigint::oid)",
+                )
+                .bind(subscription.id.0)
+                .fetch_one(&store.pool)
+                .await
+                .unwrap()
+                .then_some(())
+            },
+        )
+        .await;
+        assert!(
+            waiting.is_some(),
+            "the claim waits for the subscription's lock"
+        );
+        insert_events(&store, 1).await;
+        sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+
+        let first = claim
+            .await
+            .unwrap()
+            .expect("the claim")
+            .expect("a read position");
+        assert_eq!(positions_of(Some(first)), vec![1, 2], "what the filter saw");
+        let next = store
+            .claim(&subscription, 2, up_to(10), false)
+            .await
+            .unwrap();
+        assert_eq!(positions_of(next), vec![3], "the event committed meanwhile");
+        store.pool.close().await;
+        database.drop_database().await.expect("drop the database");
+    }
+
+    /// Re-leasing due records of an ordered subscription reads those records, not every
+    /// record waiting behind them, even on the generic plans a claim's connection made
+    /// while the table was empty (as it is whenever the subscriptions have caught up).
+    /// Joined by subscription and position, the re-lease read every record of the
+    /// subscription: with a backlog that held each claim, and every ack waiting for the
+    /// subscription's lock, for seconds.
+    #[tokio::test]
+    async fn a_claim_of_due_records_reads_them_alone_whatever_its_plan_was_made_on() {
+        const AGGREGATES: i64 = 50;
+        const WAITING: i64 = 5_000;
+        // One connection, so the claims below run on the plans the first one made.
+        let (database, store) = throwaway_store(1, Duration::from_secs(60)).await;
+        store.migrate().await.expect("migrate");
+        let settings = SubscriptionSettings {
+            ordered: true,
+            ..SubscriptionSettings::default()
+        };
+        let subscription = store
+            .create_subscription(
+                &NewDefinition {
+                    name: &SubscriptionName::parse("name", "ordered").unwrap(),
+                    settings: &settings,
+                    sources: &[],
+                    start: StartPosition::Earliest,
+                    expire_after_idle: None,
+                    secrets: &[],
+                },
+                true,
+            )
+            .await
+            .expect("create the subscription");
+        // Statistics that say the table is empty, and no analysis to replace them (and the
+        // plans made on them) while the test runs.
+        sqlx::raw_sql(
+            "ANALYZE outbox_deliveries;
+             ALTER TABLE outbox_deliveries SET (autovacuum_enabled = false)",
+        )
+        .execute(&store.pool)
+        .await
+        .unwrap();
+        let claim = store.claim(&subscription, 1, up_to(10_000), true).await;
+        assert_eq!(positions_of(claim.unwrap()), Vec::<i64>::new());
+
+        sqlx::query(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'o-' || (n % $1), 'order.created', '\\x7b7d'
+             FROM generate_series(1, $2) n",
+        )
+        .bind(AGGREGATES)
+        .bind(WAITING + AGGREGATES)
+        .execute(&store.pool)
+        .await
+        .unwrap();
+        let first = store.claim(&subscription, 2, up_to(10_000), true).await;
+        assert_eq!(positions_of(first.unwrap()).len(), AGGREGATES as usize);
+        // Every aggregate's lease expires: the next claim re-leases them.
+        sqlx::raw_sql(
+            "UPDATE outbox_deliveries SET due_at = now() - interval '1 second'
+             WHERE state = 'in_flight'",
+        )
+        .execute(&store.pool)
+        .await
+        .unwrap();
+
+        let records_read = || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes
+                         WHERE relname = 'outbox_deliveries')::bigint
+                      + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables
+                         WHERE relname = 'outbox_deliveries')",
+            )
+            .fetch_one(&store.pool)
+            .await
+        };
+        let (quiet, within, every) = (
+            Duration::from_secs(2),
+            Duration::from_secs(60),
+            Duration::from_millis(200),
+        );
+        let before = outbox_testkit::settled(quiet, within, every, records_read)
+            .await
+            .unwrap();
+        let again = store.claim(&subscription, 3, up_to(10_000), true).await;
+        assert_eq!(positions_of(again.unwrap()).len(), AGGREGATES as usize);
+        let after = outbox_testkit::settled(quiet, within, every, records_read)
+            .await
+            .unwrap();
+        let read = after - before;
+        assert!(
+            read < WAITING / 2,
+            "re-leasing {AGGREGATES} records read {read} with {WAITING} waiting"
+        );
         store.pool.close().await;
         database.drop_database().await.expect("drop the database");
     }

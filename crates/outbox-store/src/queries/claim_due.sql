@@ -14,8 +14,15 @@
 -- Returns the leased rows with their events, and one row without an event for each
 -- record dead-lettered (state 'dead') or dropped (state 'expired'); `expired` says which
 -- of them expired.
+--
+-- The records it changes are found again by nothing but the row ids (ctid) of the
+-- versions it locked, so that the only way to them is a probe by row id. Joined on the
+-- subscription and position instead, the claim's generic plan, made once per connection
+-- and often while the table is nearly empty, read every record of the subscription for
+-- each claim (880 ms with 22,500 records waiting on an ordered subscription, against
+-- 3 ms this way). A locked version cannot change or move before the statement ends.
 WITH due AS (
-    SELECT d.position, d.state, d.attempt, d.due_at
+    SELECT d.ctid AS row_id, d.position, d.state, d.attempt, d.due_at
     FROM outbox_deliveries d
     WHERE d.subscription_id = $1 AND d.due_at <= now()
     ORDER BY d.due_at
@@ -23,7 +30,7 @@ WITH due AS (
     FOR UPDATE SKIP LOCKED
 ),
 judged AS (
-    SELECT due.position, due.due_at, due.state AS old_state,
+    SELECT due.row_id, due.position, due.due_at, due.state AS old_state,
            (coalesce(e.expires_at <= now(), false)
             OR coalesce(greatest(e.created_at, e.deliver_at)
                         + $8::bigint * interval '1 millisecond' <= now(), false)) AS expired,
@@ -44,7 +51,7 @@ sized AS (
 dropped AS (
     DELETE FROM outbox_deliveries d
     USING sized s
-    WHERE d.subscription_id = $1 AND d.position = s.position AND s.expired AND NOT $9
+    WHERE d.ctid = s.row_id AND s.expired AND NOT $9
     RETURNING d.position, d.ordering_key
 ),
 updated AS (
@@ -60,7 +67,7 @@ updated AS (
         dead_lettered_at = CASE WHEN s.exhausted OR s.expired THEN now() END,
         updated_at = now()
     FROM sized s
-    WHERE d.subscription_id = $1 AND d.position = s.position
+    WHERE d.ctid = s.row_id
       AND NOT (s.expired AND NOT $9)
       AND (s.exhausted OR s.expired OR s.bytes_before < $7)
     RETURNING d.position, d.state, d.attempt, d.due_at, d.ordering_key, s.expired
