@@ -20,7 +20,10 @@
 -- subscription and position instead, the claim's generic plan, made once per connection
 -- and often while the table is nearly empty, read every record of the subscription for
 -- each claim (880 ms with 22,500 records waiting on an ordered subscription, against
--- 3 ms this way). A locked version cannot change or move before the statement ends.
+-- 3 ms this way). A locked version cannot change or move before the statement ends. A
+-- record another transaction changed after this statement's snapshot (a nack, an
+-- extension) is locked in its newest version, which the snapshot cannot see: it is left
+-- as that transaction made it, for a later claim to judge.
 WITH due AS (
     SELECT d.ctid AS row_id, d.position, d.state, d.attempt, d.due_at
     FROM outbox_deliveries d

@@ -4,12 +4,10 @@
 -- expired, a requeue, a seek — then happens to records, as it always did; moving does
 -- not change what a delivery is, so it needs no transaction with what follows.
 -- A batch row left with nothing is deleted and its acks counted (see count_deliveries.sql).
--- Batch rows are deleted or shrunk by nothing but the row ids (ctid) of the versions
--- locked, as claim_due.sql changes its records, whatever plan the claim cached.
 -- $1 subscription id, $2 lease tokens (NULL: any), $3 positions (NULL: all of each
 -- chosen row), $4 only rows whose lease expired.
 WITH chosen AS (
-    SELECT b.ctid AS row_id, b.lease_token, b.chunk, b.due_at, b.positions,
+    SELECT b.lease_token, b.chunk, b.due_at, b.positions,
            CASE WHEN $3::bigint[] IS NULL THEN b.positions
                 ELSE ARRAY(SELECT p FROM unnest(b.positions) AS p WHERE p = ANY ($3)) END AS moving
     FROM outbox_delivery_batches b
@@ -30,14 +28,15 @@ moved AS (
 emptied AS (
     DELETE FROM outbox_delivery_batches b
     USING chosen c
-    WHERE b.ctid = c.row_id AND cardinality(c.moving) = cardinality(c.positions)
+    WHERE b.subscription_id = $1 AND b.lease_token = c.lease_token AND b.chunk = c.chunk
+      AND cardinality(c.moving) = cardinality(c.positions)
     RETURNING b.acked
 ),
 shrunk AS (
     UPDATE outbox_delivery_batches b
     SET positions = ARRAY(SELECT p FROM unnest(c.positions) AS p WHERE p <> ALL (c.moving))
     FROM chosen c
-    WHERE b.ctid = c.row_id
+    WHERE b.subscription_id = $1 AND b.lease_token = c.lease_token AND b.chunk = c.chunk
       AND cardinality(c.moving) BETWEEN 1 AND cardinality(c.positions) - 1
 ),
 counted AS (
