@@ -13,7 +13,12 @@ fn main() {
         .ok()
         .filter(|commit| !commit.trim().is_empty())
         .or_else(|| git(&["rev-parse", "HEAD"]))
-        .unwrap_or_else(|| "unknown".to_owned());
+        .unwrap_or_else(|| {
+            // Asked again on every build (a path that does not exist is never fresh): a
+            // build directory shared with a checkout must not keep "unknown" for it.
+            println!("cargo:rerun-if-changed=.git/HEAD");
+            "unknown".to_owned()
+        });
     println!("cargo:rustc-env=OUTBOX_GIT_COMMIT={}", commit.trim());
     // Built again when HEAD moves: on a checkout or a commit (the branch's ref, loose or
     // packed). Only paths that exist: cargo reruns the script on every build for a
