@@ -1,25 +1,10 @@
-// Settings and gRPC clients shared by the examples.
+// Settings shared by the examples, and the subscription they consume.
 //
 // The gateway endpoint comes from --endpoint or OUTBOX_ENDPOINT (default
 // http://127.0.0.1:50051), the database from --database-url or DATABASE_URL (default
 // postgres://postgres@127.0.0.1:5432/outbox): the same names and defaults as the gateway.
-import { join } from 'node:path';
 import { parseArgs } from 'node:util';
-import grpc from '@grpc/grpc-js';
-import protoLoader from '@grpc/proto-loader';
-
-export { grpc };
-
-// The API is loaded from the .proto at run time: no generated code.
-const definition = protoLoader.loadSync('outbox/v1/outbox.proto', {
-  includeDirs: [join(import.meta.dirname, '..', '..', 'proto')],
-  keepCase: true, // field names as in the .proto: aggregate_id, ack_id, ...
-  longs: String,
-  enums: String,
-  defaults: true,
-  oneofs: true,
-});
-const { outbox } = grpc.loadPackageDefinition(definition);
+import { createServiceClient, status } from '@outbox-gateway/client';
 
 /** Command-line options: --endpoint, --database-url and the program's own `extra`. */
 export function args(extra = {}) {
@@ -38,36 +23,39 @@ export function args(extra = {}) {
   }).values;
 }
 
-/** A plaintext client of `service` (Publisher, Subscriber or Admin). */
-export function client(service, endpoint) {
-  // grpc-js wants host:port, so an http:// prefix is dropped.
-  const address = endpoint.replace(/^http:\/\//, '');
-  return new outbox.v1[service](address, grpc.credentials.createInsecure());
-}
-
-/** Calls a unary RPC and returns a promise of its response. */
-export function unary(client, method, request, timeoutSeconds = 10) {
-  const deadline = Date.now() + timeoutSeconds * 1000;
-  return new Promise((resolve, reject) =>
-    client[method](request, { deadline }, (error, response) =>
-      error ? reject(error) : resolve(response),
-    ),
-  );
-}
-
 /**
  * Creates the subscription `name` unless it exists. A new one starts at the earliest
  * retained event, so it also sees events published before the consumer first ran.
+ * Administration is not wrapped by the package: this uses its raw Admin client.
  */
-export async function ensureSubscription(admin, name) {
-  const settings = {
-    name,
-    event_types: ['order.*'],
-    start: { boundary: 'BOUNDARY_EARLIEST' },
-  };
+export async function ensureSubscription(endpoint, name) {
+  const admin = createServiceClient('Admin', endpoint);
+  const subscription = { name, eventTypes: ['order.*'], start: { boundary: 'BOUNDARY_EARLIEST' } };
   try {
-    await unary(admin, 'CreateSubscription', { subscription: settings });
+    await new Promise((resolve, reject) =>
+      admin.CreateSubscription({ subscription }, (error) => (error ? reject(error) : resolve())),
+    );
   } catch (error) {
-    if (error.code !== grpc.status.ALREADY_EXISTS) throw error;
+    if (error.code !== status.ALREADY_EXISTS) throw error;
+  } finally {
+    admin.close();
   }
+}
+
+/**
+ * Stops `controller` after `timeout` seconds or once `count` deliveries were counted
+ * with the returned function (0: no limit).
+ */
+export function stopAfter(controller, count, timeout) {
+  const timer = setTimeout(() => {
+    console.error(`timed out after ${timeout} s`);
+    controller.abort();
+  }, timeout * 1000);
+  controller.signal.addEventListener('abort', () => clearTimeout(timer));
+  let seen = 0;
+  return () => {
+    seen += 1;
+    if (seen === count) controller.abort();
+    return seen;
+  };
 }

@@ -1,16 +1,17 @@
-// Publishes events over gRPC (outbox.v1.Publisher/Publish) and prints their ids.
+// Publishes events with Publisher.publish and prints their ids.
 // --poison also publishes an event with payload {"poison": true}.
 import { randomUUID } from 'node:crypto';
-import { args, client, unary } from './common.js';
+import { Publisher } from '@outbox-gateway/client';
+import { args } from './common.js';
 
 const { endpoint, poison } = args({ poison: { type: 'boolean', default: false } });
 
 const newOrderId = () => `o-${randomUUID().slice(0, 8)}`;
 const event = (orderId, eventType, payload) => ({
-  aggregate_type: 'order',
-  aggregate_id: orderId,
-  event_type: eventType,
-  payload: Buffer.from(JSON.stringify(payload)),
+  aggregateType: 'order',
+  aggregateId: orderId,
+  eventType,
+  payload, // an object is sent as JSON
   metadata: { source: 'node-example' },
 });
 
@@ -23,10 +24,10 @@ if (poison) {
   events.push(event(newOrderId(), 'order.created', { poison: true }));
 }
 
-const publisher = client('Publisher', endpoint);
+const publisher = new Publisher(endpoint);
 // The batch is stored atomically: every event or none.
-const { results } = await unary(publisher, 'Publish', { events });
+const ids = await publisher.publish(events);
 publisher.close();
-for (const result of results) {
-  console.log(result.id);
+for (const id of ids) {
+  console.log(id);
 }

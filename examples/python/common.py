@@ -1,4 +1,4 @@
-"""Settings and gRPC stubs shared by the examples.
+"""Settings shared by the examples.
 
 The gateway endpoint comes from --endpoint or OUTBOX_ENDPOINT (default
 http://127.0.0.1:50051), the database from --database-url or DATABASE_URL (default
@@ -7,20 +7,9 @@ postgres://postgres@127.0.0.1:5432/outbox): the same names and defaults as the g
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import grpc
-
-GENERATED = Path(__file__).resolve().parent / "generated"
-if not (GENERATED / "outbox" / "v1" / "outbox_pb2.py").exists():
-    sys.exit(f"no gRPC stubs in {GENERATED}: run ./generate.sh first")
-sys.path.insert(0, str(GENERATED))
-
-from outbox.v1 import outbox_pb2 as pb  # noqa: E402
-from outbox.v1 import outbox_pb2_grpc as rpc  # noqa: E402
-
-__all__ = ["channel", "ensure_subscription", "parser", "pb", "rpc"]
+from outbox_gateway.proto import pb, rpc
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:50051"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/outbox"
@@ -44,21 +33,31 @@ def parser(description, endpoint=False, database=False):
     return args
 
 
-def channel(endpoint):
-    """A plaintext channel; grpcio wants host:port, so an http:// prefix is dropped."""
-    return grpc.insecure_channel(endpoint.removeprefix("http://"))
+def consumer_parser(description, subscription, database=False):
+    """The options of the consuming programs."""
+    args = parser(description, endpoint=True, database=database)
+    args.add_argument("--subscription", default=subscription)
+    args.add_argument(
+        "--max-deliveries", type=int, default=0, help="stop after this many (0: no limit)"
+    )
+    args.add_argument("--timeout", type=float, default=30, help="stop after this many seconds")
+    return args
 
 
-def ensure_subscription(admin, name):
-    """Creates the subscription unless it exists. A new one starts at the earliest
-    retained event, so it also sees events published before the consumer first ran."""
+def ensure_subscription(endpoint, name):
+    """Creates the subscription unless it exists, with the Admin stub the package ships.
+    A new one starts at the earliest retained event, so it also sees events published
+    before the consumer first ran."""
     subscription = pb.Subscription(
         name=name,
         event_types=["order.*"],
         start=pb.StartPosition(boundary=pb.BOUNDARY_EARLIEST),
     )
-    try:
-        admin.CreateSubscription(pb.CreateSubscriptionRequest(subscription=subscription))
-    except grpc.RpcError as error:
-        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
-            raise
+    with grpc.insecure_channel(endpoint.removeprefix("http://")) as channel:
+        try:
+            rpc.AdminStub(channel).CreateSubscription(
+                pb.CreateSubscriptionRequest(subscription=subscription)
+            )
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise

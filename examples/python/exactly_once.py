@@ -1,20 +1,21 @@
-"""Consumes a subscription exactly once, with outbox_consume in the consumer's own database.
+"""Consumes a subscription exactly once with Subscriber.run_exactly_once.
 
-Each delivery is handled in one PostgreSQL transaction that first calls
-outbox_consume(subscription, ack_id). True: the transaction records a shipment for the
-order and publishes its shipment.requested event. False: a committed transaction already
-consumed the event, so nothing is written again. The gateway settles the delivery when
-the transaction commits: there is no Ack call. Prints one JSON line per delivery; stops
-after --max-deliveries deliveries or --timeout seconds.
+Each delivery is handled in one PostgreSQL transaction in which the subscriber first
+calls outbox_consume(subscription, ack_id); the handler then records a shipment for the
+order and publishes its shipment.requested event in that transaction. For an event a
+committed transaction consumed before, the handler is skipped. The gateway settles the
+delivery when the transaction commits: there is no Ack call. Prints one JSON line per
+consumed event; stops after --max-deliveries events or --timeout seconds.
 """
 
 import json
 import sys
+import threading
 
-import grpc
 import psycopg
 
-from common import channel, ensure_subscription, parser, pb, rpc
+from common import consumer_parser, ensure_subscription
+from outbox_gateway import Subscriber
 
 # No unique constraint: outbox_consume, not the table, keeps a shipment from being
 # written twice.
@@ -23,68 +24,45 @@ SHIPMENTS = """CREATE TABLE IF NOT EXISTS shipments (
 )"""
 
 
-def consume(conn, subscription, delivery):
-    """Handles a delivery in one transaction; False when it was consumed before."""
-    order_id = delivery.event.aggregate_id
-    with conn.transaction():
-        # First: under READ COMMITTED, a concurrent call for the same event waits here.
-        consumed = conn.execute(
-            "SELECT outbox_consume(%s, %s)", (subscription, delivery.ack_id)
-        ).fetchone()[0]
-        if consumed:
-            conn.execute(
-                "INSERT INTO shipments (order_id, event_id) VALUES (%s, %s)",
-                (order_id, delivery.event.id),
-            )
-            conn.execute(
-                "SELECT outbox_publish('shipment', %s, 'shipment.requested', %s::jsonb)",
-                (order_id, json.dumps({"order_id": order_id})),
-            )
-    # Committed, false included: the gateway settles the delivery now.
-    return consumed
-
-
 def main():
-    args = parser(__doc__, endpoint=True, database=True)
-    args.add_argument("--subscription", default="orders-exactly-once-python")
-    args.add_argument(
-        "--max-deliveries", type=int, default=0, help="stop after this many (0: no limit)"
-    )
-    args.add_argument("--timeout", type=float, default=30, help="stop after this many seconds")
-    args = args.parse_args()
-
-    # autocommit: each `with conn.transaction()` block in consume() is one transaction.
-    conn = psycopg.connect(args.database_url, autocommit=True)
-    with conn, channel(args.endpoint) as ch:
+    args = consumer_parser(__doc__, "orders-exactly-once-python", database=True).parse_args()
+    with psycopg.connect(args.database_url, autocommit=True) as conn:
         conn.execute(SHIPMENTS)
-        ensure_subscription(rpc.AdminStub(ch), args.subscription)
-        # The deadline bounds the whole stream: it ends the loop after --timeout seconds.
-        stream = rpc.SubscriberStub(ch).Subscribe(
-            pb.SubscribeRequest(subscription=args.subscription), timeout=args.timeout
+    ensure_subscription(args.endpoint, args.subscription)
+    stop = threading.Event()
+    timer = threading.Timer(args.timeout, stop.set)
+    timer.daemon = True
+    received = 0
+
+    def handle(delivery, conn):
+        """Runs inside the consuming transaction: it commits with what it writes here."""
+        nonlocal received
+        order_id = delivery.event.aggregate_id
+        conn.execute(
+            "INSERT INTO shipments (order_id, event_id) VALUES (%s, %s)",
+            (order_id, delivery.event.id),
         )
-        received = 0
-        try:
-            for delivery in stream:
-                event = delivery.event
-                line = {
-                    "event_id": event.id,
-                    "event_type": event.event_type,
-                    "aggregate_id": event.aggregate_id,
-                    "consumed": consume(conn, args.subscription, delivery),
-                }
-                print(json.dumps(line), flush=True)
-                received += 1
-                if received == args.max_deliveries:
-                    break
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
-            print(f"timed out after {args.timeout:g} s", file=sys.stderr)
-        finally:
-            # A delivery whose settlement has not reached the gateway yet goes back: it
-            # comes again, and outbox_consume reports it consumed (false).
-            stream.cancel()
-    print(f"received {received} deliveries", file=sys.stderr)
+        conn.execute(
+            "SELECT outbox_publish('shipment', %s, 'shipment.requested', %s::jsonb)",
+            (order_id, json.dumps({"order_id": order_id})),
+        )
+        line = {
+            "event_id": delivery.event.id,
+            "event_type": delivery.event.event_type,
+            "aggregate_id": order_id,
+            "consumed": True,
+        }
+        print(json.dumps(line), flush=True)
+        received += 1
+        if received == args.max_deliveries:
+            stop.set()  # run_exactly_once() returns once this transaction is committed
+
+    timer.start()
+    Subscriber(args.endpoint, args.subscription).run_exactly_once(
+        lambda: psycopg.connect(args.database_url), handle, stop=stop
+    )
+    timer.cancel()
+    print(f"consumed {received} events", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,14 @@
-"""Publishes events over gRPC (outbox.v1.Publisher/Publish) and prints their ids."""
+"""Publishes a batch of events with outbox_gateway.Publisher and prints their ids."""
 
-import json
 import uuid
 
-from common import channel, parser, pb, rpc
+from common import parser
+from outbox_gateway import Event, Publisher
 
 
-def event(order_id, event_type, payload):
-    return pb.EventInput(
-        aggregate_type="order",
-        aggregate_id=order_id,
-        event_type=event_type,
-        payload=json.dumps(payload).encode(),
-        metadata={"source": "python-example"},
-    )
+def order_event(order_id, event_type, payload):
+    # A dict payload is sent as JSON.
+    return Event("order", order_id, event_type, payload, metadata={"source": "python-example"})
 
 
 def main():
@@ -27,17 +22,16 @@ def main():
 
     order_id = f"o-{uuid.uuid4().hex[:8]}"
     events = [
-        event(order_id, "order.created", {"total": 42}),
-        event(order_id, "order.paid", {"amount": 42}),
+        order_event(order_id, "order.created", {"total": 42}),
+        order_event(order_id, "order.paid", {"amount": 42}),
     ]
     if args.poison:
-        events.append(event(f"o-{uuid.uuid4().hex[:8]}", "order.created", {"poison": True}))
+        events.append(order_event(f"o-{uuid.uuid4().hex[:8]}", "order.created", {"poison": True}))
 
-    with channel(args.endpoint) as ch:
+    with Publisher(args.endpoint) as publisher:
         # The batch is stored atomically: every event or none.
-        response = rpc.PublisherStub(ch).Publish(pb.PublishRequest(events=events))
-    for result in response.results:
-        print(result.id)
+        for event_id in publisher.publish(events):
+            print(event_id)
 
 
 if __name__ == "__main__":

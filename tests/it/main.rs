@@ -11,6 +11,7 @@ mod apply;
 mod batches;
 mod cli;
 mod client;
+mod clients;
 mod configuration;
 mod console;
 mod console_browser;
