@@ -1213,11 +1213,23 @@ mod tests {
     ) -> (outbox_testkit::ThrowawayDatabase, Store, Subscription) {
         let (database, store) = throwaway_store(max_connections, Duration::from_secs(60)).await;
         store.migrate().await.expect("migrate");
-        let subscription = store
+        let subscription =
+            subscription_from_earliest(&store, "deliveries", SubscriptionSettings::default()).await;
+        insert_events(&store, events).await;
+        (database, store, subscription)
+    }
+
+    /// Creates subscription `name` with `settings`, reading from the earliest event.
+    async fn subscription_from_earliest(
+        store: &Store,
+        name: &str,
+        settings: SubscriptionSettings,
+    ) -> Subscription {
+        store
             .create_subscription(
                 &NewDefinition {
-                    name: &SubscriptionName::parse("name", "deliveries").unwrap(),
-                    settings: &SubscriptionSettings::default(),
+                    name: &SubscriptionName::parse("name", name).unwrap(),
+                    settings: &settings,
                     sources: &[],
                     start: StartPosition::Earliest,
                     expire_after_idle: None,
@@ -1226,9 +1238,7 @@ mod tests {
                 true,
             )
             .await
-            .expect("create the subscription");
-        insert_events(&store, events).await;
-        (database, store, subscription)
+            .expect("create the subscription")
     }
 
     /// Claim limits of at most `count` deliveries, whatever their bytes.
@@ -1321,20 +1331,7 @@ mod tests {
             filter: Some(EventFilter::parse("filter", "event_type == 'order.created'").unwrap()),
             ..SubscriptionSettings::default()
         };
-        let subscription = store
-            .create_subscription(
-                &NewDefinition {
-                    name: &SubscriptionName::parse("name", "filtered").unwrap(),
-                    settings: &settings,
-                    sources: &[],
-                    start: StartPosition::Earliest,
-                    expire_after_idle: None,
-                    secrets: &[],
-                },
-                true,
-            )
-            .await
-            .expect("create the subscription");
+        let subscription = subscription_from_earliest(&store, "filtered", settings).await;
         insert_events(&store, 2).await;
         let (mut holder, _) = open_transaction(&database, false).await;
         lock_subscription(&mut holder, subscription.id, LockMode::Exclusive)
@@ -1401,20 +1398,7 @@ mod tests {
             ordered: true,
             ..SubscriptionSettings::default()
         };
-        let subscription = store
-            .create_subscription(
-                &NewDefinition {
-                    name: &SubscriptionName::parse("name", "ordered").unwrap(),
-                    settings: &settings,
-                    sources: &[],
-                    start: StartPosition::Earliest,
-                    expire_after_idle: None,
-                    secrets: &[],
-                },
-                true,
-            )
-            .await
-            .expect("create the subscription");
+        let subscription = subscription_from_earliest(&store, "ordered", settings).await;
         // Statistics that say the table is empty, and no analysis to replace them (and the
         // plans made on them) while the test runs.
         sqlx::raw_sql(
