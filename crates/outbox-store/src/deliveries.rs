@@ -132,6 +132,14 @@ struct ClaimAttempt<'a> {
     peeked: Option<&'a FilteredPeek>,
 }
 
+/// How one attempt of a claim ended.
+enum Attempted {
+    /// It ran: what it leased, `None` when the subscription has no read position here.
+    Claimed(Option<Claim>),
+    /// The read position moved since the events were peeked at; nothing was written.
+    PositionMoved,
+}
+
 /// The events past a read position, and the filter's verdicts on them.
 struct FilteredPeek {
     cursor: Cursor,
@@ -211,19 +219,19 @@ impl Store {
                 handover: &handover,
                 peeked: peeked.as_ref(),
             };
-            if let Some(claim) = self.claim_once(subscription, attempt).await? {
-                return Ok(claim);
+            match self.claim_once(subscription, attempt).await? {
+                Attempted::Claimed(claim) => return Ok(claim),
+                Attempted::PositionMoved => {}
             }
         }
     }
 
-    /// One claim in one transaction; `None` when the read position moved since the
-    /// events were peeked at (nothing was written).
+    /// One claim in one transaction.
     async fn claim_once(
         &self,
         subscription: &Subscription,
         attempt: ClaimAttempt<'_>,
-    ) -> Result<Option<Option<Claim>>> {
+    ) -> Result<Attempted> {
         let ClaimAttempt {
             lease_token,
             limits,
@@ -235,10 +243,10 @@ impl Store {
         let begin = begin_locked(GENERIC_PLANS, subscription_id);
         run_in_transaction!(self.pool, begin = begin.clone(), |transaction| {
             let Some(cursor) = cursor(transaction, subscription_id).await? else {
-                return Ok(Some(None));
+                return Ok(Attempted::Claimed(None));
             };
             if peeked.is_some_and(|peeked| peeked.cursor != cursor) {
-                return Ok(None);
+                return Ok(Attempted::PositionMoved);
             }
             let settings = &subscription.settings;
             let max_event_age = settings.max_event_age.map(millis);
@@ -408,7 +416,7 @@ impl Store {
                     .execute(&mut *transaction)
                     .await?;
             }
-            Ok(Some(Some(Claim {
+            Ok(Attempted::Claimed(Some(Claim {
                 deliveries,
                 dead_lettered,
                 expired,
