@@ -53,22 +53,11 @@ pub async fn run(bench: &Bench, gateway: &Gateway) -> anyhow::Result<Report> {
     for (name, filter) in FILTERS {
         let subscription = format!("filtered-{name}");
         gateway
-            .admin()
-            .create_subscription(proto::CreateSubscriptionRequest {
-                subscription: Some(proto::Subscription {
-                    name: subscription.clone(),
-                    filter: filter.into(),
-                    start: Some(proto::StartPosition {
-                        position: Some(proto::start_position::Position::Boundary(
-                            proto::Boundary::Earliest as i32,
-                        )),
-                    }),
-                    ..Default::default()
-                }),
-                validate_only: false,
+            .create(proto::Subscription {
+                filter: filter.into(),
+                ..Gateway::from_earliest(&subscription)
             })
-            .await
-            .with_context(|| format!("CreateSubscription with the filter {filter} failed"))?;
+            .await?;
         let before = gateway.cpu_snapshot();
         let drain = bench
             .consume(

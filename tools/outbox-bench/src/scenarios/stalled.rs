@@ -190,26 +190,14 @@ async fn open_stalled_streams(
 /// probes do not), with short leases and unlimited attempts.
 async fn create_stalled_subscription(gateway: &Gateway, name: &str) -> anyhow::Result<()> {
     gateway
-        .admin()
-        .create_subscription(proto::CreateSubscriptionRequest {
-            subscription: Some(proto::Subscription {
-                name: name.into(),
-                metadata_match: HashMap::from([(
-                    workload::METADATA_KEY.to_owned(),
-                    workload::METADATA_VALUE.to_owned(),
-                )]),
-                ack_deadline: prost_types::Duration::try_from(ACK_DEADLINE).ok(),
-                max_attempts: Some(0),
-                start: Some(proto::StartPosition {
-                    position: Some(proto::start_position::Position::Boundary(
-                        proto::Boundary::Earliest as i32,
-                    )),
-                }),
-                ..Default::default()
-            }),
-            validate_only: false,
+        .create(proto::Subscription {
+            metadata_match: HashMap::from([(
+                workload::METADATA_KEY.to_owned(),
+                workload::METADATA_VALUE.to_owned(),
+            )]),
+            ack_deadline: prost_types::Duration::try_from(ACK_DEADLINE).ok(),
+            max_attempts: Some(0),
+            ..Gateway::from_earliest(name)
         })
         .await
-        .with_context(|| format!("CreateSubscription {name:?} failed"))?;
-    Ok(())
 }
